@@ -1,0 +1,30 @@
+# Two commands work on a fresh machine: `make run` and `make test`.
+# Both create .venv and install what they need on their own.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint venv clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# On CPU-only hosts this takes the CPU wheel that lies on disk; it never downloads a CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/hispec generate "def fibonacci(n):" --max-new-tokens 64
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+lint: $(STAMP)
+	$(BIN)/ruff check pipeline statemachines kernels tests
+
+clean:
+	rm -rf $(VENV)

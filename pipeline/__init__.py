@@ -1,0 +1,1 @@
+"""hispec: a DeepSeek-V3.2-style model served with HiSparse and MTP speculative decoding."""

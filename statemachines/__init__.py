@@ -1,0 +1,1 @@
+"""Pure state machines (no torch, no anyio)."""
