@@ -1,0 +1,303 @@
+"""Frozen, validated engine configuration.
+
+Every rule of ARCHITECTURE section 6 that can be checked without the model is checked when the
+object is built; the rules that need the model (``top_k`` against ``index_topk``, an MTP layer for
+speculative decoding, the context limit against the model's positions) are checked by
+``check_against_model`` when the engine loads it. A violation raises ``ConfigError`` naming the
+field, the value and the rule.
+
+Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from pipeline.errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+DEVICES = ("cpu", "cuda")
+
+
+def _require(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ConfigError(field, value, rule)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require_int(field: str, value: object, minimum: int) -> None:
+    _require(_is_int(value), field, value, "must be an integer")
+    _require(value >= minimum, field, value, f"must be >= {minimum}")
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@attrs.frozen
+class HiSparseConfig:
+    """The per-request device buffer over a host copy of every token's KV."""
+
+    # HOT: hot columns per request (LRU managed); a multiple of page_size and >= top_k
+    device_buffer_size: int = 128
+    # logical (and host) pool = device pool * ratio
+    host_to_device_ratio: int = 4
+    # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
+    top_k: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
+        _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
+        if self.top_k is not None:
+            _require_int("hisparse.top_k", self.top_k, 1)
+            _require(
+                self.device_buffer_size >= self.top_k,
+                "hisparse.device_buffer_size",
+                self.device_buffer_size,
+                f"must be >= top_k ({self.top_k}): one step's top-k must fit in the hot region",
+            )
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """Chain speculative decoding with the model's MTP layer as the drafter."""
+
+    num_steps: int = 3
+    # 1 = chain; trees need page_size == 1, which HiSparse does not support
+    eagle_topk: int = 1
+    # D, the tokens verified per round (the bonus token first); None = num_steps + 1
+    num_draft_tokens: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _require_int("speculative.num_steps", self.num_steps, 1)
+        _require_int("speculative.eagle_topk", self.eagle_topk, 1)
+        if self.num_draft_tokens is not None:
+            _require_int("speculative.num_draft_tokens", self.num_draft_tokens, 2)
+            if self.eagle_topk == 1:
+                _require(
+                    self.num_draft_tokens == self.num_steps + 1,
+                    "speculative.num_draft_tokens",
+                    self.num_draft_tokens,
+                    f"a chain verifies num_steps + 1 = {self.num_steps + 1} tokens",
+                )
+
+    @property
+    def draft_tokens(self) -> int:
+        """D: tokens verified per round, the bonus token included."""
+        return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+
+@attrs.frozen
+class MemoryPlan:
+    """Sizes derived from a validated config and the model's top_k (never written back).
+
+    Device buffer of one request (HOT = ``hot``, P = ``page_size``)::
+
+        columns  0 ............ HOT-1 | HOT    | HOT+1 ... HOT+P-1
+                 hot region (LRU)      | newest | draft zone (verify tokens)
+    """
+
+    page_size: int
+    hot: int  # hot columns per request; 0 when HiSparse is off
+    buffer_columns: int  # hot + page_size (the newest column and the draft zone)
+    top_k: int
+    device_tokens: int  # usable physical slots (page 0, the sink, is extra)
+    logical_tokens: int  # usable logical locations (page 0 extra)
+    host_tokens: int  # host pool slots
+    max_context_len: int
+    max_running_requests: int
+    draft_tokens: int  # D, 0 without speculation
+    hisparse: bool
+
+    @property
+    def device_pages(self) -> int:
+        return self.device_tokens // self.page_size
+
+    @property
+    def logical_pages(self) -> int:
+        return self.logical_tokens // self.page_size
+
+    @property
+    def host_pages(self) -> int:
+        return self.host_tokens // self.page_size
+
+    @property
+    def max_request_len(self) -> int:
+        """Locations one request may hold: its context plus the speculative over-allocation."""
+        return self.max_context_len + self.draft_tokens
+
+
+@attrs.frozen
+class EngineConfig:
+    """Everything the engine needs to start; frozen and validated once."""
+
+    # "tiny" (the bundled model) or a path to an HF-format directory
+    model: str = "tiny"
+    device: str = "cpu"
+    dtype: str = "float32"
+    page_size: int = 16
+    max_context_len: int = 4096
+    max_running_requests: int = 16
+    # physical device KV slots (excluding the reserved sink page)
+    device_pool_tokens: int = 16384
+    hisparse: HiSparseConfig | None = attrs.field(factory=HiSparseConfig)
+    speculative: SpeculativeConfig | None = attrs.field(factory=SpeculativeConfig)
+    seed: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        _require(isinstance(self.model, str) and bool(self.model), "model", self.model, "must be 'tiny' or a path")
+        _require(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
+        _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _require(
+            not (self.dtype == "float64" and self.device == "cuda"),
+            "dtype",
+            self.dtype,
+            "float64 is for exactness checks on the CPU only",
+        )
+        _require_int("page_size", self.page_size, 1)
+        _require_int("max_context_len", self.max_context_len, 1)
+        _require_int("max_running_requests", self.max_running_requests, 1)
+        _require_int("device_pool_tokens", self.device_pool_tokens, 1)
+        _require(
+            self.device_pool_tokens % self.page_size == 0,
+            "device_pool_tokens",
+            self.device_pool_tokens,
+            f"must be a multiple of page_size ({self.page_size})",
+        )
+        _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
+        if self.speculative is not None:
+            self._check_speculative(self.speculative)
+        if self.hisparse is not None:
+            self._check_hisparse(self.hisparse)
+        else:
+            need = _round_up(self.max_context_len + self._draft_tokens(), self.page_size)
+            _require(
+                self.device_pool_tokens >= need,
+                "device_pool_tokens",
+                self.device_pool_tokens,
+                f"without HiSparse every token is resident: must hold one request of max_context_len "
+                f"plus the draft tokens ({need})",
+            )
+
+    def _draft_tokens(self) -> int:
+        return 0 if self.speculative is None else self.speculative.draft_tokens
+
+    def _check_speculative(self, spec: SpeculativeConfig) -> None:
+        _require(
+            not (spec.eagle_topk > 1 and self.page_size > 1),
+            "speculative.eagle_topk",
+            spec.eagle_topk,
+            f"trees (eagle_topk > 1) need page_size == 1; page_size is {self.page_size}: use a chain",
+        )
+        _require(
+            spec.eagle_topk == 1,
+            "speculative.eagle_topk",
+            spec.eagle_topk,
+            "only chain drafting (eagle_topk == 1) is implemented",
+        )
+
+    def _check_hisparse(self, hs: HiSparseConfig) -> None:
+        page = self.page_size
+        _require(
+            hs.device_buffer_size % page == 0,
+            "hisparse.device_buffer_size",
+            hs.device_buffer_size,
+            f"must be a multiple of page_size ({page})",
+        )
+        draft = self._draft_tokens()
+        if draft:
+            _require(
+                draft <= page - 1,
+                "speculative.num_draft_tokens",
+                draft,
+                f"verify tokens live in the draft zone of page_size - 1 = {page - 1} columns",
+            )
+        buffer_columns = hs.device_buffer_size + page
+        _require(
+            self.device_pool_tokens >= buffer_columns,
+            "device_pool_tokens",
+            self.device_pool_tokens,
+            f"must hold one device buffer (device_buffer_size + page_size = {buffer_columns})",
+        )
+        prompt = _round_up(self.max_context_len, page)
+        _require(
+            self.device_pool_tokens >= prompt,
+            "device_pool_tokens",
+            self.device_pool_tokens,
+            f"a prefill is dense in the device pool: must hold a prompt of max_context_len ({prompt})",
+        )
+        logical = self.device_pool_tokens * hs.host_to_device_ratio
+        need = _round_up(self.max_context_len + draft, page)
+        _require(
+            logical >= need,
+            "hisparse.host_to_device_ratio",
+            hs.host_to_device_ratio,
+            f"the logical and host pools (device_pool_tokens * ratio = {logical}) must hold one request "
+            f"of max_context_len plus the draft tokens ({need})",
+        )
+
+    def memory_plan(self, model_top_k: int) -> MemoryPlan:
+        """Pool sizes for this config and a model whose indexer selects ``model_top_k`` positions.
+
+        Call ``check_against_model`` first: the plan assumes the config passed it.
+        """
+        hs = self.hisparse
+        hot = 0 if hs is None else hs.device_buffer_size
+        ratio = 1 if hs is None else hs.host_to_device_ratio
+        return MemoryPlan(
+            page_size=self.page_size,
+            hot=hot,
+            buffer_columns=hot + self.page_size if hs is not None else 0,
+            top_k=model_top_k,
+            device_tokens=self.device_pool_tokens,
+            logical_tokens=self.device_pool_tokens * ratio,
+            host_tokens=self.device_pool_tokens * ratio if hs is not None else 0,
+            max_context_len=self.max_context_len,
+            max_running_requests=self.max_running_requests,
+            draft_tokens=self._draft_tokens(),
+            hisparse=hs is not None,
+        )
+
+
+def check_against_model(
+    config: EngineConfig, *, index_topk: int | None, has_mtp: bool, max_positions: int | None
+) -> None:
+    """The rules that need the loaded model; raises ``ConfigError`` naming the field."""
+    hs = config.hisparse
+    if hs is not None:
+        _require(
+            index_topk is not None,
+            "hisparse",
+            hs,
+            "HiSparse needs a model with a DSA indexer (index_topk)",
+        )
+        if hs.top_k is not None:
+            _require(
+                hs.top_k == index_topk,
+                "hisparse.top_k",
+                hs.top_k,
+                f"must equal the model's index_topk ({index_topk}); another value would change the answer",
+            )
+        _require(
+            hs.device_buffer_size >= index_topk,
+            "hisparse.device_buffer_size",
+            hs.device_buffer_size,
+            f"must be >= the model's index_topk ({index_topk})",
+        )
+    if config.speculative is not None:
+        _require(
+            has_mtp,
+            "speculative",
+            config.speculative,
+            "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)",
+        )
+    if max_positions is not None:
+        _require(
+            config.max_context_len <= max_positions,
+            "max_context_len",
+            config.max_context_len,
+            f"must be <= the model's max_position_embeddings ({max_positions})",
+        )

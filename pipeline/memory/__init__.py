@@ -1,0 +1,34 @@
+"""The memory layer: request rows, paged allocators, the HiSparse two-level map, the host pool."""
+
+from pipeline.memory.hisparse_allocator import HiSparseAllocator, HiSparseSnapshot, PrefillAllocation
+from pipeline.memory.host_pool import HostPool
+from pipeline.memory.paged import (
+    FREE,
+    RESERVED,
+    MemoryError_,
+    OutOfMemory,
+    OwnershipError,
+    PagedAllocator,
+    PagedTable,
+    page_slots,
+    round_up,
+)
+from pipeline.memory.req_to_token import RequestRows, token_table
+
+__all__ = [
+    "FREE",
+    "RESERVED",
+    "HiSparseAllocator",
+    "HiSparseSnapshot",
+    "HostPool",
+    "MemoryError_",
+    "OutOfMemory",
+    "OwnershipError",
+    "PagedAllocator",
+    "PagedTable",
+    "PrefillAllocation",
+    "RequestRows",
+    "page_slots",
+    "round_up",
+    "token_table",
+]

@@ -1,0 +1,282 @@
+"""Page allocators and paged per-request tables.
+
+A ``PagedAllocator`` hands out whole pages of ``page_size`` consecutive slots and remembers the owner
+of every page (a request row), so that a double free or a free of someone else's page is caught
+before anything changes. A ``PagedTable`` maps (request row, position) to a slot through the pages a
+row owns: position p lives at ``pages[p // P] * P + p % P``.
+
+Location 0 of page 0 doubles as the "nothing here" value in the HiSparse map, so allocators that need
+it keep page 0 reserved: it is never handed out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+FREE = -1  # owner of a free page
+RESERVED = -2  # owner of the reserved page 0
+
+
+class MemoryError_(Exception):
+    """Base of the memory layer's errors (named so as not to shadow the builtin)."""
+
+
+class OutOfMemory(MemoryError_):
+    """An allocation asked for more than the pool has free; nothing was allocated."""
+
+    def __init__(self, pool: str, requested: int, free: int) -> None:
+        self.pool = pool
+        self.requested = requested
+        self.free = free
+        super().__init__(f"{pool}: asked for {requested} pages, {free} free")
+
+
+class OwnershipError(MemoryError_):
+    """A free named a page that is free, reserved, out of range or owned by another request."""
+
+    def __init__(self, pool: str, page: int, owner: int, actual: int) -> None:
+        self.pool = pool
+        self.page = page
+        self.owner = owner
+        self.actual = actual
+        what = {FREE: "already free", RESERVED: "reserved"}.get(actual, f"owned by request {actual}")
+        super().__init__(f"{pool}: request {owner} cannot free page {page}: it is {what}")
+
+
+@attrs.frozen
+class AllocatorSnapshot:
+    free: tuple[int, ...]
+    owner: tuple[int, ...]
+
+
+@attrs.define(eq=False)
+class PagedAllocator:
+    """Whole pages of ``page_size`` slots, each owned by at most one request row.
+
+    Invariants: every page is in exactly one of {free list, owned by one row, reserved}; the free
+    list has no duplicates; ``_owned[row]`` is exactly the set of pages whose owner is ``row``.
+    """
+
+    name: str
+    num_pages: int  # pages in the pool, the reserved one included
+    page_size: int
+    reserve_first_page: bool = False
+    _free: list[int] = attrs.field(init=False)  # a stack: the next page handed out is the last
+    _owner: list[int] = attrs.field(init=False)
+    _owned: dict[int, set[int]] = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        first = 1 if self.reserve_first_page else 0
+        if self.num_pages <= first:
+            raise ValueError(f"{self.name}: needs more than {first} pages, got {self.num_pages}")
+        self._free = list(range(self.num_pages - 1, first - 1, -1))  # page `first` is handed out first
+        self._owner = [FREE] * self.num_pages
+        if self.reserve_first_page:
+            self._owner[0] = RESERVED
+
+    @property
+    def capacity_pages(self) -> int:
+        """Pages that can ever be handed out."""
+        return self.num_pages - (1 if self.reserve_first_page else 0)
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_free_tokens(self) -> int:
+        return len(self._free) * self.page_size
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return 0 <= num_pages <= len(self._free)
+
+    def allocate(self, num_pages: int, owner: int) -> list[int]:
+        """Hand ``num_pages`` pages to ``owner``; raises ``OutOfMemory`` and changes nothing if short."""
+        if owner < 0:
+            raise ValueError(f"{self.name}: owner must be a request row >= 0, got {owner}")
+        if not self.can_allocate(num_pages):
+            raise OutOfMemory(self.name, num_pages, len(self._free))
+        pages = [self._free.pop() for _ in range(num_pages)]
+        mine = self._owned.setdefault(owner, set())
+        for page in pages:
+            self._owner[page] = owner
+            mine.add(page)
+        return pages
+
+    def check_owned(self, pages: Iterable[int], owner: int) -> None:
+        """Raise ``OwnershipError`` unless every page is distinct and owned by ``owner``."""
+        seen: set[int] = set()
+        for page in pages:
+            actual = self._owner[page] if 0 <= page < self.num_pages else RESERVED
+            if actual != owner or page in seen:
+                raise OwnershipError(self.name, page, owner, FREE if page in seen else actual)
+            seen.add(page)
+
+    def free(self, pages: Iterable[int], owner: int) -> None:
+        """Return ``owner``'s pages; raises ``OwnershipError`` and changes nothing on any bad page."""
+        pages = list(pages)
+        self.check_owned(pages, owner)
+        mine = self._owned.get(owner, set())
+        for page in pages:
+            self._owner[page] = FREE
+            mine.discard(page)
+            self._free.append(page)
+        if not mine:
+            self._owned.pop(owner, None)
+
+    def owner_of(self, page: int) -> int:
+        return self._owner[page]
+
+    def pages_of(self, owner: int) -> frozenset[int]:
+        return frozenset(self._owned.get(owner, ()))
+
+    def owners(self) -> list[int]:
+        return sorted(self._owned)
+
+    def owner_tensor(self) -> torch.Tensor:
+        """``[num_pages]`` int64 owner of each page (FREE / RESERVED / request row)."""
+        return torch.tensor(self._owner, dtype=torch.int64)
+
+    def snapshot(self) -> AllocatorSnapshot:
+        return AllocatorSnapshot(free=tuple(self._free), owner=tuple(self._owner))
+
+    def restore(self, snap: AllocatorSnapshot) -> None:
+        """Put the allocator back exactly as it was when ``snap`` was taken."""
+        self._free = list(snap.free)
+        self._owner = list(snap.owner)
+        self._owned = {}
+        for page, owner in enumerate(self._owner):
+            if owner >= 0:
+                self._owned.setdefault(owner, set()).add(page)
+
+    def check_integrity(self) -> None:
+        """Conservation and disjointness of the pages (ARCHITECTURE section 7, item 1)."""
+        name = self.name
+        assert len(set(self._free)) == len(self._free), f"{name}: duplicate pages in the free list"
+        for page in self._free:
+            assert self._owner[page] == FREE, f"{name}: free-listed page {page} has owner {self._owner[page]}"
+        num_free_owner = sum(1 for o in self._owner if o == FREE)
+        assert num_free_owner == len(self._free), f"{name}: a page marked free is missing from the free list"
+        if self.reserve_first_page:
+            assert self._owner[0] == RESERVED, f"{name}: page 0 must stay reserved"
+            assert 0 not in self._free, f"{name}: page 0 is in the free list"
+        owned = 0
+        for owner, pages in self._owned.items():
+            assert pages, f"{name}: empty ownership record for {owner}"
+            for page in pages:
+                assert self._owner[page] == owner, f"{name}: page {page} listed for {owner}"
+            owned += len(pages)
+        total = len(self._free) + owned + (1 if self.reserve_first_page else 0)
+        assert total == self.num_pages, f"{name}: {total} pages accounted for, {self.num_pages} exist"
+
+
+def page_slots(pages: Iterable[int], page_size: int) -> torch.Tensor:
+    """``[len(pages) * page_size]`` int64: every slot of ``pages``, in order."""
+    base = torch.tensor(list(pages), dtype=torch.int64)
+    return (base[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@attrs.define(eq=False)
+class PagedTable:
+    """(request row, position) -> slot, through pages of ``allocator`` owned by that row.
+
+    ``table[row, pos]`` holds the slot, or ``empty`` where none is recorded. With ``fill_on_cover``
+    every covered position is recorded at once (the token table); without it the owner records
+    positions one by one with ``record`` (the host map: a slot means "a copy is there").
+    """
+
+    name: str
+    allocator: PagedAllocator
+    num_rows: int
+    max_len: int  # positions per row
+    empty: int  # value of an unrecorded position
+    fill_on_cover: bool
+    table: torch.Tensor = attrs.field(init=False)  # [num_rows, max_len] int64
+    _pages: list[list[int]] = attrs.field(init=False)  # per row, in position order
+
+    def __attrs_post_init__(self) -> None:
+        self.table = torch.full((self.num_rows, self.max_len), self.empty, dtype=torch.int64)
+        self._pages = [[] for _ in range(self.num_rows)]
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def pages(self, row: int) -> list[int]:
+        return list(self._pages[row])
+
+    def covered_len(self, row: int) -> int:
+        """Positions of ``row`` that have a slot."""
+        return len(self._pages[row]) * self.page_size
+
+    def pages_needed(self, row: int, length: int) -> int:
+        return max(0, round_up(length, self.page_size) // self.page_size - len(self._pages[row]))
+
+    def can_cover(self, row: int, length: int) -> bool:
+        return length <= self.max_len and self.allocator.can_allocate(self.pages_needed(row, length))
+
+    def cover(self, row: int, length: int) -> list[int]:
+        """Give positions ``[0, length)`` of ``row`` slots; returns the new pages (maybe none).
+
+        Raises ``OutOfMemory`` (nothing changed) if the allocator is short, ``ValueError`` if
+        ``length`` exceeds the row.
+        """
+        if length > self.max_len:
+            raise ValueError(f"{self.name}: row {row} cannot hold {length} positions (max {self.max_len})")
+        start = self.covered_len(row)
+        new = self.allocator.allocate(self.pages_needed(row, length), owner=row)
+        self._pages[row].extend(new)
+        if self.fill_on_cover and new:
+            slots = page_slots(new, self.page_size)
+            end = min(start + slots.numel(), self.max_len)
+            self.table[row, start:end] = slots[: end - start]
+        return new
+
+    def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of covered ``positions`` of ``row`` (computed from the pages, not the table)."""
+        pages = torch.tensor(self._pages[row], dtype=torch.int64)
+        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+
+    def record(self, row: int, positions: torch.Tensor) -> torch.Tensor:
+        """Record the slots of covered ``positions`` in the table; returns them."""
+        slots = self.slots(row, positions)
+        self.table[row, positions] = slots
+        return slots
+
+    def release(self, row: int) -> list[int]:
+        """Free every page of ``row`` and clear its table row; returns the freed pages."""
+        pages = self._pages[row]
+        self.allocator.free(pages, owner=row)
+        self._pages[row] = []
+        self.table[row].fill_(self.empty)
+        return pages
+
+    def restore(self, table: torch.Tensor, pages: tuple[tuple[int, ...], ...]) -> None:
+        """Put back a table and page lists saved earlier (the allocator is restored by its owner)."""
+        self.table.copy_(table)
+        self._pages = [list(row_pages) for row_pages in pages]
+
+    def check_integrity(self) -> None:
+        """Each row's pages are owned by that row; recorded slots lie in the row's pages."""
+        p = self.page_size
+        for row, pages in enumerate(self._pages):
+            owned = self.allocator.pages_of(row)
+            assert set(pages) == set(owned), f"{self.name}: row {row} pages {pages} vs owned {sorted(owned)}"
+            assert len(set(pages)) == len(pages), f"{self.name}: row {row} lists a page twice"
+            recorded = self.table[row]
+            mask = recorded != self.empty
+            covered = len(pages) * p
+            assert not bool(mask[covered:].any()), f"{self.name}: row {row} records beyond its pages"
+            if bool(mask.any()):
+                positions = torch.nonzero(mask).reshape(-1)
+                expect = self.slots(row, positions)
+                assert torch.equal(recorded[positions], expect), f"{self.name}: row {row} table disagrees"
+            if self.fill_on_cover:
+                assert bool(mask[: min(covered, self.max_len)].all()), f"{self.name}: row {row} has gaps"
