@@ -1,0 +1,171 @@
+"""Swap-in: resolve the indexer's top-k positions to physical device slots, loading misses from host.
+
+One call handles one layer for a batch of requests, each with ``S`` steps (``S = 1`` for decode,
+``S = D`` for a verify pass). Per request, in step order, for a step whose query sees ``n`` positions
+(``n = seq_lens[b, s]``; 0 marks a padding step, which outputs -1 and changes nothing):
+
+* **Fast path** ``n <= hot``: entry t is valid iff ``0 <= t < n``; it maps to ``buffer_locs[t]`` (the
+  identity column) when that is >= 0, else to the first newest/draft column ``c`` in
+  ``[hot, hot + P)`` with ``buffer_tokens[c] == t`` and ``buffer_locs[c] >= 0``, else -1. No LRU
+  update, no host load.
+* **Long path** ``n > hot``:
+
+  1. invalid entries (t < 0 or t >= n) give -1; entries found in the newest/draft columns give that
+     slot; the rest are *wanted* from the hot columns;
+  2. scan ``lru`` from least to most recent: a column holding a wanted position is a **hit**; a
+     column returned by an earlier step of this call is **protected**; every other column is
+     **evictable**, in LRU order;
+  3. each missed unique position, in order of first appearance in the top-k row, that has a host copy
+     takes the least-recently-used evictable column: host row ``req_to_host[r, t]`` is copied into
+     ``device_kv[buffer_locs[col]]`` and ``buffer_tokens[col] = t``. A miss without a host copy
+     gives -1 (**unrecoverable**; the caller treats it as an invariant violation);
+  4. new LRU order::
+
+         [untouched evictables | protected, unwanted | newly loaded | hits]
+          old order              old order             miss order     old order  (least -> most recent)
+
+  Duplicate entries of one position resolve to the same slot and count once.
+
+* **Multi-step.** The steps of one call are resolved in order on the evolving state, so a position
+  loaded by step j is a hit for step j + 1 (each position is copied at most once per call), and no
+  step evicts a hot column that an earlier step of the call returned (fast-path identity columns
+  included). If a step's loadable misses outnumber its evictable columns, the call **stops before
+  that step**: it and every later step output -1 and leave no trace in the state, and
+  ``steps_done[b]`` is the index of that step (``S`` when every step was handled; padding steps count
+  as handled). The caller attends over the resolved steps and calls again for the rest, with
+  protection starting afresh. ``hot >= top_k`` guarantees progress (the first non-padding step of a
+  call always fits: hits + misses <= top_k <= hot, nothing is protected yet); ``hot >= S * top_k``
+  guarantees that one call resolves every step.
+
+Counters, per request (``SwapInResult``), each over the *unique valid* positions of each resolved
+step, so ``hits + misses + unrecoverable`` is the number of (step, unique valid position) pairs:
+
+* ``hits``: resolved without a copy: fast-path identity or draft-column entries, long-path draft
+  columns and hot-column hits (a position loaded by an earlier step of the call is a hit);
+* ``misses``: positions loaded host->device (= rows copied);
+* ``unrecoverable``: valid positions left at -1 (long path: no host copy; fast path: no slot);
+* ``bytes_copied``: ``misses * row bytes`` of ``device_kv``.
+
+Preconditions (checked with ``validate=True``, which synchronises on CUDA): ``req_rows`` unique and in
+range; ``0 <= seq_lens <= max_ctx``; each ``lru`` row a permutation of ``0..hot-1``; in the long path
+every hot column has a slot; valid hot-column tokens unique per request; physical slots disjoint
+across requests (so every row copy of a call has its own destination).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kernels.checks import check_index_range, check_same_device, check_tensor, check_unique, resolve_impl
+
+# Triton kernel size limits: one program per request holds [HOT, K] and [K, K] compare tiles.
+TRITON_MAX_HOT = 1024
+TRITON_MAX_TOP_K = 128
+TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
+
+
+@attrs.frozen(eq=False)
+class SwapInResult:
+    """The outcome of one swap-in call (tensors on the metadata's device)."""
+
+    slots: torch.Tensor  # [B, S, K] int32 physical device slot per entry, -1 invalid/unrecoverable
+    steps_done: torch.Tensor  # [B] int32 steps handled before a stop (S when none)
+    hits: torch.Tensor  # [B] int32
+    misses: torch.Tensor  # [B] int32 rows copied host->device
+    unrecoverable: torch.Tensor  # [B] int32
+    bytes_copied: torch.Tensor  # [B] int64 misses * row bytes
+
+    @classmethod
+    def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
+        """Build from ``counts [B, 4]`` = (steps_done, hits, misses, unrecoverable)."""
+        counts = counts.to(torch.int32)
+        return cls(
+            slots=slots,
+            steps_done=counts[:, 0].clone(),
+            hits=counts[:, 1].clone(),
+            misses=counts[:, 2].clone(),
+            unrecoverable=counts[:, 3].clone(),
+            bytes_copied=counts[:, 2].to(torch.int64) * row_bytes,
+        )
+
+
+def check_swap_in_args(
+    top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
+) -> None:
+    """Shapes, dtypes, strides and devices (no synchronisation)."""
+    check_tensor("top_k_pos", top_k_pos, ndim=3, dtype=torch.int32, contiguous_last=True)
+    b, s, k = top_k_pos.shape
+    check_tensor("seq_lens", seq_lens, dtype=torch.int64, shape=(b, s), contiguous_last=True)
+    check_tensor("req_rows", req_rows, dtype=torch.int64, shape=(b,), contiguous_last=True)
+    check_tensor("buffer_tokens", buffer_tokens, ndim=2, dtype=torch.int32, contiguous_last=True)
+    n, width = buffer_tokens.shape
+    if not isinstance(hot, int) or hot < 1 or width <= hot:
+        raise ValueError(f"hot must be an int in [1, {width}) (buffer_tokens has {width} columns), got {hot!r}")
+    if k > hot:
+        raise ValueError(f"top_k_pos has top_k={k} > hot={hot}: a single step might not fit")
+    check_tensor("buffer_locs", buffer_locs, dtype=torch.int64, shape=(n, width), contiguous_last=True)
+    check_tensor("lru", lru, dtype=torch.int32, shape=(n, hot), contiguous_last=True)
+    check_tensor("req_to_host", req_to_host, ndim=2, dtype=torch.int64, contiguous_last=True)
+    if req_to_host.shape[0] != n:
+        raise ValueError(f"req_to_host must have {n} rows like buffer_tokens, got {tuple(req_to_host.shape)}")
+    check_tensor("device_kv", device_kv, ndim=2, contiguous_last=True)
+    check_tensor("host_kv", host_kv, ndim=2, dtype=device_kv.dtype, shape=(None, device_kv.shape[1]),
+                 contiguous_last=True)
+    names = ("top_k_pos", "seq_lens", "req_rows", "buffer_tokens", "buffer_locs", "lru", "req_to_host",
+             "device_kv")
+    check_same_device(names, (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host,
+                              device_kv))
+
+
+def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv) -> None:
+    """The data preconditions of the module docstring (synchronises on CUDA)."""
+    n, max_ctx = req_to_host.shape
+    hot = lru.shape[1]
+    check_index_range("req_rows", req_rows, n)
+    check_unique("req_rows", req_rows)
+    check_index_range("seq_lens", seq_lens, max_ctx + 1)
+    rows = req_rows.long()
+    perm_ok = torch.sort(lru[rows].long(), dim=1).values == torch.arange(hot, device=lru.device)
+    if not bool(perm_ok.all()):
+        raise ValueError("lru rows of req_rows must be permutations of 0..hot-1")
+    check_index_range("buffer_locs", buffer_locs[rows], device_kv.shape[0], allow_negative=True)
+    check_unique("buffer_locs", buffer_locs[rows], ignore_negative=True)
+    check_index_range("req_to_host", req_to_host[rows], host_kv.shape[0], allow_negative=True)
+
+
+def swap_in(
+    top_k_pos: torch.Tensor,  # [B, S, K] int32, -1 = none, duplicates allowed
+    seq_lens: torch.Tensor,  # [B, S] int64 visible length of each step's query, 0 = padding
+    req_rows: torch.Tensor,  # [B] int64
+    buffer_tokens: torch.Tensor,  # [N, HOT+P] int32, mutated
+    buffer_locs: torch.Tensor,  # [N, HOT+P] int64
+    lru: torch.Tensor,  # [N, HOT] int32, mutated
+    req_to_host: torch.Tensor,  # [N, max_ctx] int64
+    host_kv: torch.Tensor,  # [host_rows, dim]
+    device_kv: torch.Tensor,  # [dev_rows, dim], rows loaded
+    hot: int,
+    *,
+    impl: str = "auto",
+    validate: bool = False,
+) -> SwapInResult:
+    """Resolve top-k positions to device slots for one layer (contract: module docstring).
+
+    ``impl``: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton when the metadata is on
+    CUDA and the shapes fit ``TRITON_MAX_*``). ``host_kv`` may live on another device (pinned host
+    memory); the row copies then go through torch.
+    """
+    check_swap_in_args(top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host,
+                       host_kv, device_kv, hot)
+    if validate:
+        check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv)
+    fits = (hot <= TRITON_MAX_HOT and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
+            and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA)
+    args = (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot)
+    if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
+        from kernels.swap_in_triton import swap_in_triton
+
+        return swap_in_triton(*args)
+    from kernels.swap_in_reference import swap_in_reference
+
+    return swap_in_reference(*args)

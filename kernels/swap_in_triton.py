@@ -1,0 +1,193 @@
+"""Triton swap-in (contract: ``kernels.swap_in``); imported only when a Triton path is taken.
+
+Two launches:
+
+1. ``_swap_in_kernel``, one program per request, walks the steps in order and updates that request's
+   ``buffer_tokens`` / ``lru`` rows in place; it writes the slots, the counters and a *copy plan*
+   (host slot -> device slot per entry, -1 where the entry loads nothing).
+2. the row-copy kernel of ``kernels.kv_copy_triton`` runs the plan (or torch, when ``host_kv`` is host
+   memory that a kernel cannot address).
+
+Inside a step, membership tests are broadcast compares: ``[BLOCK_K, BLOCK_K]`` to de-duplicate the
+top-k row, ``[BLOCK_K, BLOCK_X]`` against the newest/draft columns and ``[BLOCK_HOT, BLOCK_K]``
+between the hot columns' tokens and the wanted positions. The new LRU order is a stable compaction
+(exclusive cumsums of the evictable / protected / hit masks) scattered back into the ``lru`` row;
+the m-th miss's victim is read back from that row. Size limits (``TRITON_MAX_*`` in ``swap_in``)
+keep those tiles at <= 1024 x 128.
+
+State lives in global memory between phases, so every phase that reads what another thread wrote
+is separated by ``tl.debug_barrier()`` (one program = one CTA), and those loads bypass L1 (``.cg``).
+Protected columns are flags in a per-call scratch row ``[B, HOT]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.checks import next_power_of_2
+from kernels.swap_in import SwapInResult
+
+
+@triton.jit
+def _excl_cumsum(x):
+    return tl.cumsum(x, axis=0) - x
+
+
+@triton.jit
+def _swap_in_kernel(
+    pos_ptr, seq_ptr, rows_ptr,  # [B, S, K] i32, [B, S] i64, [B] i64
+    tok_ptr, loc_ptr, lru_ptr, host_ptr,  # [N, W] i32, [N, W] i64, [N, HOT] i32, [N, ctx] i64
+    prot_ptr,  # [B, HOT] i32 scratch, zeros
+    slot_ptr, src_ptr, dst_ptr,  # [B, S, K] i32 / i64 / i64 outputs, prefilled with -1
+    count_ptr,  # [B, 4] i32: steps_done, hits, misses, unrecoverable
+    S, K, HOT, W,
+    seq_stride_b, tok_stride, loc_stride, lru_stride, host_stride,
+    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.load(rows_ptr + b)
+    tok_row = tok_ptr + row * tok_stride
+    loc_row = loc_ptr + row * loc_stride
+    lru_row = lru_ptr + row * lru_stride
+    host_row = host_ptr + row * host_stride
+    prot_row = prot_ptr + b * HOT
+    ik = tl.arange(0, BLOCK_K)
+    ih = tl.arange(0, BLOCK_HOT)
+    ix = tl.arange(0, BLOCK_X)
+    k_in = ik < K
+    h_in = ih < HOT
+    x_in = ix < W - HOT
+
+    zero = b * 0  # int32 scalar: loop-carried counters keep one type
+    stopped = zero
+    steps_done = zero + S
+    hits = zero
+    misses = zero
+    unrec = zero
+    s = zero
+    while s < S:
+        n = tl.load(seq_ptr + b * seq_stride_b + s)
+        if (stopped == 0) & (n > 0):
+            out = (b * S + s) * K  # top_k_pos and the outputs are contiguous [B, S, K]
+            pos = tl.load(pos_ptr + out + ik, mask=k_in, other=-1)  # [BK] i32
+            valid = k_in & (pos >= 0) & (pos < n)
+            same = (pos[:, None] == pos[None, :]) & k_in[None, :]  # [BK, BK]
+            first = tl.min(tl.where(same, ik[None, :], BLOCK_K), axis=1)  # first equal entry
+            is_first = valid & (first == ik)
+
+            # newest/draft columns [HOT, W): first column holding the position with a slot
+            xt = tl.load(tok_row + HOT + ix, mask=x_in, other=-1, cache_modifier=".cg")
+            xl = tl.load(loc_row + HOT + ix, mask=x_in, other=-1)
+            xm = (pos[:, None] == xt[None, :]) & (xl >= 0)[None, :] & x_in[None, :]  # [BK, BX]
+            x_first = tl.min(tl.where(xm, ix[None, :], BLOCK_X), axis=1)
+            x_found = valid & (x_first < BLOCK_X)
+            x_slot = tl.sum(tl.where(xm & (ix[None, :] == x_first[:, None]), xl[None, :], 0), axis=1)
+
+            if n <= HOT:
+                # fast path: identity column (t < n <= HOT), else the newest/draft columns
+                id_loc = tl.load(loc_row + pos, mask=valid, other=-1)
+                use_id = valid & (id_loc >= 0)
+                slot = tl.where(use_id, id_loc, tl.where(x_found, x_slot, -1))
+                slot = tl.where(valid, slot, -1)
+                tl.store(prot_row + pos, 1, mask=use_id)
+                tl.store(slot_ptr + out + ik, slot.to(tl.int32), mask=k_in)
+                hits += tl.sum((is_first & (slot >= 0)).to(tl.int32))
+                unrec += tl.sum((is_first & (slot < 0)).to(tl.int32))
+            else:
+                wanted = valid & ~x_found
+                lru_k = tl.load(lru_row + ih, mask=h_in, other=0, cache_modifier=".cg")  # [BH] columns
+                tok_k = tl.load(tok_row + lru_k, mask=h_in, other=-1, cache_modifier=".cg")
+                loc_k = tl.load(loc_row + lru_k, mask=h_in, other=-1)
+                prot_k = tl.load(prot_row + lru_k, mask=h_in, other=0, cache_modifier=".cg") != 0
+                held = (tok_k[:, None] == pos[None, :]) & wanted[None, :] & h_in[:, None]  # [BH, BK]
+                col_hit = tl.max(held.to(tl.int32), axis=1) > 0
+                hit = tl.max(held.to(tl.int32), axis=0) > 0
+                hit_loc = tl.sum(tl.where(held, loc_k[:, None], 0), axis=0)  # hot tokens are unique
+                hit_col = tl.sum(tl.where(held, lru_k[:, None], 0), axis=0)
+                need = wanted & ~hit
+                host = tl.load(host_row + pos, mask=need, other=-1)
+                load = need & (host >= 0)
+                load_first = (load & is_first).to(tl.int32)
+                rank_first = _excl_cumsum(load_first)
+                rank = tl.sum(tl.where(ik[None, :] == first[:, None], rank_first[None, :], 0), axis=1)
+                num_load = tl.sum(load_first)
+                evict = (h_in & ~col_hit & ~prot_k).to(tl.int32)
+                protu = (h_in & ~col_hit & prot_k).to(tl.int32)
+                num_evict = tl.sum(evict)
+                if num_load > num_evict:
+                    stopped = zero + 1  # stop before this step: nothing of it is written
+                    steps_done = s
+                else:
+                    num_protu = tl.sum(protu)
+                    er = _excl_cumsum(evict)
+                    kept_at = num_evict - num_load + _excl_cumsum(protu)
+                    hit_at = num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32))
+                    dest = tl.where(evict != 0,
+                                    tl.where(er >= num_load, er - num_load, num_evict - num_load + num_protu + er),
+                                    tl.where(protu != 0, kept_at, hit_at))
+                    tl.debug_barrier()  # every thread has read this step's lru / tokens / flags
+                    tl.store(lru_row + dest, lru_k, mask=h_in)
+                    tl.debug_barrier()
+                    victim_at = num_evict - num_load + num_protu + rank  # loaded block, miss order
+                    victim = tl.load(lru_row + victim_at, mask=load, other=0, cache_modifier=".cg")
+                    victim_loc = tl.load(loc_row + victim, mask=load, other=-1)
+                    tl.store(tok_row + victim, pos, mask=load_first != 0)
+                    tl.store(prot_row + victim, 1, mask=load)
+                    tl.store(prot_row + hit_col, 1, mask=hit)
+                    slot = tl.where(x_found, x_slot, tl.where(hit, hit_loc, tl.where(load, victim_loc, -1)))
+                    slot = tl.where(valid, slot, -1)
+                    tl.store(slot_ptr + out + ik, slot.to(tl.int32), mask=k_in)
+                    tl.store(src_ptr + out + ik, host, mask=load_first != 0)
+                    tl.store(dst_ptr + out + ik, victim_loc, mask=load_first != 0)
+                    hits += tl.sum((is_first & (x_found | hit)).to(tl.int32))
+                    misses += num_load
+                    unrec += tl.sum((is_first & need & (host < 0)).to(tl.int32))
+            tl.debug_barrier()  # this step's writes are visible to the next step's reads
+        s += 1
+    tl.store(count_ptr + b * 4 + 0, steps_done)
+    tl.store(count_ptr + b * 4 + 1, hits)
+    tl.store(count_ptr + b * 4 + 2, misses)
+    tl.store(count_ptr + b * 4 + 3, unrec)
+
+
+def _run_plan(host_kv, device_kv, src, dst) -> None:
+    """Execute the copy plan ``device_kv[dst] = host_kv[src]`` where ``dst >= 0``."""
+    if host_kv.device == device_kv.device:
+        from kernels.kv_copy_triton import copy_rows_triton
+
+        copy_rows_triton(device_kv, dst, host_kv, src)
+        return
+    keep = dst >= 0  # host memory: a kernel cannot read it, so torch gathers and copies
+    device_kv[dst[keep]] = host_kv[src[keep].to(host_kv.device)].to(device_kv.device, non_blocking=True)
+
+
+def swap_in_triton(
+    top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot: int
+) -> SwapInResult:
+    """Launch the Triton swap-in (arguments checked by ``kernels.swap_in.swap_in``)."""
+    num_reqs, num_steps, top_k = top_k_pos.shape
+    dev = top_k_pos.device
+    width = buffer_tokens.shape[1]
+    slots = torch.full((num_reqs, num_steps, top_k), -1, dtype=torch.int32, device=dev)
+    src = torch.full((num_reqs, num_steps, top_k), -1, dtype=torch.int64, device=dev)
+    dst = torch.full_like(src, -1)
+    counts = torch.zeros(num_reqs, 4, dtype=torch.int32, device=dev)
+    counts[:, 0] = num_steps
+    row_bytes = device_kv.shape[1] * device_kv.element_size()
+    if num_reqs == 0 or num_steps == 0 or top_k == 0:
+        return SwapInResult.from_counts(slots, counts, row_bytes=row_bytes)
+    prot = torch.zeros(num_reqs, hot, dtype=torch.int32, device=dev)
+    pos = top_k_pos.contiguous()
+    _swap_in_kernel[(num_reqs,)](
+        pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, prot,
+        slots, src, dst, counts,
+        num_steps, top_k, hot, width,
+        seq_lens.stride(0), buffer_tokens.stride(0), buffer_locs.stride(0),
+        lru.stride(0), req_to_host.stride(0),
+        BLOCK_K=next_power_of_2(top_k), BLOCK_HOT=next_power_of_2(hot),
+        BLOCK_X=next_power_of_2(width - hot), num_warps=8,
+    )
+    _run_plan(host_kv, device_kv, src.view(-1), dst.view(-1))
+    return SwapInResult.from_counts(slots, counts, row_bytes=row_bytes)

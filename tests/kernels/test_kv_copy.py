@@ -1,0 +1,121 @@
+"""KV row movement: the four movements, one layer and all layers, canaries, rejected indices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.kv_copy import backup_rows, copy_rows, load_rows, move_rows, scatter_rows
+
+C = 2  # canary rows on each side
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+
+
+def _pool(layers: int | None, rows: int, dim: int, dtype, seed: int) -> torch.Tensor:
+    """A pool with C canary rows on each side of the rows the op sees."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (rows + 2 * C, dim) if layers is None else (layers, rows + 2 * C, dim)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def _inner(full: torch.Tensor) -> torch.Tensor:
+    return full[..., C:-C, :]
+
+
+def _expected(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx) -> torch.Tensor:
+    out = dst.clone()
+    for d, s in zip(dst_idx.tolist(), src_idx.tolist()):
+        out[..., C + d, :] = src[..., C + s, :]
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("layers", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_copy_rows_matches_loop(impl, layers, dtype):
+    dst, src = _pool(layers, 20, 5, dtype, 0), _pool(layers, 12, 5, dtype, 1)
+    dst_idx = torch.randperm(20)[:9]
+    src_idx = torch.randint(0, 12, (9,))  # a source row may be read twice
+    want = _expected(dst, dst_idx, src, src_idx)
+    src_before = src.clone()
+    copy_rows(_inner(dst), dst_idx, _inner(src), src_idx, impl=impl)
+    assert torch.equal(dst, want)  # canaries included
+    assert torch.equal(src, src_before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_four_movements(impl):
+    layers, dim = 2, 7
+    device, host = _pool(layers, 16, dim, torch.float32, 2), _pool(layers, 24, dim, torch.float32, 3)
+
+    fresh = torch.randn(layers, 3, dim)
+    slots = torch.tensor([5, 0, 15])
+    want = device.clone()
+    want[:, C + slots] = fresh
+    scatter_rows(_inner(device), slots, fresh, impl=impl)
+    assert torch.equal(device, want)
+
+    host_slots = torch.tensor([23, 4, 9])
+    want_host = _expected(host, host_slots, device, slots)
+    backup_rows(_inner(host), host_slots, _inner(device), slots, impl=impl)
+    assert torch.equal(host, want_host)
+
+    dev_slots = torch.tensor([1, 2])
+    want = _expected(device, dev_slots, host, torch.tensor([23, 9]))
+    load_rows(_inner(device), dev_slots, _inner(host), torch.tensor([23, 9]), impl=impl)
+    assert torch.equal(device, want)
+
+    want = _expected(device, torch.tensor([14]), device, torch.tensor([5]))
+    move_rows(_inner(device), torch.tensor([14]), torch.tensor([5]), impl=impl)  # into the "newest" row
+    assert torch.equal(device, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_one_layer_of_a_strided_pool(impl):
+    # a [rows, L, dim] allocation viewed as [L, rows, dim]: the layer stride is dim, the row stride L*dim
+    base = torch.randn(20 + 2 * C, 3, 4)
+    pool = base.transpose(0, 1)
+    layer1 = pool[1]
+    want = base.clone()
+    want[C + 7, 1] = base[C + 2, 1]
+    want[C + 8, 1] = base[C + 3, 1]
+    move_rows(layer1[C:-C], torch.tensor([7, 8]), torch.tensor([2, 3]), impl=impl)
+    assert torch.equal(base, want)
+
+
+def test_empty_copy_is_a_no_op():
+    dst = torch.zeros(4, 3)
+    copy_rows(dst, torch.empty(0, dtype=torch.int64), torch.ones(2, 3), torch.empty(0, dtype=torch.int64))
+    assert not dst.any()
+
+
+@pytest.mark.parametrize(
+    ("dst_idx", "src_idx", "match"),
+    [
+        ([0, 4], [0, 1], "dst_idx"),  # out of range
+        ([-1, 2], [0, 1], "dst_idx"),
+        ([1, 1], [0, 1], "dst_idx must not repeat"),
+        ([0, 1], [0, 5], "src_idx"),
+        ([0, 1, 2], [0, 1], "src_idx"),  # lengths differ
+    ],
+)
+def test_bad_indices_rejected(dst_idx, src_idx, match):
+    dst, src = torch.zeros(4, 3), torch.ones(5, 3)
+    with pytest.raises(ValueError, match=match):
+        copy_rows(dst, torch.tensor(dst_idx), src, torch.tensor(src_idx))
+    assert not dst.any()
+
+
+def test_bad_tensors_rejected():
+    dst = torch.zeros(4, 3)
+    idx = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="src"):
+        copy_rows(dst, idx, torch.ones(5, 3, dtype=torch.float64), idx)
+    with pytest.raises(ValueError, match="src shape"):
+        copy_rows(dst, idx, torch.ones(5, 4), idx)
+    with pytest.raises(ValueError, match="dst_idx"):
+        copy_rows(dst, idx.float(), torch.ones(5, 3), idx)
+    with pytest.raises(ValueError, match="dst"):
+        copy_rows(torch.zeros(3, 4).t(), idx, torch.ones(5, 3), idx)
+    with pytest.raises(ValueError, match="disjoint"):
+        move_rows(dst, torch.tensor([0, 1]), torch.tensor([1, 2]))

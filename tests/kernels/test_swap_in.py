@@ -1,0 +1,187 @@
+"""Swap-in: hand-worked examples of the contract, then oracle == torch reference == Triton on random worlds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _swap_in_world import CANARY, World, assert_canaries, assert_same, build_world, worlds
+from hypothesis import HealthCheck, given, settings
+
+from kernels.swap_in import swap_in
+from kernels.swap_in_oracle import swap_in_oracle
+
+IMPLS = [
+    "oracle",
+    "torch",
+    pytest.param("triton", marks=pytest.mark.interpreter),
+]
+
+
+def run(impl: str, world: World, **kw):
+    if impl == "oracle":
+        return swap_in_oracle(*world.args())
+    return swap_in(*world.args(), impl=impl, validate=True, **kw)
+
+
+def _hand_world(tokens, locs, lru, top, lens, *, hot, host_missing=(), max_ctx=32, dim=2) -> World:
+    """One request (row 0) with host slot == position, except ``host_missing``."""
+    host = torch.arange(max_ctx, dtype=torch.int64)
+    host[list(host_missing)] = -1
+    width = len(tokens)
+    return World(
+        top_k_pos=torch.tensor([top], dtype=torch.int32),
+        seq_lens=torch.tensor([lens], dtype=torch.int64),
+        req_rows=torch.tensor([0]),
+        buffer_tokens=torch.tensor([tokens], dtype=torch.int32),
+        buffer_locs=torch.tensor([locs], dtype=torch.int64),
+        lru=torch.tensor([lru], dtype=torch.int32),
+        req_to_host=host[None],
+        host_full=torch.arange((max_ctx + 2 * CANARY) * dim, dtype=torch.float32).view(-1, dim),
+        device_full=torch.full((width + 2 * CANARY, dim), -1.0),
+        hot=hot,
+    )
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_worked_example_long_path_protection_and_stop(impl):
+    # hot columns 0..3, newest column 4 (position 20), draft column 5 (empty); slots == columns
+    w = _hand_world([10, 11, 12, 13, 20, -1], [0, 1, 2, 3, 4, 5], [2, 0, 3, 1],
+                    top=[[11, 20, 14, 11], [15, 10, 14, 21], [22, 16, 17, 10]], lens=[21, 22, 23],
+                    hot=4, host_missing=[15])
+    before = w.clone()
+    res = run(impl, w)
+    # step 0: 11 hit (col 1), 20 newest, 14 loaded into the LRU-most col 2; LRU [0, 3 | 2 | 1]
+    # step 1: 10 hit (col 0), 14 hit (col 2), 15 unrecoverable, 21 loaded into col 3 (col 1 protected);
+    #         LRU [- | 1 | 3 | 0, 2]
+    # step 2: three misses, no evictable column (0 hit, 1..3 protected) -> stop before it
+    assert res.slots.tolist() == [[[1, 4, 2, 1], [-1, 0, 2, 3], [-1, -1, -1, -1]]]
+    assert res.steps_done.tolist() == [2]
+    assert (res.hits.tolist(), res.misses.tolist(), res.unrecoverable.tolist()) == ([4], [2], [1])
+    assert res.bytes_copied.tolist() == [2 * 2 * 4]
+    assert w.buffer_tokens.tolist() == [[10, 11, 14, 21, 20, -1]]
+    assert w.lru.tolist() == [[1, 3, 0, 2]]
+    dev = w.device_full[CANARY:-CANARY]
+    host = w.host_full[CANARY:-CANARY]
+    assert torch.equal(dev[2], host[14]) and torch.equal(dev[3], host[21])
+    untouched = [0, 1, 4, 5]
+    assert torch.equal(dev[untouched], before.device_full[CANARY:-CANARY][untouched])
+    assert_canaries(before, w)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fast_path_identity_then_draft_columns(impl):
+    # column 2 has no slot (capacity), so position 2 is found in the newest column 4; 1 has neither
+    w = _hand_world([0, 1, 2, 3, 2, -1], [7, -1, -1, 9, 10, 11], [3, 2, 1, 0],
+                    top=[[2, 0, 2, 3], [1, 0, -1, 0]], lens=[3, 4], hot=4, max_ctx=8)
+    before = w.clone()
+    w.device_full = torch.full((12 + 2 * CANARY, 2), -1.0)
+    before.device_full = w.device_full.clone()
+    res = run(impl, w)
+    assert res.slots.tolist() == [[[10, 7, 10, -1], [-1, 7, -1, 7]]]
+    assert (res.hits.tolist(), res.misses.tolist(), res.unrecoverable.tolist()) == ([3], [0], [1])
+    assert res.steps_done.tolist() == [2]
+    assert torch.equal(w.lru, before.lru) and torch.equal(w.buffer_tokens, before.buffer_tokens)
+    assert torch.equal(w.device_full, before.device_full)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_padding_steps_change_nothing_and_count_as_done(impl):
+    w = _hand_world([10, 11, 12, 13, 20, -1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                    top=[[14, 15, 16, 17], [14, -1, -1, -1], [18, 19, 16, 17]], lens=[0, 21, 0], hot=4)
+    res = run(impl, w)
+    assert res.slots.tolist() == [[[-1] * 4, [0, -1, -1, -1], [-1] * 4]]
+    assert res.steps_done.tolist() == [3]
+    assert w.lru.tolist() == [[1, 2, 3, 0]] and w.buffer_tokens[0, 0] == 14
+
+
+def test_protection_spans_fast_and_long_steps():
+    # step 0 (fast) returns identity columns 0..3; step 1 (long) then has nothing to evict -> stop
+    w = _hand_world([0, 1, 2, 3, -1, -1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                    top=[[0, 1, 2, 3], [4, 5, 6, 7]], lens=[4, 8], hot=4)
+    for impl in ("oracle", "torch"):
+        res = run(impl, w.clone())
+        assert res.steps_done.tolist() == [1], impl
+        assert res.slots[0, 1].tolist() == [-1] * 4
+    again = w.clone()
+    again.top_k_pos, again.seq_lens = again.top_k_pos[:, 1:].contiguous(), again.seq_lens[:, 1:].contiguous()
+    res = run("torch", again)  # the caller's second call for the rest: protection starts afresh
+    assert res.steps_done.tolist() == [1] and res.misses.tolist() == [4]
+
+
+def _check_world_invariants(w: World, res) -> None:
+    hot = w.hot
+    for b, row in enumerate(w.req_rows.tolist()):
+        assert sorted(w.lru[row].tolist()) == list(range(hot))
+        held = [t for t in w.buffer_tokens[row, :hot].tolist() if t >= 0]
+        assert len(held) == len(set(held))
+        real = (w.seq_lens[b] > 0).nonzero().flatten().tolist()
+        if real:
+            assert int(res.steps_done[b]) > real[0]  # progress: the first real step always fits
+        if hot >= w.seq_lens.shape[1] * w.top_k_pos.shape[2]:
+            assert int(res.steps_done[b]) == w.seq_lens.shape[1]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds())
+def test_reference_equals_oracle(world):
+    oracle_world, ref_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*ref_world.args(), impl="torch", validate=True)
+    assert_same(oracle_world, expected, ref_world, got, "torch vs oracle")
+    assert_canaries(world, ref_world)
+    _check_world_invariants(ref_world, got)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=2, max_steps=3))
+def test_triton_equals_oracle(world):
+    oracle_world, tri_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*tri_world.args(), impl="triton", validate=True)
+    assert_same(oracle_world, expected, tri_world, got, "triton vs oracle")
+    assert_canaries(world, tri_world)
+
+
+@pytest.mark.interpreter
+def test_triton_equals_oracle_non_power_of_two_sizes():
+    world = build_world(7, num_reqs=2, num_steps=3, top_k=5, hot=6, extra=3, p_no_host=0.2)
+    oracle_world, tri_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*tri_world.args(), impl="triton")
+    assert_same(oracle_world, expected, tri_world, got, "triton vs oracle")
+
+
+def test_wrapper_rejects_bad_arguments():
+    w = build_world(0, num_reqs=2, num_steps=2, top_k=3, hot=4, extra=2)
+    args = list(w.args())
+    bad = [
+        (0, w.top_k_pos.long(), "top_k_pos"),
+        (1, w.seq_lens[:, :1], "seq_lens"),
+        (2, w.req_rows.int(), "req_rows"),
+        (5, w.lru[:, :3], "lru"),
+        (4, w.buffer_locs.int(), "buffer_locs"),
+        (7, w.host_full.double(), "host_kv"),
+        (8, w.device_full[:, :1], "host_kv"),
+        (3, w.buffer_tokens.t().contiguous().t(), "buffer_tokens"),
+    ]
+    for i, value, name in bad:
+        broken = list(args)
+        broken[i] = value
+        with pytest.raises(ValueError, match=name):
+            swap_in(*broken, impl="torch")
+    with pytest.raises(ValueError, match="hot"):
+        swap_in(*args[:-1], 2, impl="torch")
+    with pytest.raises(ValueError, match="impl"):
+        swap_in(*args, impl="cuda")
+
+
+def test_validate_catches_broken_state():
+    w = build_world(1, num_reqs=2, num_steps=1, top_k=2, hot=4, extra=2)
+    dup = list(w.args())
+    dup[2] = torch.tensor([w.req_rows[0], w.req_rows[0]])
+    with pytest.raises(ValueError, match="req_rows"):
+        swap_in(*dup, impl="torch", validate=True)
+    w.lru[w.req_rows[0]] = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="lru"):
+        swap_in(*w.args(), impl="torch", validate=True)
