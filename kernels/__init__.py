@@ -1,6 +1,36 @@
 """hispec's hot-path ops.
 
-Each op lives in one file: the Triton kernel, a plain torch reference beside it, and a wrapper that
-checks shapes, dtypes and strides before launch. Kernels take tensors only, never request objects,
-and this package imports nothing from ``pipeline``.
+Each op lives in one file: a plain torch reference and a dispatching wrapper that checks shapes,
+dtypes and strides before launch; its Triton kernel sits beside it in ``<op>_triton.py`` and is
+imported only when a call resolves to Triton (``triton`` is an optional dependency). Kernels take
+tensors only, never request objects, and this package imports nothing from ``pipeline``.
+
+Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
+are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise.
 """
+
+from kernels.indexer_topk import indexer_topk, indexer_topk_reference, score_dtype, stable_topk_positions
+from kernels.kv_copy import backup_rows, copy_rows, copy_rows_reference, load_rows, move_rows, scatter_rows
+from kernels.sparse_mla import sparse_mla, sparse_mla_reference
+from kernels.swap_in import SwapInResult, swap_in
+from kernels.swap_in_oracle import swap_in_oracle
+from kernels.swap_in_reference import swap_in_reference
+
+__all__ = [
+    "SwapInResult",
+    "backup_rows",
+    "copy_rows",
+    "copy_rows_reference",
+    "indexer_topk",
+    "indexer_topk_reference",
+    "load_rows",
+    "move_rows",
+    "scatter_rows",
+    "score_dtype",
+    "sparse_mla",
+    "sparse_mla_reference",
+    "stable_topk_positions",
+    "swap_in",
+    "swap_in_oracle",
+    "swap_in_reference",
+]

@@ -8,12 +8,24 @@ where ``loc(s) = req_to_token[req_rows[t], s]`` is the location of position s's 
 The top-k contract (ARCHITECTURE section 3a): positions are ordered by score descending, ties broken
 by the lower position first, i.e. a stable descending sort truncated to ``top_k``. Every
 implementation (reference, Triton, tests) follows it, so a full forward, an incremental decode and a
-multi-token verify select the same positions.
+multi-token verify select the same positions. ``-0.0`` ties with ``0.0`` (as in ``torch.sort``).
+
+Positions ``s >= seq_lens[t]`` are not visible (causality); their ``req_to_token`` entries are never
+read, so they may hold anything. Rows with fewer than ``top_k`` visible positions are padded with -1.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor, resolve_impl
+
+# Triton limits: a selection program keeps 2 * next_pow2(top_k) packed keys; the score program one
+# [heads, dim] query tile (tl.dot needs every tile side >= 16, so smaller sizes are padded).
+TRITON_MAX_TOP_K = 2048
+TRITON_MAX_HEADS = 128
+TRITON_MAX_DIM = 256
+_GATHER_BUDGET = 1 << 24  # elements of gathered keys per reference chunk (memory, not speed)
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -37,6 +49,33 @@ def stable_topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     return out
 
 
+def indexer_scores_reference(
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    index_k: torch.Tensor,  # [rows, Di]
+    req_to_token: torch.Tensor,  # [N, max_ctx] location of (request row, position)
+    req_rows: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    scale: float,
+    max_len: int,
+) -> torch.Tensor:  # [T, max_len] in score_dtype, -inf where not visible
+    """Dense score rows, gathered in query chunks so that prefill stays within memory."""
+    dt = score_dtype(index_q.dtype)
+    num_tokens = index_q.shape[0]
+    out = torch.full((num_tokens, max_len), float("-inf"), dtype=dt, device=index_q.device)
+    pos = torch.arange(max_len, device=index_q.device)
+    chunk = max(1, _GATHER_BUDGET // max(1, max_len * index_k.shape[-1]))
+    for t0 in range(0, num_tokens, chunk):
+        sl = slice(t0, t0 + chunk)
+        visible = pos[None, :] < seq_lens[sl, None]  # [t, S]
+        locs = torch.where(visible, req_to_token[req_rows[sl]][:, :max_len], 0)  # [t, S]
+        keys = index_k[locs.long()].to(dt)  # [t, S, Di]
+        dots = torch.einsum("thd,tsd->ths", index_q[sl].to(dt), keys)  # [t, Hi, S]
+        scores = torch.einsum("ths,th->ts", torch.relu(dots * scale), index_w[sl].to(dt))
+        out[sl] = scores.masked_fill(~visible, float("-inf"))
+    return out
+
+
 def indexer_topk_reference(
     index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
     index_w: torch.Tensor,  # [T, Hi] per-head weights
@@ -51,13 +90,53 @@ def indexer_topk_reference(
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
-    dt = score_dtype(index_q.dtype)
     max_len = int(seq_lens.max())
-    pos = torch.arange(max_len, device=index_q.device)
-    locs = req_to_token[req_rows][:, :max_len]  # [T, S]
-    visible = pos[None, :] < seq_lens[:, None]  # [T, S]
-    keys = index_k[locs.clamp(min=0)].to(dt)  # [T, S, Di]
-    dots = torch.einsum("thd,tsd->ths", index_q.to(dt), keys)  # [T, Hi, S]
-    scores = torch.einsum("ths,th->ts", torch.relu(dots * scale), index_w.to(dt))  # [T, S]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len)
     return stable_topk_positions(scores, top_k)
+
+
+def check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k) -> None:
+    """Shapes, dtypes, strides, devices (no synchronisation)."""
+    check_tensor("index_q", index_q, ndim=3, dtype=FLOAT_DTYPES, contiguous_last=True)
+    t, h, d = index_q.shape
+    check_tensor("index_w", index_w, dtype=FLOAT_DTYPES, shape=(t, h), contiguous_last=True)
+    check_tensor("index_k", index_k, dtype=FLOAT_DTYPES, shape=(None, d), contiguous_last=True)
+    check_tensor("req_to_token", req_to_token, ndim=2, dtype=(torch.int32, torch.int64), contiguous_last=True)
+    check_tensor("req_rows", req_rows, dtype=torch.int64, shape=(t,))
+    check_tensor("seq_lens", seq_lens, dtype=torch.int64, shape=(t,))
+    if not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+    names = ("index_q", "index_w", "index_k", "req_to_token", "req_rows", "seq_lens")
+    check_same_device(names, (index_q, index_w, index_k, req_to_token, req_rows, seq_lens))
+
+
+def indexer_topk(
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    index_k: torch.Tensor,  # [rows, Di]
+    req_to_token: torch.Tensor,  # [N, max_ctx] int64 (or int32)
+    req_rows: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64, <= max_ctx
+    top_k: int,
+    scale: float,
+    *,
+    impl: str = "auto",
+    max_seq_len: int | None = None,
+) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
+    """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"``.
+
+    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
+    ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
+    """
+    check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
+    _, heads, dim = index_q.shape
+    fits = (index_q.dtype != torch.float64 and index_k.dtype != torch.float64 and top_k <= TRITON_MAX_TOP_K
+            and heads <= TRITON_MAX_HEADS and dim <= TRITON_MAX_DIM)
+    if resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "torch":
+        return indexer_topk_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    from kernels.indexer_topk_triton import indexer_topk_triton
+
+    if index_q.shape[0] == 0:
+        return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    return indexer_topk_triton(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale, max_len)

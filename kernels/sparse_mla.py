@@ -7,12 +7,24 @@ rotated shared rope key of one token. A query head attends over the rows named b
     out[t, h]      = sum_i softmax_i(logit[t, h, :]) * row[i, :C]
 
 Entries of ``slots`` equal to -1 are masked out. The output stays in latent space; the model applies
-the value up-projection (W_UV) and the output projection.
+the value up-projection (W_UV) and the output projection. Decode, verify and prefill differ only in
+how many query rows there are and which slots each row names (swap-in's output for decode/verify,
+the causal window for prefill), so one op serves all three.
+
+Numerics: logits, softmax and the weighted sum are computed in float32 (float64 for float64 inputs)
+and the result is cast back to ``q_latent.dtype``. A query whose slots are all -1 yields zeros.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kernels.checks import FLOAT_DTYPES, check_index_range, check_same_device, check_tensor, resolve_impl
+from kernels.indexer_topk import score_dtype
+
+TRITON_MAX_LATENT = 1024  # C: one [16, C] float32 accumulator per program
+TRITON_MAX_ROPE = 256  # R
+_GATHER_BUDGET = 1 << 24  # elements of gathered rows per reference chunk (memory, not speed)
 
 
 def sparse_mla_reference(
@@ -24,11 +36,54 @@ def sparse_mla_reference(
 ) -> torch.Tensor:  # [T, H, C]
     """Plain torch reference; a query with no valid slot yields zeros."""
     c = q_latent.shape[-1]
-    valid = slots >= 0  # [T, K]
-    rows = kv[slots.clamp(min=0).long()]  # [T, K, C + R]
-    logits = torch.einsum("thc,tkc->thk", q_latent, rows[..., :c])
-    logits = logits + torch.einsum("thr,tkr->thk", q_rope, rows[..., c:])
-    logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # all-masked rows
-    return torch.einsum("thk,tkc->thc", probs, rows[..., :c])
+    dt = score_dtype(q_latent.dtype)
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
+    chunk = max(1, _GATHER_BUDGET // max(1, slots.shape[-1] * kv.shape[-1]))
+    for t0 in range(0, q_latent.shape[0], chunk):
+        sl = slice(t0, t0 + chunk)
+        valid = slots[sl] >= 0  # [t, K]
+        rows = kv[slots[sl].clamp(min=0).long()].to(dt)  # [t, K, C + R]
+        logits = torch.einsum("thc,tkc->thk", q_latent[sl].to(dt), rows[..., :c])
+        logits = logits + torch.einsum("thr,tkr->thk", q_rope[sl].to(dt), rows[..., c:])
+        logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
+        probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # all-masked rows
+        out[sl] = torch.einsum("thk,tkc->thc", probs, rows[..., :c]).to(out.dtype)
+    return out
+
+
+def check_sparse_mla_args(q_latent, q_rope, kv, slots) -> None:
+    """Shapes, dtypes, strides and devices (no synchronisation)."""
+    check_tensor("q_latent", q_latent, ndim=3, dtype=FLOAT_DTYPES, contiguous_last=True)
+    t, h, c = q_latent.shape
+    check_tensor("q_rope", q_rope, ndim=3, dtype=q_latent.dtype, shape=(t, h, None), contiguous_last=True)
+    check_tensor("kv", kv, ndim=2, dtype=FLOAT_DTYPES, shape=(None, c + q_rope.shape[2]), contiguous_last=True)
+    check_tensor("slots", slots, ndim=2, dtype=(torch.int32, torch.int64), shape=(t, None), contiguous_last=True)
+    check_same_device(("q_latent", "q_rope", "kv", "slots"), (q_latent, q_rope, kv, slots))
+
+
+def sparse_mla(
+    q_latent: torch.Tensor,  # [T, H, C]
+    q_rope: torch.Tensor,  # [T, H, R]
+    kv: torch.Tensor,  # [rows, C + R]
+    slots: torch.Tensor,  # [T, K] int32/int64, -1 = masked
+    scale: float,
+    *,
+    impl: str = "auto",
+    validate: bool = False,
+) -> torch.Tensor:  # [T, H, C] in q_latent.dtype
+    """Sparse MLA over the rows named by ``slots``; ``impl`` in ``"auto"|"torch"|"triton"``.
+
+    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
+    ``validate=True`` checks that every slot is -1 or a row of ``kv`` (synchronises on CUDA); the
+    kernel itself cannot notice an out-of-range slot.
+    """
+    check_sparse_mla_args(q_latent, q_rope, kv, slots)
+    if validate:
+        check_index_range("slots", slots, kv.shape[0], allow_negative=True)
+    fits = (q_latent.dtype != torch.float64 and kv.dtype != torch.float64
+            and q_latent.shape[2] <= TRITON_MAX_LATENT and q_rope.shape[2] <= TRITON_MAX_ROPE)
+    if resolve_impl(impl, (q_latent, kv, slots), triton_fits=fits) == "torch":
+        return sparse_mla_reference(q_latent, q_rope, kv, slots, scale)
+    from kernels.sparse_mla_triton import sparse_mla_triton
+
+    return sparse_mla_triton(q_latent, q_rope, kv, slots, scale)

@@ -1,0 +1,136 @@
+"""Indexer top-k: a dense float64 oracle, the tie-break contract, -1 padding, Triton == reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels.indexer_topk import indexer_scores_reference, indexer_topk, stable_topk_positions
+
+CANARY = 3
+BIG = 1000.0  # canary key value: a read of a canary row would dominate every score
+
+
+def make_case(seed, *, tokens=4, heads=3, dim=8, n_reqs=3, max_ctx=40, rows=60, lens=None,
+              dtype=torch.float32, integer=True, zero_weights=False):
+    """Inputs plus ``index_k`` surrounded by canary rows; invisible table entries hold junk."""
+    g = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        x = torch.randint(-2, 3, shape, generator=g).double() if integer else torch.randn(*shape, generator=g).double()
+        return x.to(dtype)
+
+    keys_full = torch.full((rows + 2 * CANARY, dim), BIG, dtype=dtype)
+    keys_full[CANARY:-CANARY] = draw(rows, dim)
+    req_rows = torch.randint(0, n_reqs, (tokens,), generator=g)
+    seq_lens = torch.tensor(lens) if lens is not None else torch.randint(0, max_ctx + 1, (tokens,), generator=g)
+    req_to_token = torch.randint(0, rows, (n_reqs, max_ctx), generator=g)
+    pos = torch.arange(max_ctx)
+    for t in range(tokens):  # junk beyond each query's window must never be read
+        invisible = pos >= seq_lens[t]
+        beyond = invisible & (pos >= seq_lens[req_rows == req_rows[t]].max())
+        req_to_token[req_rows[t], beyond] = 10**9
+    w = torch.zeros(tokens, heads, dtype=dtype) if zero_weights else draw(tokens, heads)
+    return dict(index_q=draw(tokens, heads, dim), index_w=w, index_k=keys_full[CANARY:-CANARY],
+                req_to_token=req_to_token, req_rows=req_rows, seq_lens=seq_lens)
+
+
+def dense_oracle(case, top_k, scale):
+    """Python loops in float64 and an explicit (-score, position) sort."""
+    q, w, k = case["index_q"].double(), case["index_w"].double(), case["index_k"].double()
+    out = []
+    for t in range(q.shape[0]):
+        row, n = int(case["req_rows"][t]), int(case["seq_lens"][t])
+        scored = []
+        for s in range(n):
+            key = k[int(case["req_to_token"][row, s])]
+            score = sum(float(torch.relu(q[t, h] @ key * scale)) * float(w[t, h]) for h in range(q.shape[1]))
+            scored.append((-score, s))
+        picked = [s for _, s in sorted(scored)[:top_k]]
+        out.append(picked + [-1] * (top_k - len(picked)))
+    return torch.tensor(out, dtype=torch.int32).view(q.shape[0], top_k)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), top_k=st.integers(1, 24), heads=st.integers(1, 4), dim=st.integers(1, 9))
+def test_reference_equals_dense_oracle_float64(seed, top_k, heads, dim):
+    case = make_case(seed, heads=heads, dim=dim, dtype=torch.float64, integer=seed % 2 == 0)
+    got = indexer_topk(**case, top_k=top_k, scale=0.5, impl="torch")
+    assert torch.equal(got, dense_oracle(case, top_k, 0.5))
+
+
+def test_reference_float32_scores_close_to_float64():
+    case64 = make_case(3, dtype=torch.float64, integer=False)
+    case32 = {k: (v.float() if v.is_floating_point() else v) for k, v in case64.items()}
+    max_len = int(case64["seq_lens"].max())
+    s64 = indexer_scores_reference(**case64, scale=0.7, max_len=max_len)
+    s32 = indexer_scores_reference(**case32, scale=0.7, max_len=max_len)
+    assert s32.dtype == torch.float32
+    torch.testing.assert_close(s32.double(), s64, rtol=1e-5, atol=1e-5)
+
+
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_all_ties_pick_lowest_positions_and_pad(impl):
+    case = make_case(1, lens=[0, 3, 17, 40], zero_weights=True)  # every score is exactly 0
+    got = indexer_topk(**case, top_k=8, scale=1.0, impl=impl)
+    assert got.tolist() == [[-1] * 8, [0, 1, 2] + [-1] * 5, list(range(8)), list(range(8))]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_many_exact_ties_follow_contract(impl, dtype):
+    # integer inputs give exact, heavily tied scores in every implementation
+    case = make_case(5, tokens=4, lens=[40, 39, 12, 1], dtype=dtype)
+    got = indexer_topk(**case, top_k=16, scale=0.5, impl=impl)
+    assert torch.equal(got, dense_oracle(case, 16, 0.5))
+
+
+@pytest.mark.interpreter
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 10**6), top_k=st.integers(1, 40), heads=st.integers(1, 5),
+       dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_triton_equals_reference_on_exact_inputs(seed, top_k, heads, dtype):
+    case = make_case(seed, heads=heads, dtype=dtype)
+    ref = indexer_topk(**case, top_k=top_k, scale=0.25, impl="torch")
+    tri = indexer_topk(**case, top_k=top_k, scale=0.25, impl="triton")
+    assert torch.equal(tri, ref)
+
+
+@pytest.mark.interpreter
+def test_triton_scores_close_on_random_inputs():
+    from kernels.indexer_topk_triton import indexer_scores_triton
+
+    case = make_case(9, tokens=3, heads=4, dim=16, integer=False, lens=[40, 25, 7])
+    ref = indexer_scores_reference(**case, scale=0.3, max_len=40)
+    tri = indexer_scores_triton(**case, scale=0.3, max_len=40)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    assert torch.isinf(tri[2, 7:]).all()
+
+
+@pytest.mark.interpreter
+def test_triton_selection_ties_negative_zero_with_zero():
+    from kernels.indexer_topk_triton import select_topk_triton
+
+    scores = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, -1.0, -0.5, 2.0, 0.0, -2.0, 0.0, 0.0, 3.0, 0.0, -0.0, 0.0,
+                            5.0, -0.0, 0.0, 0.5]])
+    lens = torch.tensor([19])
+    want = stable_topk_positions(scores[:, :19], 20)
+    assert torch.equal(select_topk_triton(scores, lens, 20), want)
+
+
+def test_wrapper_rejects_bad_arguments():
+    case = make_case(0)
+    for name, bad in [("index_q", case["index_q"][0]), ("index_w", case["index_w"][:, :1]),
+                      ("index_k", case["index_k"][:, :3]), ("req_rows", case["req_rows"].int()),
+                      ("seq_lens", case["seq_lens"][:2]), ("req_to_token", case["req_to_token"].float())]:
+        with pytest.raises(ValueError, match=name):
+            indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, impl="torch")
+    with pytest.raises(ValueError, match="top_k"):
+        indexer_topk(**case, top_k=0, scale=1.0)
+    with pytest.raises(ValueError, match="impl"):
+        indexer_topk(**case, top_k=4, scale=1.0, impl="fast")
