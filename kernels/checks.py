@@ -79,8 +79,8 @@ def check_tensor(
     if shape is not None and (
         t.dim() != len(shape) or any(w is not None and w != s for w, s in zip(shape, t.shape))
     ):
-        want = tuple("*" if w is None else w for w in shape)
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        want = ", ".join("*" if w is None else str(w) for w in shape)
+        raise ValueError(f"{name} must have shape ({want}), got {tuple(t.shape)}")
     if contiguous_last and t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim (stride 1), got strides {t.stride()}")
     return t

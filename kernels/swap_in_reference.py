@@ -100,6 +100,45 @@ def _mark(mask2d, rows, cols, where):
     mask2d[rows[where], cols[where]] = True
 
 
+@attrs.frozen(eq=False)
+class _LongPlan:
+    """The long path's decisions for one step, before anything is applied (all [B, K] unless noted)."""
+
+    hit: torch.Tensor  # entry held by a hot column
+    hit_col: torch.Tensor  # that column
+    need: torch.Tensor  # wanted from the hot columns and not held
+    host_slot: torch.Tensor  # host slot of the entry's position
+    load: torch.Tensor  # need & has a host copy (every duplicate)
+    load_first: torch.Tensor  # load, first occurrence only
+    num_load: torch.Tensor  # [B]
+    overflow: torch.Tensor  # [B] more loads than evictable columns: stop before this step
+    apply: torch.Tensor  # [B] long-path rows that fit
+    new_order: torch.Tensor  # [B, HOT] LRU order after the step (rows not applied unchanged)
+    victim_col: torch.Tensor  # column a loaded entry goes to
+    victim_loc: torch.Tensor  # its physical slot
+
+
+def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot) -> _LongPlan:
+    wanted = valid & long[:, None] & ~x_found
+    hit, hit_at, col_hit = _hot_lookup(pos, wanted, st.tokens.gather(1, st.order))
+    col_prot = st.protected.gather(1, st.order)  # [B, HOT] by LRU position
+    need = wanted & ~hit
+    host_slot = st.host.gather(1, pos.clamp(0, st.host.shape[1] - 1))
+    load = need & (host_slot >= 0)
+    load_first = load & is_first
+    rank = _exclusive_cumsum(load_first).gather(1, first)  # miss order of each entry's position
+    num_load = load_first.sum(1)
+    evict = ~col_hit & ~col_prot
+    protu = ~col_hit & col_prot
+    overflow = long & (num_load > evict.sum(1))
+    apply = long & ~overflow
+    new_order = torch.empty_like(st.order).scatter_(1, _lru_dest(evict, protu, col_hit, num_load, apply), st.order)
+    victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order
+    victim_col = new_order.gather(1, victim_at.clamp(0, hot - 1))
+    return _LongPlan(hit, st.order.gather(1, hit_at), need, host_slot, load, load_first, num_load, overflow,
+                     apply, new_order, victim_col, st.locs.gather(1, victim_col))
+
+
 def _step(st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int) -> _StepOut:
     """One step for every request of the batch; mutates ``st`` for the requests it resolves."""
     b, k = pos.shape
@@ -111,54 +150,33 @@ def _step(st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Ten
     x_found, x_slot = _draft_lookup(pos, st.tokens, st.locs, hot)
     x_found &= valid
     fast = run & (n <= hot)
-    long = run & (n > hot)
 
     # fast path: identity column (t < n <= hot), else the newest/draft columns
     id_loc = st.locs.gather(1, pos.clamp(0, hot - 1))
     use_id = valid & fast[:, None] & (id_loc >= 0)
     fast_slot = torch.where(use_id, id_loc, torch.where(x_found, x_slot, -1))
 
-    # long path
-    wanted = valid & long[:, None] & ~x_found
-    col_tok = st.tokens.gather(1, st.order)  # [B, HOT] token at each LRU position
-    hit, hit_at, col_hit = _hot_lookup(pos, wanted, col_tok)
-    col_prot = st.protected.gather(1, st.order)
-    need = wanted & ~hit
-    host_slot = st.host.gather(1, pos.clamp(0, st.host.shape[1] - 1))
-    load = need & (host_slot >= 0)  # every duplicate of a loadable miss
-    load_first = load & is_first
-    rank = _exclusive_cumsum(load_first).gather(1, first)  # miss order of each entry's position
-    num_load = load_first.sum(1)
-    evict = ~col_hit & ~col_prot
-    protu = ~col_hit & col_prot
-    overflow = long & (num_load > evict.sum(1))
-    apply = long & ~overflow
-
-    new_order = torch.empty_like(st.order).scatter_(1, _lru_dest(evict, protu, col_hit, num_load, apply), st.order)
-    victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order
-    victim_col = new_order.gather(1, victim_at.clamp(0, hot - 1))
-    victim_loc = st.locs.gather(1, victim_col)
-    hit_col = st.order.gather(1, hit_at)
-    long_slot = torch.where(x_found, x_slot, torch.where(hit, st.locs.gather(1, hit_col),
-                                                         torch.where(load, victim_loc, -1)))
+    lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot)
+    long_slot = torch.where(x_found, x_slot, torch.where(lp.hit, st.locs.gather(1, lp.hit_col),
+                                                         torch.where(lp.load, lp.victim_loc, -1)))
     slots = torch.where(fast[:, None], fast_slot, long_slot)
-    slots = torch.where(valid & (fast | apply)[:, None], slots, -1)
+    slots = torch.where(valid & (fast | lp.apply)[:, None], slots, -1)
 
-    upd = load_first & apply[:, None]
-    st.tokens[rows[upd], victim_col[upd]] = pos[upd]
-    st.order = torch.where(apply[:, None], new_order, st.order)
+    upd = lp.load_first & lp.apply[:, None]
+    st.tokens[rows[upd], lp.victim_col[upd]] = pos[upd]
+    st.order = lp.new_order
     _mark(st.protected, rows, pos.clamp(0, hot - 1), use_id)
-    _mark(st.protected, rows, hit_col, hit & apply[:, None])
-    _mark(st.protected, rows, victim_col, load & apply[:, None])
+    _mark(st.protected, rows, lp.hit_col, lp.hit & lp.apply[:, None])
+    _mark(st.protected, rows, lp.victim_col, lp.load & lp.apply[:, None])
 
     fast_first = is_first & fast[:, None]
-    long_first = is_first & apply[:, None]
+    long_first = is_first & lp.apply[:, None]
     counts = torch.stack([
-        (fast_first & (fast_slot >= 0)).sum(1) + (long_first & (x_found | hit)).sum(1),
-        torch.where(apply, num_load, 0),
-        (fast_first & (fast_slot < 0)).sum(1) + (long_first & need & (host_slot < 0)).sum(1),
+        (fast_first & (fast_slot >= 0)).sum(1) + (long_first & (x_found | lp.hit)).sum(1),
+        torch.where(lp.apply, lp.num_load, 0),
+        (fast_first & (fast_slot < 0)).sum(1) + (long_first & lp.need & (lp.host_slot < 0)).sum(1),
     ], dim=1)
-    return _StepOut(slots, counts, overflow, host_slot[upd], victim_loc[upd])
+    return _StepOut(slots, counts, lp.overflow, lp.host_slot[upd], lp.victim_loc[upd])
 
 
 def swap_in_reference(

@@ -36,6 +36,89 @@ def _excl_cumsum(x):
 
 
 @triton.jit
+def _first_occurrence(pos, ik, k_in, BLOCK_K: tl.constexpr):
+    """Index of the first entry holding each entry's position ([BK, BK] compare)."""
+    same = (pos[:, None] == pos[None, :]) & k_in[None, :]
+    return tl.min(tl.where(same, ik[None, :], BLOCK_K), axis=1)
+
+
+@triton.jit
+def _draft_lookup(pos, valid, tok_row, loc_row, HOT, W, BLOCK_X: tl.constexpr):
+    """First newest/draft column in [HOT, W) holding each position with a slot: (found, slot)."""
+    ix = tl.arange(0, BLOCK_X)
+    x_in = ix < W - HOT
+    xt = tl.load(tok_row + HOT + ix, mask=x_in, other=-1, cache_modifier=".cg")
+    xl = tl.load(loc_row + HOT + ix, mask=x_in, other=-1)
+    xm = (pos[:, None] == xt[None, :]) & (xl >= 0)[None, :] & x_in[None, :]  # [BK, BX]
+    x_first = tl.min(tl.where(xm, ix[None, :], BLOCK_X), axis=1)
+    x_slot = tl.sum(tl.where(xm & (ix[None, :] == x_first[:, None]), xl[None, :], 0), axis=1)
+    return valid & (x_first < BLOCK_X), x_slot
+
+
+@triton.jit
+def _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row, slot_out, k_in):
+    """n <= HOT: identity column, else the newest/draft columns. Returns (hits, unrecoverable)."""
+    id_loc = tl.load(loc_row + pos, mask=valid, other=-1)  # t < n <= HOT: in bounds
+    use_id = valid & (id_loc >= 0)
+    slot = tl.where(use_id, id_loc, tl.where(x_found, x_slot, -1))
+    slot = tl.where(valid, slot, -1)
+    tl.store(prot_row + pos, 1, mask=use_id)
+    tl.store(slot_out, slot.to(tl.int32), mask=k_in)
+    return tl.sum((is_first & (slot >= 0)).to(tl.int32)), tl.sum((is_first & (slot < 0)).to(tl.int32))
+
+
+@triton.jit
+def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
+               slot_out, src_out, dst_out, ik, k_in, HOT, BLOCK_HOT: tl.constexpr):
+    """n > HOT: the LRU rules. Returns (fits, hits, misses, unrecoverable); writes nothing unless it fits."""
+    ih = tl.arange(0, BLOCK_HOT)
+    h_in = ih < HOT
+    wanted = valid & ~x_found
+    lru_k = tl.load(lru_row + ih, mask=h_in, other=0, cache_modifier=".cg")  # [BH] columns, LRU first
+    tok_k = tl.load(tok_row + lru_k, mask=h_in, other=-1, cache_modifier=".cg")
+    loc_k = tl.load(loc_row + lru_k, mask=h_in, other=-1)
+    prot_k = tl.load(prot_row + lru_k, mask=h_in, other=0, cache_modifier=".cg") != 0
+    held = (tok_k[:, None] == pos[None, :]) & wanted[None, :] & h_in[:, None]  # [BH, BK]
+    col_hit = tl.max(held.to(tl.int32), axis=1) > 0
+    hit = tl.max(held.to(tl.int32), axis=0) > 0
+    hit_loc = tl.sum(tl.where(held, loc_k[:, None], 0), axis=0)  # hot tokens are unique
+    hit_col = tl.sum(tl.where(held, lru_k[:, None], 0), axis=0)
+    need = wanted & ~hit
+    host = tl.load(host_row + pos, mask=need, other=-1)
+    load = need & (host >= 0)  # every duplicate of a loadable miss
+    load_first = (load & is_first).to(tl.int32)
+    rank = tl.sum(tl.where(ik[None, :] == first[:, None], _excl_cumsum(load_first)[None, :], 0), axis=1)
+    num_load = tl.sum(load_first)
+    evict = (h_in & ~col_hit & ~prot_k).to(tl.int32)
+    protu = (h_in & ~col_hit & prot_k).to(tl.int32)
+    num_evict = tl.sum(evict)
+    fits = num_load <= num_evict
+    hits = tl.sum((is_first & (x_found | hit)).to(tl.int32))
+    unrec = tl.sum((is_first & need & (host < 0)).to(tl.int32))
+    if fits:
+        # new order [evictables kept | protected, unwanted | loaded | hits], by stable compaction
+        num_protu = tl.sum(protu)
+        er = _excl_cumsum(evict)
+        loaded_at = num_evict - num_load + num_protu  # start of the "newly loaded" block
+        dest = tl.where(evict != 0, tl.where(er >= num_load, er - num_load, loaded_at + er),
+                        tl.where(protu != 0, num_evict - num_load + _excl_cumsum(protu),
+                                 num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32))))
+        tl.debug_barrier()  # every thread has read this step's lru / tokens / flags
+        tl.store(lru_row + dest, lru_k, mask=h_in)
+        tl.debug_barrier()
+        victim = tl.load(lru_row + loaded_at + rank, mask=load, other=0, cache_modifier=".cg")
+        victim_loc = tl.load(loc_row + victim, mask=load, other=-1)
+        tl.store(tok_row + victim, pos, mask=load_first != 0)
+        tl.store(prot_row + victim, 1, mask=load)
+        tl.store(prot_row + hit_col, 1, mask=hit)
+        slot = tl.where(x_found, x_slot, tl.where(hit, hit_loc, tl.where(load, victim_loc, -1)))
+        tl.store(slot_out, tl.where(valid, slot, -1).to(tl.int32), mask=k_in)
+        tl.store(src_out, host, mask=load_first != 0)
+        tl.store(dst_out, victim_loc, mask=load_first != 0)
+    return fits, hits, num_load, unrec
+
+
+@triton.jit
 def _swap_in_kernel(
     pos_ptr, seq_ptr, rows_ptr,  # [B, S, K] i32, [B, S] i64, [B] i64
     tok_ptr, loc_ptr, lru_ptr, host_ptr,  # [N, W] i32, [N, W] i64, [N, HOT] i32, [N, ctx] i64
@@ -54,11 +137,7 @@ def _swap_in_kernel(
     host_row = host_ptr + row * host_stride
     prot_row = prot_ptr + b * HOT
     ik = tl.arange(0, BLOCK_K)
-    ih = tl.arange(0, BLOCK_HOT)
-    ix = tl.arange(0, BLOCK_X)
     k_in = ik < K
-    h_in = ih < HOT
-    x_in = ix < W - HOT
 
     zero = b * 0  # int32 scalar: loop-carried counters keep one type
     stopped = zero
@@ -70,80 +149,28 @@ def _swap_in_kernel(
     while s < S:
         n = tl.load(seq_ptr + b * seq_stride_b + s)
         if (stopped == 0) & (n > 0):
-            out = (b * S + s) * K  # top_k_pos and the outputs are contiguous [B, S, K]
-            pos = tl.load(pos_ptr + out + ik, mask=k_in, other=-1)  # [BK] i32
+            out = (b * S + s) * K + ik  # top_k_pos and the outputs are contiguous [B, S, K]
+            pos = tl.load(pos_ptr + out, mask=k_in, other=-1)  # [BK] i32
             valid = k_in & (pos >= 0) & (pos < n)
-            same = (pos[:, None] == pos[None, :]) & k_in[None, :]  # [BK, BK]
-            first = tl.min(tl.where(same, ik[None, :], BLOCK_K), axis=1)  # first equal entry
+            first = _first_occurrence(pos, ik, k_in, BLOCK_K)
             is_first = valid & (first == ik)
-
-            # newest/draft columns [HOT, W): first column holding the position with a slot
-            xt = tl.load(tok_row + HOT + ix, mask=x_in, other=-1, cache_modifier=".cg")
-            xl = tl.load(loc_row + HOT + ix, mask=x_in, other=-1)
-            xm = (pos[:, None] == xt[None, :]) & (xl >= 0)[None, :] & x_in[None, :]  # [BK, BX]
-            x_first = tl.min(tl.where(xm, ix[None, :], BLOCK_X), axis=1)
-            x_found = valid & (x_first < BLOCK_X)
-            x_slot = tl.sum(tl.where(xm & (ix[None, :] == x_first[:, None]), xl[None, :], 0), axis=1)
-
+            x_found, x_slot = _draft_lookup(pos, valid, tok_row, loc_row, HOT, W, BLOCK_X)
             if n <= HOT:
-                # fast path: identity column (t < n <= HOT), else the newest/draft columns
-                id_loc = tl.load(loc_row + pos, mask=valid, other=-1)
-                use_id = valid & (id_loc >= 0)
-                slot = tl.where(use_id, id_loc, tl.where(x_found, x_slot, -1))
-                slot = tl.where(valid, slot, -1)
-                tl.store(prot_row + pos, 1, mask=use_id)
-                tl.store(slot_ptr + out + ik, slot.to(tl.int32), mask=k_in)
-                hits += tl.sum((is_first & (slot >= 0)).to(tl.int32))
-                unrec += tl.sum((is_first & (slot < 0)).to(tl.int32))
+                step_hits, step_unrec = _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row,
+                                                   slot_ptr + out, k_in)
+                hits += step_hits
+                unrec += step_unrec
             else:
-                wanted = valid & ~x_found
-                lru_k = tl.load(lru_row + ih, mask=h_in, other=0, cache_modifier=".cg")  # [BH] columns
-                tok_k = tl.load(tok_row + lru_k, mask=h_in, other=-1, cache_modifier=".cg")
-                loc_k = tl.load(loc_row + lru_k, mask=h_in, other=-1)
-                prot_k = tl.load(prot_row + lru_k, mask=h_in, other=0, cache_modifier=".cg") != 0
-                held = (tok_k[:, None] == pos[None, :]) & wanted[None, :] & h_in[:, None]  # [BH, BK]
-                col_hit = tl.max(held.to(tl.int32), axis=1) > 0
-                hit = tl.max(held.to(tl.int32), axis=0) > 0
-                hit_loc = tl.sum(tl.where(held, loc_k[:, None], 0), axis=0)  # hot tokens are unique
-                hit_col = tl.sum(tl.where(held, lru_k[:, None], 0), axis=0)
-                need = wanted & ~hit
-                host = tl.load(host_row + pos, mask=need, other=-1)
-                load = need & (host >= 0)
-                load_first = (load & is_first).to(tl.int32)
-                rank_first = _excl_cumsum(load_first)
-                rank = tl.sum(tl.where(ik[None, :] == first[:, None], rank_first[None, :], 0), axis=1)
-                num_load = tl.sum(load_first)
-                evict = (h_in & ~col_hit & ~prot_k).to(tl.int32)
-                protu = (h_in & ~col_hit & prot_k).to(tl.int32)
-                num_evict = tl.sum(evict)
-                if num_load > num_evict:
-                    stopped = zero + 1  # stop before this step: nothing of it is written
-                    steps_done = s
+                fits, step_hits, step_misses, step_unrec = _long_step(
+                    pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
+                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, BLOCK_HOT)
+                if fits:
+                    hits += step_hits
+                    misses += step_misses
+                    unrec += step_unrec
                 else:
-                    num_protu = tl.sum(protu)
-                    er = _excl_cumsum(evict)
-                    kept_at = num_evict - num_load + _excl_cumsum(protu)
-                    hit_at = num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32))
-                    dest = tl.where(evict != 0,
-                                    tl.where(er >= num_load, er - num_load, num_evict - num_load + num_protu + er),
-                                    tl.where(protu != 0, kept_at, hit_at))
-                    tl.debug_barrier()  # every thread has read this step's lru / tokens / flags
-                    tl.store(lru_row + dest, lru_k, mask=h_in)
-                    tl.debug_barrier()
-                    victim_at = num_evict - num_load + num_protu + rank  # loaded block, miss order
-                    victim = tl.load(lru_row + victim_at, mask=load, other=0, cache_modifier=".cg")
-                    victim_loc = tl.load(loc_row + victim, mask=load, other=-1)
-                    tl.store(tok_row + victim, pos, mask=load_first != 0)
-                    tl.store(prot_row + victim, 1, mask=load)
-                    tl.store(prot_row + hit_col, 1, mask=hit)
-                    slot = tl.where(x_found, x_slot, tl.where(hit, hit_loc, tl.where(load, victim_loc, -1)))
-                    slot = tl.where(valid, slot, -1)
-                    tl.store(slot_ptr + out + ik, slot.to(tl.int32), mask=k_in)
-                    tl.store(src_ptr + out + ik, host, mask=load_first != 0)
-                    tl.store(dst_ptr + out + ik, victim_loc, mask=load_first != 0)
-                    hits += tl.sum((is_first & (x_found | hit)).to(tl.int32))
-                    misses += num_load
-                    unrec += tl.sum((is_first & need & (host < 0)).to(tl.int32))
+                    stopped = zero + 1  # stop before this step: nothing of it was written
+                    steps_done = s
             tl.debug_barrier()  # this step's writes are visible to the next step's reads
         s += 1
     tl.store(count_ptr + b * 4 + 0, steps_done)

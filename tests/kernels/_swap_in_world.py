@@ -111,7 +111,7 @@ def build_world(seed: int, *, num_reqs: int, num_steps: int, top_k: int, hot: in
 
 
 @st.composite
-def worlds(draw, *, max_reqs: int = 3, max_steps: int = 4, hots=(4, 5, 8)) -> World:
+def worlds(draw, *, max_reqs: int = 3, max_steps: int = 4, hots=(4, 5, 8, 16)) -> World:
     hot = draw(st.sampled_from(hots))
     return build_world(
         draw(st.integers(0, 2**31 - 1)),
