@@ -148,7 +148,9 @@ class EngineConfig:
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:
-        _require(isinstance(self.model, str) and bool(self.model), "model", self.model, "must be 'tiny' or a path")
+        _require(
+            isinstance(self.model, str) and bool(self.model), "model", self.model, "must be 'tiny' or a path"
+        )
         _require(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _require(

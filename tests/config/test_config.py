@@ -19,42 +19,85 @@ RULES = [
     ("device", lambda: dict(device="cuda", dtype="bfloat16"), lambda: dict(device="tpu")),
     ("dtype", lambda: dict(dtype="float64"), lambda: dict(dtype="float8")),
     ("dtype", lambda: dict(device="cpu", dtype="float64"), lambda: dict(device="cuda", dtype="float64")),
-    ("page_size", lambda: dict(page_size=1, speculative=None, hisparse=HS(device_buffer_size=64)),
-     lambda: dict(page_size=0, speculative=None)),
+    (
+        "page_size",
+        lambda: dict(page_size=1, speculative=None, hisparse=HS(device_buffer_size=64)),
+        lambda: dict(page_size=0, speculative=None),
+    ),
     ("max_context_len", lambda: dict(max_context_len=1), lambda: dict(max_context_len=0)),
     ("max_running_requests", lambda: dict(max_running_requests=1), lambda: dict(max_running_requests=0)),
-    ("device_pool_tokens", lambda: dict(device_pool_tokens=16384 + 16), lambda: dict(device_pool_tokens=16384 + 8)),
+    (
+        "device_pool_tokens",
+        lambda: dict(device_pool_tokens=16384 + 16),
+        lambda: dict(device_pool_tokens=16384 + 8),
+    ),
     ("seed", lambda: dict(seed=-3), lambda: dict(seed=1.5)),
-    ("hisparse.device_buffer_size", lambda: dict(hisparse=HS(device_buffer_size=16)), lambda: dict(hisparse=HS(device_buffer_size=24))),
-    ("hisparse.device_buffer_size", lambda: dict(hisparse=HS(device_buffer_size=64, top_k=64)),
-     lambda: dict(hisparse=HS(device_buffer_size=48, top_k=64))),
-    ("hisparse.host_to_device_ratio", lambda: dict(hisparse=HS(host_to_device_ratio=1), max_context_len=4096),
-     lambda: dict(hisparse=HS(host_to_device_ratio=0))),
+    (
+        "hisparse.device_buffer_size",
+        lambda: dict(hisparse=HS(device_buffer_size=16)),
+        lambda: dict(hisparse=HS(device_buffer_size=24)),
+    ),
+    (
+        "hisparse.device_buffer_size",
+        lambda: dict(hisparse=HS(device_buffer_size=64, top_k=64)),
+        lambda: dict(hisparse=HS(device_buffer_size=48, top_k=64)),
+    ),
+    (
+        "hisparse.host_to_device_ratio",
+        lambda: dict(hisparse=HS(host_to_device_ratio=1), max_context_len=4096),
+        lambda: dict(hisparse=HS(host_to_device_ratio=0)),
+    ),
     ("hisparse.top_k", lambda: dict(hisparse=HS(top_k=1)), lambda: dict(hisparse=HS(top_k=0))),
-    ("speculative.num_steps", lambda: dict(speculative=SP(num_steps=1)), lambda: dict(speculative=SP(num_steps=0))),
-    ("speculative.num_draft_tokens", lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=4)),
-     lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=5))),
-    ("speculative.eagle_topk", lambda: dict(speculative=SP(eagle_topk=1), page_size=16),
-     lambda: dict(speculative=SP(eagle_topk=2), page_size=16)),
-    ("speculative.eagle_topk", lambda: dict(speculative=SP(eagle_topk=1), page_size=1, hisparse=None,
-                                    device_pool_tokens=4100),
-     lambda: dict(speculative=SP(eagle_topk=2), page_size=1, hisparse=None, device_pool_tokens=4100)),
+    (
+        "speculative.num_steps",
+        lambda: dict(speculative=SP(num_steps=1)),
+        lambda: dict(speculative=SP(num_steps=0)),
+    ),
+    (
+        "speculative.num_draft_tokens",
+        lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=4)),
+        lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=5)),
+    ),
+    (
+        "speculative.eagle_topk",
+        lambda: dict(speculative=SP(eagle_topk=1), page_size=16),
+        lambda: dict(speculative=SP(eagle_topk=2), page_size=16),
+    ),
+    (
+        "speculative.eagle_topk",
+        lambda: dict(speculative=SP(eagle_topk=1), page_size=1, hisparse=None, device_pool_tokens=4100),
+        lambda: dict(speculative=SP(eagle_topk=2), page_size=1, hisparse=None, device_pool_tokens=4100),
+    ),
     # verify tokens live in the draft zone: D <= page_size - 1
-    ("speculative.num_draft_tokens", lambda: dict(page_size=8, speculative=SP(num_steps=6)),
-     lambda: dict(page_size=8, speculative=SP(num_steps=7))),
+    (
+        "speculative.num_draft_tokens",
+        lambda: dict(page_size=8, speculative=SP(num_steps=6)),
+        lambda: dict(page_size=8, speculative=SP(num_steps=7)),
+    ),
     # one device buffer fits: S >= HOT + P
-    ("device_pool_tokens", lambda: dict(max_context_len=64, device_pool_tokens=144, hisparse=HS(host_to_device_ratio=1)),
-     lambda: dict(max_context_len=64, device_pool_tokens=128, hisparse=HS(host_to_device_ratio=1))),
+    (
+        "device_pool_tokens",
+        lambda: dict(max_context_len=64, device_pool_tokens=144, hisparse=HS(host_to_device_ratio=1)),
+        lambda: dict(max_context_len=64, device_pool_tokens=128, hisparse=HS(host_to_device_ratio=1)),
+    ),
     # a prefill is dense in the device pool: S >= roundup(max_context_len, P)
-    ("device_pool_tokens", lambda: dict(max_context_len=1024, device_pool_tokens=1024),
-     lambda: dict(max_context_len=1025, device_pool_tokens=1024)),
+    (
+        "device_pool_tokens",
+        lambda: dict(max_context_len=1024, device_pool_tokens=1024),
+        lambda: dict(max_context_len=1025, device_pool_tokens=1024),
+    ),
     # logical / host pools hold one request of max_context_len plus the draft tokens
-    ("hisparse.host_to_device_ratio", lambda: dict(max_context_len=2044, device_pool_tokens=2048,
-                                           hisparse=HS(host_to_device_ratio=1)),
-     lambda: dict(max_context_len=2045, device_pool_tokens=2048, hisparse=HS(host_to_device_ratio=1))),
+    (
+        "hisparse.host_to_device_ratio",
+        lambda: dict(max_context_len=2044, device_pool_tokens=2048, hisparse=HS(host_to_device_ratio=1)),
+        lambda: dict(max_context_len=2045, device_pool_tokens=2048, hisparse=HS(host_to_device_ratio=1)),
+    ),
     # without HiSparse every token is resident
-    ("device_pool_tokens", lambda: dict(hisparse=None, max_context_len=4092, device_pool_tokens=4096),
-     lambda: dict(hisparse=None, max_context_len=4093, device_pool_tokens=4096)),
+    (
+        "device_pool_tokens",
+        lambda: dict(hisparse=None, max_context_len=4092, device_pool_tokens=4096),
+        lambda: dict(hisparse=None, max_context_len=4093, device_pool_tokens=4096),
+    ),
 ]
 
 
@@ -106,8 +149,12 @@ configs = st.builds(
     max_context_len=st.integers(1, 5000),
     max_running_requests=st.integers(1, 64),
     device_pool_tokens=st.integers(1, 40).map(lambda n: n * 256),
-    hisparse=st.none() | st.builds(HS, device_buffer_size=st.integers(1, 16).map(lambda n: n * 32),
-                                   host_to_device_ratio=st.integers(1, 8)),
+    hisparse=st.none()
+    | st.builds(
+        HS,
+        device_buffer_size=st.integers(1, 16).map(lambda n: n * 32),
+        host_to_device_ratio=st.integers(1, 8),
+    ),
     speculative=st.none() | st.builds(SP, num_steps=st.integers(1, 8)),
 )
 

@@ -93,8 +93,11 @@ class MemoryMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def collect_ready(self, data) -> None:
         """Staging done: the device buffer reuses the prefill pages; every prefill mapping goes to 0."""
-        req = data.draw(st.sampled_from(sorted((r for r in self.reqs.values() if r.phase == "prefill"),
-                                               key=lambda r: r.row)))
+        req = data.draw(
+            st.sampled_from(
+                sorted((r for r in self.reqs.values() if r.phase == "prefill"), key=lambda r: r.row)
+            )
+        )
         need = min(round_up(req.length, PAGE), HOT)
         if req.length >= HOT:
             need = HOT + PAGE
@@ -114,8 +117,11 @@ class MemoryMachine(RuleBasedStateMachine):
     @rule(data=st.data(), steps=st.integers(1, 6))
     def decode(self, data, steps: int) -> None:
         """Decode: logical-only locations, a grown buffer once long, every token backed up."""
-        req = data.draw(st.sampled_from(sorted((r for r in self.reqs.values() if r.phase == "decode"),
-                                               key=lambda r: r.row)))
+        req = data.draw(
+            st.sampled_from(
+                sorted((r for r in self.reqs.values() if r.phase == "decode"), key=lambda r: r.row)
+            )
+        )
         for _ in range(steps):
             new_len = req.length + 1
             if new_len > MAX_LEN:
@@ -159,8 +165,9 @@ class MemoryMachine(RuleBasedStateMachine):
         row = data.draw(st.sampled_from(sorted(self.reqs)))
         req = self.reqs[row]
         others = [p for r in self.reqs.values() if r.row != row for p in r.physical_pages]
-        free_pages = [p for p in range(1, self.alloc.physical.num_pages)
-                      if self.alloc.physical.owner_of(p) < 0]
+        free_pages = [
+            p for p in range(1, self.alloc.physical.num_pages) if self.alloc.physical.owner_of(p) < 0
+        ]
         page = {
             "other": others[0] if others else None,
             "double": free_pages[0] if free_pages else None,
@@ -214,7 +221,9 @@ class MemoryMachine(RuleBasedStateMachine):
         self.host.check_integrity()
         for row, req in self.reqs.items():
             assert self.alloc.physical.pages_of(row) == frozenset(req.physical_pages)
-            assert bool((self.host.req_to_host[row, : req.length] >= 0).all()), "a committed token has no copy"
+            assert bool((self.host.req_to_host[row, : req.length] >= 0).all()), (
+                "a committed token has no copy"
+            )
         assert self.alloc.physical.owners() == sorted(r for r, q in self.reqs.items() if q.physical_pages)
 
     def teardown(self) -> None:

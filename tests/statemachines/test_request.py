@@ -31,24 +31,26 @@ from statemachines.request import (
 )
 
 S = State
-EXPECTED_EDGES = {
-    (S.QUEUED, Admitted, S.PREFILL),
-    (S.PREFILL, PrefillDone, S.STAGING),
-    (S.PREFILL, FinishedAtPrefill, S.FINISHED),
-    (S.STAGING, StagingDone, S.READY),
-    (S.READY, JoinedBatch, S.DECODE),
-    (S.DECODE, DraftStarted, S.DRAFT),
-    (S.DECODE, StepDone, S.DECODE),
-    (S.DECODE, Finished, S.FINISHED),
-    (S.DRAFT, DraftDone, S.VERIFY),
-    (S.VERIFY, Verified, S.DECODE),
-    (S.VERIFY, Finished, S.FINISHED),
-    (S.PREFILL, Retracted, S.QUEUED),
-    (S.READY, Retracted, S.QUEUED),
-    (S.DECODE, Retracted, S.QUEUED),
-} | {(s, AbortRequested, S.ABORTED) for s in S if s not in TERMINAL} | {
-    (s, Crashed, S.FAILED) for s in S if s not in TERMINAL
-}
+EXPECTED_EDGES = (
+    {
+        (S.QUEUED, Admitted, S.PREFILL),
+        (S.PREFILL, PrefillDone, S.STAGING),
+        (S.PREFILL, FinishedAtPrefill, S.FINISHED),
+        (S.STAGING, StagingDone, S.READY),
+        (S.READY, JoinedBatch, S.DECODE),
+        (S.DECODE, DraftStarted, S.DRAFT),
+        (S.DECODE, StepDone, S.DECODE),
+        (S.DECODE, Finished, S.FINISHED),
+        (S.DRAFT, DraftDone, S.VERIFY),
+        (S.VERIFY, Verified, S.DECODE),
+        (S.VERIFY, Finished, S.FINISHED),
+        (S.PREFILL, Retracted, S.QUEUED),
+        (S.READY, Retracted, S.QUEUED),
+        (S.DECODE, Retracted, S.QUEUED),
+    }
+    | {(s, AbortRequested, S.ABORTED) for s in S if s not in TERMINAL}
+    | {(s, Crashed, S.FAILED) for s in S if s not in TERMINAL}
+)
 
 
 def test_the_table_is_exactly_the_documented_lifecycle():

@@ -1,0 +1,95 @@
+"""The DSA attention backend over HiSparse memory.
+
+Per layer it stores the new tokens' rows, runs the indexer over each token's visible positions, and
+attends over the selected rows:
+
+* **prefill** (dense in device): a position's row is found through ``logical_to_physical``;
+* **decode / verify**: the tokens are request-major, ``steps`` per request (1 for decode, D for a
+  verify); their top-k sets go through the coordinator's swap-in, which returns device slots,
+  loading misses from host. A verify whose steps do not all fit the hot region in one call is
+  resolved in rounds: attention runs for the steps resolved so far before the next round may evict
+  their columns.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import attrs
+import torch
+
+from kernels.indexer_topk import indexer_topk
+from kernels.sparse_mla import sparse_mla_reference as sparse_mla
+from pipeline.hisparse.trace import TopKTrace
+from pipeline.model.attention_api import AttentionInputs
+
+if TYPE_CHECKING:
+    from pipeline.hisparse.coordinator import HiSparseCoordinator
+
+
+@attrs.define(eq=False)
+class HiSparseBackend:
+    """``AttentionBackend`` for one forward of the target model over HiSparse memory."""
+
+    coord: HiSparseCoordinator
+    req_rows: torch.Tensor  # [T] int64 request row of each token
+    positions: torch.Tensor  # [T] int64
+    write_locs: torch.Tensor  # [T] int64 logical location (indexer key)
+    write_slots: torch.Tensor  # [T] int64 device slot (MLA row)
+    steps: int = 0  # 0 = prefill; else tokens per request, request-major
+    trace: TopKTrace | None = None
+    labels: dict[int, str] | None = None  # request id of each request row, for the trace
+
+    def attend(self, inputs: AttentionInputs) -> torch.Tensor:
+        layer = inputs.layer
+        kv = self.coord.device_kv[layer]  # [rows, C + R]
+        keys = self.coord.index_k[layer]  # [logical rows, Di]
+        kv[self.write_slots] = inputs.kv_rows.to(kv.dtype)
+        keys[self.write_locs] = inputs.index_k.to(keys.dtype)
+        top = indexer_topk(
+            inputs.index_q,
+            inputs.index_w,
+            keys,
+            self.coord.req_to_token.to(keys.device),
+            self.req_rows,
+            self.positions + 1,
+            inputs.top_k,
+            inputs.index_scale,
+        )  # [T, K] int32 positions
+        if self.trace is not None:
+            self.trace.record(layer, self._trace_labels(), self.positions, top)
+        if self.steps == 0:
+            locs = self.coord.req_to_token[self.req_rows[:, None], top.long().clamp(min=0)]
+            slots = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+        return self._attend_swapped(inputs, layer, kv, top)
+
+    def _attend_swapped(
+        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
+    ) -> torch.Tensor:
+        steps = self.steps
+        batch = top.shape[0] // steps
+        rows = self.req_rows.reshape(batch, steps)[:, 0]
+        top3 = top.reshape(batch, steps, -1)  # [B, S, K]
+        seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
+        out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
+        pending = torch.ones(batch, steps, dtype=torch.bool, device=top.device)
+        while bool(pending.any()):
+            result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows)
+            done_now = pending & (
+                torch.arange(steps, device=top.device)[None, :] < result.steps_done[:, None]
+            )
+            idx = torch.nonzero(done_now.reshape(-1)).reshape(-1)  # flat token indices resolved now
+            out[idx] = sparse_mla(
+                inputs.q_latent[idx],
+                inputs.q_rope[idx],
+                kv,
+                result.slots.reshape(batch * steps, -1)[idx],
+                inputs.attn_scale,
+            )
+            pending &= ~done_now
+        return out
+
+    def _trace_labels(self) -> list[str]:
+        labels = self.labels or {}
+        return [labels.get(row, str(row)) for row in self.req_rows.tolist()]

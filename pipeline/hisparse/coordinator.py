@@ -1,0 +1,411 @@
+"""The HiSparse coordinator: where every request's KV lives, and the moves between the tiers.
+
+It owns the device KV pool (MLA rows by physical slot), the indexer key pool (by logical location,
+always on the device), the host pool, the per-request device buffers, and two transfer streams
+(staging copies and decode backups). Its verbs, in the order a request meets them:
+
+    admit -> start_staging -> collect_ready -> (prepare_decode -> forward -> commit_decode)* -> release
+
+* ``admit``: a row, and prompt locations bound 1:1 to device slots (a prefill is dense in device).
+* ``start_staging``: the prompt KV goes to host asynchronously; the request waits in a FIFO queue.
+* ``collect_ready``: pops requests whose copy landed, in FIFO order, and gives each its device
+  buffer, reusing its prefill slots for the first positions and freeing the rest.
+* ``prepare_decode`` / ``commit_decode``: where the next token's KV is written (its identity column
+  while short, the newest column once long), and the backup of every committed token to host.
+* ``release``: every resource the row owns goes back exactly once, in any state.
+
+Speculative verify binding and finalize (``pipeline/speculative``) use the same tables.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import attrs
+import structlog
+import torch
+
+from kernels.swap_in import SwapInResult, swap_in
+from pipeline.config import MemoryPlan
+from pipeline.hisparse.backend import HiSparseBackend
+from pipeline.hisparse.buffers import DeviceBuffers
+from pipeline.hisparse.counters import LayerCounters
+from pipeline.hisparse.trace import TopKTrace
+from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStream, make_transfer_stream
+from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows
+from pipeline.memory.targets import PrefillSlots, WriteTargets
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.define(eq=False)
+class RowMemory:
+    """What the coordinator knows of one live request row."""
+
+    length: int  # committed positions (their KV exists)
+    phase: str  # "prefill" | "staging" | "ready"
+    prefill_pages: list[int] = attrs.Factory(list)  # physical pages while the prompt is dense in device
+    prefill_locs: torch.Tensor | None = None  # [n] the prompt's locations
+    staging: TransferHandle | None = None  # the prompt's copy to host
+    backup: TransferHandle = attrs.Factory(DoneHandle)  # the newest backup issued for this row
+
+
+@attrs.define(eq=False)
+class HiSparseCoordinator:
+    plan: MemoryPlan
+    num_layers: int
+    row_dim: int  # MLA row: latent + rope key
+    index_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    # builds the transfer streams (tests inject streams with controlled latency)
+    transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
+    rows: RequestRows = attrs.field(init=False)
+    alloc: HiSparseAllocator = attrs.field(init=False)
+    host: HostPool = attrs.field(init=False)
+    buffers: DeviceBuffers = attrs.field(init=False)
+    device_kv: torch.Tensor = attrs.field(init=False)  # [L, physical rows, row_dim]
+    index_k: torch.Tensor = attrs.field(init=False)  # [L, logical rows, index_dim]
+    counters: LayerCounters = attrs.field(init=False)
+    _mem: dict[int, RowMemory] = attrs.field(init=False, factory=dict)
+    # staging FIFO; a row is here <=> its phase is "staging"
+    _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
+    _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
+    _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
+
+    def __attrs_post_init__(self) -> None:
+        plan = self.plan
+        n_rows = plan.max_running_requests
+        self.rows = RequestRows(n_rows)
+        self.alloc = HiSparseAllocator(
+            page_size=plan.page_size,
+            logical_tokens=plan.logical_tokens,
+            device_tokens=plan.device_tokens,
+            num_rows=n_rows,
+            max_len=plan.max_request_len,
+        )
+        self.host = HostPool(
+            num_layers=self.num_layers,
+            host_tokens=plan.host_tokens,
+            row_dim=self.row_dim,
+            page_size=plan.page_size,
+            num_rows=n_rows,
+            max_len=plan.max_request_len,
+            dtype=self.dtype,
+            pin_memory=self.device.type == "cuda",
+        )
+        self.buffers = DeviceBuffers(self.num_layers, n_rows, plan.hot, plan.page_size, device=self.device)
+        self.device_kv = torch.zeros(
+            self.num_layers, self.alloc.physical_rows, self.row_dim, dtype=self.dtype, device=self.device
+        )
+        self.index_k = torch.zeros(
+            self.num_layers, self.alloc.logical_rows, self.index_dim, dtype=self.dtype, device=self.device
+        )
+        self.counters = LayerCounters(self.num_layers)
+        self._staging_stream = self.transfer("staging", self.device)
+        self._backup_stream = self.transfer("backup", self.device)
+
+    # --- admission and prefill ------------------------------------------------------------------
+
+    @property
+    def hot(self) -> int:
+        return self.plan.hot
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.alloc.req_to_token.table
+
+    def length(self, row: int) -> int:
+        return self._mem[row].length
+
+    def live_rows(self) -> list[int]:
+        return sorted(self._mem)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        """Room for a prompt: a row, dense device slots, locations and its host copy."""
+        if not self.rows.can_allocate():
+            return False
+        pages = -(-num_tokens // self.plan.page_size)
+        return (
+            self.alloc.physical.can_allocate(pages)
+            and self.alloc.logical.can_allocate(pages)
+            and self.host.allocator.can_allocate(pages)
+        )
+
+    def admit(self, num_tokens: int) -> PrefillSlots:
+        """A row and its prompt's locations and slots; raises ``OutOfMemory`` (nothing changed)."""
+        if not self.can_admit(num_tokens):
+            raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
+        row = self.rows.allocate()
+        got = self.alloc.alloc_prefill(row, num_tokens)
+        self._mem[row] = RowMemory(
+            length=0, phase="prefill", prefill_pages=got.physical_pages, prefill_locs=got.locs
+        )
+        return PrefillSlots(row, got.locs.to(self.device), got.slots.to(self.device))
+
+    def start_staging(self, row: int, length: int) -> None:
+        """The prompt's KV is computed: copy it to host (all layers) and queue the row."""
+        mem = self._mem[row]
+        positions = torch.arange(length)
+        self.host.reserve(row, length)
+        host_slots = self.host.record(row, positions)
+        dev_slots = self.alloc.lookup(mem.prefill_locs[:length]).to(self.device)
+        mem.staging = self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
+        self.counters.add_backup(length * self.host.row_bytes)
+        mem.length, mem.phase = length, "staging"
+        self._staging.append(row)
+
+    def staging_rows(self) -> list[int]:
+        return list(self._staging)
+
+    def wait_staging(self) -> None:
+        """Block until every staging copy in flight has landed."""
+        self._staging_stream.synchronize()
+
+    def collect_ready(self, *, speculative: bool = False) -> list[int]:
+        """Pop staged rows whose copy has landed, in FIFO order, and give each its device buffer.
+
+        Stops at the first row whose copy is still in flight, or whose buffer does not fit yet (it
+        stays at the head of the queue and is tried again on the next call).
+        """
+        ready: list[int] = []
+        while self._staging:
+            row = self._staging[0]
+            mem = self._mem[row]
+            assert mem.staging is not None
+            if not mem.staging.query():
+                break
+            need = self.buffers.capacity_for(mem.length, speculative=speculative)
+            short = need // self.plan.page_size - len(mem.prefill_pages)
+            if short > 0 and not self.alloc.physical.can_allocate(short):
+                break
+            pages = self.alloc.alloc_device_buffer(row, mem.prefill_pages, mem.prefill_locs, need)
+            self.buffers.assign(row, pages)
+            self._staging.popleft()
+            mem.phase, mem.staging, mem.prefill_pages, mem.prefill_locs = "ready", None, [], None
+            ready.append(row)
+        return ready
+
+    # --- plain decode ---------------------------------------------------------------------------
+
+    def decode_needs(
+        self, row: int, *, new_tokens: int = 1, speculative: bool = False
+    ) -> tuple[int, int, int]:
+        """(logical, physical, host) pages that committing ``new_tokens`` more positions needs."""
+        mem = self._mem[row]
+        end = mem.length + new_tokens
+        logical = self.alloc.req_to_token.pages_needed(row, end)
+        cap = self.buffers.capacity(row)
+        physical = (
+            max(0, self.buffers.capacity_for(end, speculative=speculative) - cap) // self.plan.page_size
+        )
+        host = self.host.pages_needed(row, end)
+        return logical, physical, host
+
+    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        return (
+            self.alloc.logical.can_allocate(logical)
+            and self.alloc.physical.can_allocate(physical)
+            and self.host.allocator.can_allocate(host)
+        )
+
+    def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
+        """Locations for the next ``new_tokens`` positions and a buffer wide enough for them.
+
+        Raises ``OutOfMemory`` before changing anything when a pool is short.
+        """
+        if not self.can_decode(row, new_tokens=new_tokens, speculative=speculative):
+            raise OutOfMemory("hisparse decode", new_tokens, self.free_pages())
+        mem = self._mem[row]
+        end = mem.length + new_tokens
+        self.alloc.extend(row, end)
+        _, physical, _ = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        if physical:
+            self.buffers.grow(row, self.alloc.alloc_physical(row, physical))
+
+    def prepare_decode(self, rows: list[int]) -> WriteTargets:
+        """Where each row's next token (position = its length) writes; raises ``OutOfMemory``.
+
+        While short the token goes to its identity column; once long it replaces the newest column,
+        after the backup that reads the previous newest token has completed.
+        """
+        locs, slots = [], []
+        for row in rows:
+            self.ensure_capacity(row, new_tokens=1, speculative=False)
+            mem = self._mem[row]
+            pos = mem.length
+            col = self.buffers.column_of(pos)
+            if col == self.buffers.newest:
+                mem.backup.wait()  # the previous newest token's copy reads this column
+                self._forget_newest(row)
+                self.buffers.tokens[:, row, col] = pos
+            loc = self.req_to_token[row, pos]
+            slot = self.buffers.locs[row, col]
+            self.alloc.bind(loc.reshape(1), slot.reshape(1).cpu())
+            locs.append(loc)
+            slots.append(slot)
+        return WriteTargets(torch.stack(locs).to(self.device), torch.stack(slots).to(self.device))
+
+    def _forget_newest(self, row: int) -> None:
+        """The newest column is about to be overwritten: its token keeps only its host copy."""
+        held = int(self.buffers.tokens[0, row, self.buffers.newest])
+        if held >= 0:
+            self.alloc.clear(self.req_to_token[row, held].reshape(1))
+
+    def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
+        """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up.
+
+        One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
+        """
+        num_new = num_new or [1] * len(rows)
+        host_slots, dev_slots = [], []
+        start = 0
+        for row, count in zip(rows, num_new):
+            mem = self._mem[row]
+            positions = torch.arange(mem.length, mem.length + count)
+            self.host.reserve(row, mem.length + count)
+            host_slots.append(self.host.record(row, positions))
+            dev_slots.append(slots[start : start + count].cpu())
+            start += count
+            mem.length += count
+        handle = self._backup_stream.copy_rows(
+            self.host.kv, torch.cat(host_slots), self.device_kv, torch.cat(dev_slots).to(self.device)
+        )
+        self.counters.add_backup(sum(num_new) * self.host.row_bytes)
+        for row in rows:
+            self._mem[row].backup = handle
+
+    def wait_backups(self) -> None:
+        self._backup_stream.synchronize()
+
+    def backend(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        locs: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        steps: int = 0,
+        trace: TopKTrace | None = None,
+        labels: dict[int, str] | None = None,
+    ) -> HiSparseBackend:
+        """The attention backend of one forward: ``steps`` = 0 for a prefill, else tokens per row."""
+        return HiSparseBackend(self, rows, positions, locs, slots, steps=steps, trace=trace, labels=labels)
+
+    # --- swap-in --------------------------------------------------------------------------------
+
+    def swap_in(
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+    ) -> SwapInResult:
+        """Resolve ``top_k_pos [B, S, K]`` of ``layer`` to device slots, loading misses from host."""
+        result = swap_in(
+            top_k_pos,
+            seq_lens,
+            rows,
+            self.buffers.tokens[layer],
+            self.buffers.locs,
+            self.buffers.lru[layer],
+            self.host.req_to_host.to(self.device) if self.device.type != "cpu" else self.host.req_to_host,
+            self.host.kv[layer],
+            self.device_kv[layer],
+            hot=self.hot,
+        )
+        self.counters.add_swap_in(layer, result)
+        return result
+
+    # --- ending ---------------------------------------------------------------------------------
+
+    def release(self, row: int) -> None:
+        """Return everything ``row`` owns, in any phase; waits for copies that touch its slots."""
+        mem = self._mem.pop(row)
+        if mem.phase == "staging":
+            assert mem.staging is not None
+            mem.staging.wait()
+            self._staging.remove(row)
+        mem.backup.wait()
+        covered = self.alloc.req_to_token.covered_len(row)
+        self.alloc.clear(self.req_to_token[row, :covered])
+        if mem.prefill_pages:
+            self.alloc.free_physical(row, mem.prefill_pages)
+        self.alloc.free_physical(row, self.buffers.reset(row))
+        self.alloc.release_locations(row)
+        self.host.release(row)
+        self.rows.free(row)
+
+    def close(self) -> None:
+        """Wait for every copy in flight and stop the transfer workers."""
+        self._staging_stream.close()
+        self._backup_stream.close()
+
+    # --- figures and checks ---------------------------------------------------------------------
+
+    def free_counts(self) -> dict[str, int]:
+        """Free count of every pool (back at its initial value once nothing is live)."""
+        return {
+            "rows": self.rows.num_free,
+            "logical_pages": self.alloc.logical.num_free_pages,
+            "physical_pages": self.alloc.physical.num_free_pages,
+            "host_pages": self.host.allocator.num_free_pages,
+        }
+
+    def free_pages(self) -> int:
+        return min(self.alloc.physical.num_free_pages, self.host.allocator.num_free_pages)
+
+    def token_stats(self) -> dict[str, int]:
+        """Device and host usage in tokens (what the decode log reports)."""
+        p = self.plan.page_size
+        return {
+            "device_used": (self.alloc.physical.capacity_pages - self.alloc.physical.num_free_pages) * p,
+            "device_capacity": self.alloc.physical.capacity_pages * p,
+            "host_used": (self.host.allocator.capacity_pages - self.host.allocator.num_free_pages) * p,
+            "host_capacity": self.host.allocator.capacity_pages * p,
+            "logical_used": (self.alloc.logical.capacity_pages - self.alloc.logical.num_free_pages) * p,
+            "logical_capacity": self.alloc.logical.capacity_pages * p,
+        }
+
+    def device_kv_bytes(self, row: int) -> int:
+        """Device bytes of MLA KV that ``row`` holds (buffer or dense prompt), all layers."""
+        mem = self._mem[row]
+        pages = len(mem.prefill_pages) + len(self.buffers.pages(row))
+        return pages * self.plan.page_size * self.num_layers * self.row_dim * self.device_kv.element_size()
+
+    def check_integrity(self, *, data: bool = True) -> None:
+        """ARCHITECTURE §7 items 1-8 (item 6 against the host copies when ``data``)."""
+        self.rows.check_integrity()
+        self.alloc.check_integrity()
+        self.host.check_integrity()
+        assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
+        staged = [r for r, m in self._mem.items() if m.phase == "staging"]
+        assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' phases"
+        for row, mem in self._mem.items():
+            owned = self.alloc.physical.pages_of(row)
+            expect = set(mem.prefill_pages) | set(self.buffers.pages(row))
+            assert owned == expect, f"row {row}: owns pages {sorted(owned)}, accounts for {sorted(expect)}"
+            assert not (mem.prefill_pages and self.buffers.pages(row)), (
+                f"row {row}: prompt and buffer at once"
+            )
+            if mem.phase in ("prefill", "staging"):
+                continue
+            self.buffers.check_integrity(row, mem.length)
+            copies = self.host.req_to_host[row, : mem.length]
+            assert bool((copies >= 0).all()), f"row {row}: a committed position has no host copy"
+            if data:
+                self._check_rows(row, mem.length)
+
+    def _check_rows(self, row: int, length: int) -> None:
+        """Every column holding a committed position holds that position's KV (its host copy).
+
+        Compares against host copies, so it first waits for the copies in flight.
+        """
+        self.wait_backups()
+        cap = self.buffers.capacity(row)
+        for layer in range(self.num_layers):
+            held = self.buffers.tokens[layer, row, :cap].long()
+            cols = torch.nonzero((held >= 0) & (held < length)).reshape(-1)
+            if cols.numel() == 0:
+                continue
+            dev = self.device_kv[layer, self.buffers.locs[row, cols]].cpu()
+            host = self.host.kv[layer, self.host.req_to_host[row, held[cols].cpu()]]
+            assert torch.equal(dev, host), f"row {row} layer {layer}: a device row differs from its host copy"

@@ -1,0 +1,55 @@
+"""Per-layer transfer counters of HiSparse: hits, misses, bytes moved each way."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from kernels.swap_in import SwapInResult
+
+
+@attrs.define(eq=False)
+class LayerCounters:
+    """Running totals since the engine started (per layer where the move is per layer)."""
+
+    num_layers: int
+    hits: list[int] = attrs.field(init=False)  # top-k entries resolved without a copy
+    misses: list[int] = attrs.field(init=False)  # rows loaded host -> device
+    unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
+    h2d_bytes: list[int] = attrs.field(init=False)
+    d2h_bytes: int = 0  # staging copies and backups, all layers
+    swap_in_calls: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        self.hits = [0] * self.num_layers
+        self.misses = [0] * self.num_layers
+        self.unrecoverable = [0] * self.num_layers
+        self.h2d_bytes = [0] * self.num_layers
+
+    def add_swap_in(self, layer: int, result: SwapInResult) -> None:
+        # one device->host read of four scalars per call
+        totals = torch.stack(
+            [result.hits.sum(), result.misses.sum(), result.unrecoverable.sum(), result.bytes_copied.sum()]
+        ).tolist()
+        self.hits[layer] += int(totals[0])
+        self.misses[layer] += int(totals[1])
+        self.unrecoverable[layer] += int(totals[2])
+        self.h2d_bytes[layer] += int(totals[3])
+        self.swap_in_calls += 1
+
+    def add_backup(self, num_bytes_per_layer: int) -> None:
+        self.d2h_bytes += num_bytes_per_layer * self.num_layers
+
+    def hit_rate(self, layer: int) -> float:
+        total = self.hits[layer] + self.misses[layer]
+        return self.hits[layer] / total if total else 1.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "hits": list(self.hits),
+            "misses": list(self.misses),
+            "unrecoverable": list(self.unrecoverable),
+            "h2d_bytes": list(self.h2d_bytes),
+            "d2h_bytes": self.d2h_bytes,
+            "hit_rate": [round(self.hit_rate(layer), 4) for layer in range(self.num_layers)],
+        }

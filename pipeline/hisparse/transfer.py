@@ -1,0 +1,140 @@
+"""Asynchronous KV transfers behind one small interface.
+
+``stream.copy_rows(dst, dst_idx, src, src_idx)`` issues ``dst[:, dst_idx] = src[:, src_idx]`` (all
+layers) and returns a handle at once; ``handle.query()`` never blocks, ``handle.wait()`` does.
+Copies issued on one stream complete in issue order.
+
+* On CUDA, a side stream: the copy waits for the work already queued on the current stream, runs on
+  the side stream, and records an event that ``query`` polls.
+* On CPU, one worker thread runs the copies in order; ``query`` asks the future.
+
+Ordering rules the coordinator relies on: a request leaves staging only after its copy is done;
+before the newest column of a request is overwritten, the backup that reads it is waited for; before
+a request's slots are freed, every copy touching them is waited for.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Protocol
+
+import torch
+
+from kernels.kv_copy import copy_rows
+
+
+class TransferHandle(Protocol):
+    def query(self) -> bool:
+        """True once the copy has completed; never blocks."""
+        ...
+
+    def wait(self) -> None:
+        """Block until the copy has completed; re-raises its error, if any."""
+        ...
+
+
+class TransferStream(Protocol):
+    def copy_rows(
+        self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+    ) -> TransferHandle: ...
+
+    def synchronize(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class DoneHandle:
+    """A transfer that had nothing to do."""
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        return None
+
+
+class _FutureHandle:
+    def __init__(self, future: cf.Future) -> None:
+        self._future = future
+
+    def query(self) -> bool:
+        if not self._future.done():
+            return False
+        self._future.result()  # re-raise a failed copy here rather than losing it
+        return True
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+class ThreadTransferStream:
+    """CPU transfers: one worker thread, copies in issue order."""
+
+    def __init__(self, name: str) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hispec-{name}")
+        self._last: cf.Future | None = None
+
+    def copy_rows(
+        self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+    ) -> TransferHandle:
+        if src_idx.numel() == 0:
+            return DoneHandle()
+        # the index tensors are private copies: the caller may reuse its own at once
+        src_idx, dst_idx = src_idx.clone(), dst_idx.clone()
+        self._last = self._pool.submit(copy_rows, dst, dst_idx, src, src_idx)
+        return _FutureHandle(self._last)
+
+    def synchronize(self) -> None:
+        if self._last is not None:
+            self._last.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class _EventHandle:
+    def __init__(self, event: torch.cuda.Event) -> None:
+        self._event = event
+
+    def query(self) -> bool:
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        self._event.synchronize()
+
+
+class CudaTransferStream:  # pragma: no cover - needs a GPU
+    """GPU transfers on a side stream, ordered after the work queued when they were issued."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self._stream = torch.cuda.Stream(device=device)
+
+    def copy_rows(
+        self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+    ) -> TransferHandle:
+        if src_idx.numel() == 0:
+            return DoneHandle()
+        current = torch.cuda.current_stream(src.device if src.is_cuda else dst.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            copy_rows(dst, dst_idx, src, src_idx)
+            done = torch.cuda.Event()
+            done.record(self._stream)
+        for t in (src_idx, dst_idx):
+            if t.is_cuda:
+                t.record_stream(self._stream)
+        return _EventHandle(done)
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+def make_transfer_stream(name: str, device: torch.device) -> TransferStream:
+    """A side stream on CUDA, a worker thread on CPU."""
+    if device.type == "cuda":
+        return CudaTransferStream(name, device)
+    return ThreadTransferStream(name)

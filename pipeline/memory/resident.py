@@ -1,0 +1,165 @@
+"""All-resident KV memory: what the engine uses when HiSparse is off.
+
+Every token's KV stays in one device pool addressed by location; a location is its own "slot", there
+is nothing to stage and nothing to swap. It offers the same verbs as the HiSparse coordinator, so the
+executor drives both the same way.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+import torch
+
+from pipeline.config import MemoryPlan
+from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
+from pipeline.memory.req_to_token import RequestRows, token_table
+from pipeline.memory.targets import PrefillSlots, WriteTargets
+from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
+
+
+@attrs.define(eq=False)
+class ResidentMemory:
+    plan: MemoryPlan
+    num_layers: int  # target layers
+    num_mtp_layers: int  # the MTP layer's rows live in the same store, after the target's
+    row_dim: int
+    index_dim: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    rows: RequestRows = attrs.field(init=False)
+    allocator: PagedAllocator = attrs.field(init=False)
+    store: ResidentKV = attrs.field(init=False)
+    _table: PagedTable = attrs.field(init=False)  # req_to_token over the allocator's pages
+    _length: dict[int, int] = attrs.field(init=False, factory=dict)
+    _ready: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
+
+    def __attrs_post_init__(self) -> None:
+        plan = self.plan
+        p = plan.page_size
+        self.rows = RequestRows(plan.max_running_requests)
+        self.allocator = PagedAllocator("kv", plan.device_tokens // p + 1, p, reserve_first_page=True)
+        self._table = token_table(self.allocator, plan.max_running_requests, plan.max_request_len)
+        rows = self.allocator.num_pages * p
+        layers = self.num_layers + self.num_mtp_layers
+        self.store = ResidentKV(
+            kv=torch.zeros(layers, rows, self.row_dim, dtype=self.dtype, device=self.device),
+            index_k=torch.zeros(layers, rows, self.index_dim, dtype=self.dtype, device=self.device),
+            req_to_token=self._table.table.to(self.device),
+        )
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self._table.table
+
+    def length(self, row: int) -> int:
+        return self._length[row]
+
+    def live_rows(self) -> list[int]:
+        return sorted(self._length)
+
+    def can_admit(self, num_tokens: int) -> bool:
+        return self.rows.can_allocate() and self.allocator.can_allocate(-(-num_tokens // self.plan.page_size))
+
+    def admit(self, num_tokens: int) -> PrefillSlots:
+        if not self.can_admit(num_tokens):
+            raise OutOfMemory(
+                "kv admission", -(-num_tokens // self.plan.page_size), self.allocator.num_free_pages
+            )
+        row = self.rows.allocate()
+        self._table.cover(row, num_tokens)
+        self._length[row] = 0
+        locs = self._table.table[row, :num_tokens].to(self.device)
+        return PrefillSlots(row, locs, locs)
+
+    def start_staging(self, row: int, length: int) -> None:
+        """Nothing to copy: the request is ready at once (still in FIFO order)."""
+        self._length[row] = length
+        self._ready.append(row)
+
+    def staging_rows(self) -> list[int]:
+        return []
+
+    def wait_staging(self) -> None:
+        return None
+
+    def collect_ready(self, *, speculative: bool = False) -> list[int]:
+        ready = list(self._ready)
+        self._ready.clear()
+        return ready
+
+    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        end = self._length[row] + new_tokens
+        return self._table.can_cover(row, end)
+
+    def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
+        end = self._length[row] + new_tokens
+        if not self._table.can_cover(row, end):
+            raise OutOfMemory("kv decode", self._table.pages_needed(row, end), self.allocator.num_free_pages)
+        if self._table.cover(row, end):
+            self.store.req_to_token[row] = self._table.table[row].to(self.device)
+
+    def prepare_decode(self, rows: list[int]) -> WriteTargets:
+        locs = []
+        for row in rows:
+            self.ensure_capacity(row, new_tokens=1, speculative=False)
+            locs.append(self._table.table[row, self._length[row]])
+        out = torch.stack(locs).to(self.device)
+        return WriteTargets(out, out)
+
+    def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
+        for row, count in zip(rows, num_new or [1] * len(rows)):
+            self._length[row] += count
+
+    def backend(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        locs: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        steps: int = 0,
+        trace: object = None,
+        labels: dict[int, str] | None = None,
+    ) -> ResidentBackend:
+        """The attention backend of one forward (the same call for prefill, decode and verify)."""
+        backend = ResidentBackend(self.store)
+        backend.begin(ForwardLayout(rows, positions, locs))
+        return backend
+
+    def release(self, row: int) -> None:
+        self._length.pop(row)
+        if row in self._ready:
+            self._ready.remove(row)
+        self._table.release(row)
+        self.store.req_to_token[row] = 0
+        self.rows.free(row)
+
+    def close(self) -> None:
+        return None
+
+    def free_counts(self) -> dict[str, int]:
+        """Free count of every pool (back at its initial value once nothing is live)."""
+        return {"rows": self.rows.num_free, "kv_pages": self.allocator.num_free_pages}
+
+    def free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    def token_stats(self) -> dict[str, int]:
+        p = self.plan.page_size
+        return {
+            "device_used": (self.allocator.capacity_pages - self.allocator.num_free_pages) * p,
+            "device_capacity": self.allocator.capacity_pages * p,
+        }
+
+    def device_kv_bytes(self, row: int) -> int:
+        """Device bytes of the target's MLA KV that ``row`` holds, all target layers."""
+        pages = len(self._table.pages(row))
+        return pages * self.plan.page_size * self.num_layers * self.row_dim * self.store.kv.element_size()
+
+    def check_integrity(self, *, data: bool = True) -> None:
+        self.rows.check_integrity()
+        self.allocator.check_integrity()
+        self._table.check_integrity()
+        assert set(self._length) == set(self.rows.in_use()), "resident rows disagree with the row pool"

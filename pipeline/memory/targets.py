@@ -1,0 +1,23 @@
+"""Where the tokens of one forward write their rows (shared by both KV memories)."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class PrefillSlots:
+    """A prompt's memory: its request row, its locations and the slots its MLA rows go to."""
+
+    row: int
+    locs: torch.Tensor  # [n] int64 logical location per prompt position (indexer keys)
+    slots: torch.Tensor  # [n] int64 device slot per prompt position (MLA rows)
+
+
+@attrs.frozen
+class WriteTargets:
+    """Where the tokens of one decode/verify forward write their rows."""
+
+    locs: torch.Tensor  # [T] int64 logical locations (indexer keys)
+    slots: torch.Tensor  # [T] int64 device slots (MLA rows)

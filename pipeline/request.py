@@ -1,0 +1,170 @@
+"""A request as the stages see it: ids, sampling parameters, its lifecycle state, its output.
+
+The state changes only through ``Request.apply(event)``, which runs ``statemachines.advance`` and
+writes one structured log event bound to the request id. Finish rules (EOS, stop strings, token and
+context limits) live here, so the synchronous driver and the async stages end requests identically.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import structlog
+
+from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.sampling import SamplingParams
+from statemachines.request import TERMINAL, Event, State, advance
+
+log = structlog.get_logger("hispec.lifecycle")
+
+
+@attrs.define(eq=False)
+class RequestMetrics:
+    """Timestamps (monotonic seconds) and counters of one request, vLLM/SGLang names."""
+
+    arrival_time: float = attrs.Factory(time.monotonic)
+    scheduled_time: float | None = None  # admitted into a prefill
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    num_retractions: int = 0
+    # speculative decoding (SGLang meta_info / vLLM SpecDecodingStats)
+    spec_verify_ct: int = 0  # verify rounds
+    spec_num_proposed_drafts: int = 0  # draft tokens proposed (bonus excluded)
+    spec_num_accepted_drafts: int = 0  # draft tokens accepted (bonus excluded)
+    spec_accepted_per_pos: list[int] = attrs.Factory(list)  # accepted count per draft position
+    spec_accept_length_histogram: dict[int, int] = attrs.Factory(dict)  # tokens per verify -> rounds
+    # HiSparse figures summed over the request's steps
+    hisparse_hits: int = 0
+    hisparse_misses: int = 0
+
+    @property
+    def queue_time(self) -> float | None:
+        return None if self.scheduled_time is None else self.scheduled_time - self.arrival_time
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def inter_token_latency(self) -> float | None:
+        """Mean seconds between output tokens after the first."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generation_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generation_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+    @property
+    def spec_accept_length(self) -> float | None:
+        """Tokens committed per verify round, the bonus token included."""
+        if not self.spec_verify_ct:
+            return None
+        return (self.spec_num_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
+
+    @property
+    def spec_accept_rate(self) -> float | None:
+        """Accepted drafts / proposed drafts, the bonus token excluded."""
+        if not self.spec_num_proposed_drafts:
+            return None
+        return self.spec_num_accepted_drafts / self.spec_num_proposed_drafts
+
+    def as_dict(self) -> dict[str, object]:
+        data = attrs.asdict(self)
+        for name in (
+            "queue_time",
+            "time_to_first_token",
+            "inter_token_latency",
+            "e2e_latency",
+            "spec_accept_length",
+            "spec_accept_rate",
+        ):
+            data[name] = getattr(self, name)
+        return data
+
+
+@attrs.define(eq=False)
+class Request:
+    """One request's identity, parameters, lifecycle and output."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    tokenizer: ByteTokenizer
+    max_context_len: int
+    state: State = State.QUEUED
+    output_ids: list[int] = attrs.Factory(list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None
+    metrics: RequestMetrics = attrs.Factory(RequestMetrics)
+    _text: str = ""  # output text so far, stop strings cut away
+
+    def __attrs_post_init__(self) -> None:
+        self.metrics.num_prompt_tokens = len(self.prompt_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in TERMINAL
+
+    @property
+    def text(self) -> str:
+        return self._text
+
+    def apply(self, event: Event, **figures: object) -> State:
+        """Advance the lifecycle by ``event`` (raises ``IllegalTransition``, state unchanged)."""
+        before = self.state
+        self.state = advance(self.state, event)
+        fields = attrs.asdict(event) if attrs.has(type(event)) else {}
+        log.info(
+            event.name,
+            request_id=self.request_id,
+            from_state=before.value,
+            state=self.state.value,
+            **fields,
+            **figures,
+        )
+        return self.state
+
+    def known_tokens(self) -> tuple[int, ...]:
+        """Prompt and output so far: what a re-admission after a retraction prefills."""
+        return self.prompt_ids + tuple(self.output_ids)
+
+    def append(self, tokens: tuple[int, ...] | list[int], now: float | None = None) -> str | None:
+        """Add newly committed tokens, one by one; returns the finish reason if one of them ends the
+        request (the tokens after it are dropped)."""
+        now = time.monotonic() if now is None else now
+        eos = self.tokenizer.eos_token_id
+        for token in tokens:
+            self.output_ids.append(token)
+            self.metrics.num_generation_tokens += 1
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+            if token == eos and not self.params.ignore_eos:
+                self.finish_reason = "stop"
+                return self.finish_reason
+            if self._hit_stop_string():
+                self.finish_reason = "stop"
+                return self.finish_reason
+            if len(self.output_ids) >= self.params.max_new_tokens:
+                self.finish_reason = "length"
+                return self.finish_reason
+            if len(self.prompt_ids) + len(self.output_ids) >= self.max_context_len:
+                self.finish_reason = "length"
+                return self.finish_reason
+        return None
+
+    def _hit_stop_string(self) -> bool:
+        self._text = self.tokenizer.decode(self.output_ids)
+        if not self.params.stop:
+            return False
+        cut = [i for i in (self._text.find(s) for s in self.params.stop) if i >= 0]
+        if not cut:
+            return False
+        self._text = self._text[: min(cut)]
+        return True

@@ -1,0 +1,115 @@
+"""Sampling parameters, logits -> tokens, and the request-level validation of sampling values.
+
+Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, or from the
+engine seed and the request id), so its tokens do not depend on which other requests share its
+batch. Greedy (temperature 0) is argmax, ties to the lowest token id.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from pipeline.errors import RequestError
+
+
+def _check(ok: bool, field: str, value: object, rule: str) -> None:
+    if not ok:
+        raise RequestError(field, value, rule)
+
+
+@attrs.frozen
+class SamplingParams:
+    """How one request samples; checked when the request is submitted (``validate``)."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 = no limit
+    stop: tuple[str, ...] = ()  # strings that end the request (not included in the output)
+    seed: int | None = None  # None: derived from the engine seed and the request id
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ``RequestError`` naming the first bad field."""
+        n = self.max_new_tokens
+        _check(isinstance(n, int) and not isinstance(n, bool), "max_new_tokens", n, "must be an integer")
+        _check(n >= 1, "max_new_tokens", n, "must be >= 1")
+        t = self.temperature
+        _check(isinstance(t, (int, float)) and t == t, "temperature", t, "must be a number")
+        _check(t >= 0, "temperature", t, "must be >= 0 (0 = greedy)")
+        p = self.top_p
+        _check(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", p, "must be in (0, 1]")
+        k = self.top_k
+        _check(
+            isinstance(k, int) and not isinstance(k, bool) and k >= 0, "top_k", k, "must be an integer >= 0"
+        )
+        _check(
+            isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "must be a tuple of non-empty strings",
+        )
+        seed = self.seed
+        _check(
+            seed is None or (isinstance(seed, int) and not isinstance(seed, bool)),
+            "seed",
+            seed,
+            "must be an int",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def make_generator(params: SamplingParams, engine_seed: int, request_id: str) -> torch.Generator | None:
+    """The request's own generator (None when greedy: nothing random happens)."""
+    if params.greedy:
+        return None
+    seed = params.seed if params.seed is not None else _stable_hash(f"{engine_seed}:{request_id}")
+    return torch.Generator().manual_seed(seed % (1 << 63))
+
+
+def _stable_hash(text: str) -> int:
+    value = 1469598103934665603  # FNV-1a, stable across processes (unlike hash())
+    for byte in text.encode():
+        value = ((value ^ byte) * 1099511628211) % (1 << 64)
+    return value
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logits [..., V]`` -> the sampling distribution ``[..., V]`` (float64) after temperature,
+    top-k and top-p. Greedy gives a one-hot at the argmax."""
+    logits = logits.to(torch.float64)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p  # mass strictly above each token
+        drop = before >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from ``logits [V]``."""
+    if params.greedy:
+        return int(logits.argmax())
+    probs = probabilities(logits.cpu(), params)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from a distribution ``probs [V]`` (argmax when no generator: the greedy case)."""
+    if generator is None:
+        return int(probs.argmax())
+    return int(torch.multinomial(probs.cpu(), 1, generator=generator))

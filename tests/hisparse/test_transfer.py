@@ -1,0 +1,54 @@
+"""The CPU transfer stream: copies complete in issue order, query never blocks, errors surface."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from pipeline.hisparse.transfer import DoneHandle, ThreadTransferStream
+
+
+def test_copies_land_in_order_and_report_done():
+    stream = ThreadTransferStream("t")
+    src = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
+    dst = torch.zeros(2, 4, 3)
+    first = stream.copy_rows(dst, torch.tensor([0, 1]), src, torch.tensor([4, 5]))
+    second = stream.copy_rows(dst, torch.tensor([1]), src, torch.tensor([2]))  # overwrites row 1 after
+    second.wait()
+    assert first.query() and second.query()
+    assert torch.equal(dst[:, 0], src[:, 4]) and torch.equal(dst[:, 1], src[:, 2])
+    stream.close()
+
+
+def test_query_does_not_block_while_a_copy_is_in_flight():
+    stream = ThreadTransferStream("t")
+    gate = threading.Event()
+    stream._pool.submit(gate.wait)  # occupy the worker
+    handle = stream.copy_rows(torch.zeros(1, 2, 2), torch.tensor([0]), torch.ones(1, 2, 2), torch.tensor([1]))
+    assert handle.query() is False  # returns at once
+    gate.set()
+    handle.wait()
+    assert handle.query() is True
+    stream.close()
+
+
+def test_a_failed_copy_is_reported_not_lost():
+    stream = ThreadTransferStream("t")
+    handle = stream.copy_rows(torch.zeros(1, 2, 2), torch.tensor([0]), torch.ones(1, 2, 2), torch.tensor([7]))
+    with pytest.raises((IndexError, ValueError, RuntimeError)):
+        handle.wait()
+    stream.close()
+
+
+def test_an_empty_copy_is_done_at_once():
+    stream = ThreadTransferStream("t")
+    handle = stream.copy_rows(
+        torch.zeros(1, 2, 2),
+        torch.tensor([], dtype=torch.int64),
+        torch.ones(1, 2, 2),
+        torch.tensor([], dtype=torch.int64),
+    )
+    assert isinstance(handle, DoneHandle) and handle.query()
+    stream.close()
