@@ -1,0 +1,70 @@
+"""One decoder layer (pre-norm MLA + MLP) and the MTP layer built around one.
+
+MTP (DeepSeek-V3 multi-token prediction), as HF transformers 5.24 defines it (``MtpLayer``):
+
+    h_in  = eh_proj(cat[enorm(embed(next_token)), hnorm(prev_hidden)])     # embedding first
+    h_out = shared_head.norm(decoder_layer(h_in))
+    logits = lm_head(h_out)                                                # the target's head
+
+``prev_hidden`` is the target's **final-normed** hidden state (HF feeds ``hidden_states[-1]``, which it
+ties to ``last_hidden_state``, i.e. after ``model.norm``). In a chain, a later draft step feeds the
+previous step's ``h_out`` (also normed) in its place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from pipeline.model.attention import MlaAttention
+from pipeline.model.attention_api import AttentionBackend
+from pipeline.model.config import ModelConfig
+from pipeline.model.layers import DenseMLP, RMSNorm
+from pipeline.model.moe import MoE
+
+
+class DecoderLayer(nn.Module):
+    """``x + attn(norm(x))``, then ``x + mlp(norm(x))``; names follow HF's ``DeepseekV32DecoderLayer``."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MlaAttention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: nn.Module = (
+            MoE(cfg) if cfg.mlp_kind(layer) == "sparse" else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """The MTP layer's output norm (``shared_head.norm``); the head itself is the target's ``lm_head``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class MtpLayer(nn.Module):
+    """One MTP depth. Its decoder layer has its own MLA, indexer and MLP (MoE when experts exist)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.block = DecoderLayer(cfg, layer)
+        self.shared_head = SharedHead(cfg)
+
+    def combine(self, embeds: Tensor, prev_hidden: Tensor) -> Tensor:
+        """``[..., D]`` x2 -> ``[..., D]``: the decoder layer's input."""
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
+
+    def forward(
+        self, embeds: Tensor, prev_hidden: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int
+    ) -> Tensor:
+        h = self.block(self.combine(embeds, prev_hidden), cos, sin, backend, layer)
+        return self.shared_head.norm(h)

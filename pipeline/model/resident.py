@@ -1,0 +1,137 @@
+"""All-resident KV storage and the attention backend over it (what serving uses when HiSparse is off).
+
+Storage is addressed by **location**, chosen by the caller::
+
+    kv[layer, loc]       = [latent (C) | rope key (R)]      one row per token per layer
+    index_k[layer, loc]  = indexer key (Di)
+    req_to_token[r, pos] = loc of request row r's token at position pos
+
+``layer`` runs over the target layers and then the MTP layers (``num_cache_layers``). The MTP layer has
+its own rows: its row for position p lives at the same location as the target's, in its own layer slice.
+
+Per forward the caller hands the backend a :class:`ForwardLayout` (request row, position and write
+location of each token of the flat batch). ``begin`` records ``req_to_token[req_rows, positions] =
+write_locs`` before the first layer, so a token can see the batch's own earlier tokens.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+from torch import Tensor
+
+from kernels.indexer_topk import indexer_topk_reference
+from kernels.sparse_mla import sparse_mla_reference
+from pipeline.model.attention_api import AttentionInputs
+from pipeline.model.config import ModelConfig
+
+# Bound on the indexer's gathered keys per query chunk ([chunk, S, Di] elements): long prefills are
+# scored in query chunks so a 4K-token prompt does not materialise a [T, S, Di] tensor at once.
+_INDEX_CHUNK_ELEMS = 1 << 24
+
+
+@attrs.frozen
+class ForwardLayout:
+    """Where each token of one forward belongs."""
+
+    req_rows: Tensor  # [T] int64 request row in req_to_token
+    positions: Tensor  # [T] int64 position within its request
+    write_locs: Tensor  # [T] int64 location its KV rows are written to
+
+    def __attrs_post_init__(self) -> None:
+        n = self.req_rows.shape[0]
+        if self.positions.shape != (n,) or self.write_locs.shape != (n,):
+            raise ValueError("req_rows, positions and write_locs must all be [T]")
+
+
+@attrs.define(eq=False)
+class ResidentKV:
+    """Per-layer pools addressed by location, and the request-to-location table."""
+
+    kv: Tensor  # [num_cache_layers, rows, C + R]
+    index_k: Tensor  # [num_cache_layers, rows, Di]
+    req_to_token: Tensor  # [N, max_ctx] int64 location, -1 = none
+
+    @classmethod
+    def allocate(
+        cls,
+        cfg: ModelConfig,
+        num_rows: int,
+        num_requests: int,
+        max_ctx: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> ResidentKV:
+        layers = cfg.num_cache_layers
+        return cls(
+            kv=torch.zeros(layers, num_rows, cfg.kv_row_dim, dtype=dtype, device=device),
+            index_k=torch.zeros(layers, num_rows, cfg.index_head_dim, dtype=dtype, device=device),
+            req_to_token=torch.full((num_requests, max_ctx), -1, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def num_rows(self) -> int:
+        return self.kv.shape[1]
+
+
+@attrs.define(eq=False)
+class ResidentBackend:
+    """:class:`~pipeline.model.attention_api.AttentionBackend` over a :class:`ResidentKV`.
+
+    Uses the torch references of ``kernels/`` for the indexer top-k (stable: ties to the lower
+    position) and for sparse MLA.
+    """
+
+    store: ResidentKV
+    layout: ForwardLayout | None = None
+
+    def begin(self, layout: ForwardLayout) -> None:
+        """Set the layout for the next forward and record its locations in ``req_to_token``."""
+        self.store.req_to_token[layout.req_rows, layout.positions] = layout.write_locs
+        self.layout = layout
+
+    def attend(self, inputs: AttentionInputs) -> Tensor:
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("ResidentBackend.attend called before begin(layout)")
+        if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
+            raise ValueError("the forward's token count does not match the layout")
+        kv = self.store.kv[inputs.layer]  # [rows, C + R]
+        keys = self.store.index_k[inputs.layer]  # [rows, Di]
+        kv[layout.write_locs] = inputs.kv_rows.to(kv.dtype)
+        keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
+        slots = self.select_slots(inputs, keys)  # [T, K]
+        return sparse_mla_reference(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+
+    def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
+        """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
+        layout = self.layout
+        assert layout is not None
+        seq_lens = layout.positions + 1
+        num_tokens = seq_lens.shape[0]
+        per_query = max(1, int(seq_lens.max()) * keys.shape[-1]) if num_tokens else 1
+        chunk = max(1, _INDEX_CHUNK_ELEMS // per_query)
+        parts = []
+        for start in range(0, num_tokens, chunk):
+            sl = slice(start, start + chunk)
+            parts.append(
+                indexer_topk_reference(
+                    inputs.index_q[sl],
+                    inputs.index_w[sl],
+                    keys,
+                    self.store.req_to_token,
+                    layout.req_rows[sl],
+                    seq_lens[sl],
+                    inputs.top_k,
+                    inputs.index_scale,
+                )
+            )
+        positions = torch.cat(parts) if parts else torch.empty(0, inputs.top_k, dtype=torch.int32)
+        return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)
+
+
+def positions_to_slots(positions: Tensor, req_to_token: Tensor, req_rows: Tensor) -> Tensor:
+    """``positions [T, K]`` int32 (-1 = none) -> locations ``[T, K]`` int64 (-1 = none)."""
+    pos = positions.long()
+    locs = req_to_token[req_rows[:, None], pos.clamp(min=0)]
+    return torch.where(pos >= 0, locs, torch.full_like(locs, -1))

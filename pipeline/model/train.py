@@ -1,0 +1,222 @@
+"""``hispec train``: train the bundled tiny model from scratch on the standard library's sources.
+
+The recipe follows DeepSeek-V3.2 at small scale, in phases run one after the other:
+
+1. ``dense``: dense causal attention; the whole model learns the LM (+ MTP) loss while the indexer,
+   reading detached inputs, learns to imitate the dense attention distribution (KL, detached target);
+2. ``sparse``: every layer attends only to its indexer top-k (``index_topk``) positions; the indexer
+   keeps learning the KL over the selected set;
+3. ``long``: sparse training on long windows, so the model works at the context lengths it serves.
+
+Everything is seeded (model init, window sampling); the expert score-correction biases follow
+DeepSeek-V3's loss-free balancing rule (``bias += gamma * sign(mean load - load)`` after each step).
+Training is never part of the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from pipeline.model.checkpoint import save_model
+from pipeline.model.config import BUNDLED_MODELS, ModelConfig
+from pipeline.model.corpus import build_corpus
+from pipeline.model.model import DeepseekV32, init_weights
+from pipeline.model.moe import MoE
+from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, train_forward
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec train", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=BUNDLED_MODELS["tiny"], help="checkpoint directory")
+    p.add_argument("--log", type=Path, default=None, help="JSON-lines metrics file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=2)
+    # architecture
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--dense-layers", type=int, default=1, help="leading layers with a dense MLP")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--q-lora", type=int, default=128)
+    p.add_argument("--kv-lora", type=int, default=64)
+    p.add_argument("--rope-dim", type=int, default=16)
+    p.add_argument("--nope-dim", type=int, default=32)
+    p.add_argument("--v-dim", type=int, default=32)
+    p.add_argument("--inter", type=int, default=768, help="dense MLP width")
+    p.add_argument("--experts", type=int, default=4)
+    p.add_argument("--experts-per-tok", type=int, default=2)
+    p.add_argument("--moe-inter", type=int, default=256)
+    p.add_argument("--index-heads", type=int, default=4)
+    p.add_argument("--index-dim", type=int, default=32)
+    p.add_argument("--index-topk", type=int, default=64)
+    p.add_argument("--max-pos", type=int, default=4096)
+    # schedule: steps x batch x window per phase
+    p.add_argument("--dense-steps", type=int, default=1500)
+    p.add_argument("--sparse-steps", type=int, default=3000)
+    p.add_argument("--long-steps", type=int, default=300)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--long-batch", type=int, default=2)
+    p.add_argument("--long-seq-len", type=int, default=2048)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--warmup", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--kl-weight", type=float, default=1.0)
+    p.add_argument("--bias-gamma", type=float, default=1e-3, help="loss-free balancing step")
+    p.add_argument("--eval-every", type=int, default=250)
+    p.add_argument("--eval-windows", type=int, default=32)
+    p.add_argument("--eval-len", type=int, default=512)
+    return p
+
+
+def model_config(args: argparse.Namespace, eos_id: int) -> ModelConfig:
+    dense = min(args.dense_layers, args.layers)
+    return ModelConfig(
+        vocab_size=eos_id + 1,
+        hidden_size=args.hidden,
+        intermediate_size=args.inter,
+        moe_intermediate_size=args.moe_inter,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        n_shared_experts=1,
+        n_routed_experts=args.experts,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=args.kv_lora,
+        q_lora_rank=args.q_lora,
+        qk_rope_head_dim=args.rope_dim,
+        v_head_dim=args.v_dim,
+        qk_nope_head_dim=args.nope_dim,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=args.experts_per_tok,
+        norm_topk_prob=True,
+        mlp_layer_types=tuple(["dense"] * dense + ["sparse"] * (args.layers - dense)),
+        hidden_act="silu",
+        max_position_embeddings=args.max_pos,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        index_topk=args.index_topk,
+        index_head_dim=args.index_dim,
+        index_n_heads=args.index_heads,
+        tie_word_embeddings=False,
+        eos_token_id=eos_id,
+        num_nextn_predict_layers=1,
+    )
+
+
+def sample_windows(stream: torch.Tensor, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    starts = torch.randint(0, stream.numel() - length, (batch,), generator=gen)
+    return torch.stack([stream[s : s + length] for s in starts.tolist()])
+
+
+def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
+    """Linear warm-up, then cosine decay to a tenth of the peak."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    progress = (step - args.warmup) / max(1, total - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def update_expert_biases(model: DeepseekV32, counts: list[torch.Tensor], gamma: float) -> None:
+    """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe, count in zip(moes, counts, strict=True):
+        load = count.to(moe.gate.e_score_correction_bias.dtype)
+        moe.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
+
+
+@torch.no_grad()
+def evaluate(model: DeepseekV32, windows: torch.Tensor, mode: str) -> dict[str, float]:
+    """Held-out losses (nats per byte-level token) over fixed windows."""
+    model.eval()
+    lm, mtp = 0.0, 0.0
+    for w in windows.split(4):
+        out = train_forward(model, w, mode=mode)
+        lm += out.lm_loss.item() * len(w)
+        mtp += out.mtp_loss.item() * len(w)
+    model.train()
+    return {"lm": lm / len(windows), "mtp": mtp / len(windows)}
+
+
+def phases(args: argparse.Namespace) -> list[tuple[str, int, str, int, int]]:
+    """(name, steps, attention mode, batch, window) for each phase, in order."""
+    return [
+        ("dense", args.dense_steps, DENSE, args.batch, args.seq_len),
+        ("sparse", args.sparse_steps, SPARSE, args.batch, args.seq_len),
+        ("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len),
+    ]
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tok = ByteTokenizer()
+    corpus = build_corpus(eos_id=tok.eos_token_id)
+    cfg = model_config(args, tok.eos_token_id)
+    model = init_weights(DeepseekV32(cfg), seed=args.seed).train()
+    num_params = sum(p.numel() for p in model.parameters())
+    tqdm.write(f"params {num_params:,}  train tokens {corpus.train.numel():,}  held-out {corpus.held_out.numel():,}")
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=args.lr, betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    eval_windows = sample_windows(corpus.held_out, args.eval_windows, args.eval_len,
+                                  torch.Generator().manual_seed(args.seed + 2))
+    log = args.log.open("a") if args.log else None
+    plan = phases(args)
+    total = sum(p[1] for p in plan)
+    step, started = 0, time.perf_counter()
+    bar = tqdm(total=total, desc="train", dynamic_ncols=True)
+    for name, steps, mode, batch, length in plan:
+        for _ in range(steps):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, total, args)
+            out = train_forward(model, sample_windows(corpus.train, batch, length, gen), mode=mode,
+                                mtp_weight=args.mtp_weight, kl_weight=args.kl_weight)
+            opt.zero_grad(set_to_none=True)
+            out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            with torch.no_grad():
+                update_expert_biases(model, out.expert_counts, args.bias_gamma)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(phase=name, lm=f"{out.lm_loss.item():.3f}", mtp=f"{out.mtp_loss.item():.3f}",
+                            kl=f"{out.kl_loss.item():.3f}")
+            if step % args.eval_every == 0 or step == total:
+                held = evaluate(model, eval_windows, SPARSE_STABLE if mode != DENSE else DENSE)
+                record = {"step": step, "phase": name, "wall_s": round(time.perf_counter() - started, 1),
+                          "train_lm": out.lm_loss.item(), "held_lm": held["lm"], "held_mtp": held["mtp"],
+                          "kl": out.kl_loss.item()}
+                tqdm.write(json.dumps(record))
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                save_model(model, args.out, dtype="float32")
+                tok.write_hf_files(args.out)
+    bar.close()
+    final = {
+        "wall_s": round(time.perf_counter() - started, 1),
+        "params": num_params,
+        "held_lm_sparse": evaluate(model, eval_windows, SPARSE_STABLE)["lm"],
+        "held_lm_dense": evaluate(model, eval_windows, DENSE)["lm"],
+    }
+    tqdm.write(json.dumps(final))
+    if log:
+        log.write(json.dumps(final) + "\n")
+        log.close()
+    save_model(model, args.out, dtype="float32")
+    tok.write_hf_files(args.out)
+    return 0
