@@ -1,8 +1,9 @@
 """Triton indexer top-k (contract: ``kernels.indexer_topk``), two passes.
 
 1. ``_scores_kernel``, grid ``(T, cdiv(max_len, BLOCK_S))``: gathers ``BLOCK_S`` keys through
-   ``req_to_token``, one ``[heads, dim] x [dim, BLOCK_S]`` dot (float32, IEEE), ReLU, weighted sum
-   over heads; ``-inf`` where not visible. Scores go to a ``[T, max_len]`` float32 scratch.
+   ``req_to_token``, one ``[heads, dim] x [dim, BLOCK_S]`` dot (float32 accumulation; operands as in
+   ``triton_util.dot_dtype``), ReLU, weighted sum over heads; ``-inf`` where not visible.
+   Scores go to a ``[T, max_len]`` float32 scratch.
 2. ``_select_kernel``, grid ``(T,)``: packs each visible score into one sortable int64
 
        key = (monotone_int32(score) << 32) | (2**31 - 1 - position)
@@ -12,7 +13,6 @@
 
 ``monotone_int32`` flips the magnitude bits of negative floats so that integer order equals float
 order; ``-0.0`` is first turned into ``0.0`` so that the two tie, as they do in ``torch.sort``.
-Inputs are converted to float32 before the dot (the interpreter multiplies bfloat16 bit patterns).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
+from kernels.triton_util import dot_dtype
 
 _NONE_KEY = -(2**31)  # key of "no position": below the key of every float, -inf included
 
@@ -31,7 +32,7 @@ def _scores_kernel(
     q_ptr, w_ptr, k_ptr, r2t_ptr, rows_ptr, lens_ptr, out_ptr,
     H, D, max_len, scale,
     q_stride_t, q_stride_h, w_stride_t, k_stride, r2t_stride,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -43,11 +44,11 @@ def _scores_kernel(
     h_in = ih < H
     d_in = idim < D
     q = tl.load(q_ptr + t * q_stride_t + ih[:, None] * q_stride_h + idim[None, :],
-                mask=h_in[:, None] & d_in[None, :], other=0.0).to(tl.float32)  # [BH, BD]
+                mask=h_in[:, None] & d_in[None, :], other=0.0).to(DOT_DTYPE)  # [BH, BD]
     w = tl.load(w_ptr + t * w_stride_t + ih, mask=h_in, other=0.0).to(tl.float32)  # [BH]
     loc = tl.load(r2t_ptr + row * r2t_stride + s, mask=visible, other=0).to(tl.int64)  # [BS]
     keys = tl.load(k_ptr + loc[:, None] * k_stride + idim[None, :],
-                   mask=visible[:, None] & d_in[None, :], other=0.0).to(tl.float32)  # [BS, BD]
+                   mask=visible[:, None] & d_in[None, :], other=0.0).to(DOT_DTYPE)  # [BS, BD]
     dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BH, BS]
     scores = tl.sum(tl.maximum(dots * scale, 0.0) * w[:, None], axis=0)  # [BS]
     scores = tl.where(visible, scores, float("-inf"))
@@ -94,6 +95,7 @@ def indexer_scores_triton(index_q, index_w, index_k, req_to_token, req_rows, seq
         heads, dim, max_len, float(scale),
         index_q.stride(0), index_q.stride(1), index_w.stride(0), index_k.stride(0), req_to_token.stride(0),
         BLOCK_H=max(16, next_power_of_2(heads)), BLOCK_D=max(16, next_power_of_2(dim)), BLOCK_S=block_s,
+        DOT_DTYPE=dot_dtype(index_q, index_k),
     )
     return scores
 

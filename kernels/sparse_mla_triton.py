@@ -7,8 +7,11 @@ gathered rows, the point of the absorbed form) and walks the query's slots ``BLO
     online softmax (running max m, running sum l, float32)  ->  acc += p . lat    (third dot)
 
 Masked slots (-1) get logit -inf; a running max that is still -inf is replaced by 0 before the
-exponentials, so an all-masked query ends with l = 0 and writes zeros. All dots take float32
-operands with IEEE precision (tl.dot needs every tile side >= 16, hence the minimum block sizes).
+exponentials, so an all-masked query ends with l = 0 and writes zeros. Dots accumulate in float32;
+their operands are float32 (IEEE) for float32 inputs and under the interpreter (which multiplies
+bfloat16 bit patterns), the input dtype otherwise (tensor cores; the probabilities are rounded to it
+for the third dot, as flash attention does). tl.dot needs every tile side >= 16, hence the minimum
+block sizes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
+from kernels.triton_util import dot_dtype
 
 
 @triton.jit
@@ -26,6 +30,7 @@ def _sparse_mla_kernel(
     H, K, C, R, scale,
     ql_stride_t, ql_stride_h, qr_stride_t, qr_stride_h, kv_stride, slot_stride_t, out_stride_t, out_stride_h,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
 ):
     t = tl.program_id(0)
     ih = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -35,9 +40,9 @@ def _sparse_mla_kernel(
     c_in = ic < C
     r_in = ir < R
     q_lat = tl.load(ql_ptr + t * ql_stride_t + ih[:, None] * ql_stride_h + ic[None, :],
-                    mask=h_in[:, None] & c_in[None, :], other=0.0).to(tl.float32)  # [BH, BC]
+                    mask=h_in[:, None] & c_in[None, :], other=0.0).to(DOT_DTYPE)  # [BH, BC]
     q_rope = tl.load(qr_ptr + t * qr_stride_t + ih[:, None] * qr_stride_h + ir[None, :],
-                     mask=h_in[:, None] & r_in[None, :], other=0.0).to(tl.float32)  # [BH, BR]
+                     mask=h_in[:, None] & r_in[None, :], other=0.0).to(DOT_DTYPE)  # [BH, BR]
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
@@ -47,8 +52,8 @@ def _sparse_mla_kernel(
         slot = tl.load(slot_ptr + t * slot_stride_t + idx, mask=idx < K, other=-1).to(tl.int64)
         ok = slot >= 0
         row = kv_ptr + slot * kv_stride  # [BN] row pointers
-        lat = tl.load(row[:, None] + ic[None, :], mask=ok[:, None] & c_in[None, :], other=0.0).to(tl.float32)
-        rope = tl.load(row[:, None] + C + ir[None, :], mask=ok[:, None] & r_in[None, :], other=0.0).to(tl.float32)
+        lat = tl.load(row[:, None] + ic[None, :], mask=ok[:, None] & c_in[None, :], other=0.0).to(DOT_DTYPE)
+        rope = tl.load(row[:, None] + C + ir[None, :], mask=ok[:, None] & r_in[None, :], other=0.0).to(DOT_DTYPE)
         logits = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
         logits += tl.dot(q_rope, tl.trans(rope), input_precision="ieee")
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))  # [BH, BN]
@@ -57,7 +62,7 @@ def _sparse_mla_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, lat, input_precision="ieee")
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), lat, input_precision="ieee")
         m_i = m_new
         n0 += BLOCK_N
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -79,7 +84,8 @@ def sparse_mla_triton(q_latent, q_rope, kv, slots, scale: float) -> torch.Tensor
         heads, top_k, latent, rope, float(scale),
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
         slots.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_N=min(64, max(16, next_power_of_2(top_k))),
+        BLOCK_H=block_h, BLOCK_N=min(32 if latent > 256 else 64, max(16, next_power_of_2(top_k))),
         BLOCK_C=max(16, next_power_of_2(latent)), BLOCK_R=max(16, next_power_of_2(rope)),
+        DOT_DTYPE=dot_dtype(q_latent, kv), num_warps=8,
     )
     return out

@@ -206,6 +206,7 @@ def swap_in_triton(
     if num_reqs == 0 or num_steps == 0 or top_k == 0:
         return SwapInResult.from_counts(slots, counts, row_bytes=row_bytes)
     prot = torch.zeros(num_reqs, hot, dtype=torch.int32, device=dev)
+    block_k, block_hot = next_power_of_2(top_k), next_power_of_2(hot)
     pos = top_k_pos.contiguous()
     _swap_in_kernel[(num_reqs,)](
         pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, prot,
@@ -213,8 +214,8 @@ def swap_in_triton(
         num_steps, top_k, hot, width,
         seq_lens.stride(0), buffer_tokens.stride(0), buffer_locs.stride(0),
         lru.stride(0), req_to_host.stride(0),
-        BLOCK_K=next_power_of_2(top_k), BLOCK_HOT=next_power_of_2(hot),
-        BLOCK_X=next_power_of_2(width - hot), num_warps=8,
+        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot),
+        num_warps=16 if block_hot * block_k > 32768 else 8,  # ptxas: fewer spills on the big tiles
     )
     _run_plan(host_kv, device_kv, src.view(-1), dst.view(-1))
     return SwapInResult.from_counts(slots, counts, row_bytes=row_bytes)
