@@ -30,6 +30,7 @@ from kernels.swap_in import swap_in
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 F32 = 4
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @attrs.frozen
@@ -74,16 +75,17 @@ def _nothing() -> None:
     return None
 
 
-def prep_indexer(device, *, tokens, heads, dim, ctx, top_k) -> Prepared:
+def prep_indexer(device, dtype, *, tokens, heads, dim, ctx, top_k) -> Prepared:
     """Bytes: gathered keys + locations of every visible position, queries, weights, output."""
     reqs = max(1, tokens // 4)
-    q = torch.randn(tokens, heads, dim, device=device)
-    w = torch.randn(tokens, heads, device=device)
-    k = torch.randn(reqs * ctx, dim, device=device)
+    size = dtype.itemsize
+    q = torch.randn(tokens, heads, dim, device=device, dtype=dtype)
+    w = torch.randn(tokens, heads, device=device, dtype=dtype)
+    k = torch.randn(reqs * ctx, dim, device=device, dtype=dtype)
     r2t = torch.randperm(reqs * ctx, device=device).view(reqs, ctx)
     rows = torch.arange(tokens, device=device) % reqs
     lens = ctx - torch.arange(tokens, device=device) // reqs  # verify-like: neighbouring positions
-    moved = int(lens.sum()) * (dim * F32 + 8) + q.numel() * F32 + w.numel() * F32 + tokens * top_k * 4
+    moved = int(lens.sum()) * (dim * size + 8) + (q.numel() + w.numel()) * size + tokens * top_k * 4
 
     def run(impl):
         return indexer_topk(q, w, k, r2t, rows, lens, top_k, dim**-0.5, impl=impl, max_seq_len=ctx)
@@ -91,7 +93,7 @@ def prep_indexer(device, *, tokens, heads, dim, ctx, top_k) -> Prepared:
     return Prepared(run, _nothing, moved)
 
 
-def prep_swap_in(device, *, reqs, steps, top_k, hot, extra, dim, ctx) -> Prepared:
+def prep_swap_in(device, dtype, *, reqs, steps, top_k, hot, extra, dim, ctx) -> Prepared:
     """About half of each step's entries miss. Bytes: KV rows copied (host read + device write)."""
     width = hot + extra
     g = torch.Generator().manual_seed(0)
@@ -109,10 +111,10 @@ def prep_swap_in(device, *, reqs, steps, top_k, hot, extra, dim, ctx) -> Prepare
     lru0 = torch.stack([torch.randperm(hot, generator=g) for _ in range(reqs)]).int()
     lens = (ctx - steps + 1 + torch.arange(steps)).expand(reqs, steps).contiguous()
     host_dev = device if device.type == "cpu" else torch.device("cpu")
-    host_kv = torch.randn(reqs * ctx, dim, device=host_dev)
+    host_kv = torch.randn(reqs * ctx, dim, device=host_dev, dtype=dtype)
     if host_dev != device:
         host_kv = host_kv.pin_memory()
-    device_kv = torch.randn(reqs * width, dim, device=device)
+    device_kv = torch.randn(reqs * width, dim, device=device, dtype=dtype)
     t = {name: v.to(device) for name, v in dict(top=top, lens=lens, tokens=tokens, locs=locs, lru=lru0,
                                                 host_map=host_map).items()}
     live_tokens, live_lru = t["tokens"].clone(), t["lru"].clone()
@@ -128,34 +130,35 @@ def prep_swap_in(device, *, reqs, steps, top_k, hot, extra, dim, ctx) -> Prepare
 
     reset()
     misses = int(run("torch").misses.sum())
-    return Prepared(run, reset, 2 * misses * dim * F32)
+    return Prepared(run, reset, 2 * misses * dim * dtype.itemsize)
 
 
-def prep_sparse_mla(device, *, tokens, heads, latent, rope, top_k) -> Prepared:
+def prep_sparse_mla(device, dtype, *, tokens, heads, latent, rope, top_k) -> Prepared:
     """Bytes: the gathered rows, the slots, the queries and the output."""
     rows = max(4 * top_k, 1024)
-    ql = torch.randn(tokens, heads, latent, device=device)
-    qr = torch.randn(tokens, heads, rope, device=device)
-    kv = torch.randn(rows, latent + rope, device=device)
+    size = dtype.itemsize
+    ql = torch.randn(tokens, heads, latent, device=device, dtype=dtype)
+    qr = torch.randn(tokens, heads, rope, device=device, dtype=dtype)
+    kv = torch.randn(rows, latent + rope, device=device, dtype=dtype)
     slots = torch.stack([torch.randperm(rows, device=device)[:top_k] for _ in range(tokens)])
-    moved = slots.numel() * ((latent + rope) * F32 + 8) + (ql.numel() + qr.numel() + ql.numel()) * F32
+    moved = slots.numel() * ((latent + rope) * size + 8) + (ql.numel() + qr.numel() + ql.numel()) * size
     return Prepared(lambda impl: sparse_mla(ql, qr, kv, slots, (latent + rope) ** -0.5, impl=impl), _nothing, moved)
 
 
-def prep_copy(device, *, layers, n, dim, host_src: bool) -> Prepared:
+def prep_copy(device, dtype, *, layers, n, dim, host_src: bool) -> Prepared:
     """Bytes: rows read + rows written, every layer."""
     rows = 4 * n
     src_dev = torch.device("cpu") if host_src else device
-    src = torch.randn(layers, rows, dim, device=src_dev)
-    dst = torch.zeros(layers, rows, dim, device=device)
+    src = torch.randn(layers, rows, dim, device=src_dev, dtype=dtype)
+    dst = torch.zeros(layers, rows, dim, device=device, dtype=dtype)
     di = torch.randperm(rows, device=device)[:n]
     si = torch.randperm(rows, device=src_dev)[:n]
     src_, dst_ = (src[0], dst[0]) if layers == 1 else (src, dst)
     return Prepared(lambda impl: copy_rows(dst_, di, src_, si, impl=impl, validate=False), _nothing,
-                    2 * layers * n * dim * F32)
+                    2 * layers * n * dim * dtype.itemsize)
 
 
-def cases(device: torch.device) -> list[tuple[str, str, dict, Callable[[], Prepared]]]:
+def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict, Callable[[], Prepared]]]:
     """(op, label, shape, builder): a tiny-model shape and a DeepSeek-like one scaled for a CPU."""
     table = [
         ("indexer_topk", "small", prep_indexer, dict(tokens=8, heads=4, dim=64, ctx=1024, top_k=64)),
@@ -171,14 +174,14 @@ def cases(device: torch.device) -> list[tuple[str, str, dict, Callable[[], Prepa
     ]
     if device.type == "cuda":
         table.append(("kv_copy", "host->device", prep_copy, dict(layers=8, n=2048, dim=576, host_src=True)))
-    return [(op, label, shape, (lambda f=f, shape=shape: f(device, **shape))) for op, label, f, shape in table]
+    return [(op, label, shape, (lambda f=f, shape=shape: f(device, dtype, **shape))) for op, label, f, shape in table]
 
 
-def measure(device: torch.device, only: set[str] | None) -> dict:
+def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> dict:
     bandwidth = copy_bandwidth(device)
     impls = ["torch", "triton"] if device.type == "cuda" else ["torch"]
     results = []
-    for op, label, shape, build in cases(device):
+    for op, label, shape, build in cases(device, dtype):
         if only and op not in only:
             continue
         prepared = build()
@@ -188,7 +191,7 @@ def measure(device: torch.device, only: set[str] | None) -> dict:
             results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,
                                 bytes=prepared.bytes_moved, bytes_per_s=rate, of_copy_bw=rate / bandwidth))
             print(f"{op:13s} {label:12s} {impl:6s} {seconds * 1e3:9.3f} ms  {rate / 1e9:8.2f} GB/s", flush=True)
-    machine = dict(device=str(device), torch=torch.__version__, threads=torch.get_num_threads(),
+    machine = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, threads=torch.get_num_threads(),
                    processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
                    load_avg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
                    gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
@@ -204,7 +207,7 @@ def markdown(report: dict) -> str:
     where = m["gpu"] or (f"{m['processor']}, {m['cpus']} CPUs, {m['threads']} torch thread(s), "
                          f"load average {m['load_avg_1min']:.1f}")
     lines = [
-        f"Measured on {where} (torch {m['torch']}); plain `copy_` bandwidth "
+        f"Measured on {where} (torch {m['torch']}, {m['dtype']} rows); plain `copy_` bandwidth "
         f"**{report['copy_bytes_per_s'] / 1e9:.2f} GB/s** (read + write).",
         "",
         "| op | shape | impl | time / call | bytes moved | GB/s | of copy bw |",
@@ -231,19 +234,23 @@ def write_docs(path: Path, table: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hispec bench kernels", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="hispec bench kernels",
+                                     description="Time each kernel op beside plain torch copy bandwidth.")
     parser.add_argument("--out", default="bench-kernels.json", help="JSON results (default: %(default)s)")
     parser.add_argument("--docs", default=str(Path(__file__).resolve().parents[1] / "docs" / "kernels.md"),
                         help="markdown file whose bench section is replaced (default: the repo's docs/kernels.md)")
     parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ops", nargs="*", help="subset of: indexer_topk swap_in sparse_mla kv_copy")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="row/query dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    report = measure(torch.device(args.device), set(args.ops) if args.ops else None)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    report = measure(device, dtype, set(args.ops) if args.ops else None)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
     if not args.no_docs:
