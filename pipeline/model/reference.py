@@ -74,8 +74,12 @@ def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-class _Session:
-    """One request row over a private resident store; location = position."""
+class DecodeSession:
+    """One request over a private resident store (request row 0, location = position).
+
+    ``target`` and ``mtp`` run one forward each at consecutive positions from ``start``; rows they
+    write replace whatever an earlier forward left at those positions.
+    """
 
     def __init__(self, model: DeepseekV32, max_ctx: int) -> None:
         self.model = model
@@ -123,7 +127,7 @@ class ReferenceDecoder:
         self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), stop_at_eos: bool = True
     ) -> Generation:
         _check_prompt(prompt_ids, max_new_tokens, self.max_ctx)
-        session = _Session(self.model, self.max_ctx)
+        session = DecodeSession(self.model, self.max_ctx)
         gen = torch.Generator(device=self.model.device).manual_seed(sampling.seed) if sampling.seed is not None else None
         eos = self.model.cfg.eos_token_id if stop_at_eos else None
         hidden = session.target(list(prompt_ids), 0)
@@ -154,7 +158,7 @@ class ReferenceSpecDecoder:
     @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_at_eos: bool = True) -> Generation:
         _check_prompt(prompt_ids, max_new_tokens, self.max_ctx)
-        s = _Session(self.model, self.max_ctx)
+        s = DecodeSession(self.model, self.max_ctx)
         eos = self.model.cfg.eos_token_id if stop_at_eos else None
         prompt = list(prompt_ids)
         hidden = s.target(prompt, 0)  # [n, D]
@@ -179,7 +183,7 @@ class ReferenceSpecDecoder:
         tokens, reason = _truncate(out, eos, max_new_tokens)
         return Generation(tokens, reason, forwards, tuple(accepts))
 
-    def _chain(self, s: _Session, prev_hidden: Tensor, logits: Tensor, n: int) -> list[int]:
+    def _chain(self, s: DecodeSession, prev_hidden: Tensor, logits: Tensor, n: int) -> list[int]:
         """``num_steps`` chained top-1 drafts; step j >= 2 runs at MTP slot ``n + j - 2``."""
         drafts = [int(torch.argmax(logits))]
         for j in range(2, self.num_steps + 1):

@@ -25,10 +25,6 @@ from kernels.sparse_mla import sparse_mla_reference
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.config import ModelConfig
 
-# Bound on the indexer's gathered keys per query chunk ([chunk, S, Di] elements): long prefills are
-# scored in query chunks so a 4K-token prompt does not materialise a [T, S, Di] tensor at once.
-_INDEX_CHUNK_ELEMS = 1 << 24
-
 
 @attrs.frozen
 class ForwardLayout:
@@ -107,26 +103,16 @@ class ResidentBackend:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
         layout = self.layout
         assert layout is not None
-        seq_lens = layout.positions + 1
-        num_tokens = seq_lens.shape[0]
-        per_query = max(1, int(seq_lens.max()) * keys.shape[-1]) if num_tokens else 1
-        chunk = max(1, _INDEX_CHUNK_ELEMS // per_query)
-        parts = []
-        for start in range(0, num_tokens, chunk):
-            sl = slice(start, start + chunk)
-            parts.append(
-                indexer_topk_reference(
-                    inputs.index_q[sl],
-                    inputs.index_w[sl],
-                    keys,
-                    self.store.req_to_token,
-                    layout.req_rows[sl],
-                    seq_lens[sl],
-                    inputs.top_k,
-                    inputs.index_scale,
-                )
-            )
-        positions = torch.cat(parts) if parts else torch.empty(0, inputs.top_k, dtype=torch.int32)
+        positions = indexer_topk_reference(
+            inputs.index_q,
+            inputs.index_w,
+            keys,
+            self.store.req_to_token,
+            layout.req_rows,
+            layout.positions + 1,
+            inputs.top_k,
+            inputs.index_scale,
+        )  # [T, K] int32, -1 padded
         return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)
 
 

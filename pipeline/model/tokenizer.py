@@ -66,7 +66,8 @@ class ByteTokenizer:
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": False, "vocab": vocab, "merges": []},
         }
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT,
+        # split_special_tokens: the text "<eos>" is five bytes, as here, not the special token
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "split_special_tokens": True,
                   "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}
         (out / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, ensure_ascii=False) + "\n")
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

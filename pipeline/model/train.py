@@ -49,26 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rope-dim", type=int, default=16)
     p.add_argument("--nope-dim", type=int, default=32)
     p.add_argument("--v-dim", type=int, default=32)
-    p.add_argument("--inter", type=int, default=768, help="dense MLP width")
+    p.add_argument("--inter", type=int, default=640, help="dense MLP width")
     p.add_argument("--experts", type=int, default=4)
     p.add_argument("--experts-per-tok", type=int, default=2)
-    p.add_argument("--moe-inter", type=int, default=256)
+    p.add_argument("--moe-inter", type=int, default=160)
     p.add_argument("--index-heads", type=int, default=4)
     p.add_argument("--index-dim", type=int, default=32)
     p.add_argument("--index-topk", type=int, default=64)
     p.add_argument("--max-pos", type=int, default=4096)
     # schedule: steps x batch x window per phase
-    p.add_argument("--dense-steps", type=int, default=1500)
-    p.add_argument("--sparse-steps", type=int, default=3000)
-    p.add_argument("--long-steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--dense-steps", type=int, default=500)
+    p.add_argument("--sparse-steps", type=int, default=1000)
+    p.add_argument("--long-steps", type=int, default=60)
+    p.add_argument("--batch", type=int, default=12)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--long-batch", type=int, default=2)
-    p.add_argument("--long-seq-len", type=int, default=2048)
+    p.add_argument("--long-batch", type=int, default=1)
+    p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--mtp-weight", type=float, default=0.3)
+    p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP chain step")
+    p.add_argument("--mtp-steps", type=int, default=3, help="chain steps the MTP layer is trained for")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--bias-gamma", type=float, default=1e-3, help="loss-free balancing step")
     p.add_argument("--eval-every", type=int, default=250)
@@ -125,10 +126,9 @@ def lr_at(step: int, total: int, args: argparse.Namespace) -> float:
     return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def update_expert_biases(model: DeepseekV32, counts: list[torch.Tensor], gamma: float) -> None:
+def update_expert_biases(counts: dict[MoE, torch.Tensor], gamma: float) -> None:
     """Loss-free balancing: raise the bias of under-loaded experts, lower it for over-loaded ones."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    for moe, count in zip(moes, counts, strict=True):
+    for moe, count in counts.items():
         load = count.to(moe.gate.e_score_correction_bias.dtype)
         moe.gate.e_score_correction_bias.add_(gamma * torch.sign(load.mean() - load))
 
@@ -184,21 +184,22 @@ def main(argv: list[str]) -> int:
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, args)
             out = train_forward(model, sample_windows(corpus.train, batch, length, gen), mode=mode,
-                                mtp_weight=args.mtp_weight, kl_weight=args.kl_weight)
+                                mtp_weight=args.mtp_weight, mtp_steps=args.mtp_steps, kl_weight=args.kl_weight)
             opt.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             with torch.no_grad():
-                update_expert_biases(model, out.expert_counts, args.bias_gamma)
+                update_expert_biases(out.expert_counts, args.bias_gamma)
             step += 1
             bar.update(1)
-            bar.set_postfix(phase=name, lm=f"{out.lm_loss.item():.3f}", mtp=f"{out.mtp_loss.item():.3f}",
-                            kl=f"{out.kl_loss.item():.3f}")
+            bar.set_postfix(phase=name, lm=f"{out.lm_loss.item():.3f}",
+                            mtp="/".join(f"{m.item():.2f}" for m in out.mtp_losses), kl=f"{out.kl_loss.item():.3f}")
             if step % args.eval_every == 0 or step == total:
                 held = evaluate(model, eval_windows, SPARSE_STABLE if mode != DENSE else DENSE)
                 record = {"step": step, "phase": name, "wall_s": round(time.perf_counter() - started, 1),
-                          "train_lm": out.lm_loss.item(), "held_lm": held["lm"], "held_mtp": held["mtp"],
+                          "train_lm": out.lm_loss.item(), "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
+                          "held_lm": held["lm"], "held_mtp": held["mtp"],
                           "kl": out.kl_loss.item()}
                 tqdm.write(json.dumps(record))
                 if log:

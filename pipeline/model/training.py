@@ -1,20 +1,18 @@
 """Batched training forward ``[B, T]`` over the inference model's own modules.
 
 Training reuses every parameter of :class:`~pipeline.model.model.DeepseekV32` (the projections,
-norms, MLPs, head and MTP layer), so a trained model saves and reloads with no conversion. Attention
-is computed in the expanded (non-absorbed) form, which is the same function and cheaper for full
-sequences: per head, ``key = [W_UK latent | k_rope]`` and ``value = W_UV latent``.
+norms, MLPs, head and MTP layer), so a trained model saves and reloads with no conversion.
+Attention (``training_attention.py``) runs in one of DeepSeek-V3.2's two training modes: ``DENSE``
+(warm-up; the indexer learns to imitate dense attention) or ``SPARSE`` (each query sees only its
+indexer top-k keys); ``SPARSE_STABLE`` is the sparse mode with the serving tie-break, for evaluation.
 
-Two attention modes, DeepSeek-V3.2's two training stages at small scale:
+The MTP layer is trained by next-next-token prediction on the target's final-normed hidden states (not
+detached, as in DeepSeek-V3). With ``mtp_steps > 1`` it is also trained the way chain drafting uses
+it: pass j feeds the MTP layer its own previous output instead of the target's hidden state, and
+attends over exactly the keys a chain step j sees at serving time (slots ``<= t-j+1`` written by the
+draft extend = pass 1, slot ``t-j+i`` by pass i)::
 
-* ``mode=DENSE`` (dense warm-up): causal dense attention. The indexer reads detached inputs and is
-  trained only by ``KL(p || softmax(index_scores))``, ``p`` the main attention's probabilities summed
-  over heads and renormalised (detached).
-* ``mode=SPARSE`` (or ``SPARSE_STABLE``, the serving tie-break, for evaluation): each query attends only to its indexer top-k positions (``index_topk``); the KL is
-  taken over that selected set, again with detached indexer inputs.
-
-The MTP layer (if any) is trained by next-next-token prediction on the target's final-normed hidden
-states (not detached, as in DeepSeek-V3), with its own attention and indexer in the same mode.
+    query (pass j, slot t) sees key (pass i, slot s)  iff  s <= t  and  i == max(1, j - (t - s))
 """
 
 from __future__ import annotations
@@ -24,177 +22,99 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.indexer_topk import stable_topk_positions
-from pipeline.model.attention import IndexerProjection, MlaAttention, MlaProjection
 from pipeline.model.decoder import DecoderLayer
-from pipeline.model.layers import wide_dtype
 from pipeline.model.model import DeepseekV32
 from pipeline.model.moe import MoE
+from pipeline.model.training_attention import DENSE, SPARSE, SPARSE_STABLE, KeySet, LayerStats, attention
 
-# attention modes: dense causal; indexer top-k (torch.topk); indexer top-k with the serving tie-break
-DENSE, SPARSE, SPARSE_STABLE = "dense", "sparse", "sparse-stable"
+__all__ = ["DENSE", "SPARSE", "SPARSE_STABLE", "TrainOutput", "mtp_chain", "mtp_hidden", "target_hidden",
+           "train_forward"]
 
 
 @attrs.frozen
 class TrainOutput:
-    loss: Tensor  # scalar: lm + mtp_weight * mtp + kl_weight * indexer KL
+    loss: Tensor  # scalar: lm + mtp_weight * sum(mtp_losses) + kl_weight * indexer KL
     lm_loss: Tensor  # scalar, nats per token
-    mtp_loss: Tensor  # scalar (0 without an MTP layer)
-    kl_loss: Tensor  # scalar, summed over layers, mean over queries
-    expert_counts: list[Tensor]  # per MoE layer (target then MTP): [E] tokens routed to each expert
+    mtp_losses: tuple[Tensor, ...]  # per chain step (step 1 first); empty without an MTP layer
+    kl_loss: Tensor  # scalar, summed over attention calls, mean over queries
+    expert_counts: dict[MoE, Tensor]  # per MoE module: [E] tokens routed to each expert (all passes)
+
+    @property
+    def mtp_loss(self) -> Tensor:
+        return self.mtp_losses[0] if self.mtp_losses else torch.zeros(())
 
 
-@attrs.define
-class _Aux:
-    """Side results collected while running the layers."""
-
-    kl: list[Tensor] = attrs.Factory(list)
-    counts: list[Tensor] = attrs.Factory(list)
-
-
-def index_scores(q: Tensor, w: Tensor, k: Tensor, scale: float) -> Tensor:
-    """``q [B, T, Hi, Di]``, ``w [B, T, Hi]``, ``k [B, S, Di]`` -> ``[B, T, S]`` in the wide dtype."""
-    wide = wide_dtype(q.dtype)
-    dots = torch.einsum("bthd,bsd->bhts", q.to(wide), k.to(wide)) * scale
-    return torch.einsum("bhts,bth->bts", F.relu(dots), w.to(wide))
-
-
-def indexer_kl(scores: Tensor, probs: Tensor, mask: Tensor) -> Tensor:
-    """Mean over queries of ``KL(p || softmax(scores))`` restricted to ``mask``; ``probs`` sums to 1 there."""
-    logq = torch.log_softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).masked_fill(~mask, 0.0)
-    kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)
-    return kl.mean()
-
-
-# At or below this window length the sparse mode runs as masked dense attention (faster for short
-# windows); above it, attention gathers each query's top-k rows (linear in the window length).
-_GATHER_MIN_LEN = 512
-
-
-def _attention(attn: MlaAttention, x: Tensor, cos: Tensor, sin: Tensor, causal: Tensor, mode: str, aux: _Aux):
-    """``x [B, T, D]`` (normed) -> ``[B, T, D]``."""
-    p = attn.project(x, cos, sin)
-    idx = attn.indexer.project(x.detach(), p.q_resid.detach(), cos, sin)
-    if mode == DENSE:
-        return _masked_attention(attn, p, idx, causal.expand(x.shape[0], -1, -1), aux)
-    pos, valid = _select(idx, causal, attn.cfg.index_topk, mode == SPARSE_STABLE)
-    if x.shape[1] <= _GATHER_MIN_LEN:
-        hits = torch.zeros(valid.shape[:2] + causal.shape[-1:], dtype=torch.int32, device=x.device)
-        mask = hits.scatter_add_(-1, pos, valid.to(torch.int32)) > 0  # invalid entries add nothing
-        return _masked_attention(attn, p, idx, mask, aux)
-    return _gathered_attention(attn, p, idx, pos, valid, aux)
-
-
-@torch.no_grad()
-def _select(idx: IndexerProjection, causal: Tensor, top_k: int, stable: bool) -> tuple[Tensor, Tensor]:
-    """Top-k positions ``[B, T, K]`` int64 and their validity (bool), K = min(top_k, T)."""
-    wide = wide_dtype(idx.q.dtype)
-    q = idx.q.to(wide).transpose(1, 2)  # [B, Hi, T, Di]
-    keys = idx.k.to(wide).transpose(1, 2)[:, None]  # [B, 1, Di, S]
-    w = idx.w.to(wide)
-    scores = torch.zeros(q.shape[0], q.shape[2], keys.shape[-1], dtype=wide, device=q.device)
-    for h in range(q.shape[1]):  # one head at a time: no [B, Hi, T, S] temporary
-        dots = torch.matmul(q[:, h : h + 1], keys)[:, 0].mul_(idx_scale_of(idx)).relu_()
-        scores.addcmul_(dots, w[:, :, h, None])
-    scores.masked_fill_(~causal, float("-inf"))
-    k = min(top_k, scores.shape[-1])
-    if stable:
-        pos = stable_topk_positions(scores, k).long()
-        return pos.clamp(min=0), pos >= 0
-    top = scores.topk(k, dim=-1)
-    return top.indices, top.values > float("-inf")
-
-
-def idx_scale_of(idx: IndexerProjection) -> float:
-    return idx.q.shape[-1] ** -0.5
-
-
-def _masked_attention(attn: MlaAttention, p: MlaProjection, idx: IndexerProjection, mask: Tensor, aux: _Aux):
-    """Expanded-form attention where ``mask [B, T, S]`` allows; ``[B, H, T, S]`` logits."""
-    cfg = attn.cfg
-    scores = index_scores(idx.q, idx.w, idx.k, cfg.index_scale)  # [B, T, S]
-    w_uk, w_uv = attn.up_weights()
-    k_nope = torch.einsum("bsc,hnc->bhsn", p.latent, w_uk)  # [B, H, S, nope]
-    value = torch.einsum("bsc,hvc->bhsv", p.latent, w_uv)  # [B, H, S, v]
-    logits = torch.einsum("bthn,bhsn->bhts", p.q_nope, k_nope)
-    logits = logits + torch.einsum("bthr,bsr->bhts", p.q_rope, p.k_rope)
-    logits = (logits * cfg.attn_scale).masked_fill(~mask[:, None], float("-inf"))
-    probs = torch.softmax(logits.to(wide_dtype(logits.dtype)), dim=-1).to(logits.dtype)  # [B, H, T, S]
-    out = torch.einsum("bhts,bhsv->bthv", probs, value).flatten(-2)
-    target = probs.detach().sum(1)
-    aux.kl.append(indexer_kl(scores, target / target.sum(-1, keepdim=True), mask))
-    return attn.o_proj(out)
-
-
-def _gathered_attention(
-    attn: MlaAttention, p: MlaProjection, idx: IndexerProjection, pos: Tensor, valid: Tensor, aux: _Aux
-):
-    """Absorbed-form attention over the gathered top-k rows of each query; ``[B, T, H, K]`` logits.
-
-    The indexer's gradient comes from its scores recomputed at the K chosen positions only.
-    """
-    cfg = attn.cfg
-    rows = torch.arange(pos.shape[0], device=pos.device)[:, None, None]
-    wide = wide_dtype(idx.q.dtype)
-    k_sel = idx.k[rows, pos].to(wide)  # [B, T, K, Di]
-    dots = torch.einsum("bthd,btkd->bthk", idx.q.to(wide), k_sel) * cfg.index_scale
-    scores = torch.einsum("bthk,bth->btk", F.relu(dots), idx.w.to(wide))  # [B, T, K]
-    w_uk, w_uv = attn.up_weights()
-    q_latent = torch.einsum("bthn,hnc->bthc", p.q_nope, w_uk)
-    lat = p.latent[rows, pos]  # [B, T, K, C]
-    logits = torch.einsum("bthc,btkc->bthk", q_latent, lat)
-    logits = logits + torch.einsum("bthr,btkr->bthk", p.q_rope, p.k_rope[rows, pos])
-    logits = (logits * cfg.attn_scale).masked_fill(~valid[:, :, None], float("-inf"))
-    probs = torch.softmax(logits.to(wide_dtype(logits.dtype)), dim=-1).to(logits.dtype)  # [B, T, H, K]
-    out = torch.einsum("bthk,btkc->bthc", probs, lat)
-    out = torch.einsum("bthc,hvc->bthv", out, w_uv).flatten(-2)
-    target = probs.detach().sum(2)
-    aux.kl.append(indexer_kl(scores, target / target.sum(-1, keepdim=True), valid))
-    return attn.o_proj(out)
-
-
-def _mlp(layer: DecoderLayer, x: Tensor, aux: _Aux) -> Tensor:
+def _mlp(layer: DecoderLayer, x: Tensor, stats: LayerStats) -> Tensor:
     mlp = layer.mlp
     if not isinstance(mlp, MoE):
         return mlp(x)
     flat = x.reshape(-1, x.shape[-1])
     ids, weights = mlp.gate(flat)
-    aux.counts.append(torch.bincount(ids.reshape(-1), minlength=mlp.gate.weight.shape[0]).detach())
+    count = torch.bincount(ids.reshape(-1), minlength=mlp.gate.weight.shape[0]).detach()
+    stats.counts[mlp] = stats.counts[mlp] + count if mlp in stats.counts else count
     out = mlp.experts(flat, ids, weights).view_as(x)
     if mlp.shared_experts is not None:
         out = out + mlp.shared_experts(x)
     return out
 
 
-def _layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, causal: Tensor, mode: str, aux: _Aux):
-    x = x + _attention(layer.self_attn, layer.input_layernorm(x), cos, sin, causal, mode, aux)
-    return x + _mlp(layer, layer.post_attention_layernorm(x), aux)
+def _layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, mode: str,
+           stats: LayerStats, earlier: list[KeySet] | None = None) -> tuple[Tensor, KeySet]:
+    attn_out, own = attention(layer.self_attn, layer.input_layernorm(x), cos, sin, allowed, mode, stats, earlier)
+    x = x + attn_out
+    return x + _mlp(layer, layer.post_attention_layernorm(x), stats), own
 
 
-def target_hidden(model: DeepseekV32, ids: Tensor, mode: str, aux: _Aux | None = None) -> Tensor:
+def _causal(t: int, device: torch.device) -> Tensor:
+    return torch.ones(t, t, dtype=torch.bool, device=device).tril()[None]  # [1, T, S]
+
+
+def target_hidden(model: DeepseekV32, ids: Tensor, mode: str, stats: LayerStats | None = None) -> Tensor:
     """``ids [B, T]`` -> final-normed hidden ``[B, T, D]`` (positions 0..T-1)."""
-    aux = aux if aux is not None else _Aux()
+    stats = stats if stats is not None else LayerStats()
     t = ids.shape[1]
     x = model.model.embed_tokens(ids)
     cos, sin = model.rope(torch.arange(t, device=ids.device), x.dtype)  # [T, R]
-    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]  # [1, T, S]
+    causal = _causal(t, ids.device)
     for layer in model.model.layers:
-        x = _layer(layer, x, cos, sin, causal, mode, aux)
+        x, _ = _layer(layer, x, cos, sin, causal, mode, stats)
     return model.model.norm(x)
 
 
-def mtp_hidden(
-    model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, aux: _Aux | None = None, depth: int = 0
-) -> Tensor:
-    """MTP over a sequence: slot t pairs ``hidden[:, t]`` with ``ids[:, t + 1]``; returns ``[B, T-1, D]``."""
-    aux = aux if aux is not None else _Aux()
-    mtp = model.mtp[depth]
-    t = ids.shape[1] - 1
+def _chain_allowed(slots: int, step: int, device: torch.device) -> Tensor:
+    """``[1, S, step * S]``: which (pass, slot) keys a pass-``step`` query at each slot sees (pass-major)."""
+    t = torch.arange(slots, device=device)[:, None, None]
+    i = torch.arange(1, step + 1, device=device)[None, :, None]
+    s = torch.arange(slots, device=device)[None, None, :]
+    allowed = (s <= t) & (i == (step - (t - s)).clamp(min=1))
+    return allowed.reshape(1, slots, step * slots)
+
+
+def mtp_chain(
+    model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, steps: int = 1, stats: LayerStats | None = None
+) -> list[Tensor]:
+    """Chain passes of MTP depth 0 over a window: pass j's slot t reads token ``ids[t + 1]`` and predicts
+    ``ids[t + 2]``; pass 1 pairs it with ``hidden[:, t]``, pass j > 1 with pass j-1's output at slot t-1.
+    Returns each pass's normed output ``[B, T-1, D]`` (pass j's slots below j-1 are padding)."""
+    stats = stats if stats is not None else LayerStats()
+    mtp = model.mtp[0]
+    slots = ids.shape[1] - 1
     embeds = model.model.embed_tokens(ids[:, 1:])
-    cos, sin = model.rope(torch.arange(t, device=ids.device), embeds.dtype)
-    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()[None]
-    x = _layer(mtp.block, mtp.combine(embeds, hidden[:, :t]), cos, sin, causal, mode, aux)
-    return mtp.shared_head.norm(x)
+    cos, sin = model.rope(torch.arange(slots, device=ids.device), embeds.dtype)
+    prev, keys, outs = hidden[:, :slots], [], []
+    for step in range(1, steps + 1):
+        allowed = _chain_allowed(slots, step, ids.device)
+        x, own = _layer(mtp.block, mtp.combine(embeds, prev), cos, sin, allowed, mode, stats, keys)
+        out = mtp.shared_head.norm(x)
+        keys.append(own)
+        outs.append(out)
+        prev = F.pad(out[:, :-1], (0, 0, 1, 0))  # slot t reads slot t-1's output
+    return outs
+
+
+def mtp_hidden(model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, stats: LayerStats | None = None) -> Tensor:
+    """MTP depth 0 over a window (chain step 1 only); returns ``[B, T-1, D]``."""
+    return mtp_chain(model, ids, hidden, mode, 1, stats)[0]
 
 
 def train_forward(
@@ -203,19 +123,20 @@ def train_forward(
     *,
     mode: str,
     mtp_weight: float = 0.3,
+    mtp_steps: int = 1,
     kl_weight: float = 1.0,
 ) -> TrainOutput:
     """Losses for a batch of token windows ``ids [B, T]`` (each window starts at position 0)."""
-    aux = _Aux()
-    hidden = target_hidden(model, ids, mode, aux)  # [B, T, D]
+    stats = LayerStats()
+    hidden = target_hidden(model, ids, mode, stats)  # [B, T, D]
     logits = model.logits(hidden[:, :-1])
     lm = F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-    mtp = torch.zeros((), device=ids.device)
-    if len(model.mtp) and ids.shape[1] > 2:
-        h = mtp_hidden(model, ids, hidden, mode, aux)  # [B, T-1, D]
-        mtp_logits = model.logits(h[:, :-1])  # slot t predicts ids[t + 2]
-        mtp = F.cross_entropy(mtp_logits.flatten(0, 1).float(), ids[:, 2:].flatten())
-    kl = torch.stack(aux.kl).sum()
-    loss = lm + mtp_weight * mtp + kl_weight * kl
-    return TrainOutput(loss=loss, lm_loss=lm.detach(), mtp_loss=mtp.detach(), kl_loss=kl.detach(),
-                       expert_counts=aux.counts)
+    mtp: list[Tensor] = []
+    if len(model.mtp) and ids.shape[1] > mtp_steps + 1:
+        for step, h in enumerate(mtp_chain(model, ids, hidden, mode, mtp_steps, stats), start=1):
+            mtp_logits = model.logits(h[:, step - 1 : -1])  # valid slots t >= step-1 predict ids[t + 2]
+            mtp.append(F.cross_entropy(mtp_logits.flatten(0, 1).float(), ids[:, step + 1 :].flatten()))
+    kl = torch.stack(stats.kl).sum()
+    loss = lm + mtp_weight * sum(mtp, torch.zeros((), device=ids.device)) + kl_weight * kl
+    return TrainOutput(loss=loss, lm_loss=lm.detach(), mtp_losses=tuple(m.detach() for m in mtp),
+                       kl_loss=kl.detach(), expert_counts=stats.counts)

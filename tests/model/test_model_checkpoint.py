@@ -126,3 +126,13 @@ def test_tied_embeddings_round_trip(tmp_path):
     loaded = load_model(tmp_path)
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
     assert torch.equal(prefill_logits(loaded, [1, 2, 3]), prefill_logits(model, [1, 2, 3]))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-4), ("bfloat16", 0.5), ("float16", 0.05)])
+def test_every_dtype_runs_close_to_float64(tmp_path, dtype, tol):
+    model = random_model(seed=6, std=0.05)
+    save_model(model, tmp_path)
+    ids = list(range(40, 80))
+    low = prefill_logits(load_model(tmp_path, dtype=dtype), ids)
+    assert low.dtype == DTYPES[dtype]
+    assert (low.double() - prefill_logits(model, ids)).abs().max() < tol

@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import torch
-from _model_util import prefill_logits, random_model
+from _model_util import new_backend, prefill_logits, random_model
 
 from pipeline.model import ForwardLayout
-from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, mtp_hidden, target_hidden, train_forward
+from pipeline.model.reference import DecodeSession
+from pipeline.model.training import (
+    DENSE,
+    SPARSE,
+    SPARSE_STABLE,
+    mtp_chain,
+    mtp_hidden,
+    target_hidden,
+    train_forward,
+)
 
 
 def _batch(b: int, t: int, seed: int) -> torch.Tensor:
@@ -23,8 +32,6 @@ def test_sparse_training_forward_equals_inference():
 
 
 def test_training_mtp_equals_inference_mtp():
-    from _model_util import new_backend
-
     model = random_model(seed=2)
     ids = _batch(1, 30, 2)
     with torch.no_grad():
@@ -67,5 +74,25 @@ def test_indexer_learns_only_from_its_kl_loss():
             assert torch.equal(with_kl[name], without_kl[name]), name
     assert any(with_kl[n].any() for n in with_kl if ".indexer." in n)
     assert out.kl_loss > 0
-    assert len(out.expert_counts) == 2  # target MoE layer + MTP layer
-    assert all(int(c.sum()) == ids.numel() * model.cfg.num_experts_per_tok for c in out.expert_counts[:1])
+    counts = list(out.expert_counts.values())
+    assert len(counts) == 2  # the target's MoE layer and the MTP layer's
+    assert int(counts[0].sum()) == ids.numel() * model.cfg.num_experts_per_tok
+
+
+def test_chain_training_passes_equal_serving_chain_steps():
+    """Pass j at slot t sees what chain step j sees when drafting from a context of t-j+2 tokens."""
+    model = random_model(seed=6)
+    ids = _batch(1, 36, 6)
+    with torch.no_grad():
+        hidden = target_hidden(model, ids, SPARSE_STABLE)
+        passes = mtp_chain(model, ids, hidden, SPARSE_STABLE, steps=3)  # 3 x [1, 35, D]
+        seq = ids[0].tolist()
+        for n in (5, 20, 30):  # n committed tokens; slots up to n + 1 > index_topk
+            s = DecodeSession(model, 64)
+            h_target = s.target(seq[:n], 0)
+            h, _ = s.mtp(seq[1 : n + 1], h_target, 0)  # draft extend: slots 0..n-1
+            assert torch.allclose(h[-1], passes[0][0, n - 1], atol=1e-10, rtol=0)
+            h2, _ = s.mtp([seq[n + 1]], h[-1:], n)  # chain step 2 at slot n
+            assert torch.allclose(h2[0], passes[1][0, n], atol=1e-10, rtol=0)
+            h3, _ = s.mtp([seq[n + 2]], h2, n + 1)  # chain step 3 at slot n + 1
+            assert torch.allclose(h3[0], passes[2][0, n + 1], atol=1e-10, rtol=0)
