@@ -17,6 +17,7 @@ from pipeline.sampling import SamplingParams
 from statemachines.request import (
     AbortRequested,
     Admitted,
+    Crashed,
     DraftDone,
     DraftStarted,
     Event,
@@ -150,10 +151,14 @@ class SyncDriver:
         for rid in runnable:
             self.requests[rid].apply(DraftDone(num_drafts=self.executor.num_draft_steps))
         result = self.executor.verify(runnable)
+        for rid, why in result.failed.items():
+            req = self.requests[rid]
+            req.error = why
+            self._end(req, Crashed(why), "error")
         for rid, tokens in result.tokens.items():
             req = self.requests[rid]
+            req.record_verify(result.accepted[rid], self.executor.num_draft_steps)
             reason = req.append(tokens)
-            req.metrics.spec_verify_ct += 1
             if reason is None:
                 req.apply(Verified(accepted=len(tokens)))
             else:

@@ -31,6 +31,9 @@ from pipeline.model import DeepseekV32, load_model
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.sampling import SamplingParams, make_generator, sample
+from pipeline.speculative.draft_state import DraftState
+from pipeline.speculative.metrics import SpecCounters
+from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
 
 log = structlog.get_logger(__name__)
 
@@ -52,8 +55,10 @@ class PrefillResult:
 
 @attrs.frozen
 class StepResult:
-    tokens: dict[str, tuple[int, ...]]  # request id -> tokens committed this step, in order
+    tokens: dict[str, tuple[int, ...]]  # request id -> new output tokens this step, in order
     refused: tuple[str, ...] = ()  # could not step (memory): the caller retracts them
+    accepted: dict[str, int] = attrs.Factory(dict)  # speculative: accepted drafts per request
+    failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue
 
 
 @attrs.define(eq=False)
@@ -65,6 +70,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     next_token: int = -1  # sampled, its KV not computed yet (it sits at position = length)
+    draft: DraftState | None = None  # speculative: the stash between steps
 
 
 class Executor:
@@ -103,10 +109,15 @@ class Executor:
         )
         if config.hisparse is not None:
             streams = {"transfer": transfer} if transfer is not None else {}
-            self.memory: HiSparseCoordinator | ResidentMemory = HiSparseCoordinator(**memory_args, **streams)
+            drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0
+            self.memory: HiSparseCoordinator | ResidentMemory = HiSparseCoordinator(
+                **memory_args, **streams, num_draft_layers=drafts
+            )
         else:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=cfg.num_nextn_predict_layers)
         self.trace = TopKTrace(trace_path) if trace_path else None
+        spec = config.speculative
+        self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
 
@@ -157,12 +168,28 @@ class Executor:
         ends = torch.cumsum(torch.tensor([len(seq.token_ids) for seq, _ in admitted]), 0) - 1
         logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
         first: dict[str, int] = {}
-        for i, (seq, got) in enumerate(admitted):
+        for i, (seq, _) in enumerate(admitted):
             state = self.seqs[seq.request_id]
             state.next_token = sample(logits[i], state.params, state.generator)
             first[seq.request_id] = state.next_token
+        if self.config.speculative is not None:
+            self._draft_extend_prompts(admitted, hidden, ends)
+        for seq, got in admitted:
             self.memory.start_staging(got.row, len(seq.token_ids))
         return PrefillResult(first, tuple(refused))
+
+    def _draft_extend_prompts(self, admitted, hidden: torch.Tensor, ends: torch.Tensor) -> None:
+        """The MTP layer over each prompt: target hidden of position p with the token at p + 1."""
+        starts = (ends - torch.tensor([len(seq.token_ids) for seq, _ in admitted]) + 1).tolist()
+        inputs = []
+        for (seq, got), start, end in zip(admitted, starts, ends.tolist()):
+            state = self.seqs[seq.request_id]
+            next_ids = (*seq.token_ids[1:], state.next_token)
+            inputs.append(
+                ExtendInput(got.row, 0, next_ids, hidden[start : end + 1], state.params, state.generator)
+            )
+        for (seq, _), draft in zip(admitted, draft_extend(self.model, self.memory, inputs)):
+            self.seqs[seq.request_id].draft = draft
 
     def collect_ready(self) -> list[str]:
         """Requests whose prompt KV reached host and that now own a device buffer (FIFO)."""
@@ -206,6 +233,90 @@ class Executor:
             seq.next_token = sample(logits[i], seq.params, seq.generator)
             out[seq.request_id] = (seq.next_token,)
         return StepResult(out, refused)
+
+    @property
+    def num_draft_steps(self) -> int:
+        spec = self.config.speculative
+        return 0 if spec is None else spec.num_steps
+
+    @torch.inference_mode()
+    def draft(self, request_ids: list[str]) -> StepResult:
+        """Chain drafting: each request's one proposal becomes ``num_steps`` proposals."""
+        spec = self.config.speculative
+        assert spec is not None, "draft() needs a speculative config"
+        d = spec.draft_tokens
+        runnable = [rid for rid in request_ids if self.can_step(rid, new_tokens=d)]
+        refused = tuple(rid for rid in request_ids if rid not in runnable)
+        if not runnable:
+            return StepResult({}, refused)
+        seqs = [self.seqs[rid] for rid in runnable]
+        for seq in seqs:
+            self.memory.ensure_capacity(seq.row, new_tokens=d, speculative=True)
+        states = draft_chain(
+            self.model,
+            self.memory,
+            [s.row for s in seqs],
+            [s.draft for s in seqs],
+            [s.params for s in seqs],
+            [s.generator for s in seqs],
+            spec.num_steps,
+        )
+        for seq, state in zip(seqs, states):
+            seq.draft = state
+        return StepResult({}, refused)
+
+    @torch.inference_mode()
+    def verify(self, request_ids: list[str]) -> StepResult:
+        """One target forward over ``[bonus, d_1..d_k]`` of every request, acceptance, finalize, and
+        the draft extend over the accepted tokens."""
+        spec = self.config.speculative
+        assert spec is not None, "verify() needs a speculative config"
+        d = spec.draft_tokens
+        if not request_ids:
+            return StepResult({})
+        seqs = [self.seqs[rid] for rid in request_ids]
+        row_list = [s.row for s in seqs]
+        lengths = [self.memory.length(r) for r in row_list]
+        layout = self.memory.prepare_verify(row_list, d)
+        dev = self.device
+        ids = torch.tensor([t for s in seqs for t in (s.draft.bonus, *s.draft.drafts)], device=dev)
+        positions = torch.cat([torch.arange(n, n + d) for n in lengths]).to(dev)
+        rows = torch.tensor(row_list, device=dev).repeat_interleave(d)
+        backend = self.memory.backend(
+            rows,
+            positions,
+            layout.targets.locs,
+            layout.targets.slots,
+            steps=d,
+            trace=self.trace,
+            labels=self._labels(),
+        )
+        hidden = self.model(ids, positions, backend)  # [B * D, H]
+        logits = self.model.logits(hidden).reshape(len(seqs), d, -1)
+        decisions = [
+            accept(list(s.draft.drafts), s.draft.draft_probs, logits[i], s.params, s.generator)
+            for i, s in enumerate(seqs)
+        ]
+        failed_rows = set(self.memory.finalize_verify(row_list, [a + 1 for a, _ in decisions], layout))
+        out, accepted, failed, extend = {}, {}, {}, []
+        for i, (seq, (a, token)) in enumerate(zip(seqs, decisions)):
+            if seq.row in failed_rows:
+                failed[seq.request_id] = str(self.memory.take_failure(seq.row))
+                continue
+            new = (*seq.draft.drafts[:a], token)
+            out[seq.request_id], accepted[seq.request_id] = new, a
+            self.spec_counters.record(a)
+            seq.next_token = token
+            extend.append(
+                ExtendInput(
+                    seq.row, lengths[i], new, hidden[i * d : i * d + a + 1], seq.params, seq.generator
+                )
+            )
+        if extend:
+            live = [s for s in seqs if s.request_id in out]
+            for seq, state in zip(live, draft_extend(self.model, self.memory, extend)):
+                seq.draft = state
+        return StepResult(out, accepted=accepted, failed=failed)
 
     def release(self, request_id: str) -> None:
         """Free everything the request owns; safe in every state (staging included)."""

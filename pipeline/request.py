@@ -14,6 +14,7 @@ import structlog
 
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.sampling import SamplingParams
+from pipeline.speculative.metrics import SpecCounters
 from statemachines.request import TERMINAL, Event, State, advance
 
 log = structlog.get_logger("hispec.lifecycle")
@@ -31,12 +32,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_retractions: int = 0
-    # speculative decoding (SGLang meta_info / vLLM SpecDecodingStats)
-    spec_verify_ct: int = 0  # verify rounds
-    spec_num_proposed_drafts: int = 0  # draft tokens proposed (bonus excluded)
-    spec_num_accepted_drafts: int = 0  # draft tokens accepted (bonus excluded)
-    spec_accepted_per_pos: list[int] = attrs.Factory(list)  # accepted count per draft position
-    spec_accept_length_histogram: dict[int, int] = attrs.Factory(dict)  # tokens per verify -> rounds
+    # speculative decoding (SGLang meta_info / vLLM SpecDecodingStats); None without speculation
+    spec: SpecCounters | None = None
     # HiSparse figures summed over the request's steps
     hisparse_hits: int = 0
     hisparse_misses: int = 0
@@ -63,28 +60,18 @@ class RequestMetrics:
     @property
     def spec_accept_length(self) -> float | None:
         """Tokens committed per verify round, the bonus token included."""
-        if not self.spec_verify_ct:
-            return None
-        return (self.spec_num_accepted_drafts + self.spec_verify_ct) / self.spec_verify_ct
+        return None if self.spec is None else self.spec.accept_length
 
     @property
     def spec_accept_rate(self) -> float | None:
         """Accepted drafts / proposed drafts, the bonus token excluded."""
-        if not self.spec_num_proposed_drafts:
-            return None
-        return self.spec_num_accepted_drafts / self.spec_num_proposed_drafts
+        return None if self.spec is None else self.spec.accept_rate
 
     def as_dict(self) -> dict[str, object]:
-        data = attrs.asdict(self)
-        for name in (
-            "queue_time",
-            "time_to_first_token",
-            "inter_token_latency",
-            "e2e_latency",
-            "spec_accept_length",
-            "spec_accept_rate",
-        ):
+        data = attrs.asdict(self, filter=lambda a, _: a.name != "spec")
+        for name in ("queue_time", "time_to_first_token", "inter_token_latency", "e2e_latency"):
             data[name] = getattr(self, name)
+        data["spec"] = None if self.spec is None else self.spec.as_dict()
         return data
 
 
@@ -129,6 +116,12 @@ class Request:
             **figures,
         )
         return self.state
+
+    def record_verify(self, accepted: int, num_drafts: int) -> None:
+        """One verify round: ``accepted`` of ``num_drafts`` drafts taken (the bonus token aside)."""
+        if self.metrics.spec is None:
+            self.metrics.spec = SpecCounters(num_drafts)
+        self.metrics.spec.record(accepted)
 
     def known_tokens(self) -> tuple[int, ...]:
         """Prompt and output so far: what a re-admission after a retraction prefills."""

@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from kernels.indexer_topk import indexer_topk
-from kernels.sparse_mla import sparse_mla_reference as sparse_mla
+from kernels.sparse_mla import sparse_mla
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.model.attention_api import AttentionInputs
 
@@ -69,7 +69,7 @@ class HiSparseBackend:
     ) -> torch.Tensor:
         steps = self.steps
         batch = top.shape[0] // steps
-        rows = self.req_rows.reshape(batch, steps)[:, 0]
+        rows = self.req_rows.reshape(batch, steps)[:, 0].contiguous()
         top3 = top.reshape(batch, steps, -1)  # [B, S, K]
         seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
         out = torch.zeros_like(inputs.q_latent)  # [T, H, C]

@@ -33,8 +33,10 @@ from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStream, make_transfer_stream
+from pipeline.hisparse.verify import FinalizeError, SpeculativeBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows
 from pipeline.memory.targets import PrefillSlots, WriteTargets
+from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
 
 log = structlog.get_logger(__name__)
 
@@ -52,13 +54,14 @@ class RowMemory:
 
 
 @attrs.define(eq=False)
-class HiSparseCoordinator:
+class HiSparseCoordinator(SpeculativeBuffers):
     plan: MemoryPlan
     num_layers: int
     row_dim: int  # MLA row: latent + rope key
     index_dim: int
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    num_draft_layers: int = 0  # MTP layers: each gets its own resident pool (DraftPool)
     # builds the transfer streams (tests inject streams with controlled latency)
     transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
     rows: RequestRows = attrs.field(init=False)
@@ -68,9 +71,11 @@ class HiSparseCoordinator:
     device_kv: torch.Tensor = attrs.field(init=False)  # [L, physical rows, row_dim]
     index_k: torch.Tensor = attrs.field(init=False)  # [L, logical rows, index_dim]
     counters: LayerCounters = attrs.field(init=False)
+    draft: DraftPool | None = attrs.field(init=False)
     _mem: dict[int, RowMemory] = attrs.field(init=False, factory=dict)
     # staging FIFO; a row is here <=> its phase is "staging"
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
+    _failures: dict[int, FinalizeError] = attrs.field(init=False, factory=dict)  # rolled-back finalizes
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
 
@@ -103,6 +108,19 @@ class HiSparseCoordinator:
             self.num_layers, self.alloc.logical_rows, self.index_dim, dtype=self.dtype, device=self.device
         )
         self.counters = LayerCounters(self.num_layers)
+        self.draft = (
+            DraftPool(
+                self.alloc.logical_rows,
+                self.row_dim,
+                self.index_dim,
+                self.num_layers,
+                self.req_to_token,
+                self.dtype,
+                self.device,
+            )
+            if self.num_draft_layers
+            else None
+        )
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
 
@@ -293,6 +311,13 @@ class HiSparseCoordinator:
     ) -> HiSparseBackend:
         """The attention backend of one forward: ``steps`` = 0 for a prefill, else tokens per row."""
         return HiSparseBackend(self, rows, positions, locs, slots, steps=steps, trace=trace, labels=labels)
+
+    def draft_backend(
+        self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor
+    ) -> ShiftedBackend:
+        """The MTP layer's backend: its own resident pool, addressed by logical location."""
+        assert self.draft is not None, "the coordinator was built without a draft pool"
+        return self.draft.backend(rows, positions, locs)
 
     # --- swap-in --------------------------------------------------------------------------------
 

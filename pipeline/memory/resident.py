@@ -15,7 +15,7 @@ import torch
 from pipeline.config import MemoryPlan
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.req_to_token import RequestRows, token_table
-from pipeline.memory.targets import PrefillSlots, WriteTargets
+from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
 
@@ -127,6 +127,32 @@ class ResidentMemory:
         backend = ResidentBackend(self.store)
         backend.begin(ForwardLayout(rows, positions, locs))
         return backend
+
+    def prepare_verify(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
+        """Locations for the D verify tokens of each row (their KV lands there directly)."""
+        locs = []
+        for row in rows:
+            self.ensure_capacity(row, new_tokens=draft_tokens, speculative=True)
+            n = self._length[row]
+            locs.append(self._table.table[row, n : n + draft_tokens])
+        out = torch.cat(locs).to(self.device)
+        return VerifyLayout(WriteTargets(out, out), draft_tokens)
+
+    def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
+        """Nothing moves: the accepted rows are already where they belong; rejected ones are
+        overwritten next round (their locations stay with the request)."""
+        for row, count in zip(rows, accepted):
+            self._length[row] += count
+        return []
+
+    def take_failure(self, row: int) -> None:
+        return None
+
+    def draft_backend(
+        self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor
+    ) -> ResidentBackend:
+        """The MTP layer's rows live in the same store, after the target's layers."""
+        return self.backend(rows, positions, locs, locs)
 
     def release(self, row: int) -> None:
         self._length.pop(row)

@@ -21,3 +21,11 @@ class WriteTargets:
 
     locs: torch.Tensor  # [T] int64 logical locations (indexer keys)
     slots: torch.Tensor  # [T] int64 device slots (MLA rows)
+
+
+@attrs.frozen
+class VerifyLayout:
+    """Where the verify tokens of one speculative step live (request-major, D per request)."""
+
+    targets: WriteTargets  # [B * D]
+    draft_tokens: int  # D

@@ -1,0 +1,118 @@
+"""Speculative verify on HiSparse memory: binding the verify tokens, and finalizing the accepted ones.
+
+Verify binding (ARCHITECTURE §4): verify token j of a request with ``n`` committed positions sits at
+position ``n + j``; its column is the position itself while ``n + j < HOT`` (the identity hot column),
+else ``HOT + 1 + j`` in the draft zone, so drafts never pollute or evict hot rows. The target writes
+its KV there and the token's logical location maps to that slot.
+
+Finalize, per request, in this order:
+
+1. read the slots of the accepted verify tokens, then clear the map of **every** verify location
+   (rejected ones included) before anything else moves;
+2. accepted positions below HOT map to their hot column; those at or past HOT keep no hot slot;
+3. every accepted token's KV is backed up to host (one batched copy for the whole step);
+4. the last accepted token's KV is copied into the newest column;
+5. the draft zone is emptied.
+
+If the host pool cannot take the accepted tokens, finalize changes nothing for that request and
+raises ``FinalizeError``: no committed token is ever left without a host copy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.kv_copy import copy_rows
+from pipeline.memory import OutOfMemory
+from pipeline.memory.targets import VerifyLayout, WriteTargets
+
+
+class FinalizeError(RuntimeError):
+    """Finalize could not back up a request's accepted tokens; its state was rolled back."""
+
+    def __init__(self, row: int, reason: str) -> None:
+        self.row = row
+        self.reason = reason
+        super().__init__(f"request row {row}: finalize rolled back: {reason}")
+
+
+class SpeculativeBuffers:
+    """Verify binding and finalize for ``HiSparseCoordinator`` (mixed into it)."""
+
+    def prepare_verify(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
+        """Bind the D verify tokens of each row to columns; raises ``OutOfMemory`` (nothing changed
+        for the rows not yet handled)."""
+        hot, buffers = self.hot, self.buffers
+        locs, slots = [], []
+        for row in rows:
+            self.ensure_capacity(row, new_tokens=draft_tokens, speculative=True)
+            mem = self._mem[row]
+            mem.backup.wait()  # last round's backup reads the draft zone this round overwrites
+            n = mem.length
+            positions = torch.arange(n, n + draft_tokens)
+            cols = torch.where(positions < hot, positions, hot + 1 + torch.arange(draft_tokens))
+            buffers.tokens[:, row, hot + 1 :] = -1
+            buffers.tokens[:, row, cols.to(buffers.device)] = positions.to(torch.int32).to(buffers.device)
+            row_locs = self.req_to_token[row, n : n + draft_tokens]
+            row_slots = buffers.locs[row, cols.to(buffers.device)]
+            self.alloc.bind(row_locs, row_slots.cpu())
+            locs.append(row_locs)
+            slots.append(row_slots)
+        targets = WriteTargets(torch.cat(locs).to(self.device), torch.cat(slots).to(self.device))
+        return VerifyLayout(targets, draft_tokens)
+
+    def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
+        """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
+
+        Returns the rows that failed (their state rolled back, ``FinalizeError`` logged by the caller
+        via ``failed``); the others are committed and backed up.
+        """
+        d, hot, buffers = layout.draft_tokens, self.hot, self.buffers
+        slots = layout.targets.slots.cpu().reshape(len(rows), d)
+        host_slots, dev_slots, failed = [], [], []
+        for i, (row, count) in enumerate(zip(rows, accepted)):
+            mem = self._mem[row]
+            n = mem.length
+            verify_locs = self.req_to_token[row, n : n + d]
+            before = self.alloc.lookup(verify_locs).clone()
+            self.alloc.clear(verify_locs)  # 1. every verify mapping, before anything moves
+            try:
+                self.host.reserve(row, n + count)
+            except OutOfMemory as exc:
+                self.alloc.bind(verify_locs, before)  # roll back: nothing happened to this row
+                failed.append(row)
+                self._failures[row] = FinalizeError(row, str(exc))
+                continue
+            positions = torch.arange(n, n + count)
+            short = positions < hot  # 2. accepted positions below HOT keep their hot column
+            self.alloc.bind(
+                verify_locs[:count][short], buffers.locs[row, positions[short].to(buffers.device)].cpu()
+            )
+            host_slots.append(self.host.record(row, positions))  # 3. every accepted token
+            dev_slots.append(slots[i, :count])
+            self._move_to_newest(row, n + count - 1, slots[i, count - 1])  # 4.
+            buffers.tokens[:, row, hot + 1 :] = -1  # 5.
+            mem.length = n + count
+        if host_slots:
+            handle = self._backup_stream.copy_rows(
+                self.host.kv, torch.cat(host_slots), self.device_kv, torch.cat(dev_slots).to(self.device)
+            )
+            self.counters.add_backup(sum(len(h) for h in host_slots) * self.host.row_bytes)
+            for row in rows:
+                if row not in failed:
+                    self._mem[row].backup = handle
+        return failed
+
+    def _move_to_newest(self, row: int, position: int, slot: torch.Tensor) -> None:
+        """The last committed token's KV goes to the newest column, after the backup reading it."""
+        buffers = self.buffers
+        newest = buffers.locs[row, buffers.newest]
+        self._mem[row].backup.wait()
+        self._forget_newest(row)
+        if int(slot) != int(newest):
+            copy_rows(self.device_kv, newest.reshape(1), self.device_kv, slot.reshape(1).to(self.device))
+        buffers.tokens[:, row, buffers.newest] = position
+        self.alloc.bind(self.req_to_token[row, position].reshape(1), newest.reshape(1).cpu())
+
+    def take_failure(self, row: int) -> FinalizeError | None:
+        return self._failures.pop(row, None)

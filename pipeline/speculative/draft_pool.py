@@ -1,0 +1,50 @@
+"""The MTP layer's own KV pool: ordinary, all resident, addressed by logical location.
+
+With HiSparse the target's rows are tiered, but the draft layer keeps every row on the device in a
+pool of its own (the reference branch let the draft read untranslated logical locations of a tiered
+pool; here nothing is shared but the token table). The draft layer's row for position p of a
+request lives at that position's logical location.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from pipeline.model.attention_api import AttentionInputs
+from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
+
+
+@attrs.define(eq=False)
+class ShiftedBackend:
+    """Hands the MTP layer's inputs (layer ``offset``) to a store that holds it as layer 0."""
+
+    inner: ResidentBackend
+    offset: int
+
+    def attend(self, inputs: AttentionInputs) -> torch.Tensor:
+        return self.inner.attend(attrs.evolve(inputs, layer=inputs.layer - self.offset))
+
+
+@attrs.define(eq=False)
+class DraftPool:
+    num_locations: int
+    row_dim: int
+    index_dim: int
+    first_layer: int  # the model's layer index of the MTP layer (num_hidden_layers)
+    req_to_token: torch.Tensor  # [N, max_len] shared with the target's memory
+    dtype: torch.dtype = torch.float32
+    device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    store: ResidentKV = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.store = ResidentKV(
+            kv=torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, device=self.device),
+            index_k=torch.zeros(1, self.num_locations, self.index_dim, dtype=self.dtype, device=self.device),
+            req_to_token=self.req_to_token,
+        )
+
+    def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
+        inner = ResidentBackend(self.store)
+        inner.begin(ForwardLayout(rows, positions, locs))
+        return ShiftedBackend(inner, self.first_layer)

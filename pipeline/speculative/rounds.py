@@ -1,0 +1,120 @@
+"""One speculative round, as three device commands: draft extend, chain drafting, verify.
+
+Positions (``n`` committed positions, the bonus token sits at position ``n``)::
+
+    target KV:   0 ........ n-1 | verify: n (bonus), n+1 (d_1), ..., n+k (d_k)
+    MTP row p:   pairs the target hidden of position p with the token at p+1 and predicts p+2;
+                 its KV lives at p's logical location in the draft pool.
+
+* ``draft_extend``: MTP rows over newly committed positions (the prompt after a prefill; the
+  accepted tokens after a verify) with the target's hidden states; yields each request's bonus,
+  first proposal ``d_1`` and MTP hidden (the draft state).
+* ``draft_chain``: ``k - 1`` chained top-1 MTP steps; step j runs at MTP position ``n + j - 2``.
+* ``verify``: one target forward over ``[bonus, d_1..d_k]`` of every request, acceptance, finalize
+  in memory, then the draft extend over the accepted tokens for the next round.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from pipeline.sampling import SamplingParams, probabilities
+from pipeline.speculative.acceptance import greedy_accept, rejection_accept
+from pipeline.speculative.draft_state import DraftBatch, DraftState
+
+
+@attrs.frozen(eq=False)
+class ExtendInput:
+    """One request's rows of a draft extend."""
+
+    row: int
+    start: int  # position of the first row
+    next_ids: tuple[int, ...]  # the token after each position (the last is the new bonus)
+    hidden: torch.Tensor  # [m, D] target hidden states at those positions
+    params: SamplingParams
+    generator: torch.Generator | None
+
+
+@attrs.frozen
+class VerifyOutcome:
+    tokens: tuple[int, ...]  # committed this round after the previous bonus: d_1..d_a, new bonus
+    accepted: int  # a, accepted drafts (the bonus token excluded)
+    state: DraftState | None  # for the next round; None when finalize failed
+
+
+def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """A draft token from MTP logits ``[V]``: argmax when greedy, else a sample from q (returned)."""
+    if params.greedy:
+        return int(logits.argmax()), None
+    q = probabilities(logits.cpu(), params)
+    return int(torch.multinomial(q, 1, generator=generator)), q
+
+
+def draft_extend(model: Any, memory: Any, inputs: list[ExtendInput]) -> list[DraftState]:
+    """MTP rows over each request's new positions; one flat forward for the batch."""
+    dev = model.device
+    rows = torch.cat([torch.full((len(x.next_ids),), x.row, dtype=torch.int64) for x in inputs])
+    positions = torch.cat([torch.arange(x.start, x.start + len(x.next_ids)) for x in inputs])
+    locs = memory.req_to_token[rows, positions]
+    ids = torch.tensor([t for x in inputs for t in x.next_ids], device=dev)
+    hidden = torch.cat([x.hidden for x in inputs])
+    backend = memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev))
+    out = model.mtp_forward(ids, positions.to(dev), hidden, backend)
+    ends = torch.cumsum(torch.tensor([len(x.next_ids) for x in inputs]), 0) - 1
+    states = []
+    for x, end in zip(inputs, ends.tolist()):
+        token, q = propose(out.logits[end], x.params, x.generator)
+        states.append(DraftState(x.next_ids[-1], out.hidden[end], (token,), None if q is None else (q,)))
+    return states
+
+
+def draft_chain(
+    model: Any,
+    memory: Any,
+    rows: list[int],
+    states: list[DraftState],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    num_steps: int,
+) -> list[DraftState]:
+    """Extend each request's one proposal to ``num_steps`` chained proposals."""
+    batch = DraftBatch.merge(states)
+    dev = model.device
+    row_t = torch.tensor(rows, dtype=torch.int64)
+    lengths = torch.tensor([memory.length(r) for r in rows], dtype=torch.int64)
+    drafts = [list(s.drafts) for s in states]
+    probs = [list(s.draft_probs) if s.draft_probs is not None else None for s in states]
+    hidden = batch.hidden
+    for j in range(2, num_steps + 1):
+        positions = lengths + (j - 2)
+        locs = memory.req_to_token[row_t, positions]
+        backend = memory.draft_backend(row_t.to(dev), positions.to(dev), locs.to(dev))
+        last = torch.tensor([d[-1] for d in drafts], device=dev)
+        out = model.mtp_forward(last, positions.to(dev), hidden, backend)
+        hidden = out.hidden
+        for i in range(len(rows)):
+            token, q = propose(out.logits[i], params[i], generators[i])
+            drafts[i].append(token)
+            if probs[i] is not None:
+                probs[i].append(q)
+    return [
+        DraftState(s.bonus, hidden[i], tuple(drafts[i]), None if probs[i] is None else tuple(probs[i]))
+        for i, s in enumerate(states)
+    ]
+
+
+def accept(
+    drafts: list[int],
+    draft_probs: tuple[torch.Tensor, ...] | None,
+    logits: torch.Tensor,  # [k + 1, V]
+    params: SamplingParams,
+    generator: torch.Generator | None,
+) -> tuple[int, int]:
+    if params.greedy:
+        return greedy_accept(drafts, logits)
+    assert draft_probs is not None
+    target = probabilities(logits.cpu(), params)
+    return rejection_accept(drafts, draft_probs, target, generator)
