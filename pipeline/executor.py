@@ -339,6 +339,16 @@ class Executor:
         self.memory.check_integrity(data=data)
         assert {s.row for s in self.seqs.values()} == set(self.memory.live_rows()), "executor rows disagree"
 
+    def stats(self) -> dict[str, object]:
+        """Every pool's free count and capacity, HiSparse transfer counters, speculative counters."""
+        return {
+            "pools": self.memory.pools(),
+            "hisparse": self.memory.counters_dict(),
+            "speculative": None if self.spec_counters is None else self.spec_counters.as_dict(),
+            "live_requests": len(self.seqs),
+            "staging_requests": len(self.memory.staging_rows()),
+        }
+
     def pool_counts(self) -> dict[str, int]:
         """Free counts of every pool (equal to their initial values when nothing is live)."""
         return self.memory.free_counts()

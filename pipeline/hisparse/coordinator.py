@@ -378,17 +378,17 @@ class HiSparseCoordinator(SpeculativeBuffers):
     def free_pages(self) -> int:
         return min(self.alloc.physical.num_free_pages, self.host.allocator.num_free_pages)
 
-    def token_stats(self) -> dict[str, int]:
-        """Device and host usage in tokens (what the decode log reports)."""
-        p = self.plan.page_size
+    def pools(self) -> dict[str, dict[str, int]]:
+        """Every pool's free count and capacity (tokens; rows for request rows)."""
         return {
-            "device_used": (self.alloc.physical.capacity_pages - self.alloc.physical.num_free_pages) * p,
-            "device_capacity": self.alloc.physical.capacity_pages * p,
-            "host_used": (self.host.allocator.capacity_pages - self.host.allocator.num_free_pages) * p,
-            "host_capacity": self.host.allocator.capacity_pages * p,
-            "logical_used": (self.alloc.logical.capacity_pages - self.alloc.logical.num_free_pages) * p,
-            "logical_capacity": self.alloc.logical.capacity_pages * p,
+            "request_rows": {"free": self.rows.num_free, "capacity": self.rows.num_rows},
+            "device": _pool(self.alloc.physical),
+            "logical": _pool(self.alloc.logical),
+            "host": _pool(self.host.allocator),
         }
+
+    def counters_dict(self) -> dict[str, object]:
+        return self.counters.as_dict()
 
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (buffer or dense prompt), all layers."""
@@ -434,3 +434,8 @@ class HiSparseCoordinator(SpeculativeBuffers):
             dev = self.device_kv[layer, self.buffers.locs[row, cols]].cpu()
             host = self.host.kv[layer, self.host.req_to_host[row, held[cols].cpu()]]
             assert torch.equal(dev, host), f"row {row} layer {layer}: a device row differs from its host copy"
+
+
+def _pool(allocator) -> dict[str, int]:
+    p = allocator.page_size
+    return {"free": allocator.num_free_pages * p, "capacity": allocator.capacity_pages * p}

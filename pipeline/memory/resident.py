@@ -172,12 +172,19 @@ class ResidentMemory:
     def free_pages(self) -> int:
         return self.allocator.num_free_pages
 
-    def token_stats(self) -> dict[str, int]:
+    def pools(self) -> dict[str, dict[str, int]]:
+        """Every pool's free count and capacity (tokens; rows for request rows)."""
         p = self.plan.page_size
         return {
-            "device_used": (self.allocator.capacity_pages - self.allocator.num_free_pages) * p,
-            "device_capacity": self.allocator.capacity_pages * p,
+            "request_rows": {"free": self.rows.num_free, "capacity": self.rows.num_rows},
+            "device": {
+                "free": self.allocator.num_free_pages * p,
+                "capacity": self.allocator.capacity_pages * p,
+            },
         }
+
+    def counters_dict(self) -> None:
+        return None
 
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of the target's MLA KV that ``row`` holds, all target layers."""
