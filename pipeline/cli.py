@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "kernels": ("kernels.bench", "time each kernel op beside the machine's copy bandwidth"),
+    "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
+    "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
 }
 
 
