@@ -1,0 +1,1 @@
+"""Benchmarks (``hispec bench ...``): measured side by side in one run, reported as ratios."""

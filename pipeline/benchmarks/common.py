@@ -1,0 +1,79 @@
+"""Shared pieces of the benchmarks: held-out prompts, timed runs, tables and JSON output."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from pipeline.model.corpus import build_corpus
+
+
+def add_common_args(parser: argparse.ArgumentParser, out: str) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument("--repeats", type=int, default=3, help="alternating repeats; the median is reported")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=out, help="JSON results")
+
+
+def setup_threads(threads: int) -> int:
+    if threads > 0:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads()
+
+
+def held_out_prompts(count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` windows of ``length`` tokens from held-out files (never seen in training).
+
+    Windows start at a line start so that a prompt reads like the beginning of real code or prose.
+    """
+    stream = build_corpus().held_out
+    gen = torch.Generator().manual_seed(seed)
+    newline_starts = torch.nonzero(stream[: len(stream) - length - 1] == 10).reshape(-1) + 1
+    picks = newline_starts[torch.randperm(len(newline_starts), generator=gen)[:count]]
+    return [stream[int(s) : int(s) + length].tolist() for s in picks]
+
+
+class Timer:
+    def __enter__(self) -> Timer:
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.seconds = time.perf_counter() - self.start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def machine() -> dict[str, object]:
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "processor": platform.machine(),
+        "cuda": torch.cuda.is_available(),
+    }
+
+
+def write_json(path: str, payload: dict[str, object]) -> None:
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def table(headers: list[str], rows: list[list[object]]) -> str:
+    """A small markdown table."""
+
+    def cell(v: object) -> str:
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

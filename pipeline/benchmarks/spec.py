@@ -1,0 +1,141 @@
+"""``hispec bench spec``: speculative decoding with num_steps 1..N beside plain decoding, in one run.
+
+Held-out prompts, greedy, batch 1 (or ``--batch``), HiSparse on unless ``--no-hisparse``. For each
+configuration it reports the accept length (tokens committed per verify, bonus included), the accept
+rate (drafts accepted / proposed) and decode tokens/s (from the first output token to the last, so
+prefill is excluded), and the speed-up over plain decoding. Configurations alternate prompt by
+prompt, so machine noise hits all of them alike. The outputs must be identical (greedy is lossless);
+the benchmark says so if they are not.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.benchmarks.common import (
+    add_common_args,
+    held_out_prompts,
+    machine,
+    setup_threads,
+    table,
+    write_json,
+)
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.driver import SyncDriver
+from pipeline.executor import Executor
+from pipeline.speculative.metrics import SpecCounters
+
+
+def engine_config(args: argparse.Namespace, num_steps: int) -> EngineConfig:
+    ctx = args.prompt_len + args.new_tokens + 16
+    pages = -(-(ctx + 16) * args.batch // args.page_size) * args.page_size
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_context_len=ctx,
+        max_running_requests=args.batch,
+        device_pool_tokens=max(pages, args.hot + args.page_size),
+        hisparse=None
+        if args.no_hisparse
+        else HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=2),
+        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        seed=args.seed,
+    )
+
+
+def run_batch(
+    executor: Executor, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], float, int]:
+    """Greedy generation of one batch; returns (outputs, decode seconds, decode tokens)."""
+    from pipeline.sampling import SamplingParams
+
+    driver = SyncDriver(executor)
+    reqs = driver.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+    first = min(r.metrics.first_token_time for r in reqs)
+    last = max(r.metrics.last_token_time for r in reqs)
+    return [r.output_ids for r in reqs], last - first, sum(len(r.output_ids) - 1 for r in reqs)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hispec bench spec", description=__doc__)
+    add_common_args(parser, "bench-spec.json")
+    parser.add_argument("--max-steps", type=int, default=3, help="num_steps 1..this")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--hot", type=int, default=128)
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--no-hisparse", action="store_true")
+    args = parser.parse_args(argv)
+    threads = setup_threads(args.threads)
+    steps = list(range(0, args.max_steps + 1))
+    executors: dict[int, Executor] = {0: Executor(engine_config(args, 0))}
+    for k in steps[1:]:
+        executors[k] = Executor(engine_config(args, k), model=executors[0].model)
+    prompts = held_out_prompts(args.prompts, args.prompt_len, args.seed)
+    seconds = dict.fromkeys(steps, 0.0)
+    tokens = dict.fromkeys(steps, 0)
+    identical = True
+    for start in range(0, len(prompts), args.batch):
+        batch = prompts[start : start + args.batch]
+        outputs = {}
+        for k in steps:
+            outputs[k], sec, count = run_batch(executors[k], batch, args.new_tokens)
+            seconds[k] += sec
+            tokens[k] += count
+        identical &= all(outputs[k] == outputs[0] for k in steps)
+    report = summarize(args, steps, executors, seconds, tokens, identical, threads)
+    write_json(args.out, report)
+    print_report(report)
+    for executor in executors.values():
+        executor.close()
+    return 0
+
+
+def summarize(args, steps, executors, seconds, tokens, identical, threads) -> dict:
+    rows = {}
+    plain_tps = tokens[0] / seconds[0]
+    for k in steps:
+        counters: SpecCounters | None = executors[k].spec_counters
+        tps = tokens[k] / seconds[k]
+        rows[k] = {
+            "num_steps": k,
+            "tokens_per_s": tps,
+            "speedup": tps / plain_tps,
+            "accept_length": None if counters is None else counters.accept_length,
+            "accept_rate": None if counters is None else counters.accept_rate,
+            "accepted_per_pos": None if counters is None else counters.accepted_per_pos,
+            "verify_rounds": None if counters is None else counters.verify_rounds,
+        }
+    return {
+        "bench": "spec",
+        "machine": machine(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "hisparse": not args.no_hisparse,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "batch": args.batch,
+        "threads": threads,
+        "outputs_identical_to_plain": identical,
+        "configs": rows,
+    }
+
+
+def print_report(r: dict) -> None:
+    print(
+        f"model {r['model']} {r['dtype']}, HiSparse {'on' if r['hisparse'] else 'off'}, {r['prompts']} held-out "
+        f"prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens, batch {r['batch']}, "
+        f"{r['threads']} threads"
+    )
+    rows = []
+    for k, c in r["configs"].items():
+        name = "plain" if int(k) == 0 else f"spec, {k} steps"
+        length, rate = c["accept_length"], c["accept_rate"]
+        shown = ["-" if v is None else v for v in (length, rate)]
+        rows.append([name, *shown, c["tokens_per_s"], c["speedup"]])
+    print(table(["decoding", "accept length", "accept rate", "decode tokens/s", "vs plain"], rows))
+    print(f"outputs identical to plain greedy: {r['outputs_identical_to_plain']}")
