@@ -24,8 +24,8 @@ from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.executor import Executor, NewSequence
 from pipeline.sampling import SamplingParams
 
-from conftest import build_tiny_model
 from manual_transfer import ManualStreams
+from tiny_models import build_tiny_model
 
 MODEL = build_tiny_model()
 CONFIG = EngineConfig(
@@ -154,4 +154,4 @@ class ExecutorMachine(RuleBasedStateMachine):
 
 
 TestExecutorMachine = ExecutorMachine.TestCase
-TestExecutorMachine.settings = settings(max_examples=30, stateful_step_count=30, deadline=None)
+TestExecutorMachine.settings = settings(max_examples=50, stateful_step_count=50, deadline=None)

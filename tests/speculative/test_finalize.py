@@ -14,8 +14,13 @@ from pipeline.sampling import SamplingParams
 from statemachines.request import State
 
 CONFIG = EngineConfig(
-    dtype="float64", page_size=4, max_context_len=120, max_running_requests=3, device_pool_tokens=256,
-    hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2), speculative=SpeculativeConfig(num_steps=2),
+    dtype="float64",
+    page_size=4,
+    max_context_len=120,
+    max_running_requests=3,
+    device_pool_tokens=256,
+    hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2),
+    speculative=SpeculativeConfig(num_steps=2),
 )
 
 
@@ -47,7 +52,9 @@ def test_host_exhaustion_in_finalize_fails_only_that_request(tiny_model, monkeyp
             d = layout.draft_tokens
             n = coord.length(row)
             locs = coord.req_to_token[row, n : n + d]
-            assert torch.equal(coord.alloc.lookup(locs), mappings_before[row][locs]), "mapping not rolled back"
+            assert torch.equal(coord.alloc.lookup(locs), mappings_before[row][locs]), (
+                "mapping not rolled back"
+            )
             coord.check_integrity()
         return failed
 

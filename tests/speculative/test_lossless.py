@@ -22,7 +22,7 @@ from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.draft_state import DraftState
 
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 
 PAGE = 8  # the draft zone holds PAGE - 1 = 7 verify tokens: num_steps 1..6 are allowed
 HOT = 16

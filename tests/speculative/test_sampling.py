@@ -19,7 +19,7 @@ from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
 
-from conftest import build_tiny_model
+from tiny_models import build_tiny_model
 
 N = 600
 Z_999 = 3.0902  # standard normal quantile for 1 - 0.001

@@ -21,8 +21,8 @@ from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.executor import Executor, NewSequence
 from pipeline.sampling import SamplingParams
 
-from conftest import build_tiny_model
 from manual_transfer import ManualStreams
+from tiny_models import build_tiny_model
 
 MODEL = build_tiny_model(seed=3)
 SPEC = SpeculativeConfig(num_steps=2)
