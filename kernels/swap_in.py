@@ -63,6 +63,9 @@ from kernels.checks import check_index_range, check_same_device, check_tensor, c
 TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
+# On a CPU, batches of at most this many (request, step) pairs go to the plain-Python implementation,
+# which beats the vectorised reference's per-op overhead there (see kernels/swap_in_python.py).
+PYTHON_MAX_ITEMS = 6
 
 
 @attrs.frozen(eq=False)
@@ -151,8 +154,9 @@ def swap_in(
 ) -> SwapInResult:
     """Resolve top-k positions to device slots for one layer (contract: module docstring).
 
-    ``impl``: ``"torch"`` (reference), ``"triton"`` or ``"auto"`` (Triton when the metadata is on
-    CUDA and the shapes fit ``TRITON_MAX_*``). ``host_kv`` may live on another device (pinned host
+    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"python"`` (small CPU batches) or ``"auto"``
+    (Triton when the metadata is on CUDA and the shapes fit ``TRITON_MAX_*``; on CPU, Python for at
+    most ``PYTHON_MAX_ITEMS`` (request, step) pairs, else torch). ``host_kv`` may live on another device (pinned host
     memory); the row copies then go through torch.
     """
     check_swap_in_args(top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host,
@@ -162,6 +166,11 @@ def swap_in(
     fits = (hot <= TRITON_MAX_HOT and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
             and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA)
     args = (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot)
+    small = top_k_pos.shape[0] * top_k_pos.shape[1] <= PYTHON_MAX_ITEMS
+    if impl == "python" or (impl == "auto" and small and not top_k_pos.is_cuda):
+        from kernels.swap_in_python import swap_in_python
+
+        return swap_in_python(*args)
     if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
         from kernels.swap_in_triton import swap_in_triton
 

@@ -72,23 +72,24 @@ class HiSparseBackend:
         rows = self.req_rows.reshape(batch, steps)[:, 0].contiguous()
         top3 = top.reshape(batch, steps, -1)  # [B, S, K]
         seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
+        result = self.coord.swap_in(layer, top3, seq_lens, rows)
+        if bool((result.steps_done == steps).all()):  # the common case: one call resolved every step
+            slots = result.slots.reshape(batch * steps, -1)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+        # Resolve the rest in rounds; attention for the steps resolved so far runs before the next
+        # round may evict their columns.
         out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
         pending = torch.ones(batch, steps, dtype=torch.bool, device=top.device)
-        while bool(pending.any()):
-            result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows)
-            done_now = pending & (
-                torch.arange(steps, device=top.device)[None, :] < result.steps_done[:, None]
-            )
+        step_ids = torch.arange(steps, device=top.device)[None, :]
+        while True:
+            done_now = pending & (step_ids < result.steps_done[:, None])
             idx = torch.nonzero(done_now.reshape(-1)).reshape(-1)  # flat token indices resolved now
-            out[idx] = sparse_mla(
-                inputs.q_latent[idx],
-                inputs.q_rope[idx],
-                kv,
-                result.slots.reshape(batch * steps, -1)[idx],
-                inputs.attn_scale,
-            )
+            slots = result.slots.reshape(batch * steps, -1)[idx]
+            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale)
             pending &= ~done_now
-        return out
+            if not bool(pending.any()):
+                return out
+            result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows)
 
     def _trace_labels(self) -> list[str]:
         labels = self.labels or {}

@@ -13,6 +13,7 @@ from kernels.swap_in_oracle import swap_in_oracle
 IMPLS = [
     "oracle",
     "torch",
+    "python",
     pytest.param("triton", marks=pytest.mark.interpreter),
 ]
 
@@ -142,6 +143,17 @@ def test_reference_equals_oracle(world):
     assert_same(oracle_world, expected, ref_world, got, "torch vs oracle")
     assert_canaries(world, ref_world)
     _check_world_invariants(ref_world, got)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds())
+def test_python_equals_oracle(world):
+    oracle_world, py_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*py_world.args(), impl="python", validate=True)
+    assert_same(oracle_world, expected, py_world, got, "python vs oracle")
+    assert_canaries(world, py_world)
+    _check_world_invariants(py_world, got)
 
 
 @pytest.mark.interpreter
