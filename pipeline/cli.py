@@ -12,6 +12,7 @@ import sys
 
 # subcommand -> (module, help); a bench target adds one more word: `hispec bench kernels ...`
 COMMANDS: dict[str, tuple[str, str]] = {
+    "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
 }
 BENCH_TARGETS: dict[str, tuple[str, str]] = {

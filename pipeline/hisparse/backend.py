@@ -57,7 +57,8 @@ class HiSparseBackend:
             inputs.index_scale,
         )  # [T, K] int32 positions
         if self.trace is not None:
-            self.trace.record(layer, self._trace_labels(), self.positions, top)
+            phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
+            self.trace.record(layer, phase, self._trace_labels(), self.positions, top)
         if self.steps == 0:
             locs = self.coord.req_to_token[self.req_rows[:, None], top.long().clamp(min=0)]
             slots = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)

@@ -2,10 +2,11 @@
 
 One JSON object per line::
 
-    {"request": "r3", "layer": 1, "position": 812, "top_k": [805, 3, 811, ...]}
+    {"request": "r3", "layer": 1, "phase": "decode", "position": 812, "top_k": [805, 3, 811, ...]}
 
 ``position`` is the query token's position (its visible length is ``position + 1``); ``top_k`` is in
-contract order with the -1 padding dropped. The file is what an offline replay reads to compare
+contract order with the -1 padding dropped; ``phase`` is ``prefill`` (dense in device, no swap-in),
+``decode`` (one step per request) or ``verify`` (D steps per request). The file is what an offline replay reads to compare
 replacement policies (LRU, CLOCK, Belady's MIN) on the same selections.
 """
 
@@ -26,12 +27,15 @@ class TopKTrace:
         self._file: TextIO = self.path.open("w")
         self.num_records = 0
 
-    def record(self, layer: int, labels: list[str], positions: torch.Tensor, top_k: torch.Tensor) -> None:
+    def record(
+        self, layer: int, phase: str, labels: list[str], positions: torch.Tensor, top_k: torch.Tensor
+    ) -> None:
         rows = top_k.cpu().tolist()
         for label, pos, picked in zip(labels, positions.tolist(), rows):
             entry = {
                 "request": label,
                 "layer": layer,
+                "phase": phase,
                 "position": pos,
                 "top_k": [t for t in picked if t >= 0],
             }
