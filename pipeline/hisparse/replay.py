@@ -91,7 +91,7 @@ def min_misses(steps: list[list[int]], hot: int) -> int:
             uses[t].append(i)
     resident = set(range(hot))
     misses = 0
-    for i, want in enumerate(steps):
+    for want in steps:
         for t in want:
             uses[t].popleft()
         want_set = set(want)
