@@ -1,0 +1,264 @@
+"""The async engine: the public API over the actor pipeline.
+
+::
+
+    generate() --Submit--> [admission] --PrefillBatch--> [prefill] --Staged--> [staging] --Ready--> [decode]
+                               |  ^                          |                     |                   |
+                               |  +---- requeue (retracted) -+---------------------+-------------------+
+                               v                             v                     v                   v
+                          [executor actor: the Executor, one command at a time, in a worker thread]
+                                                                                   deltas --> OutputBuffer --> caller
+
+Every task lives in one task group owned by the engine (entered in ``__aenter__``, left in
+``__aexit__``). Streams between stages are bounded; the feedback edges (retraction to the queue,
+wake-ups after memory changes, aborts, a consumer catching up) never block: they are synchronous
+calls into the upstream stage's core plus a ``Wake`` that is dropped when the inbox is full.
+
+Shutdown: leaving the ``async with`` block aborts every request still in flight (``on_exit="abort"``,
+the default) or lets them finish (``on_exit="finish"``), waits until none is live (all memory is
+back), then closes the engine's send ends: admission's inbox ends, admission closes its outbound
+stream, and so on down the pipeline; the executor actor ends when the last stage has closed its
+handle, and the executor is closed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+import structlog
+
+from pipeline.config import EngineConfig
+from pipeline.errors import HispecError, RequestError
+from pipeline.logs import SUBMITTED
+from pipeline.messages import GenerateResult, RequestOutput
+
+if TYPE_CHECKING:
+    from pipeline.executor import Executor
+    from pipeline.model import DeepseekV32
+    from pipeline.request import Request
+    from pipeline.sampling import SamplingParams
+    from pipeline.stages.context import Registry, StageContext
+
+log = structlog.get_logger("hispec.engine")
+
+
+class EngineClosed(HispecError):
+    """The engine is not running (not entered yet, or shutting down)."""
+
+
+class EngineError(HispecError):
+    """The engine cannot go on (releasing a request's memory failed)."""
+
+
+class Engine:
+    """Serves requests concurrently; use as ``async with Engine(config) as engine: ...``.
+
+    ``model`` replaces loading ``config.model`` (tests inject a random tiny model).
+    ``max_prefill_tokens``: token budget of one prefill batch. ``max_undelivered_tokens``: park a
+    request whose consumer is that many tokens behind (None: never; deltas coalesce instead).
+    ``on_exit``: what leaving the block does to requests in flight, ``"abort"`` or ``"finish"``.
+    ``trace_path``: record every top-k selection for offline cache-policy replay.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        model: DeepseekV32 | None = None,
+        max_prefill_tokens: int = 8192,
+        max_undelivered_tokens: int | None = None,
+        on_exit: Literal["abort", "finish"] = "abort",
+        trace_path: str | None = None,
+        queue_size: int = 64,
+    ) -> None:
+        if on_exit not in ("abort", "finish"):
+            raise ValueError(f"on_exit={on_exit!r}: must be 'abort' or 'finish'")
+        if max_undelivered_tokens is not None and max_undelivered_tokens < 1:
+            raise ValueError("max_undelivered_tokens must be >= 1 or None")
+        self.config = config
+        self._model = model
+        self._max_prefill_tokens = max_prefill_tokens
+        self._max_undelivered = max_undelivered_tokens
+        self._on_exit = on_exit
+        self._trace_path = trace_path
+        self._queue_size = queue_size
+        self._ids = itertools.count()
+        self.executor: Executor | None = None  # for tests and tools: never call it while the engine runs
+        self.initial_pool_counts: dict[str, int] | None = None  # free counts before the first request
+        self.final_pool_counts: dict[str, int] | None = None  # free counts after shutdown, before close
+        self._running = False
+
+    # --- lifetime ---------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Engine:
+        from pipeline.stages.wiring import build_pipeline
+
+        self.executor = await anyio.to_thread.run_sync(self._build_executor)
+        self.initial_pool_counts = self.executor.pool_counts()
+        self._pipe = build_pipeline(
+            self.executor,
+            queue_size=self._queue_size,
+            max_prefill_tokens=self._max_prefill_tokens,
+            max_undelivered_tokens=self._max_undelivered,
+        )
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        for name, runner in self._pipe.runners():
+            self._tg.start_soon(runner, name=f"hispec-{name}")
+        self._running = True
+        return self
+
+    def _build_executor(self) -> Executor:
+        from pipeline.executor import Executor
+
+        return Executor(self.config, model=self._model, trace_path=self._trace_path)
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
+        self._running = False
+        try:
+            try:
+                with anyio.CancelScope(shield=True):
+                    await self._stop_requests(exc_type)
+            finally:
+                suppressed = await self._tg.__aexit__(exc_type, exc, tb)  # the stages end one by one
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close_executor()
+        return suppressed
+
+    async def _stop_requests(self, exc_type: Any) -> None:
+        if self._tg.cancel_scope.cancel_called:  # a stage raised: nothing will move any more
+            self._pipe.fail_live("the engine stopped: a stage raised")
+        else:
+            await self._wind_down(finish=self._on_exit == "finish" and exc_type is None)
+        self._pipe.close_entries()
+
+    async def _close_executor(self) -> None:
+        self.final_pool_counts = self.executor.pool_counts()
+        await anyio.to_thread.run_sync(self.executor.close)
+        if self.final_pool_counts != self.initial_pool_counts:
+            log.warning("engine.pools_not_restored", initial=self.initial_pool_counts, final=self.final_pool_counts)
+
+    async def _wind_down(self, finish: bool) -> None:
+        if not finish:
+            for rid in list(self._registry.live):
+                self.abort(rid)
+        await self._registry.wait_idle()
+
+    async def wait_idle(self) -> None:
+        """Return once no request is live (every one has ended and released its memory)."""
+        self._require_running()
+        await self._registry.wait_idle()
+
+    # --- requests ---------------------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's output as deltas (the last one has ``finished``, ``finish_reason``
+        and ``metrics``). Raises ``RequestError`` naming the field right here if the request is
+        invalid. The request is submitted when iteration starts; closing or cancelling the iterator
+        aborts it. Iteration raises ``RequestFailed`` if the request fails."""
+        return self._stream(self._new_request(prompt, params, request_id))
+
+    async def generate_text(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> GenerateResult:
+        """Run one request to its end and return its whole output."""
+        req = self._new_request(prompt, params, request_id)
+        async with aclosing(self._stream(req)) as deltas:
+            async for _ in deltas:
+                pass
+        return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics)
+
+    def abort(self, request_id: str) -> bool:
+        """Ask to abort a live request (in whatever state it is); False if none has this id.
+
+        Returns at once; the stage that owns the request ends it at its next safe point (between
+        two device commands), releases its memory, and its stream ends with ``finish_reason="abort"``.
+        """
+        if not self._registry.request_abort(request_id):
+            return False
+        self._pipe.bells.ring_all(reason="abort")
+        return True
+
+    @property
+    def tokenizer(self):
+        self._require_running()
+        return self.executor.tokenizer
+
+    def stats(self) -> dict[str, object]:
+        """Pools (free and capacity), HiSparse counters, speculative acceptance, request counts and
+        throughput, as of the last device command."""
+        self._require_running()
+        return self._pipe.stats()
+
+    # --- helpers ----------------------------------------------------------------------------------
+
+    @property
+    def _registry(self) -> Registry:
+        return self._pipe.ctx.registry
+
+    @property
+    def _ctx(self) -> StageContext:
+        return self._pipe.ctx
+
+    def _require_running(self) -> None:
+        if not self._running:
+            raise EngineClosed("the engine is not running: use `async with Engine(config) as engine:`")
+
+    def _new_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None
+    ) -> Request:
+        from pipeline.request import Request
+        from pipeline.sampling import SamplingParams
+
+        self._require_running()
+        ex = self.executor
+        if isinstance(prompt, str):
+            token_ids = ex.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence):
+            token_ids = list(prompt)
+        else:
+            raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids")
+        params = SamplingParams() if params is None else params
+        ex.validate(token_ids, params)  # reads only the config and the model's vocabulary size
+        if request_id is None:
+            request_id = next(f"req-{n}" for n in self._ids if f"req-{n}" not in self._registry.live)
+        elif not isinstance(request_id, str) or not request_id:
+            raise RequestError("request_id", request_id, "must be a non-empty string")
+        self._registry.check_new_id(request_id)
+        return Request(request_id, tuple(token_ids), params, ex.tokenizer, self.config.max_context_len)
+
+    async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
+        buffer = self._registry.add(req, self._pipe.on_read)
+        log.info(SUBMITTED, request_id=req.request_id, state=req.state.value, prompt_tokens=len(req.prompt_ids))
+        try:
+            await self._pipe.submit(req)
+        except EngineClosed:
+            self._pipe.drop_unsubmitted(req)
+            raise
+        try:
+            while True:
+                delta = await buffer.next()
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not req.is_finished:
+                self.abort(req.request_id)
+
+
+__all__ = ["Engine", "EngineClosed", "EngineError", "GenerateResult", "RequestOutput"]

@@ -1,0 +1,102 @@
+"""The caller's side of a request: undelivered output, coalesced into one delta per read.
+
+Backpressure choice. Stages never wait for a consumer: after changing a request they call
+``notify()``, which only sets an event. The request itself (its ``output_ids`` and text) is the
+accumulation of everything produced, so the buffer keeps no queue of deltas: a reader takes
+whatever is new since its previous read as one delta. A slow consumer therefore costs no memory
+beyond the request's own output and never blocks the decode stage or other requests.
+
+Optionally (``Engine(max_undelivered_tokens=N)``) a request whose consumer is N tokens behind is
+*parked*: it keeps its memory and stays in its batch but is not stepped until the consumer catches
+up. That is backpressure on that request alone.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections.abc import Callable
+
+import anyio
+import attrs
+
+from pipeline.errors import HispecError
+from pipeline.messages import RequestOutput
+from pipeline.request import Request
+from statemachines.request import State
+
+
+class RequestFailed(HispecError):
+    """The request ended FAILED (an internal error affecting it alone); other requests continue."""
+
+    def __init__(self, request_id: str, reason: str, output_ids: tuple[int, ...]) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        self.output_ids = output_ids  # what it had generated before it failed
+        super().__init__(f"request {request_id!r} failed: {reason}")
+
+
+def complete_text(output_ids: list[int]) -> str:
+    """Text of the complete UTF-8 characters (a trailing partial character is left out)."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    return decoder.decode(bytes(i for i in output_ids if 0 <= i < 256), final=False)
+
+
+@attrs.define(eq=False)
+class OutputBuffer:
+    """What one consumer has received of ``request``, and the event that wakes it."""
+
+    request: Request
+    on_read: Callable[[], None] = lambda: None  # called after each read (wakes a parked request's stage)
+    sent_tokens: int = 0  # output tokens already delivered
+    sent_text: str = ""  # text already delivered (a prefix of the final text)
+    final_sent: bool = False
+    _event: anyio.Event = attrs.field(factory=anyio.Event)
+
+    @property
+    def undelivered(self) -> int:
+        return len(self.request.output_ids) - self.sent_tokens
+
+    def notify(self) -> None:
+        """The request changed (new tokens or an end); never blocks."""
+        self._event.set()
+
+    def has_news(self) -> bool:
+        return self.undelivered > 0 or (self.request.is_finished and not self.final_sent)
+
+    async def next(self) -> RequestOutput:
+        """The next coalesced delta; raises ``RequestFailed`` if the request failed."""
+        while not self.has_news():
+            self._event = anyio.Event()  # re-armed before waiting; notify() cannot slip in between
+            await self._event.wait()
+        return self.take()
+
+    def take(self) -> RequestOutput:
+        req = self.request
+        if req.state is State.FAILED:
+            self.final_sent = True
+            raise RequestFailed(req.request_id, req.error or req.finish_reason or "error", tuple(req.output_ids))
+        finished = req.is_finished
+        visible = req.text if finished else self._settled_text()
+        text = visible[len(self.sent_text) :] if visible.startswith(self.sent_text) else ""
+        if len(visible) > len(self.sent_text):
+            self.sent_text = visible
+        tokens = tuple(req.output_ids[self.sent_tokens :])
+        self.sent_tokens = len(req.output_ids)
+        self.final_sent = finished
+        self.on_read()
+        return RequestOutput(
+            request_id=req.request_id,
+            text=text,
+            token_ids=tokens,
+            finished=finished,
+            finish_reason=req.finish_reason if finished else None,
+            metrics=req.metrics if finished else None,
+        )
+
+    def _settled_text(self) -> str:
+        """Text that can no longer change: complete characters, minus a tail that could still
+        grow into a stop string (that tail is cut if the stop string completes)."""
+        text = complete_text(self.request.output_ids)
+        stop = self.request.params.stop
+        hold = max((len(s) for s in stop), default=1) - 1
+        return text[: len(text) - hold] if hold > 0 else text
