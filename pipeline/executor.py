@@ -212,8 +212,7 @@ class Executor:
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
         """One plain decode step: each request's pending token gets its KV and a successor."""
-        runnable = [rid for rid in request_ids if self.can_step(rid)]
-        refused = tuple(rid for rid in request_ids if rid not in runnable)
+        runnable, refused = self._reserve(request_ids, new_tokens=1, speculative=False)
         if not runnable:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
@@ -234,6 +233,18 @@ class Executor:
             out[seq.request_id] = (seq.next_token,)
         return StepResult(out, refused)
 
+    def _reserve(
+        self, request_ids: list[str], *, new_tokens: int, speculative: bool
+    ) -> tuple[list[str], tuple[str, ...]]:
+        """Room for ``new_tokens`` more positions, request by request, each reservation counting
+        against the next: (the requests that got it, the refused ones). Reserving again is a no-op."""
+        runnable: list[str] = []
+        for rid in request_ids:
+            if self.can_step(rid, new_tokens):
+                self.memory.ensure_capacity(self.seqs[rid].row, new_tokens=new_tokens, speculative=speculative)
+                runnable.append(rid)
+        return runnable, tuple(rid for rid in request_ids if rid not in runnable)
+
     @property
     def num_draft_steps(self) -> int:
         spec = self.config.speculative
@@ -245,13 +256,10 @@ class Executor:
         spec = self.config.speculative
         assert spec is not None, "draft() needs a speculative config"
         d = spec.draft_tokens
-        runnable = [rid for rid in request_ids if self.can_step(rid, new_tokens=d)]
-        refused = tuple(rid for rid in request_ids if rid not in runnable)
+        runnable, refused = self._reserve(request_ids, new_tokens=d, speculative=True)
         if not runnable:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
-        for seq in seqs:
-            self.memory.ensure_capacity(seq.row, new_tokens=d, speculative=True)
         states = draft_chain(
             self.model,
             self.memory,
