@@ -1,0 +1,219 @@
+"""Lifecycle: logs replay through the state machine, shutdown in every state, bad requests, memory
+pressure, and one request failing alone."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+
+import anyio
+import pytest
+import structlog
+from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
+
+from pipeline import Engine, RequestError, RequestFailed, SamplingParams, configure_logging
+from pipeline.executor import StepResult
+from pipeline.logs import read_json_lines, replay
+from statemachines.request import TERMINAL, State
+
+
+async def mixed_run(engine, prompts, params, *, abort_one: bool = True) -> dict:
+    """Run every prompt concurrently; abort the second one once it has output."""
+    results = {}
+
+    async def consume(i, prompt):
+        rid = f"r{i}"
+        async for delta in engine.generate(prompt, params, request_id=rid):
+            if abort_one and i == 1 and not delta.finished:
+                engine.abort(rid)
+        results[rid] = delta
+
+    async with anyio.create_task_group() as tg:
+        for i, prompt in enumerate(prompts):
+            tg.start_soon(consume, i, prompt)
+    return results
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_steps", [None, 3])
+async def test_captured_log_replays_legally(tiny_model, num_steps):
+    cfg = config(num_steps=num_steps, device_pool_tokens=256, ratio=1, max_context_len=200)
+    prompts = make_prompts([30, 60, 12, 90, 45, 20], seed=2)
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    configure_logging(level="info", stream=io.StringIO())  # capture_logs keeps the level filter
+    with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
+        async with Engine(cfg, model=tiny_model) as engine:
+            results = await mixed_run(engine, prompts, params)
+    assert {d.finish_reason for d in results.values()} == {"length", "abort"}
+    final = replay(logs)
+    assert set(final) == set(results) and all(state in TERMINAL for state in final.values())
+    lifecycle = [e for e in logs if "from_state" in e]
+    assert all(e["request_id"] and e["stage"] for e in lifecycle)  # bound through contextvars
+    names = {e["event"] for e in lifecycle}
+    assert {"Admitted", "PrefillDone", "StagingDone", "JoinedBatch", "AbortRequested"} <= names
+    assert "Retracted" in names  # the small pools forced retractions
+    steps = [e for e in lifecycle if e["event"] in ("StepDone", "Verified")]
+    assert all("step_hits" in e and "batch_size" in e for e in steps)
+    if num_steps:
+        assert {"DraftStarted", "DraftDone", "Verified"} <= names
+
+
+@pytest.mark.asyncio
+async def test_json_log_file_replays_legally(tiny_model, tmp_path):
+    path = tmp_path / "run.jsonl"
+    sink = configure_logging(json=path, level="info")
+    try:
+        async with Engine(config(num_steps=2), model=tiny_model) as engine:
+            await mixed_run(engine, make_prompts([9, 40, 17], seed=3), SamplingParams(max_new_tokens=12))
+    finally:
+        sink.close()
+    records = read_json_lines(path)
+    final = replay(records)
+    assert len(final) == 3 and all(state in TERMINAL for state in final.values())
+    assert all("timestamp" in r for r in records)
+
+
+def test_importing_never_configures_logging():
+    code = (
+        "import structlog, pipeline; from pipeline import Engine, EngineConfig, SamplingParams;"
+        "import pipeline.engine, pipeline.stages.wiring, pipeline.logs;"
+        "assert not structlog.is_configured(), 'configured at import'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+GATED = ["prefill", "collect_ready", "decode", "draft", "verify"]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("method", GATED)
+@pytest.mark.parametrize("on_exit", ["abort", "finish"])
+async def test_shutdown_with_requests_in_every_state_restores_pools(tiny_model, method, on_exit):
+    """Leave the engine while one request is held inside a device command, others decode, others
+    stage, and the rest wait in the queue (only 3 rows for 8 requests)."""
+    cfg = config(num_steps=3 if method in ("draft", "verify") else None, max_running_requests=3)
+    prompts = make_prompts([5, 70, 18, 33, 12, 8, 50, 21], seed=5)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ends: dict[str, str] = {}
+
+    async def consume(engine, i, prompt):
+        last = None
+        async for last in engine.generate(prompt, params, request_id=f"s{i}"):  # noqa: B007
+            pass
+        ends[f"s{i}"] = last.finish_reason
+
+    async with anyio.create_task_group() as tg, Engine(cfg, model=tiny_model, on_exit=on_exit) as engine:
+        gate = Gate().install(engine.executor, method)
+        for i, prompt in enumerate(prompts):
+            tg.start_soon(consume, engine, i, prompt)
+        await gate.wait_entered()
+        await until(lambda: len(engine._registry.live) == len(prompts))
+        states = {r.state for r in engine._registry.live.values()}
+        assert State.QUEUED in states
+        tg.start_soon(_open_when_closing, engine, gate)
+    assert engine.final_pool_counts == engine.initial_pool_counts
+    assert len(ends) == len(prompts)
+    if on_exit == "finish":
+        assert set(ends.values()) == {"length"}
+    else:
+        assert "abort" in ends.values() and set(ends.values()) <= {"abort", "length"}
+
+
+async def _open_when_closing(engine, gate) -> None:
+    await until(lambda: not engine._running)
+    gate.open()
+
+
+@pytest.mark.asyncio
+async def test_bad_requests_raise_for_that_call_only(tiny_model):
+    cfg = config(max_context_len=64)
+    async with Engine(cfg, model=tiny_model) as engine:
+        cases = [
+            ("", SamplingParams(), "prompt"),
+            ([], SamplingParams(), "prompt"),
+            ([1] * 64, SamplingParams(), "prompt"),
+            ([1, 300], SamplingParams(), "prompt"),
+            ("ok", SamplingParams(temperature=-1.0), "temperature"),
+            ("ok", SamplingParams(top_p=0.0), "top_p"),
+            ("ok", SamplingParams(max_new_tokens=0), "max_new_tokens"),
+            ("ok", SamplingParams(top_k=-2), "top_k"),
+            (42, SamplingParams(), "prompt"),
+        ]
+        for prompt, params, field in cases:
+            with pytest.raises(RequestError) as info:
+                engine.generate(prompt, params)
+            assert info.value.field == field
+            with pytest.raises(RequestError):
+                await engine.generate_text(prompt, params)
+        stream = engine.generate("abc", SamplingParams(max_new_tokens=50), request_id="dup")
+        first = await anext(stream)
+        with pytest.raises(RequestError) as info:
+            engine.generate("abc", request_id="dup")
+        assert info.value.field == "request_id" and not first.finished
+        await stream.aclose()
+        result = await engine.generate_text("def f():", SamplingParams(max_new_tokens=8, ignore_eos=True))
+        assert len(result.token_ids) == 8 and result.finish_reason == "length"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_steps", [None, 3])
+async def test_memory_pressure_retracts_and_completes(tiny_model, num_steps):
+    """A device pool of 8 pages and host/logical pools of 16 cannot hold four requests growing to 7
+    or 8 pages each: some are retracted while decoding (output kept) and re-admitted later, and
+    every request still gets exactly the tokens of an unconstrained plain greedy run."""
+    small = config(num_steps=num_steps, device_pool_tokens=64, max_context_len=64, ratio=2)
+    roomy = config(num_steps=None, max_context_len=64)
+    prompts = make_prompts([6, 9, 4, 8], seed=6)  # short: all admitted at once, then they grow
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    ids = [f"m{i}" for i in range(len(prompts))]
+    expected = driver_outputs(tiny_model, roomy, prompts, [params] * len(ids), ids)
+    results = {}
+    async with Engine(small, model=tiny_model) as engine:
+
+        async def consume(rid, prompt):
+            results[rid] = await engine.generate_text(prompt, params, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            for rid, prompt in zip(ids, prompts):
+                tg.start_soon(consume, rid, prompt)
+    assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
+    assert sum(r.metrics.num_retractions for r in results.values()) > 0
+    assert engine.final_pool_counts == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+async def test_one_failing_request_fails_alone(tiny_model):
+    cfg = config()
+    prompts = make_prompts([10, 20, 30], seed=8)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    async with Engine(cfg, model=tiny_model) as engine:
+        real = engine.executor.decode
+        steps = {"n": 0}
+
+        def decode(ids):
+            result = real(ids)
+            steps["n"] += 1
+            if steps["n"] == 5 and "bad" in result.tokens:  # the executor reports it failed
+                tokens = {k: v for k, v in result.tokens.items() if k != "bad"}
+                return StepResult(tokens, result.refused, failed={"bad": "injected fault"})
+            return result
+
+        engine.executor.decode = decode
+        outcomes = {}
+
+        async def consume(rid, prompt):
+            try:
+                outcomes[rid] = await engine.generate_text(prompt, params, request_id=rid)
+            except RequestFailed as exc:
+                outcomes[rid] = exc
+
+        async with anyio.create_task_group() as tg:
+            for rid, prompt in zip(["bad", "good1", "good2"], prompts):
+                tg.start_soon(consume, rid, prompt)
+        assert isinstance(outcomes["bad"], RequestFailed) and outcomes["bad"].reason == "injected fault"
+        assert [outcomes[r].finish_reason for r in ("good1", "good2")] == ["length", "length"]
+        await engine.wait_idle()
+        assert engine.stats()["requests"]["ended"] == {"error": 1, "length": 2}
+    assert engine.final_pool_counts == engine.initial_pool_counts
+    assert live_request(engine, "bad") is None
