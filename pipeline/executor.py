@@ -212,7 +212,7 @@ class Executor:
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
         """One plain decode step: each request's pending token gets its KV and a successor."""
-        runnable, refused = self._reserve(request_ids, new_tokens=1, speculative=False)
+        runnable, refused = self.reserve(request_ids, new_tokens=1, speculative=False)
         if not runnable:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
@@ -233,11 +233,12 @@ class Executor:
             out[seq.request_id] = (seq.next_token,)
         return StepResult(out, refused)
 
-    def _reserve(
+    def reserve(
         self, request_ids: list[str], *, new_tokens: int, speculative: bool
     ) -> tuple[list[str], tuple[str, ...]]:
         """Room for ``new_tokens`` more positions, request by request, each reservation counting
-        against the next: (the requests that got it, the refused ones). Reserving again is a no-op."""
+        against the next: (the requests that got it, the refused ones). Reserving again is a no-op,
+        so a caller may reserve before ``decode``/``draft`` to learn the refusals first."""
         runnable: list[str] = []
         for rid in request_ids:
             if self.can_step(rid, new_tokens):
@@ -256,7 +257,7 @@ class Executor:
         spec = self.config.speculative
         assert spec is not None, "draft() needs a speculative config"
         d = spec.draft_tokens
-        runnable, refused = self._reserve(request_ids, new_tokens=d, speculative=True)
+        runnable, refused = self.reserve(request_ids, new_tokens=d, speculative=True)
         if not runnable:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
