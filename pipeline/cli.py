@@ -12,10 +12,13 @@ import sys
 
 # subcommand -> (module, help); a bench target adds one more word: `hispec bench kernels ...`
 COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
+    "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
     "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
 }
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
+    "engine": ("pipeline.bench_engine", "async engine throughput beside the synchronous driver"),
     "kernels": ("kernels.bench", "time each kernel op beside the machine's copy bandwidth"),
     "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
     "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),

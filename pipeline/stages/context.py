@@ -168,7 +168,7 @@ class StageContext:
                 req.finish_reason, req.error = "error", event.reason
             else:
                 req.finish_reason = event.reason
-            apply(req, event, stage)
+            apply(req, event, stage, output_tokens=len(req.output_ids))
             self.registry.ended(req)
 
     async def fail(self, client: ExecutorClient, reqs: Iterable[Request], reason: str, stage: str) -> None:

@@ -165,11 +165,10 @@ class ExecutorActor:
     def _draft(self, command: Draft, idle: bool) -> tuple[Result, bool]:
         ex = self.executor
         d = ex.config.speculative.draft_tokens
-        runnable = tuple(rid for rid in command.request_ids if ex.can_step(rid, d))
-        anyio.from_thread.run_sync(command.on_start, runnable)  # the stage marks them DRAFT
-        result = ex.draft(list(runnable))
-        refused = tuple(rid for rid in command.request_ids if rid not in runnable) + result.refused
-        return StepResult({}, refused), True
+        runnable, refused = ex.reserve(list(command.request_ids), new_tokens=d, speculative=True)
+        anyio.from_thread.run_sync(command.on_start, tuple(runnable))  # the stage marks them DRAFT
+        result = ex.draft(runnable)  # room is reserved: nothing is refused here
+        return StepResult({}, refused + result.refused), True
 
     def _verify(self, command: Verify, idle: bool) -> tuple[Result, bool]:
         return self.executor.verify(list(command.request_ids)), True

@@ -38,9 +38,11 @@ async def mixed_run(engine, prompts, params, *, abort_one: bool = True) -> dict:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("num_steps", [None, 3])
 async def test_captured_log_replays_legally(tiny_model, num_steps):
-    cfg = config(num_steps=num_steps, device_pool_tokens=256, ratio=1, max_context_len=200)
-    prompts = make_prompts([30, 60, 12, 90, 45, 20], seed=2)
-    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    # small pools: requests are refused at prefill and retracted while decoding (in speculative mode
+    # also when two requests each pass alone but not together)
+    cfg = config(num_steps=num_steps, device_pool_tokens=128, max_context_len=120, max_running_requests=6)
+    prompts = make_prompts([5, 30, 12, 60, 9, 40, 22, 14], seed=1)
+    params = SamplingParams(max_new_tokens=50, ignore_eos=True)
     configure_logging(level="info", stream=io.StringIO())  # capture_logs keeps the level filter
     with structlog.testing.capture_logs(processors=[structlog.contextvars.merge_contextvars]) as logs:
         async with Engine(cfg, model=tiny_model) as engine:

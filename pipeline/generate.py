@@ -1,0 +1,180 @@
+"""``hispec generate``: run prompts through the engine, print the text and a lifecycle trace.
+
+Several prompts run concurrently. After the texts, one line per request shows the states it went
+through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
+speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
+``hispec trace FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import structlog
+
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
+
+LOOP_STATES = ("decode", "draft", "verify")
+STEP_EVENTS = ("StepDone", "Verified", "Finished")  # each ends one decode step or verify round
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("prompts", nargs="+", help="one or more prompts (they run concurrently)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
+    p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
+    p.add_argument("--num-steps", type=int, default=3, help="draft steps per speculative round")
+    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="print lifecycle events on stderr")
+    return p
+
+
+def model_positions(args: argparse.Namespace, model: Any) -> int | None:
+    if model is not None:
+        return model.cfg.max_position_embeddings
+    from pipeline.model import ModelConfig, resolve_model_dir
+
+    return ModelConfig.from_dir(resolve_model_dir(args.model)).max_position_embeddings
+
+
+def engine_config(args: argparse.Namespace, max_positions: int | None) -> EngineConfig:
+    context = min(args.max_context_len, max_positions or args.max_context_len)
+    page = 16
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=page,
+        max_context_len=context,
+        device_pool_tokens=max(16384, -(-context // page) * page),
+        hisparse=None if args.no_hisparse else HiSparseConfig(),
+        speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
+        seed=args.seed,
+    )
+
+
+class Collector:
+    """A structlog processor keeping the lifecycle records (and passing every event on)."""
+
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+        if is_lifecycle(event) or event.get("event") == SUBMITTED:
+            self.records.append(dict(event))
+        return event
+
+
+def drop(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    raise structlog.DropEvent
+
+
+def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
+    """``queued +0.000s > prefill +0.002s > ... > decode +0.015s (63 steps) > finished +0.650s [...]``.
+
+    Times are seconds since the request arrived; a run of decode/draft/verify states folds into one
+    entry with its number of steps (a retraction starts a new run)."""
+    origin = arrival if arrival is not None else record_time(events[0])
+    entries: list[list[Any]] = []  # [state, entered at, steps]
+    if arrival is not None:
+        entries.append([events[0]["from_state"], arrival, 0])
+    for record in events:
+        in_loop = bool(entries) and entries[-1][0] in LOOP_STATES
+        if in_loop and record["event"] in STEP_EVENTS:
+            entries[-1][2] += 1
+        if not (in_loop and record["state"] in LOOP_STATES):
+            entries.append([record["state"], record_time(record), 0])
+    parts = []
+    for state, entered, steps in entries:
+        parts.append(f"{state} +{entered - origin:.3f}s" + (f" ({steps} steps)" if steps else ""))
+    last = events[-1]
+    parts[-1] += f" [{last.get('reason', last['state'])}, {last.get('output_tokens', '?')} tokens]"
+    return " > ".join(parts)
+
+
+async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str, object]]:
+    from pipeline.engine import Engine
+    from pipeline.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    cfg = engine_config(args, model_positions(args, model))
+    results: list[Any] = [None] * len(args.prompts)
+    async with Engine(cfg, model=model) as engine:
+
+        async def one(i: int, prompt: str) -> None:
+            results[i] = await engine.generate_text(prompt, params, request_id=f"req-{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i, prompt in enumerate(args.prompts):
+                tg.start_soon(one, i, prompt)
+        stats = engine.stats()
+    return results, stats
+
+
+def figures_line(stats: dict[str, object]) -> list[str]:
+    lines = []
+    hs = stats.get("hisparse")
+    if hs:
+        hits, misses = sum(hs["hits"]), sum(hs["misses"])
+        rate = hits / (hits + misses) if hits + misses else 1.0
+        lines.append(
+            f"hisparse: {hits} hits, {misses} misses (hit rate {rate:.1%}), "
+            f"{sum(hs['h2d_bytes']) / 1e6:.2f} MB host->device, {hs['d2h_bytes'] / 1e6:.2f} MB device->host"
+        )
+    spec = stats.get("speculative")
+    if spec and spec["verify_rounds"]:
+        lines.append(
+            f"speculative: {spec['verify_rounds']} verify rounds, accept length {spec['accept_length']:.2f}, "
+            f"accept rate {spec['accept_rate']:.1%}"
+        )
+    tp = stats["throughput"]
+    lines.append(f"throughput: {tp['tokens_generated']} tokens in {tp['uptime_s']:.2f}s ({tp['tokens_per_s']:.1f} tokens/s)")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
+    """Entry point of ``hispec generate``; ``model`` replaces loading ``--model`` (tests)."""
+    args = build_parser().parse_args(argv)
+    if args.threads > 0:
+        import torch
+
+        torch.set_num_threads(args.threads)  # a tiny model runs best on one thread
+    collector = Collector()
+    quiet = not (args.log_json or args.verbose)
+    sink = configure_logging(
+        json=args.log_json or False, level="info", processors=[collector, *([drop] if quiet else [])]
+    )
+    try:
+        results, stats = anyio.run(run, args, model)
+    except FileNotFoundError as exc:
+        print(f"hispec generate: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
+        return 2
+    finally:
+        sink.close()
+    for i, (prompt, result) in enumerate(zip(args.prompts, results)):
+        print(f"--- req-{i} ({result.finish_reason}, {len(result.token_ids)} tokens) ---")
+        print(prompt + result.text)
+    print("\nlifecycle (seconds since each request arrived):")
+    arrivals = {r["request_id"]: record_time(r) for r in collector.records if r["event"] == SUBMITTED}
+    for rid, events in by_request(collector.records).items():
+        print(f"  {rid}: {compact_trace(events, arrivals.get(rid))}")
+    for line in figures_line(stats):
+        print(f"  {line}")
+    return 0
