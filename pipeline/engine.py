@@ -178,7 +178,7 @@ class Engine:
     ) -> GenerateResult:
         """Run one request to its end and return its whole output."""
         req = self._new_request(prompt, params, request_id)
-        async with aclosing(self._stream(req)) as deltas:
+        async with aclosing(self._stream(req, whole=True)) as deltas:
             async for _ in deltas:
                 pass
         return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics)
@@ -242,8 +242,9 @@ class Engine:
         self._registry.check_new_id(request_id)
         return Request(request_id, tuple(token_ids), params, ex.tokenizer, self.config.max_context_len)
 
-    async def _stream(self, req: Request) -> AsyncIterator[RequestOutput]:
-        buffer = self._registry.add(req, self._pipe.on_read)
+    async def _stream(self, req: Request, *, whole: bool = False) -> AsyncIterator[RequestOutput]:
+        """Submit ``req`` and yield its deltas (``whole``: one delta, at the end)."""
+        buffer = self._registry.add(req, self._pipe.on_read, whole=whole)
         log.info(SUBMITTED, request_id=req.request_id, state=req.state.value, prompt_tokens=len(req.prompt_ids))
         try:
             await self._pipe.submit(req)

@@ -83,9 +83,9 @@ class Registry:
         if request_id in self.live:
             raise RequestError("request_id", request_id, "is already in use by a live request")
 
-    def add(self, req: Request, on_read: Callable[[], None]) -> OutputBuffer:
+    def add(self, req: Request, on_read: Callable[[], None], *, whole: bool = False) -> OutputBuffer:
         self.check_new_id(req.request_id)
-        buffer = OutputBuffer(req, on_read)
+        buffer = OutputBuffer(req, on_read, whole)
         self.live[req.request_id] = req
         self.outputs[req.request_id] = buffer
         if self._idle.is_set():
@@ -152,7 +152,7 @@ class StageContext:
         if limit is None:
             return False
         buffer = self.registry.outputs.get(req.request_id)
-        return buffer is not None and buffer.undelivered >= limit
+        return buffer is not None and not buffer.whole and buffer.undelivered >= limit
 
     async def end(self, client: ExecutorClient, items: list[tuple[Request, Event]], stage: str) -> None:
         """Release, then apply each terminal event (finish reason set from it)."""

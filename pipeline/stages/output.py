@@ -6,7 +6,9 @@ accumulation of everything produced, so the buffer keeps no queue of deltas: a r
 whatever is new since its previous read as one delta. A slow consumer therefore costs no memory
 beyond the request's own output and never blocks the decode stage or other requests.
 
-Optionally (``Engine(max_undelivered_tokens=N)``) a request whose consumer is N tokens behind is
+``generate_text`` reads once, at the end: its buffer is woken only when the request ends.
+
+Optionally (``Engine(max_undelivered_tokens=N)``) a streamed request whose consumer is N tokens behind is
 *parked*: it keeps its memory and stays in its batch but is not stepped until the consumer catches
 up. That is backpressure on that request alone.
 """
@@ -47,6 +49,8 @@ class OutputBuffer:
 
     request: Request
     on_read: Callable[[], None] = lambda: None  # called after each read (wakes a parked request's stage)
+    # the reader wants the whole output at the end only (generate_text): woken once, never parked
+    whole: bool = False
     sent_tokens: int = 0  # output tokens already delivered
     sent_text: str = ""  # text already delivered (a prefix of the final text)
     final_sent: bool = False
@@ -58,10 +62,12 @@ class OutputBuffer:
 
     def notify(self) -> None:
         """The request changed (new tokens or an end); never blocks."""
-        self._event.set()
+        if not self.whole or self.request.is_finished:
+            self._event.set()
 
     def has_news(self) -> bool:
-        return self.undelivered > 0 or (self.request.is_finished and not self.final_sent)
+        ended = self.request.is_finished and not self.final_sent
+        return ended if self.whole else ended or self.undelivered > 0
 
     async def next(self) -> RequestOutput:
         """The next coalesced delta; raises ``RequestFailed`` if the request failed."""
