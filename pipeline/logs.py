@@ -31,6 +31,17 @@ from statemachines.request import EVENTS_BY_NAME, State, advance
 LIFECYCLE_LOGGER = "hispec.lifecycle"
 
 
+def info_enabled() -> bool:
+    """Whether info events get processed under the current configuration (cheap to ask)."""
+    check = getattr(structlog.get_config()["wrapper_class"], "is_enabled_for", None)
+    if check is None:
+        return True
+    try:
+        return bool(check(None, logging.INFO))  # the filtering loggers' check ignores self
+    except Exception:
+        return True
+
+
 def request_context(request_id: str, stage: str) -> AbstractContextManager[Any]:
     """Bind ``request_id`` and ``stage`` to every log line written inside the block (task-local)."""
     return structlog.contextvars.bound_contextvars(request_id=request_id, stage=stage)

@@ -20,7 +20,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pipeline.engine import EngineError
 from pipeline.errors import RequestError
-from pipeline.logs import request_context
+from pipeline.logs import info_enabled, request_context
 from pipeline.messages import Release, StageMessage, StepFigures, Wake
 from pipeline.request import Request
 from pipeline.stages.executor_actor import ExecutorClient
@@ -126,7 +126,11 @@ class Registry:
 
 
 def apply(req: Request, event: Event, stage: str, **figures: object) -> None:
-    """``req.apply(event)`` with the request id and stage bound to every log line it writes."""
+    """``req.apply(event)`` with the request id and stage bound to every log line it writes (the
+    binding is skipped when info events are filtered out anyway)."""
+    if not info_enabled():
+        req.apply(event, **figures)
+        return
     with request_context(req.request_id, stage):
         req.apply(event, **figures)
 

@@ -65,7 +65,11 @@ class ExecutorClient:
     async def call(self, command: Command) -> Outcome:
         reply_send, reply_receive = anyio.create_memory_object_stream[Outcome](1)
         with reply_receive:
-            await self._send.send(Envelope(command, reply_send))
+            envelope = Envelope(command, reply_send)
+            try:
+                self._send.send_nowait(envelope)  # the usual case: room in the inbox, no extra loop turn
+            except anyio.WouldBlock:
+                await self._send.send(envelope)
             return await reply_receive.receive()
 
     async def aclose(self) -> None:

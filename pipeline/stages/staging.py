@@ -39,6 +39,10 @@ class StagingStage:
         # ids the executor reported ready before their Staged message arrived here
         self._early: set[str] = set()
 
+    def is_waiting(self) -> bool:
+        """Some request here waits for its copy or for memory."""
+        return bool(self.owned or self._early)
+
     async def run(self) -> None:
         async with self._inbox, self._decode_out, self._client:
             async for message in self._inbox:

@@ -130,9 +130,16 @@ def build_pipeline(
         draft_tokens=1 if spec is None else spec.draft_tokens,
         max_undelivered_tokens=max_undelivered_tokens,
     )
-    actor = ExecutorActor(
-        executor, executor_inbox, on_change=lambda: bells.ring("admission", "staging", reason="memory")
-    )
+    stages: dict[str, object] = {}
+
+    def memory_changed() -> None:
+        """Wake the stages that wait for memory, and only those (the others would find nothing)."""
+        if len(stages["admission"].queue):
+            bells.ring("admission", reason="memory")
+        if stages["staging"].is_waiting():
+            bells.ring("staging", reason="memory")
+
+    actor = ExecutorActor(executor, executor_inbox, on_change=memory_changed)
 
     def client() -> ExecutorClient:
         return ExecutorClient(executor_end.clone())
@@ -142,5 +149,6 @@ def build_pipeline(
     prefill = PrefillStage(ctx, client(), prefill_inbox, staging_end, on_done=admission.prefill_done)
     staging = StagingStage(ctx, client(), staging_inbox, decode_end)
     decode = DecodeStage(ctx, client(), decode_inbox)
+    stages.update(admission=admission, staging=staging)
     executor_end.close()  # only the stages' clones remain: the actor ends when the last stage does
     return Pipeline(ctx, actor, admission, prefill, staging, decode, admission_end)
