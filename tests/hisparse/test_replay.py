@@ -20,8 +20,13 @@ HOT = 16
 def test_lru_replay_reproduces_the_engines_misses(tiny_model, tmp_path):
     path = tmp_path / "topk.jsonl"
     config = EngineConfig(
-        dtype="float64", page_size=4, max_context_len=256, max_running_requests=3, device_pool_tokens=256,
-        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2), speculative=None,
+        dtype="float64",
+        page_size=4,
+        max_context_len=256,
+        max_running_requests=3,
+        device_pool_tokens=256,
+        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
+        speculative=None,
     )
     executor = Executor(config, model=tiny_model, trace_path=str(path))
     prompts = [[(7 * i) % 256 for i in range(n)] for n in (5, 40, 90)]  # short, crossing, long
