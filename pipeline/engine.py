@@ -175,12 +175,15 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
+        timeout: float | None = None,
     ) -> GenerateResult:
-        """Run one request to its end and return its whole output."""
+        """Run one request to its end and return its whole output. ``timeout``: a deadline in
+        seconds; past it the request is aborted (its memory released) and ``TimeoutError`` raised."""
         req = self._new_request(prompt, params, request_id)
-        async with aclosing(self._stream(req, whole=True)) as deltas:
-            async for _ in deltas:
-                pass
+        with anyio.fail_after(timeout):  # the request's own cancel scope: cancelling it aborts the request
+            async with aclosing(self._stream(req, whole=True)) as deltas:
+                async for _ in deltas:
+                    pass
         return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics)
 
     def abort(self, request_id: str) -> bool:

@@ -148,3 +148,21 @@ async def test_a_slow_consumer_blocks_nobody_else(tiny_model, limit):
     assert len(deltas_of_slow) >= 2
     if limit is None:  # everything it missed came as one coalesced delta
         assert len(deltas_of_slow) == 2 and deltas_of_slow[-1].finished
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_aborts_the_request(tiny_model):
+    """``generate_text(timeout=...)``: the request is held in prefill past its deadline."""
+    cfg = config()
+    async with Engine(cfg, model=tiny_model) as engine:
+        gate = Gate().install(engine.executor, "prefill")
+        try:
+            with pytest.raises(TimeoutError):
+                await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05)
+        finally:
+            gate.open()
+        await engine.wait_idle()
+        assert engine.stats()["requests"]["ended"] == {"abort": 1}
+        assert engine.executor.pool_counts() == engine.initial_pool_counts
+        result = await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), timeout=60)
+        assert result.finish_reason == "length"
