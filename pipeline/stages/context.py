@@ -21,7 +21,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from pipeline.engine import EngineError
 from pipeline.errors import RequestError
 from pipeline.logs import info_enabled, request_context
-from pipeline.messages import Release, StageMessage, StepFigures, Wake
+from pipeline.messages import Outcome, Release, StageMessage, Wake
 from pipeline.request import Request
 from pipeline.stages.executor_actor import ExecutorClient
 from pipeline.stages.output import OutputBuffer
@@ -135,8 +135,15 @@ def apply(req: Request, event: Event, stage: str, **figures: object) -> None:
         req.apply(event, **figures)
 
 
-def figures_of(figures: StepFigures, batch_size: int) -> dict[str, int]:
-    return {"batch_size": batch_size, "step_hits": figures.hits, "step_misses": figures.misses}
+def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
+    """The figures a step's lifecycle events carry: batch size, the step's HiSparse hits and misses
+    (the whole batch's, summed over layers) and the device command's wall time."""
+    return {
+        "batch_size": batch_size,
+        "step_hits": outcome.figures.hits,
+        "step_misses": outcome.figures.misses,
+        "device_ms": round(outcome.seconds * 1e3, 3),
+    }
 
 
 @attrs.define(eq=False)

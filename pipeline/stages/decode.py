@@ -54,7 +54,7 @@ class DecodeBatch:
 
 
 def settle(
-    batch: DecodeBatch, result: StepResult, *, num_draft_steps: int | None, figures: dict[str, int]
+    batch: DecodeBatch, result: StepResult, *, num_draft_steps: int | None, figures: dict[str, float]
 ) -> list[tuple[Request, Event]]:
     """Append each request's committed tokens and apply ``StepDone`` (plain) or ``Verified``
     (speculative, ``num_draft_steps`` given) with the step's figures; returns the requests that
@@ -123,7 +123,7 @@ class DecodeStage:
             return
         result: StepResult = outcome.result
         await self.ctx.retract(self._client, self.batch.pop(result.refused), self.name)
-        figures = figures_of(outcome.figures, len(result.tokens))
+        figures = figures_of(outcome, len(result.tokens))
         ending = settle(self.batch, result, num_draft_steps=None, figures=figures)
         await self._finish(result, ending)
 
@@ -151,7 +151,7 @@ class DecodeStage:
         if not await self._usable(outcome, drafted):
             return
         result: StepResult = outcome.result
-        figures = figures_of(outcome.figures, len(drafted))
+        figures = figures_of(outcome, len(drafted))
         ending = settle(self.batch, result, num_draft_steps=ctx.num_draft_steps, figures=figures)
         await self._finish(result, ending)
 

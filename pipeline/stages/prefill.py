@@ -87,7 +87,7 @@ class PrefillStage:
         refused, ending, staged = sort_prefilled(reqs, outcome.result, ctx.registry.pending_aborts.__contains__)
         # refused requests were never admitted by the executor: nothing to release
         await ctx.retract(client, refused, self.name, count=False, release=False)
-        figures = figures_of(outcome.figures, len(reqs) - len(refused))
+        figures = figures_of(outcome, len(reqs) - len(refused))
         prefilled = {s.request_id: len(s.token_ids) for s in sequences}
         for req in staged:
             apply(req, PrefillDone(), self.name, prefill_tokens=prefilled[req.request_id], **figures)
