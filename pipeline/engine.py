@@ -99,14 +99,18 @@ class Engine:
 
         self.executor = await anyio.to_thread.run_sync(self._build_executor)
         self.initial_pool_counts = self.executor.pool_counts()
-        self._pipe = build_pipeline(
-            self.executor,
-            queue_size=self._queue_size,
-            max_prefill_tokens=self._max_prefill_tokens,
-            max_undelivered_tokens=self._max_undelivered,
-        )
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
+        try:
+            self._pipe = build_pipeline(
+                self.executor,
+                queue_size=self._queue_size,
+                max_prefill_tokens=self._max_prefill_tokens,
+                max_undelivered_tokens=self._max_undelivered,
+            )
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+        except BaseException:
+            self.executor.close()
+            raise
         for name, runner in self._pipe.runners():
             self._tg.start_soon(runner, name=f"hispec-{name}")
         self._running = True

@@ -12,7 +12,7 @@ import pytest
 import structlog
 from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
 
-from pipeline import Engine, RequestError, RequestFailed, SamplingParams, configure_logging
+from pipeline import Engine, EngineError, RequestError, RequestFailed, SamplingParams, configure_logging
 from pipeline.executor import StepResult
 from pipeline.logs import read_json_lines, replay
 from statemachines.request import TERMINAL, State
@@ -219,3 +219,34 @@ async def test_one_failing_request_fails_alone(tiny_model):
         assert engine.stats()["requests"]["ended"] == {"error": 1, "length": 2}
     assert engine.final_pool_counts == engine.initial_pool_counts
     assert live_request(engine, "bad") is None
+
+
+@pytest.mark.asyncio
+async def test_a_stage_that_raises_stops_the_engine_cleanly(tiny_model):
+    """Releasing memory fails once: the decode stage raises, the engine's task group cancels the
+    block, every live request ends FAILED, and closing the executor gives every pool back."""
+    reqs = []
+    with pytest.raises(ExceptionGroup) as info:
+        async with Engine(config(), model=tiny_model) as engine:
+            real = engine.executor.release
+            calls = {"n": 0}
+
+            def release(rid):
+                calls["n"] += 1
+                if calls["n"] == 1:
+                    raise RuntimeError("release broke")
+                real(rid)
+
+            engine.executor.release = release
+
+            async def consume(i):
+                await engine.generate_text(make_prompts([9 + i])[0], SamplingParams(max_new_tokens=4 + 6 * i))
+
+            async with anyio.create_task_group() as tg:
+                for i in range(3):
+                    tg.start_soon(consume, i)
+                await until(lambda: len(engine._registry.live) == 3)
+                reqs = list(engine._registry.live.values())
+    assert info.group_contains(EngineError)
+    assert all(r.state in TERMINAL for r in reqs) and any(r.state is State.FAILED for r in reqs)
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
