@@ -143,6 +143,11 @@ class SyncDriver:
                 self._end(req, Finished(reason), reason)
 
     def _speculate(self, ids: list[str]) -> None:
+        # room for the round first: a request that cannot grow is retracted while still in DECODE
+        # (there is no way back to the queue from DRAFT)
+        draft_tokens = self.executor.config.speculative.draft_tokens
+        ids, refused = self.executor.reserve(ids, new_tokens=draft_tokens, speculative=True)
+        self._retract(refused)
         for rid in ids:
             self.requests[rid].apply(DraftStarted())
         drafted = self.executor.draft(ids)

@@ -182,6 +182,8 @@ async def test_memory_pressure_retracts_and_completes(tiny_model, num_steps):
     assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
     assert sum(r.metrics.num_retractions for r in results.values()) > 0
     assert engine.final_pool_counts == engine.initial_pool_counts
+    # the synchronous driver under the same pressure (it retracts before drafting, too)
+    assert driver_outputs(tiny_model, small, prompts, [params] * len(ids), ids) == expected
 
 
 @pytest.mark.asyncio
