@@ -34,9 +34,6 @@ class RequestMetrics:
     num_retractions: int = 0
     # speculative decoding (SGLang meta_info / vLLM SpecDecodingStats); None without speculation
     spec: SpecCounters | None = None
-    # HiSparse figures summed over the request's steps
-    hisparse_hits: int = 0
-    hisparse_misses: int = 0
 
     @property
     def queue_time(self) -> float | None:
