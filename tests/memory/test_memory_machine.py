@@ -150,7 +150,9 @@ class MemoryMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def end_request(self, data) -> None:
         """Finish or abort, in either phase: everything the request owns goes back exactly once."""
-        row = data.draw(st.sampled_from(sorted(self.reqs)))
+        self._release(data.draw(st.sampled_from(sorted(self.reqs))))
+
+    def _release(self, row: int) -> None:
         req = self.reqs.pop(row)
         self.alloc.clear(self.alloc.req_to_token.table[row, : self.alloc.req_to_token.covered_len(row)])
         self.alloc.free_physical(row, req.physical_pages)
@@ -228,12 +230,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         for row in list(self.reqs):
-            req = self.reqs.pop(row)
-            self.alloc.clear(self.alloc.req_to_token.table[row, : self.alloc.req_to_token.covered_len(row)])
-            self.alloc.free_physical(row, req.physical_pages)
-            self.alloc.release_locations(row)
-            self.host.release(row)
-            self.rows.free(row)
+            self._release(row)
         self.integrity()
         assert self._free_counts() == self.initial, "a pool did not return to its initial free count"
 
