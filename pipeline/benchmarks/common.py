@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.logs import configure_logging
 from pipeline.model.corpus import build_corpus
 
 
@@ -23,7 +24,9 @@ def add_common_args(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--out", default=out, help="JSON results")
 
 
-def setup_threads(threads: int) -> int:
+def setup(threads: int) -> int:
+    """Quiet logging (warnings only) and the torch thread count; returns the threads in use."""
+    configure_logging(level="warning")
     if threads > 0:
         torch.set_num_threads(threads)
     return torch.get_num_threads()

@@ -19,7 +19,7 @@ from pipeline.benchmarks.common import (
     held_out_prompts,
     machine,
     median,
-    setup_threads,
+    setup,
     table,
     write_json,
 )
@@ -97,7 +97,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1)
     args = parser.parse_args(argv)
-    threads = setup_threads(args.threads)
+    threads = setup(args.threads)
     if args.prompt_len < 8 * args.hot:
         parser.error("--prompt-len must be at least 8 x --hot")
     executors = {name: Executor(cfg) for name, cfg in configs(args).items()}

@@ -16,7 +16,7 @@ from pipeline.benchmarks.common import (
     add_common_args,
     held_out_prompts,
     machine,
-    setup_threads,
+    setup,
     table,
     write_json,
 )
@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--no-hisparse", action="store_true")
     args = parser.parse_args(argv)
-    threads = setup_threads(args.threads)
+    threads = setup(args.threads)
     steps = list(range(0, args.max_steps + 1))
     executors: dict[int, Executor] = {0: Executor(engine_config(args, 0))}
     for k in steps[1:]:
