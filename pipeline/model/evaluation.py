@@ -13,6 +13,7 @@ Held-out windows and prompts are drawn with fixed seeds from the held-out split 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 
@@ -50,6 +51,17 @@ def held_out_metrics(model: DeepseekV32, windows: torch.Tensor, mode: str) -> di
     return {k: v / len(windows) for k, v in totals.items()}
 
 
+@torch.no_grad()
+def loss_by_position(model: DeepseekV32, windows: torch.Tensor, mode: str, edges: list[int]) -> dict[str, float]:
+    """LM loss over predicted positions ``[edges[i], edges[i+1])`` of long windows ``[N, T]``."""
+    losses = []
+    for window in windows.split(1):
+        logits = model.logits(target_hidden(model, window, mode)[0, :-1]).float()
+        losses.append(F.cross_entropy(logits, window[0, 1:], reduction="none"))  # [T-1]
+    per_pos = torch.stack(losses).mean(0)
+    return {f"{lo}-{hi}": per_pos[lo:hi].mean().item() for lo, hi in itertools.pairwise(edges)}
+
+
 def accept_length(model: DeepseekV32, prompts: torch.Tensor, num_steps: int, max_new_tokens: int) -> float:
     """Accepted tokens per verify (bonus included), over all prompts' verify rounds."""
     decoder = ReferenceSpecDecoder(model, num_steps)
@@ -79,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--long-windows", type=int, default=8)
     p.add_argument("--skip-loss", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -89,6 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         windows = sample_windows(held, args.windows, args.window_len, seed=100)
         report["sparse"] = held_out_metrics(model, windows, SPARSE_STABLE)
         report["dense"] = held_out_metrics(model, windows, DENSE)
+        print(json.dumps(report), flush=True)
+        long = sample_windows(held, args.long_windows, model.cfg.max_position_embeddings, seed=300)
+        edges = [0, 512, 1024, 2048, model.cfg.max_position_embeddings - 1]
+        report["sparse_by_position"] = loss_by_position(model, long, SPARSE_STABLE, edges)
+        report["dense_by_position"] = loss_by_position(model, long, DENSE, edges)
         print(json.dumps(report), flush=True)
     prompts = sample_windows(held, args.prompts, args.prompt_len, seed=200)
     for steps in args.steps:

@@ -58,11 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-topk", type=int, default=64)
     p.add_argument("--max-pos", type=int, default=4096)
     # schedule: steps x batch x window per phase
-    p.add_argument("--dense-steps", type=int, default=500)
-    p.add_argument("--sparse-steps", type=int, default=1000)
-    p.add_argument("--long-steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=12)
-    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--dense-steps", type=int, default=400)
+    p.add_argument("--sparse-steps", type=int, default=900)
+    p.add_argument("--long-steps", type=int, default=150)
+    p.add_argument("--batch", type=int, default=12, help="dense phase")
+    p.add_argument("--seq-len", type=int, default=256, help="dense phase")
+    p.add_argument("--sparse-batch", type=int, default=2)
+    p.add_argument("--sparse-seq-len", type=int, default=2048)
     p.add_argument("--long-batch", type=int, default=1)
     p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -150,7 +152,7 @@ def phases(args: argparse.Namespace) -> list[tuple[str, int, str, int, int]]:
     """(name, steps, attention mode, batch, window) for each phase, in order."""
     return [
         ("dense", args.dense_steps, DENSE, args.batch, args.seq_len),
-        ("sparse", args.sparse_steps, SPARSE, args.batch, args.seq_len),
+        ("sparse", args.sparse_steps, SPARSE, args.sparse_batch, args.sparse_seq_len),
         ("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len),
     ]
 

@@ -29,7 +29,7 @@ DENSE, SPARSE, SPARSE_STABLE = "dense", "sparse", "sparse-stable"
 
 # With at most this many keys the sparse mode runs as masked dense attention (faster for short
 # windows); beyond, attention gathers each query's top-k rows (linear in the key count).
-_GATHER_MIN_KEYS = 1024
+_GATHER_MIN_KEYS = 512
 
 
 @attrs.frozen
