@@ -30,7 +30,7 @@ from pipeline.model.corpus import build_corpus
 from pipeline.model.model import DeepseekV32, init_weights
 from pipeline.model.moe import MoE
 from pipeline.model.tokenizer import ByteTokenizer
-from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, train_forward
+from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, TrainOutput, train_forward
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -157,26 +157,52 @@ def phases(args: argparse.Namespace) -> list[tuple[str, int, str, int, int]]:
     ]
 
 
+def make_optimizer(model: DeepseekV32, args: argparse.Namespace) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not on norms, biases, 1-d tensors)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    other = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+
+
+def train_step(
+    model: DeepseekV32, opt: torch.optim.Optimizer, windows: torch.Tensor, mode: str, args: argparse.Namespace
+) -> TrainOutput:
+    out = train_forward(model, windows, mode=mode, mtp_weight=args.mtp_weight, mtp_steps=args.mtp_steps,
+                        kl_weight=args.kl_weight)
+    opt.zero_grad(set_to_none=True)
+    out.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        update_expert_biases(out.expert_counts, args.bias_gamma)
+    return out
+
+
+def save(model: DeepseekV32, out_dir: Path) -> None:
+    save_model(model, out_dir, dtype="float32")
+    ByteTokenizer().write_hf_files(out_dir)
+
+
+def report(record: dict, log: Path | None) -> None:
+    tqdm.write(json.dumps(record))
+    if log is not None:
+        with log.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    tok = ByteTokenizer()
-    corpus = build_corpus(eos_id=tok.eos_token_id)
-    cfg = model_config(args, tok.eos_token_id)
-    model = init_weights(DeepseekV32(cfg), seed=args.seed).train()
+    corpus = build_corpus(eos_id=ByteTokenizer().eos_token_id)
+    model = init_weights(DeepseekV32(model_config(args, ByteTokenizer().eos_token_id)), seed=args.seed).train()
     num_params = sum(p.numel() for p in model.parameters())
     tqdm.write(f"params {num_params:,}  train tokens {corpus.train.numel():,}  held-out {corpus.held_out.numel():,}")
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    other = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay}, {"params": other, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95),
-    )
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    opt = make_optimizer(model, args)
+    gen = torch.Generator().manual_seed(args.seed + 1)  # window sampling
     eval_windows = sample_windows(corpus.held_out, args.eval_windows, args.eval_len,
                                   torch.Generator().manual_seed(args.seed + 2))
-    log = args.log.open("a") if args.log else None
     plan = phases(args)
     total = sum(p[1] for p in plan)
     step, started = 0, time.perf_counter()
@@ -185,41 +211,20 @@ def main(argv: list[str]) -> int:
         for _ in range(steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, args)
-            out = train_forward(model, sample_windows(corpus.train, batch, length, gen), mode=mode,
-                                mtp_weight=args.mtp_weight, mtp_steps=args.mtp_steps, kl_weight=args.kl_weight)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            with torch.no_grad():
-                update_expert_biases(out.expert_counts, args.bias_gamma)
+            out = train_step(model, opt, sample_windows(corpus.train, batch, length, gen), mode, args)
             step += 1
             bar.update(1)
             bar.set_postfix(phase=name, lm=f"{out.lm_loss.item():.3f}",
                             mtp="/".join(f"{m.item():.2f}" for m in out.mtp_losses), kl=f"{out.kl_loss.item():.3f}")
             if step % args.eval_every == 0 or step == total:
-                held = evaluate(model, eval_windows, SPARSE_STABLE if mode != DENSE else DENSE)
-                record = {"step": step, "phase": name, "wall_s": round(time.perf_counter() - started, 1),
-                          "train_lm": out.lm_loss.item(), "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
-                          "held_lm": held["lm"], "held_mtp": held["mtp"],
-                          "kl": out.kl_loss.item()}
-                tqdm.write(json.dumps(record))
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                save_model(model, args.out, dtype="float32")
-                tok.write_hf_files(args.out)
+                held = evaluate(model, eval_windows, DENSE if mode == DENSE else SPARSE_STABLE)
+                report({"step": step, "phase": name, "wall_s": round(time.perf_counter() - started, 1),
+                        "train_lm": out.lm_loss.item(), "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
+                        "held_lm": held["lm"], "held_mtp": held["mtp"], "kl": out.kl_loss.item()}, args.log)
+                save(model, args.out)
     bar.close()
-    final = {
-        "wall_s": round(time.perf_counter() - started, 1),
-        "params": num_params,
-        "held_lm_sparse": evaluate(model, eval_windows, SPARSE_STABLE)["lm"],
-        "held_lm_dense": evaluate(model, eval_windows, DENSE)["lm"],
-    }
-    tqdm.write(json.dumps(final))
-    if log:
-        log.write(json.dumps(final) + "\n")
-        log.close()
-    save_model(model, args.out, dtype="float32")
-    tok.write_hf_files(args.out)
+    report({"wall_s": round(time.perf_counter() - started, 1), "params": num_params,
+            "held_lm_sparse": evaluate(model, eval_windows, SPARSE_STABLE)["lm"],
+            "held_lm_dense": evaluate(model, eval_windows, DENSE)["lm"]}, args.log)
+    save(model, args.out)
     return 0

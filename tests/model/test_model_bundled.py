@@ -18,9 +18,10 @@ from transformers.modeling_layers import MtpLayer
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
 
 import pipeline.model.corpus
-from pipeline.model import ForwardLayout, load_model, resolve_model_dir
+from pipeline.model import ForwardLayout, ModelConfig, load_model, resolve_model_dir
 from pipeline.model.reference import ReferenceDecoder, ReferenceSpecDecoder
 from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.model.train import build_parser, model_config
 
 # Python source, longer than index_topk (64), so the indexer really selects
 TEXT = inspect.getsource(pipeline.model.corpus.is_held_out) + inspect.getsource(pipeline.model.corpus._tokens)
@@ -117,3 +118,8 @@ def test_spec_equals_greedy_on_the_bundled_model(model64):
     spec = ReferenceSpecDecoder(model64, 3).generate(prompt, 48, stop_at_eos=False)
     assert spec.token_ids == plain.token_ids
     assert spec.mean_accept_length > 1.5  # the trained MTP head really drafts
+
+
+def test_train_defaults_build_the_bundled_architecture(path):
+    """``hispec train`` with no architecture flags builds exactly the bundled model's shape."""
+    assert model_config(build_parser().parse_args([]), 256) == ModelConfig.from_dir(path)
