@@ -78,6 +78,9 @@ class SwapInResult:
     misses: torch.Tensor  # [B] int32 rows copied host->device
     unrecoverable: torch.Tensor  # [B] int32
     bytes_copied: torch.Tensor  # [B] int64 misses * row bytes
+    # (hits, misses, unrecoverable, bytes) summed over the batch, when an implementation has them
+    # as Python numbers anyway (saves a caller the device->host read of the sums)
+    totals: tuple[int, int, int, int] | None = None
 
     @classmethod
     def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
@@ -104,7 +107,9 @@ def check_swap_in_args(
     check_tensor("buffer_tokens", buffer_tokens, ndim=2, dtype=torch.int32, contiguous_last=True)
     n, width = buffer_tokens.shape
     if not isinstance(hot, int) or hot < 1 or width <= hot:
-        raise ValueError(f"hot must be an int in [1, {width}) (buffer_tokens has {width} columns), got {hot!r}")
+        raise ValueError(
+            f"hot must be an int in [1, {width}) (buffer_tokens has {width} columns), got {hot!r}"
+        )
     if k > hot:
         raise ValueError(f"top_k_pos has top_k={k} > hot={hot}: a single step might not fit")
     check_tensor("buffer_locs", buffer_locs, dtype=torch.int64, shape=(n, width), contiguous_last=True)
@@ -113,12 +118,27 @@ def check_swap_in_args(
     if req_to_host.shape[0] != n:
         raise ValueError(f"req_to_host must have {n} rows like buffer_tokens, got {tuple(req_to_host.shape)}")
     check_tensor("device_kv", device_kv, ndim=2, contiguous_last=True)
-    check_tensor("host_kv", host_kv, ndim=2, dtype=device_kv.dtype, shape=(None, device_kv.shape[1]),
-                 contiguous_last=True)
-    names = ("top_k_pos", "seq_lens", "req_rows", "buffer_tokens", "buffer_locs", "lru", "req_to_host",
-             "device_kv")
-    check_same_device(names, (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host,
-                              device_kv))
+    check_tensor(
+        "host_kv",
+        host_kv,
+        ndim=2,
+        dtype=device_kv.dtype,
+        shape=(None, device_kv.shape[1]),
+        contiguous_last=True,
+    )
+    names = (
+        "top_k_pos",
+        "seq_lens",
+        "req_rows",
+        "buffer_tokens",
+        "buffer_locs",
+        "lru",
+        "req_to_host",
+        "device_kv",
+    )
+    check_same_device(
+        names, (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, device_kv)
+    )
 
 
 def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv) -> None:
@@ -159,13 +179,28 @@ def swap_in(
     most ``PYTHON_MAX_ITEMS`` (request, step) pairs, else torch). ``host_kv`` may live on another device (pinned host
     memory); the row copies then go through torch.
     """
-    check_swap_in_args(top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host,
-                       host_kv, device_kv, hot)
+    check_swap_in_args(
+        top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
+    )
     if validate:
         check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv)
-    fits = (hot <= TRITON_MAX_HOT and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
-            and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA)
-    args = (top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot)
+    fits = (
+        hot <= TRITON_MAX_HOT
+        and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
+        and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA
+    )
+    args = (
+        top_k_pos,
+        seq_lens,
+        req_rows,
+        buffer_tokens,
+        buffer_locs,
+        lru,
+        req_to_host,
+        host_kv,
+        device_kv,
+        hot,
+    )
     small = top_k_pos.shape[0] * top_k_pos.shape[1] <= PYTHON_MAX_ITEMS
     if impl == "python" or (impl == "auto" and small and not top_k_pos.is_cuda):
         from kernels.swap_in_python import swap_in_python

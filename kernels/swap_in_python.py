@@ -77,7 +77,14 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out):
     new_order = evictable[len(loadable) :] + kept + victims + hit_cols
     loads = [(col, t) for col, (t, _) in zip(victims, loadable)]
     unrecoverable = len(missed) - len(loadable)
-    return draft_hits + len(hit_cols), loads, [h for _, h in loadable], unrecoverable, new_order, hit_cols + victims
+    return (
+        draft_hits + len(hit_cols),
+        loads,
+        [h for _, h in loadable],
+        unrecoverable,
+        new_order,
+        hit_cols + victims,
+    )
 
 
 def swap_in_python(
@@ -127,14 +134,24 @@ def swap_in_python(
                     copy_dst.append(locs[col])
                 protected.update(returned)
             slots[b][s] = [out.get(t, -1) if 0 <= t < n else -1 for t in top]
-        buffer_tokens[row] = torch.tensor(tokens, dtype=buffer_tokens.dtype)
-        lru[row] = torch.tensor(order, dtype=lru.dtype)
+        # one tensor per row for both tables, and one for all the copies (tensor creation dominates)
+        state = torch.tensor(tokens + order, dtype=torch.int32)
+        buffer_tokens[row] = state[: len(tokens)]
+        lru[row] = state[len(tokens) :]
     if copy_src:
-        src = torch.tensor(copy_src, dtype=torch.int64, device=host_kv.device)
-        dst = torch.tensor(copy_dst, dtype=torch.int64, device=device_kv.device)
-        device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
-    return SwapInResult.from_counts(
-        torch.tensor(slots, dtype=torch.int32).reshape(num_reqs, num_steps, top_k),
-        torch.tensor(counts, dtype=torch.int32).reshape(num_reqs, 4),
-        row_bytes=device_kv.shape[-1] * device_kv.element_size(),
+        idx = torch.tensor([copy_src, copy_dst], dtype=torch.int64)
+        rows = host_kv.index_select(0, idx[0].to(host_kv.device)).to(device_kv.device)
+        device_kv.index_copy_(0, idx[1].to(device_kv.device), rows)
+    row_bytes = device_kv.shape[-1] * device_kv.element_size()
+    table = torch.tensor(counts, dtype=torch.int32)  # [B, 4] steps_done, hits, misses, unrecoverable
+    misses = table[:, 2]
+    hits, loaded, lost = (sum(c[i] for c in counts) for i in (1, 2, 3))
+    return SwapInResult(
+        slots=torch.tensor(slots, dtype=torch.int32).reshape(num_reqs, num_steps, top_k),
+        steps_done=table[:, 0],
+        hits=table[:, 1],
+        misses=misses,
+        unrecoverable=table[:, 3],
+        bytes_copied=misses.to(torch.int64) * row_bytes,
+        totals=(hits, loaded, lost, loaded * row_bytes),
     )

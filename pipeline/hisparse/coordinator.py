@@ -222,6 +222,8 @@ class HiSparseCoordinator(SpeculativeBuffers):
         return logical, physical, host
 
     def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        if self._mem[row].length + new_tokens > self.plan.max_request_len:
+            return False
         logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
         return (
             self.alloc.logical.can_allocate(logical)

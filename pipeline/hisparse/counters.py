@@ -27,10 +27,15 @@ class LayerCounters:
         self.h2d_bytes = [0] * self.num_layers
 
     def add_swap_in(self, layer: int, result: SwapInResult) -> None:
-        # one device->host read of four scalars per call
-        totals = torch.stack(
-            [result.hits.sum(), result.misses.sum(), result.unrecoverable.sum(), result.bytes_copied.sum()]
-        ).tolist()
+        totals = result.totals
+        if totals is None:  # one device->host read of four scalars
+            sums = [
+                result.hits.sum(),
+                result.misses.sum(),
+                result.unrecoverable.sum(),
+                result.bytes_copied.sum(),
+            ]
+            totals = torch.stack(sums).tolist()
         self.hits[layer] += int(totals[0])
         self.misses[layer] += int(totals[1])
         self.unrecoverable[layer] += int(totals[2])

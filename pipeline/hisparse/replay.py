@@ -100,7 +100,8 @@ def min_misses(steps: list[list[int]], hot: int) -> int:
                 continue
             misses += 1
             victim = max(
-                (p for p in resident if p not in want_set), key=lambda p: uses[p][0] if uses[p] else float("inf")
+                (p for p in resident if p not in want_set),
+                key=lambda p: uses[p][0] if uses[p] else float("inf"),
             )
             resident.remove(victim)
             resident.add(t)
@@ -127,7 +128,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--hot", type=int, required=True, help="device_buffer_size to replay with")
     args = parser.parse_args(argv)
     result = replay(read_trace(args.trace), args.hot)
-    print(f"{result.steps} long decode steps (request x layer), {result.wanted} positions wanted from HOT={args.hot}")
+    print(
+        f"{result.steps} long decode steps (request x layer), {result.wanted} positions wanted from HOT={args.hot}"
+    )
     best = result.misses["min"] or 1
     for name, misses in result.misses.items():
         rate = misses / result.wanted if result.wanted else 0.0

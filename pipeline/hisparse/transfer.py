@@ -68,16 +68,27 @@ class _FutureHandle:
 
 
 class ThreadTransferStream:
-    """CPU transfers: one worker thread, copies in issue order."""
+    """CPU transfers: one worker thread, copies in issue order.
 
-    def __init__(self, name: str) -> None:
+    A copy of at most ``inline_bytes`` issued while nothing is in flight runs at once in the caller:
+    handing a few rows to the worker costs more than copying them (a decode step's backup is a few
+    KB). Issue order still holds, since nothing earlier is pending.
+    """
+
+    def __init__(self, name: str, inline_bytes: int = 1 << 16) -> None:
         self._pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hispec-{name}")
         self._last: cf.Future | None = None
+        self.inline_bytes = inline_bytes
 
     def copy_rows(
         self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
     ) -> TransferHandle:
         if src_idx.numel() == 0:
+            return DoneHandle()
+        layers = src.shape[0] if src.dim() == 3 else 1
+        nbytes = src_idx.numel() * layers * src.shape[-1] * src.element_size()
+        if nbytes <= self.inline_bytes and (self._last is None or self._last.done()):
+            copy_rows(dst, dst_idx, src, src_idx)
             return DoneHandle()
         # the index tensors are private copies: the caller may reuse its own at once
         src_idx, dst_idx = src_idx.clone(), dst_idx.clone()

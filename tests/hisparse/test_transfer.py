@@ -11,7 +11,7 @@ from pipeline.hisparse.transfer import DoneHandle, ThreadTransferStream
 
 
 def test_copies_land_in_order_and_report_done():
-    stream = ThreadTransferStream("t")
+    stream = ThreadTransferStream("t", inline_bytes=0)
     src = torch.arange(2 * 6 * 3, dtype=torch.float32).reshape(2, 6, 3)
     dst = torch.zeros(2, 4, 3)
     first = stream.copy_rows(dst, torch.tensor([0, 1]), src, torch.tensor([4, 5]))
@@ -23,7 +23,7 @@ def test_copies_land_in_order_and_report_done():
 
 
 def test_query_does_not_block_while_a_copy_is_in_flight():
-    stream = ThreadTransferStream("t")
+    stream = ThreadTransferStream("t", inline_bytes=0)
     gate = threading.Event()
     stream._pool.submit(gate.wait)  # occupy the worker
     handle = stream.copy_rows(torch.zeros(1, 2, 2), torch.tensor([0]), torch.ones(1, 2, 2), torch.tensor([1]))
@@ -34,11 +34,14 @@ def test_query_does_not_block_while_a_copy_is_in_flight():
     stream.close()
 
 
-def test_a_failed_copy_is_reported_not_lost():
-    stream = ThreadTransferStream("t")
-    handle = stream.copy_rows(torch.zeros(1, 2, 2), torch.tensor([0]), torch.ones(1, 2, 2), torch.tensor([7]))
+@pytest.mark.parametrize("inline_bytes", [0, 1 << 16])
+def test_a_failed_copy_is_reported_not_lost(inline_bytes):
+    """Raised when the copy is issued (inline) or when it is waited for (on the worker)."""
+    stream = ThreadTransferStream("t", inline_bytes=inline_bytes)
     with pytest.raises((IndexError, ValueError, RuntimeError)):
-        handle.wait()
+        stream.copy_rows(
+            torch.zeros(1, 2, 2), torch.tensor([0]), torch.ones(1, 2, 2), torch.tensor([7])
+        ).wait()
     stream.close()
 
 
@@ -51,4 +54,19 @@ def test_an_empty_copy_is_done_at_once():
         torch.tensor([], dtype=torch.int64),
     )
     assert isinstance(handle, DoneHandle) and handle.query()
+    stream.close()
+
+
+def test_small_copies_run_inline_only_when_nothing_is_in_flight():
+    stream = ThreadTransferStream("t")
+    gate = threading.Event()
+    big_src = torch.ones(1, 4096, 8)
+    stream._last = stream._pool.submit(gate.wait)  # something in flight
+    dst = torch.zeros(1, 2, 8)
+    handle = stream.copy_rows(dst, torch.tensor([0]), big_src, torch.tensor([1]))
+    assert not isinstance(handle, DoneHandle) and not handle.query()  # queued behind, in order
+    gate.set()
+    handle.wait()
+    again = stream.copy_rows(dst, torch.tensor([1]), big_src, torch.tensor([2]))
+    assert isinstance(again, DoneHandle) and bool((dst == 1).all())  # idle stream: copied at once
     stream.close()
