@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from pipeline.config import EngineConfig, check_against_model
-from pipeline.errors import RequestError
+from pipeline.errors import ConfigError, RequestError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import TransferStream
@@ -91,6 +91,8 @@ class Executor:
             model if model is not None else load_model(config.model, dtype=self.dtype, device=self.device)
         )
         cfg = self.model.cfg
+        if self.model.dtype != self.dtype:
+            raise ConfigError("dtype", config.dtype, f"the model given is {self.model.dtype}: they must match")
         check_against_model(
             config,
             index_topk=cfg.index_topk,

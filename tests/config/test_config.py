@@ -182,3 +182,11 @@ def test_every_accepted_config_satisfies_the_memory_layers_assumptions(data, top
         assert plan.device_tokens >= need, "one request fits, resident"
     if config.speculative is not None:
         assert plan.draft_tokens == config.speculative.num_steps + 1
+
+
+def test_an_injected_model_must_match_the_configured_dtype(tiny_model):
+    from pipeline.executor import Executor
+
+    with pytest.raises(ConfigError) as info:
+        Executor(EngineConfig(dtype="float32", max_context_len=512, device_pool_tokens=1024), model=tiny_model)
+    assert info.value.field == "dtype"
