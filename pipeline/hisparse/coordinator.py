@@ -114,7 +114,8 @@ class HiSparseCoordinator(SpeculativeBuffers):
                 self.row_dim,
                 self.index_dim,
                 self.num_layers,
-                self.req_to_token,
+                n_rows,
+                plan.max_request_len,
                 self.dtype,
                 self.device,
             )

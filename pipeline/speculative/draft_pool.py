@@ -2,8 +2,11 @@
 
 With HiSparse the target's rows are tiered, but the draft layer keeps every row on the device in a
 pool of its own (the reference branch let the draft read untranslated logical locations of a tiered
-pool; here nothing is shared but the token table). The draft layer's row for position p of a
-request lives at that position's logical location.
+pool). The draft layer's row for position p of a request lives at that position's logical location.
+
+The pool keeps its own token table on its device: every position the draft layer reads was written
+by an earlier draft forward of the same request (the draft extend over the prompt comes first), and
+each forward records its own locations, so the table never needs the target's copy.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ class DraftPool:
     row_dim: int
     index_dim: int
     first_layer: int  # the model's layer index of the MTP layer (num_hidden_layers)
-    req_to_token: torch.Tensor  # [N, max_len] shared with the target's memory
+    num_rows: int  # request rows
+    max_len: int  # positions per request
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     store: ResidentKV = attrs.field(init=False)
@@ -41,7 +45,7 @@ class DraftPool:
         self.store = ResidentKV(
             kv=torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, device=self.device),
             index_k=torch.zeros(1, self.num_locations, self.index_dim, dtype=self.dtype, device=self.device),
-            req_to_token=self.req_to_token,
+            req_to_token=torch.zeros(self.num_rows, self.max_len, dtype=torch.int64, device=self.device),
         )
 
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
