@@ -163,6 +163,8 @@ def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict
     table = [
         ("indexer_topk", "small", prep_indexer, dict(tokens=8, heads=4, dim=64, ctx=1024, top_k=64)),
         ("indexer_topk", "large", prep_indexer, dict(tokens=4, heads=64, dim=128, ctx=16384, top_k=2048)),
+        ("swap_in", "decode", prep_swap_in, dict(reqs=1, steps=1, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
+        ("swap_in", "verify", prep_swap_in, dict(reqs=1, steps=4, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
         ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
         ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=576, ctx=2048)),
         ("swap_in", "large", prep_swap_in,
@@ -185,7 +187,8 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
         if only and op not in only:
             continue
         prepared = build()
-        for impl in impls:
+        # on a CPU, swap-in also has the plain-Python path that small batches take
+        for impl in impls + (["python"] if op == "swap_in" and device.type == "cpu" else []):
             seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
             results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,

@@ -63,9 +63,10 @@ from kernels.checks import check_index_range, check_same_device, check_tensor, c
 TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
-# On a CPU, batches of at most this many (request, step) pairs go to the plain-Python implementation,
-# which beats the vectorised reference's per-op overhead there (see kernels/swap_in_python.py).
-PYTHON_MAX_ITEMS = 6
+# On a CPU, calls of at most this many top-k entries (requests x steps x top_k) go to the plain-Python
+# implementation, which beats the vectorised reference's per-op overhead there (see
+# kernels/swap_in_python.py and the decode / verify / small rows of `hispec bench kernels`).
+PYTHON_MAX_ENTRIES = 2048
 
 
 @attrs.frozen(eq=False)
@@ -176,7 +177,7 @@ def swap_in(
 
     ``impl``: ``"torch"`` (reference), ``"triton"``, ``"python"`` (small CPU batches) or ``"auto"``
     (Triton when the metadata is on CUDA and the shapes fit ``TRITON_MAX_*``; on CPU, Python for at
-    most ``PYTHON_MAX_ITEMS`` (request, step) pairs, else torch). ``host_kv`` may live on another device (pinned host
+    most ``PYTHON_MAX_ENTRIES`` top-k entries, else torch). ``host_kv`` may live on another device (pinned host
     memory); the row copies then go through torch.
     """
     check_swap_in_args(
@@ -201,7 +202,7 @@ def swap_in(
         device_kv,
         hot,
     )
-    small = top_k_pos.shape[0] * top_k_pos.shape[1] <= PYTHON_MAX_ITEMS
+    small = top_k_pos.numel() <= PYTHON_MAX_ENTRIES
     if impl == "python" or (impl == "auto" and small and not top_k_pos.is_cuda):
         from kernels.swap_in_python import swap_in_python
 
