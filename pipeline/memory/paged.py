@@ -241,8 +241,11 @@ class PagedTable:
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         """Slots of covered ``positions`` of ``row`` (computed from the pages, not the table)."""
-        pages = torch.tensor(self._pages[row], dtype=torch.int64)
-        return pages[positions // self.page_size] * self.page_size + positions % self.page_size
+        p, pages = self.page_size, self._pages[row]
+        if positions.numel() <= 16:  # a decode step's few positions: plain Python is cheaper
+            return torch.tensor([pages[t // p] * p + t % p for t in positions.tolist()], dtype=torch.int64)
+        table = torch.tensor(pages, dtype=torch.int64)
+        return table[positions // p] * p + positions % p
 
     def record(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         """Record the slots of covered ``positions`` in the table; returns them."""
