@@ -5,8 +5,11 @@ Selection rule (recorded in the model card):
 * every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, recursively, skipping the directories
   ``site-packages``, ``dist-packages`` and ``__pycache__`` and every path with a component named
   ``test``, ``tests`` or ``idle_test`` (the regression suites: large, repetitive, often deliberately
-  malformed);
-* every topic of ``pydoc_data.topics.topics`` as its own document, named ``pydoc_data/topics/<key>``.
+  malformed), and skipping two kinds of generated file: the codec tables made by ``gencodec.py``
+  (files that begin with a docstring opening ``Python Character Mapping Codec``) and
+  ``pydoc_data/topics.py``;
+* every topic of ``pydoc_data.topics.topics`` as its own document, named ``pydoc_data/topics/<key>``
+  (the text of ``pydoc_data/topics.py``, once, as prose).
 
 Documents are ordered by name (relative POSIX path); each is followed by ``<eos>``. A document is
 held out when the first 8 bytes of ``sha256(name)``, read big-endian, are ``% 100 < held_out_percent``
@@ -24,6 +27,8 @@ import torch
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
+_SKIP_FILES = {"pydoc_data/topics.py"}  # included as its topics instead
+_GENERATED_CODEC = b'""" Python Character Mapping Codec'
 
 
 @attrs.frozen
@@ -45,9 +50,13 @@ def stdlib_documents() -> list[Document]:
     docs = []
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
-        if set(parts[:-1]) & (_SKIP_DIRS | _TEST_DIRS):
+        name = "/".join(parts)
+        if set(parts[:-1]) & (_SKIP_DIRS | _TEST_DIRS) or name in _SKIP_FILES:
             continue
-        docs.append(Document(name="/".join(parts), data=path.read_bytes()))
+        data = path.read_bytes()
+        if data.startswith(_GENERATED_CODEC):
+            continue
+        docs.append(Document(name=name, data=data))
     import pydoc_data.topics
 
     for key, text in pydoc_data.topics.topics.items():

@@ -5,12 +5,14 @@ The recipe follows DeepSeek-V3.2 at small scale, in phases run one after the oth
 1. ``dense``: dense causal attention; the whole model learns the LM (+ MTP) loss while the indexer,
    reading detached inputs, learns to imitate the dense attention distribution (KL, detached target);
 2. ``sparse``: every layer attends only to its indexer top-k (``index_topk``) positions; the indexer
-   keeps learning the KL over the selected set;
-3. ``long``: sparse training on long windows, so the model works at the context lengths it serves.
+   keeps learning the KL over the selected set. Every ``--long-every``-th step takes long windows
+   instead, so the model also learns the longest distances it serves;
+3. ``long`` (optional, 0 steps by default): sparse training on long windows only.
 
-Everything is seeded (model init, window sampling); the expert score-correction biases follow
-DeepSeek-V3's loss-free balancing rule (``bias += gamma * sign(mean load - load)`` after each step).
-Training is never part of the tests.
+The MTP layer is trained for chain drafting (``--mtp-steps`` chained passes) in the sparse phases,
+for one step in the dense warm-up. Everything is seeded (model init, window sampling); the expert
+score-correction biases follow DeepSeek-V3's loss-free balancing rule
+(``bias += gamma * sign(mean load - load)`` after each step). Training is never part of the tests.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import math
 import time
 from pathlib import Path
 
+import attrs
 import torch
 from tqdm import tqdm
 
@@ -58,13 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-topk", type=int, default=64)
     p.add_argument("--max-pos", type=int, default=4096)
     # schedule: steps x batch x window per phase
-    p.add_argument("--dense-steps", type=int, default=400)
-    p.add_argument("--sparse-steps", type=int, default=900)
-    p.add_argument("--long-steps", type=int, default=150)
+    p.add_argument("--dense-steps", type=int, default=600)
+    p.add_argument("--sparse-steps", type=int, default=1000)
+    p.add_argument("--long-steps", type=int, default=0)
     p.add_argument("--batch", type=int, default=12, help="dense phase")
     p.add_argument("--seq-len", type=int, default=256, help="dense phase")
-    p.add_argument("--sparse-batch", type=int, default=2)
-    p.add_argument("--sparse-seq-len", type=int, default=2048)
+    p.add_argument("--sparse-batch", type=int, default=3)
+    p.add_argument("--sparse-seq-len", type=int, default=1024)
+    p.add_argument("--long-every", type=int, default=4, help="sparse phase: every n-th step uses long windows")
     p.add_argument("--long-batch", type=int, default=1)
     p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -72,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP chain step")
     p.add_argument("--mtp-steps", type=int, default=3, help="chain steps the MTP layer is trained for")
+    p.add_argument("--dense-mtp-steps", type=int, default=1, help="the same, in the dense warm-up")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--bias-gamma", type=float, default=1e-3, help="loss-free balancing step")
     p.add_argument("--eval-every", type=int, default=250)
@@ -148,12 +153,29 @@ def evaluate(model: DeepseekV32, windows: torch.Tensor, mode: str) -> dict[str, 
     return {"lm": lm / len(windows), "mtp": mtp / len(windows)}
 
 
-def phases(args: argparse.Namespace) -> list[tuple[str, int, str, int, int]]:
-    """(name, steps, attention mode, batch, window) for each phase, in order."""
+@attrs.frozen
+class Phase:
+    name: str
+    steps: int
+    mode: str  # attention mode (DENSE / SPARSE)
+    batch: int  # windows per step
+    seq_len: int  # bytes per window
+    mtp_steps: int  # chained MTP passes trained
+    long_every: int = 0  # every n-th step uses (long_batch, long_seq_len) windows; 0 = never
+
+    def shape(self, i: int, args: argparse.Namespace) -> tuple[int, int]:
+        """(batch, window) of the phase's i-th step."""
+        if self.long_every and (i + 1) % self.long_every == 0:
+            return args.long_batch, args.long_seq_len
+        return self.batch, self.seq_len
+
+
+def phases(args: argparse.Namespace) -> list[Phase]:
     return [
-        ("dense", args.dense_steps, DENSE, args.batch, args.seq_len),
-        ("sparse", args.sparse_steps, SPARSE, args.sparse_batch, args.sparse_seq_len),
-        ("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len),
+        Phase("dense", args.dense_steps, DENSE, args.batch, args.seq_len, args.dense_mtp_steps),
+        Phase("sparse", args.sparse_steps, SPARSE, args.sparse_batch, args.sparse_seq_len, args.mtp_steps,
+              args.long_every),
+        Phase("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len, args.mtp_steps),
     ]
 
 
@@ -166,9 +188,9 @@ def make_optimizer(model: DeepseekV32, args: argparse.Namespace) -> torch.optim.
 
 
 def train_step(
-    model: DeepseekV32, opt: torch.optim.Optimizer, windows: torch.Tensor, mode: str, args: argparse.Namespace
+    model: DeepseekV32, opt: torch.optim.Optimizer, windows: torch.Tensor, phase: Phase, args: argparse.Namespace
 ) -> TrainOutput:
-    out = train_forward(model, windows, mode=mode, mtp_weight=args.mtp_weight, mtp_steps=args.mtp_steps,
+    out = train_forward(model, windows, mode=phase.mode, mtp_weight=args.mtp_weight, mtp_steps=phase.mtp_steps,
                         kl_weight=args.kl_weight)
     opt.zero_grad(set_to_none=True)
     out.loss.backward()
@@ -204,21 +226,21 @@ def main(argv: list[str]) -> int:
     eval_windows = sample_windows(corpus.held_out, args.eval_windows, args.eval_len,
                                   torch.Generator().manual_seed(args.seed + 2))
     plan = phases(args)
-    total = sum(p[1] for p in plan)
+    total = sum(p.steps for p in plan)
     step, started = 0, time.perf_counter()
     bar = tqdm(total=total, desc="train", dynamic_ncols=True)
-    for name, steps, mode, batch, length in plan:
-        for _ in range(steps):
+    for phase in plan:
+        for i in range(phase.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, args)
-            out = train_step(model, opt, sample_windows(corpus.train, batch, length, gen), mode, args)
+            out = train_step(model, opt, sample_windows(corpus.train, *phase.shape(i, args), gen), phase, args)
             step += 1
             bar.update(1)
-            bar.set_postfix(phase=name, lm=f"{out.lm_loss.item():.3f}",
+            bar.set_postfix(phase=phase.name, lm=f"{out.lm_loss.item():.3f}",
                             mtp="/".join(f"{m.item():.2f}" for m in out.mtp_losses), kl=f"{out.kl_loss.item():.3f}")
             if step % args.eval_every == 0 or step == total:
-                held = evaluate(model, eval_windows, DENSE if mode == DENSE else SPARSE_STABLE)
-                report({"step": step, "phase": name, "wall_s": round(time.perf_counter() - started, 1),
+                held = evaluate(model, eval_windows, DENSE if phase.mode == DENSE else SPARSE_STABLE)
+                report({"step": step, "phase": phase.name, "wall_s": round(time.perf_counter() - started, 1),
                         "train_lm": out.lm_loss.item(), "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
                         "held_lm": held["lm"], "held_mtp": held["mtp"], "kl": out.kl_loss.item()}, args.log)
                 save(model, args.out)
