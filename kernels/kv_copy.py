@@ -37,9 +37,12 @@ def copy_rows_reference(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Ten
     than advanced indexing or the same calls along dim 1 of ``[L, rows, dim]``.
     """
     si, di = src_idx.to(src.device).long(), dst_idx.to(dst.device).long()
+    # Non-blocking only towards a device: the host-side index_copy_ below would read a non-blocking
+    # device->host copy before it has landed (torch returns at once into pinned memory).
+    non_blocking = dst.device.type != "cpu"
     pairs = zip(src, dst) if dst.dim() == 3 else [(src, dst)]
     for src_layer, dst_layer in pairs:
-        dst_layer.index_copy_(0, di, src_layer.index_select(0, si).to(dst.device, non_blocking=True))
+        dst_layer.index_copy_(0, di, src_layer.index_select(0, si).to(dst.device, non_blocking=non_blocking))
 
 
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
