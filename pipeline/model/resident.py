@@ -20,8 +20,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from kernels.indexer_topk import indexer_topk_reference
-from kernels.sparse_mla import sparse_mla_reference
+from kernels.indexer_topk import indexer_topk
+from kernels.sparse_mla import sparse_mla
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.config import ModelConfig
 
@@ -97,13 +97,13 @@ class ResidentBackend:
         kv[layout.write_locs] = inputs.kv_rows.to(kv.dtype)
         keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
         slots = self.select_slots(inputs, keys)  # [T, K]
-        return sparse_mla_reference(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+        return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
 
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
         layout = self.layout
         assert layout is not None
-        positions = indexer_topk_reference(
+        positions = indexer_topk(
             inputs.index_q,
             inputs.index_w,
             keys,
