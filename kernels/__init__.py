@@ -6,7 +6,8 @@ imported only when a call resolves to Triton (``triton`` is an optional dependen
 tensors only, never request objects, and this package imports nothing from ``pipeline``.
 
 Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
-are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise.
+are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise; swap-in also
+has ``"python"``, which ``auto`` picks for small calls on a CPU.
 """
 
 from kernels.indexer_topk import indexer_topk, indexer_topk_reference, score_dtype, stable_topk_positions
