@@ -4,6 +4,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The demo prompt (printf escapes): the bundled byte-level model continues code best mid-file.
+PROMPT := class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):
 
 .PHONY: run test lint venv clean
 
@@ -18,7 +20,7 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/hispec generate "def fibonacci(n):" --max-new-tokens 64
+	$(BIN)/hispec generate "$$(printf '$(PROMPT)')" --max-new-tokens 64
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
