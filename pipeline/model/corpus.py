@@ -1,6 +1,6 @@
 """The training corpus: the running interpreter's standard library, as bytes.
 
-Selection rule (recorded in the model card):
+Selection rule (recorded in the model card), ``selection="stdlib-v2"`` (the default):
 
 * every ``*.py`` file under ``sysconfig.get_paths()["stdlib"]``, recursively, skipping the directories
   ``site-packages``, ``dist-packages`` and ``__pycache__`` and every path with a component named
@@ -10,6 +10,11 @@ Selection rule (recorded in the model card):
   ``pydoc_data/topics.py``;
 * every topic of ``pydoc_data.topics.topics`` as its own document, named ``pydoc_data/topics/<key>``
   (the text of ``pydoc_data/topics.py``, once, as prose).
+
+``selection="stdlib-v1"`` is the bundled model's training data: the same rule without the two
+generated-file skips, so the codec tables and ``pydoc_data/topics.py`` are documents too. Under it
+the text of every pydoc topic is in the training split through ``pydoc_data/topics.py``, including
+the topics held out as their own documents.
 
 Documents are ordered by name (relative POSIX path); each is followed by ``<eos>``. A document is
 held out when the first 8 bytes of ``sha256(name)``, read big-endian, are ``% 100 < held_out_percent``
@@ -29,6 +34,10 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _TEST_DIRS = {"test", "tests", "idle_test"}
 _SKIP_FILES = {"pydoc_data/topics.py"}  # included as its topics instead
 _GENERATED_CODEC = b'""" Python Character Mapping Codec'
+STDLIB_V1 = "stdlib-v1"  # the bundled model's data: generated files included
+STDLIB_V2 = "stdlib-v2"  # generated codec tables and pydoc_data/topics.py skipped
+SELECTIONS = (STDLIB_V2, STDLIB_V1)
+DEFAULT_SELECTION = STDLIB_V2
 
 
 @attrs.frozen
@@ -45,16 +54,23 @@ class Corpus:
     held_out_names: tuple[str, ...]
 
 
-def stdlib_documents() -> list[Document]:
+def _check_selection(selection: str) -> None:
+    if selection not in SELECTIONS:
+        raise ValueError(f"unknown corpus selection {selection!r}; expected one of {', '.join(SELECTIONS)}")
+
+
+def stdlib_documents(selection: str = DEFAULT_SELECTION) -> list[Document]:
+    _check_selection(selection)
+    skip_generated = selection != STDLIB_V1
     root = Path(sysconfig.get_paths()["stdlib"])
     docs = []
     for path in root.rglob("*.py"):
         parts = path.relative_to(root).parts
         name = "/".join(parts)
-        if set(parts[:-1]) & (_SKIP_DIRS | _TEST_DIRS) or name in _SKIP_FILES:
+        if set(parts[:-1]) & (_SKIP_DIRS | _TEST_DIRS) or (skip_generated and name in _SKIP_FILES):
             continue
         data = path.read_bytes()
-        if data.startswith(_GENERATED_CODEC):
+        if skip_generated and data.startswith(_GENERATED_CODEC):
             continue
         docs.append(Document(name=name, data=data))
     import pydoc_data.topics
@@ -79,8 +95,8 @@ def _tokens(docs: list[Document], eos_id: int) -> torch.Tensor:
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
 
 
-def build_corpus(eos_id: int = 256, held_out_percent: int = 5) -> Corpus:
-    docs = stdlib_documents()
+def build_corpus(eos_id: int = 256, held_out_percent: int = 5, selection: str = DEFAULT_SELECTION) -> Corpus:
+    docs = stdlib_documents(selection)
     train = [d for d in docs if not is_held_out(d.name, held_out_percent)]
     held = [d for d in docs if is_held_out(d.name, held_out_percent)]
     return Corpus(

@@ -8,7 +8,9 @@
   over the rounds that produced something other than whitespace;
 * the reference decoder's tokens/s (batch 1, float32, greedy).
 
-Held-out windows and prompts are drawn with fixed seeds from the held-out split of the corpus.
+Held-out windows and prompts are drawn with fixed seeds from the held-out split of the corpus
+(``--corpus``: the default selection, or ``stdlib-v1``, the bundled model's training data, whose
+held-out split the model card's first figures were measured on).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.model.checkpoint import load_model
-from pipeline.model.corpus import build_corpus
+from pipeline.model.corpus import DEFAULT_SELECTION, SELECTIONS, build_corpus
 from pipeline.model.model import DeepseekV32
 from pipeline.model.reference import ReferenceDecoder, ReferenceSpecDecoder
 from pipeline.model.training import DENSE, SPARSE_STABLE, mtp_hidden, target_hidden
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pipeline.model.evaluation", description=__doc__.split("\n\n")[0])
     p.add_argument("model", nargs="?", default="tiny")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--corpus", choices=SELECTIONS, default=DEFAULT_SELECTION,
+                   help="corpus selection whose held-out split is measured (pipeline/model/corpus.py)")
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--window-len", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=16)
@@ -116,8 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=torch.float32)
-    held = build_corpus(eos_id=model.cfg.eos_token_id or 256).held_out
-    report: dict[str, object] = {"params": sum(t.numel() for t in model.parameters())}
+    held = build_corpus(eos_id=model.cfg.eos_token_id or 256, selection=args.corpus).held_out
+    report: dict[str, object] = {"params": sum(t.numel() for t in model.parameters()), "corpus": args.corpus,
+                                 "held_out_tokens": held.numel()}
     if not args.skip_loss:
         windows = sample_windows(held, args.windows, args.window_len, seed=100)
         report["sparse"] = held_out_metrics(model, windows, SPARSE_STABLE)

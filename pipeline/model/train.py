@@ -5,13 +5,17 @@ The recipe follows DeepSeek-V3.2 at small scale, in phases run one after the oth
 1. ``dense``: dense causal attention; the whole model learns the LM (+ MTP) loss while the indexer,
    reading detached inputs, learns to imitate the dense attention distribution (KL, detached target);
 2. ``sparse``: every layer attends only to its indexer top-k (``index_topk``) positions; the indexer
-   keeps learning the KL over the selected set. Every ``--long-every``-th step takes long windows
-   instead, so the model also learns the longest distances it serves;
-3. ``long`` (optional, 0 steps by default): sparse training on long windows only.
+   keeps learning the KL over the selected set;
+3. ``long``: sparse training on long windows, so the model works at the context lengths it serves.
 
-The MTP layer is trained for chain drafting (``--mtp-steps`` chained passes) in the sparse phases,
-for one step in the dense warm-up. Everything is seeded (model init, window sampling); the expert
-score-correction biases follow DeepSeek-V3's loss-free balancing rule
+The MTP layer is trained for chain drafting (``--mtp-steps`` chained passes) in every phase.
+
+The defaults are the bundled model's recipe (dense 400 x 12 x 256, sparse 900 x 3 x 1024, long
+60 x 1 x 4096, 3 MTP chain steps throughout); with ``--corpus stdlib-v1`` (its data) they reproduce
+its weights (``docs/model-card.md``). Two options change the recipe, both off by default:
+``--long-every N`` makes every N-th sparse step take long windows instead, and ``--dense-mtp-steps``
+trains a different number of chain steps in the dense warm-up. Everything is seeded (model init,
+window sampling); the expert score-correction biases follow DeepSeek-V3's loss-free balancing rule
 (``bias += gamma * sign(mean load - load)`` after each step). Training is never part of the tests.
 """
 
@@ -29,7 +33,7 @@ from tqdm import tqdm
 
 from pipeline.model.checkpoint import save_model
 from pipeline.model.config import BUNDLED_MODELS, ModelConfig
-from pipeline.model.corpus import build_corpus
+from pipeline.model.corpus import DEFAULT_SELECTION, SELECTIONS, build_corpus
 from pipeline.model.model import DeepseekV32, init_weights
 from pipeline.model.moe import MoE
 from pipeline.model.tokenizer import ByteTokenizer
@@ -42,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", type=Path, default=None, help="JSON-lines metrics file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--corpus", choices=SELECTIONS, default=DEFAULT_SELECTION,
+                   help="corpus selection (pipeline/model/corpus.py); stdlib-v1 is the bundled model's data")
     # architecture
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -60,15 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--index-dim", type=int, default=32)
     p.add_argument("--index-topk", type=int, default=64)
     p.add_argument("--max-pos", type=int, default=4096)
-    # schedule: steps x batch x window per phase
-    p.add_argument("--dense-steps", type=int, default=600)
-    p.add_argument("--sparse-steps", type=int, default=1000)
-    p.add_argument("--long-steps", type=int, default=0)
+    # schedule: steps x batch x window per phase (defaults: the bundled model's recipe)
+    p.add_argument("--dense-steps", type=int, default=400)
+    p.add_argument("--sparse-steps", type=int, default=900)
+    p.add_argument("--long-steps", type=int, default=60)
     p.add_argument("--batch", type=int, default=12, help="dense phase")
     p.add_argument("--seq-len", type=int, default=256, help="dense phase")
     p.add_argument("--sparse-batch", type=int, default=3)
     p.add_argument("--sparse-seq-len", type=int, default=1024)
-    p.add_argument("--long-every", type=int, default=4, help="sparse phase: every n-th step uses long windows")
+    p.add_argument("--long-every", type=int, default=0,
+                   help="sparse phase: every n-th step uses long windows instead (0: never)")
     p.add_argument("--long-batch", type=int, default=1)
     p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -76,7 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP chain step")
     p.add_argument("--mtp-steps", type=int, default=3, help="chain steps the MTP layer is trained for")
-    p.add_argument("--dense-mtp-steps", type=int, default=1, help="the same, in the dense warm-up")
+    p.add_argument("--dense-mtp-steps", type=int, default=None,
+                   help="the same, in the dense warm-up (default: --mtp-steps)")
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--bias-gamma", type=float, default=1e-3, help="loss-free balancing step")
     p.add_argument("--eval-every", type=int, default=250)
@@ -171,8 +179,9 @@ class Phase:
 
 
 def phases(args: argparse.Namespace) -> list[Phase]:
+    dense_mtp_steps = args.mtp_steps if args.dense_mtp_steps is None else args.dense_mtp_steps
     return [
-        Phase("dense", args.dense_steps, DENSE, args.batch, args.seq_len, args.dense_mtp_steps),
+        Phase("dense", args.dense_steps, DENSE, args.batch, args.seq_len, dense_mtp_steps),
         Phase("sparse", args.sparse_steps, SPARSE, args.sparse_batch, args.sparse_seq_len, args.mtp_steps,
               args.long_every),
         Phase("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len, args.mtp_steps),
@@ -217,10 +226,11 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    corpus = build_corpus(eos_id=ByteTokenizer().eos_token_id)
+    corpus = build_corpus(eos_id=ByteTokenizer().eos_token_id, selection=args.corpus)
     model = init_weights(DeepseekV32(model_config(args, ByteTokenizer().eos_token_id)), seed=args.seed).train()
     num_params = sum(p.numel() for p in model.parameters())
-    tqdm.write(f"params {num_params:,}  train tokens {corpus.train.numel():,}  held-out {corpus.held_out.numel():,}")
+    tqdm.write(f"params {num_params:,}  corpus {args.corpus}  train tokens {corpus.train.numel():,}  "
+               f"held-out {corpus.held_out.numel():,}")
     opt = make_optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed + 1)  # window sampling
     eval_windows = sample_windows(corpus.held_out, args.eval_windows, args.eval_len,

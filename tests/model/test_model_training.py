@@ -1,12 +1,16 @@
-"""The batched training forward reuses the inference model's modules and matches its numerics."""
+"""The batched training forward reuses the inference model's modules and matches its numerics;
+``hispec train``'s defaults are the bundled model's recipe, and the corpus selections are explicit."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _model_util import new_backend, prefill_logits, random_model
 
+import pipeline.model.corpus as corpus
 from pipeline.model import ForwardLayout
 from pipeline.model.reference import DecodeSession
+from pipeline.model.train import Phase, build_parser, phases
 from pipeline.model.training import (
     DENSE,
     SPARSE,
@@ -96,3 +100,71 @@ def test_chain_training_passes_equal_serving_chain_steps():
             assert torch.allclose(h2[0], passes[1][0, n], atol=1e-10, rtol=0)
             h3, _ = s.mtp([seq[n + 2]], h2, n + 1)  # chain step 3 at slot n + 1
             assert torch.allclose(h3[0], passes[2][0, n + 1], atol=1e-10, rtol=0)
+
+
+# The bundled model's recipe (docs/model-card.md): steps x batch x window per phase, MTP trained for
+# 3-step chains in every phase, no long windows inside the sparse phase.
+BUNDLED_RECIPE = [
+    Phase("dense", 400, DENSE, 12, 256, mtp_steps=3, long_every=0),
+    Phase("sparse", 900, SPARSE, 3, 1024, mtp_steps=3, long_every=0),
+    Phase("long", 60, SPARSE, 1, 4096, mtp_steps=3, long_every=0),
+]
+
+
+def test_train_defaults_are_the_bundled_recipe():
+    args = build_parser().parse_args([])
+    plan = phases(args)
+    assert plan == BUNDLED_RECIPE
+    assert [(p.name, p.steps, p.batch, p.seq_len, p.mtp_steps, p.long_every) for p in plan] == [
+        ("dense", 400, 12, 256, 3, 0), ("sparse", 900, 3, 1024, 3, 0), ("long", 60, 1, 4096, 3, 0)]
+    for p in plan:  # every step of a phase takes the phase's own shape
+        assert {p.shape(i, args) for i in range(p.steps)} == {(p.batch, p.seq_len)}
+    assert (args.lr, args.warmup, args.mtp_weight, args.kl_weight, args.seed) == (2e-3, 100, 0.3, 1.0, 0)
+    # the command the bundled model was trained with (the code of 0f138ec) means the same now
+    card = ["--threads", "1", "--sparse-batch", "3", "--sparse-seq-len", "1024", "--long-steps", "60"]
+    assert phases(build_parser().parse_args(card)) == BUNDLED_RECIPE
+    assert args.corpus == corpus.DEFAULT_SELECTION == corpus.STDLIB_V2
+    assert build_parser().parse_args(["--corpus", "stdlib-v1"]).corpus == corpus.STDLIB_V1
+
+
+def test_train_recipe_options_are_opt_in():
+    args = build_parser().parse_args(["--long-every", "4", "--dense-mtp-steps", "1", "--mtp-steps", "2"])
+    dense, sparse, long = phases(args)
+    assert (dense.mtp_steps, sparse.mtp_steps, long.mtp_steps) == (1, 2, 2)
+    assert sparse.long_every == 4 and dense.long_every == long.long_every == 0
+    assert [sparse.shape(i, args) for i in range(8)] == ([(3, 1024)] * 3 + [(1, 4096)]) * 2
+    # without --dense-mtp-steps the dense phase follows --mtp-steps
+    assert phases(build_parser().parse_args(["--mtp-steps", "2"]))[0].mtp_steps == 2
+
+
+def _is_generated(doc: corpus.Document) -> bool:
+    return doc.name == "pydoc_data/topics.py" or doc.data.startswith(b'""" Python Character Mapping Codec')
+
+
+def test_corpus_selections():
+    """stdlib-v1 (the bundled model's data) = the default selection + the generated files it skips."""
+    v2 = {d.name: d for d in corpus.stdlib_documents()}
+    v1 = {d.name: d for d in corpus.stdlib_documents(corpus.STDLIB_V1)}
+    assert v2 == {d.name: d for d in corpus.stdlib_documents(corpus.STDLIB_V2)}
+    assert set(v2) < set(v1)
+    assert all(v1[n] == d for n, d in v2.items())
+    extra = [v1[n] for n in set(v1) - set(v2)]
+    assert all(_is_generated(d) for d in extra)
+    assert not any(_is_generated(d) for d in v2.values())
+    assert {"pydoc_data/topics.py", "encodings/cp1252.py", "encodings/cp437.py"} <= {d.name for d in extra}
+    topics = {n for n in v2 if n.startswith("pydoc_data/topics/")}
+    assert topics and topics == {n for n in v1 if n.startswith("pydoc_data/topics/")}
+    assert list(v1) == sorted(v1) and list(v2) == sorted(v2)
+    with pytest.raises(ValueError, match="stdlib-v3"):
+        corpus.stdlib_documents("stdlib-v3")
+
+
+def test_build_corpus_passes_the_selection(monkeypatch):
+    seen = []
+    docs = [corpus.Document(name=f"doc{i}.py", data=b"x = 1\n") for i in range(40)]
+    monkeypatch.setattr(corpus, "stdlib_documents", lambda selection: seen.append(selection) or docs)
+    built = corpus.build_corpus(selection=corpus.STDLIB_V1)
+    corpus.build_corpus()
+    assert seen == [corpus.STDLIB_V1, corpus.STDLIB_V2]
+    assert sorted(built.train_names + built.held_out_names) == sorted(d.name for d in docs)
+    assert built.train.numel() + built.held_out.numel() == 40 * 7
