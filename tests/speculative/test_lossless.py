@@ -10,17 +10,14 @@ head in ``test_bundled.py``.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from _spec_util import oracle_drafter, quiet_logs
 
-from pipeline import executor as executor_module
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
-from pipeline.speculative.draft_state import DraftState
 
 from tiny_models import build_tiny_model
 
@@ -47,54 +44,52 @@ def make_prompts(batch: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lens]
 
 
-def oracle_drafter(monkeypatch, executor: Executor, truth: dict[str, list[int]]) -> None:
-    """Drafts = the true continuation, wrong at one pseudo-random position per round (or none)."""
-    real = executor_module.draft_chain
-
-    def chain(model, memory, rows, states, params, generators, num_steps):
-        states = real(model, memory, rows, states, params, generators, num_steps)
-        out = []
-        for row, state in zip(rows, states):
-            rid = executor._by_row[row]
-            n = memory.length(row)
-            full = truth[rid]
-            drafts = [full[n + j] if n + j < len(full) else 0 for j in range(1, num_steps + 1)]
-            wrong = random.Random(f"{rid}:{n}").randint(0, num_steps)  # num_steps = no error
-            if wrong < num_steps:
-                drafts[wrong] = (drafts[wrong] + 1) % 256
-            out.append(DraftState(state.bonus, state.hidden, tuple(drafts), state.draft_probs))
-        return out
-
-    monkeypatch.setattr(executor_module, "draft_chain", chain)
-
-
 def generate(model, cfg, prompts, monkeypatch=None, truth=None):
     executor = Executor(cfg, model=model)
     if truth is not None:
         oracle_drafter(monkeypatch, executor, truth)
     driver = SyncDriver(executor, check=True)
-    reqs = driver.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    with quiet_logs():
+        reqs = driver.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
     empty = Executor(cfg, model=model).pool_counts()
     assert executor.pool_counts() == empty, "a pool did not return to its initial free count"
     executor.close()
     return reqs, executor
 
 
-@pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
-@pytest.mark.parametrize("num_steps", [1, 2, 3, 4, 5, 6])
-def test_every_num_steps_with_partial_acceptance(tiny_model, monkeypatch, hisparse, num_steps):
-    prompts = make_prompts(8, seed=num_steps)
-    plain, _ = generate(tiny_model, config(hisparse, None), prompts)
+def check_partial_acceptance(model, monkeypatch, hisparse, num_steps, prompts):
+    plain, _ = generate(model, config(hisparse, None), prompts)
     truth = {f"req-{i}": [*r.prompt_ids, *r.output_ids] for i, r in enumerate(plain)}
-    spec, executor = generate(tiny_model, config(hisparse, num_steps), prompts, monkeypatch, truth)
+    spec, executor = generate(model, config(hisparse, num_steps), prompts, monkeypatch, truth)
     assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
     lengths = executor.spec_counters.accept_length_histogram
     assert len(lengths) == num_steps + 1 or sum(lengths.values()) < 3 * (num_steps + 1)
     assert max(lengths) > 1, "the oracle drafter must get drafts accepted"
 
 
-@pytest.mark.parametrize("batch", [1, 2, 5, 8])
-def test_batch_sizes_with_the_random_mtp_head(batch, monkeypatch):
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
+@pytest.mark.parametrize("num_steps", [1, 2, 3, 4, 5, 6])
+def test_every_num_steps_with_partial_acceptance(tiny_model, monkeypatch, hisparse, num_steps, batch):
+    """num_steps 1..6 is every value HiSparse allows with PAGE = 8; batch 1 takes the prompt of
+    2 * HOT + 5 tokens (HiSparse swaps from the first step), batch 8 all the lengths."""
+    prompts = make_prompts(8, seed=num_steps)
+    prompts = prompts if batch == 8 else prompts[3:4]
+    check_partial_acceptance(tiny_model, monkeypatch, hisparse, num_steps, prompts)
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("num_steps", [7, 9])
+def test_resident_num_steps_beyond_the_draft_zone(tiny_model, monkeypatch, num_steps, batch):
+    """Without HiSparse the config sets no upper bound on num_steps (the D <= PAGE - 1 rule is
+    HiSparse's draft zone): 7 (D = 8 = PAGE) and 9 (D = 10 > PAGE verify tokens per round)."""
+    prompts = make_prompts(8, seed=num_steps)
+    prompts = prompts if batch == 8 else prompts[3:4]
+    check_partial_acceptance(tiny_model, monkeypatch, False, num_steps, prompts)
+
+
+@pytest.mark.parametrize("batch", range(1, 9))
+def test_batch_sizes_with_the_random_mtp_head(batch):
     """The model's own (random) MTP head: whatever it drafts, the output is plain greedy's."""
     model = build_tiny_model(seed=batch, index_topk=4)
     prompts = make_prompts(batch, seed=100 + batch)

@@ -1,0 +1,52 @@
+"""Helpers shared by the speculative tests."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+from collections.abc import Iterator
+
+import structlog
+
+from pipeline.logs import configure_logging
+
+
+@contextlib.contextmanager
+def quiet_logs() -> Iterator[None]:
+    """Drop the lifecycle events (info) for the block, then restore whatever was configured.
+
+    Unconfigured, structlog renders and prints every request event; for the hundreds of requests
+    the statistical tests run, that is a good part of their time."""
+    before = structlog.get_config()
+    sink = configure_logging(level="warning", stream=io.StringIO())
+    try:
+        yield
+    finally:
+        sink.close()
+        structlog.configure(**before)
+
+
+def oracle_drafter(monkeypatch, executor, truth: dict[str, list[int]]) -> None:
+    """Drafts = the true continuation (``truth[request_id]``: prompt and plain output), wrong at one
+    pseudo-random position per round (or none), so every accept length occurs."""
+    from pipeline import executor as executor_module
+    from pipeline.speculative.draft_state import DraftState
+
+    real = executor_module.draft_chain
+
+    def chain(model, memory, rows, states, params, generators, num_steps):
+        states = real(model, memory, rows, states, params, generators, num_steps)
+        out = []
+        for row, state in zip(rows, states):
+            rid = executor._by_row[row]
+            n = memory.length(row)
+            full = truth[rid]
+            drafts = [full[n + j] if n + j < len(full) else 0 for j in range(1, num_steps + 1)]
+            wrong = random.Random(f"{rid}:{n}").randint(0, num_steps)  # num_steps = no error
+            if wrong < num_steps:
+                drafts[wrong] = (drafts[wrong] + 1) % 256
+            out.append(DraftState(state.bonus, state.hidden, tuple(drafts), state.draft_probs))
+        return out
+
+    monkeypatch.setattr(executor_module, "draft_chain", chain)
