@@ -102,8 +102,8 @@ def check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_le
     check_tensor("index_w", index_w, dtype=FLOAT_DTYPES, shape=(t, h), contiguous_last=True)
     check_tensor("index_k", index_k, dtype=FLOAT_DTYPES, shape=(None, d), contiguous_last=True)
     check_tensor("req_to_token", req_to_token, ndim=2, dtype=(torch.int32, torch.int64), contiguous_last=True)
-    check_tensor("req_rows", req_rows, dtype=torch.int64, shape=(t,))
-    check_tensor("seq_lens", seq_lens, dtype=torch.int64, shape=(t,))
+    check_tensor("req_rows", req_rows, dtype=torch.int64, shape=(t,), contiguous_last=True)
+    check_tensor("seq_lens", seq_lens, dtype=torch.int64, shape=(t,), contiguous_last=True)
     if not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive int, got {top_k!r}")
     names = ("index_q", "index_w", "index_k", "req_to_token", "req_rows", "seq_lens")

@@ -134,3 +134,102 @@ def test_wrapper_rejects_bad_arguments():
         indexer_topk(**case, top_k=0, scale=1.0)
     with pytest.raises(ValueError, match="impl"):
         indexer_topk(**case, top_k=4, scale=1.0, impl="fast")
+
+
+# --- canaries around every buffer the Triton kernels touch, and the wrapper's layout checks ---------
+
+
+def _fill(kind: str):
+    """Canary contents: NaN, or huge values of either sign (a read would swamp every score)."""
+    g = torch.Generator().manual_seed(17)
+    if kind == "nan":
+        return lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype)
+    sign = 1.0 if kind == "big" else -1.0
+    return lambda shape, dtype: (sign * BIG * (torch.randn(shape, generator=g).abs() + 1)).to(dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("fill", "max_seq_len"), [("nan", None), ("big", 20), ("-big", None)])
+def test_triton_touches_nothing_outside_its_buffers(fill, max_seq_len, monkeypatch):
+    """Every input is a view with canary rows before and after it and canary columns beside it
+    (queries and weights: an extra head and extra dims; keys: extra dims and rows at locations -1
+    and past the end; req_to_token: -1, i.e. a canary key row, in its padding and at every position
+    no query sees), and both outputs (the score scratch and the top-k) sit inside flat sentinels.
+    The result equals the dense oracle, every output element is written, nothing outside the
+    outputs is, and no input changes."""
+    from _kernel_canary import CanaryOutputs, embed, root
+
+    import kernels.indexer_topk_triton as triton_module
+
+    max_ctx, top_k = 20, 8
+    case = make_case(11, tokens=4, heads=3, dim=5, n_reqs=3, max_ctx=max_ctx, rows=30, lens=[17, 13, 7, 0])
+    r2t = case["req_to_token"]
+    for row in range(r2t.shape[0]):  # positions no query of the row sees: a read lands on a canary
+        mine = case["seq_lens"][case["req_rows"] == row]
+        r2t[row, int(mine.max()) if mine.numel() else 0 :] = -1
+    want = dense_oracle(case, top_k, 0.5)
+    f = _fill(fill)
+    args = dict(
+        index_q=embed(case["index_q"], (CANARY, 1, 3), f, lead=CANARY),
+        index_w=embed(case["index_w"], (CANARY, 2), f, lead=CANARY),
+        index_k=embed(case["index_k"], (CANARY, 4), f, lead=CANARY),
+        req_to_token=embed(r2t, (CANARY, 5), -1, lead=CANARY),
+        req_rows=embed(case["req_rows"], (CANARY,), -1, lead=CANARY),
+        seq_lens=embed(case["seq_lens"], (CANARY,), max_ctx, lead=CANARY),
+    )
+    assert args["index_k"].stride(0) == 5 + 4 and args["req_to_token"].stride(0) == max_ctx + 5
+    before = {name: root(t).clone() for name, t in args.items()}
+    outputs = CanaryOutputs()
+    monkeypatch.setattr(triton_module, "torch", outputs.proxy)
+    got = indexer_topk(**args, top_k=top_k, scale=0.5, impl="triton", max_seq_len=max_seq_len)
+    outputs.check()
+    assert len(outputs.allocated) == 2, "a score scratch and the top-k"
+    assert torch.equal(got, want)
+    assert torch.equal(indexer_topk(**args, top_k=top_k, scale=0.5, impl="torch"), want)
+    for name, t in args.items():
+        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+
+
+def _strided(x):
+    from _kernel_canary import strided_last
+
+    return strided_last(x)
+
+
+# (argument, what is wrong, how to break it, what the message says)
+INDEXER_LAYOUT = [
+    ("index_q", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_q", "dtype", lambda x: x.long(), "must have dtype"),
+    ("index_q", "shape", lambda x: x[0], "must have 3 dims"),
+    ("index_w", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_w", "dtype", lambda x: x.int(), "must have dtype"),
+    ("index_w", "shape", lambda x: x[:, :1], "must have shape"),
+    ("index_k", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_k", "dtype", lambda x: x.long(), "must have dtype"),
+    ("index_k", "shape", lambda x: x[:, :3], "must have shape"),
+    ("req_to_token", "stride", _strided, "must be contiguous in its last dim"),
+    ("req_to_token", "dtype", lambda x: x.float(), "must have dtype"),
+    ("req_to_token", "shape", lambda x: x[0], "must have 2 dims"),
+    # a strided 1-D req_rows / seq_lens used to pass and the Triton kernel read them with stride 1
+    ("req_rows", "stride", _strided, "must be contiguous in its last dim"),
+    ("req_rows", "dtype", lambda x: x.int(), "must have dtype"),
+    ("req_rows", "shape", lambda x: x[:2], "must have shape"),
+    ("seq_lens", "stride", _strided, "must be contiguous in its last dim"),
+    ("seq_lens", "dtype", lambda x: x.int(), "must have dtype"),
+    ("seq_lens", "shape", lambda x: torch.cat([x, x[:1]]), "must have shape"),
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "breaks", "says"), INDEXER_LAYOUT, ids=[f"{r[0]}-{r[1]}" for r in INDEXER_LAYOUT]
+)
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, says, impl):
+    """Checked before any launch (so no kernel runs here): a non-contiguous last dim, a wrong dtype,
+    a mismatched shape each raise a ValueError that starts with the argument's name."""
+    case = make_case(0, lens=[5, 9, 0, 40])
+    bad = breaks(case[name])
+    if kind == "stride":
+        assert torch.equal(bad, case[name]), "the same values, only the layout differs"
+    with pytest.raises(ValueError, match=rf"^{name} {says}"):
+        indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, impl=impl)

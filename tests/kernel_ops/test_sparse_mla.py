@@ -97,3 +97,91 @@ def test_wrapper_rejects_bad_arguments():
     case["slots"][0, 0] = case["kv"].shape[0]
     with pytest.raises(ValueError, match="slots"):
         sparse_mla(**case, scale=1.0, validate=True)
+
+
+# --- canaries around every buffer the Triton kernel touches, and the wrapper's layout checks ------
+
+
+def _fill(kind: str):
+    """Canary contents: NaN, or huge values (a read row would swamp the softmax)."""
+    g = torch.Generator().manual_seed(23)
+    if kind == "nan":
+        return lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype)
+    return lambda shape, dtype: (BIG * (torch.randn(shape, generator=g).abs() + 1)).to(dtype)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(("fill", "heads"), [("nan", 3), ("nan", 17), ("big", 17)])
+def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
+    """Queries, rows and slots are views with canary rows before and after and canary columns
+    beside them (an extra head and extra dims for the queries, extra columns past C + R for the
+    rows, slot columns past K naming the canary row just past the last row); the output sits inside
+    a flat sentinel. 17 heads take two head blocks, the second one mostly masked. The result equals
+    dense attention over the selected rows, an all-masked query gives zeros, every output element
+    is written, nothing outside the output is, and no input changes."""
+    from _kernel_canary import CanaryOutputs, embed, root
+
+    import kernels.sparse_mla_triton as triton_module
+
+    rows = 30
+    case = make_case(13, tokens=3, heads=heads, latent=20, rope=6, rows=rows, top_k=24, p_masked=0.3)
+    case["slots"][2] = -1  # an all-masked query
+    want = dense_restricted(case, 0.3)
+    f = _fill(fill)
+    args = dict(
+        q_latent=embed(case["q_latent"], (CANARY, 1, 5), f, lead=CANARY),
+        q_rope=embed(case["q_rope"], (CANARY, 1, 3), f, lead=CANARY),
+        kv=embed(case["kv"], (CANARY, 7), f, lead=CANARY),
+        slots=embed(case["slots"], (CANARY, 9), rows, lead=CANARY),  # slot `rows`: a canary row
+    )
+    assert args["kv"].stride(0) == 20 + 6 + 7 and args["slots"].stride(0) == 24 + 9
+    before = {name: root(t).clone() for name, t in args.items()}
+    outputs = CanaryOutputs()
+    monkeypatch.setattr(triton_module, "torch", outputs.proxy)
+    got = sparse_mla(**args, scale=0.3, impl="triton", validate=True)
+    outputs.check()
+    assert len(outputs.allocated) == 1
+    assert got.shape == (3, heads, 20) and bool(torch.isfinite(got).all())
+    assert not got[2].any(), "an all-masked query gives zeros"
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sparse_mla(**args, scale=0.3, impl="torch").double(), want, rtol=1e-5, atol=1e-5)
+    for name, t in args.items():
+        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+
+
+def _strided(x):
+    from _kernel_canary import strided_last
+
+    return strided_last(x)
+
+
+# (argument, what is wrong, how to break it, what the message says)
+SPARSE_MLA_LAYOUT = [
+    ("q_latent", "stride", _strided, "must be contiguous in its last dim"),
+    ("q_latent", "dtype", lambda x: x.long(), "must have dtype"),
+    ("q_latent", "shape", lambda x: x[0], "must have 3 dims"),
+    ("q_rope", "stride", _strided, "must be contiguous in its last dim"),
+    ("q_rope", "dtype", lambda x: x.double(), "must have dtype torch.float32"),  # must match q_latent
+    ("q_rope", "shape", lambda x: x[:, :1], "must have shape"),  # 1 head, q_latent has 5
+    ("kv", "stride", _strided, "must be contiguous in its last dim"),
+    ("kv", "dtype", lambda x: x.long(), "must have dtype"),
+    ("kv", "shape", lambda x: x[:, :10], "must have shape"),  # not C + R columns
+    ("slots", "stride", _strided, "must be contiguous in its last dim"),
+    ("slots", "dtype", lambda x: x.float(), "must have dtype"),
+    ("slots", "shape", lambda x: x[:1], "must have shape"),  # not one row per query
+]
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "breaks", "says"), SPARSE_MLA_LAYOUT, ids=[f"{r[0]}-{r[1]}" for r in SPARSE_MLA_LAYOUT]
+)
+@pytest.mark.parametrize("impl", ["auto", "triton"])
+def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, says, impl):
+    """Checked before any launch (so no kernel runs here): a non-contiguous last dim, a wrong dtype,
+    a mismatched shape each raise a ValueError that starts with the argument's name."""
+    case = make_case(0)
+    bad = breaks(case[name])
+    if kind == "stride":
+        assert torch.equal(bad, case[name]), "the same values, only the layout differs"
+    with pytest.raises(ValueError, match=rf"^{name} {says}"):
+        sparse_mla(**{**case, name: bad}, scale=1.0, impl=impl)
