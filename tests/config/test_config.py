@@ -2,132 +2,267 @@
 
 from __future__ import annotations
 
+import random
+from types import SimpleNamespace
+
 import attrs
 import hypothesis.strategies as st
 import pytest
-from hypothesis import given
+import torch
+from hypothesis import HealthCheck, event, given, reject, settings
 
 from pipeline import ConfigError, EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.config import check_against_model
+from pipeline.memory import round_up
 
 HS = HiSparseConfig
 SP = SpeculativeConfig
 
-# (field named by the error, config accepted at the boundary, config rejected just past it);
-# lazy, because the nested configs check their own rules when built
+# (field named by the error, config accepted at the boundary, config rejected just past it, a
+# fragment of the rule that must fire); lazy, because the nested configs check their own rules when
+# built. Every rule of pipeline/config.py has a row here (or in MODEL_RULES): several rules share a
+# field, so the fragment pins which one rejected the config.
 RULES = [
-    ("device", lambda: dict(device="cuda", dtype="bfloat16"), lambda: dict(device="tpu")),
-    ("dtype", lambda: dict(dtype="float64"), lambda: dict(dtype="float8")),
-    ("dtype", lambda: dict(device="cpu", dtype="float64"), lambda: dict(device="cuda", dtype="float64")),
+    # model: a non-empty string ("tiny" or a path; the path is only opened when the engine loads it)
+    ("model", lambda: dict(model="m"), lambda: dict(model=""), "must be 'tiny' or a path"),
+    ("model", lambda: dict(model="tiny"), lambda: dict(model=None), "must be 'tiny' or a path"),
+    ("device", lambda: dict(device="cuda", dtype="bfloat16"), lambda: dict(device="tpu"), "must be one of"),
+    ("dtype", lambda: dict(dtype="float64"), lambda: dict(dtype="float8"), "must be one of"),
+    (
+        "dtype",
+        lambda: dict(device="cpu", dtype="float64"),
+        lambda: dict(device="cuda", dtype="float64"),
+        "float64 is for exactness checks",
+    ),
     (
         "page_size",
         lambda: dict(page_size=1, speculative=None, hisparse=HS(device_buffer_size=64)),
         lambda: dict(page_size=0, speculative=None),
+        "must be >= 1",
     ),
-    ("max_context_len", lambda: dict(max_context_len=1), lambda: dict(max_context_len=0)),
-    ("max_running_requests", lambda: dict(max_running_requests=1), lambda: dict(max_running_requests=0)),
+    ("page_size", lambda: dict(page_size=16), lambda: dict(page_size=16.0), "must be an integer"),
+    ("max_context_len", lambda: dict(max_context_len=1), lambda: dict(max_context_len=0), "must be >= 1"),
+    (
+        "max_running_requests",
+        lambda: dict(max_running_requests=1),
+        lambda: dict(max_running_requests=0),
+        "must be >= 1",
+    ),
+    # a bool is not an integer here, though it is an int subclass
+    (
+        "max_running_requests",
+        lambda: dict(max_running_requests=1),
+        lambda: dict(max_running_requests=True),
+        "must be an integer",
+    ),
+    # device_pool_tokens >= 1, at the smallest config that is otherwise valid
+    (
+        "device_pool_tokens",
+        lambda: dict(page_size=1, max_context_len=1, device_pool_tokens=1, hisparse=None, speculative=None),
+        lambda: dict(page_size=1, max_context_len=1, device_pool_tokens=0, hisparse=None, speculative=None),
+        "must be >= 1",
+    ),
     (
         "device_pool_tokens",
         lambda: dict(device_pool_tokens=16384 + 16),
         lambda: dict(device_pool_tokens=16384 + 8),
+        "must be a multiple of page_size (16)",
     ),
-    ("seed", lambda: dict(seed=-3), lambda: dict(seed=1.5)),
+    ("seed", lambda: dict(seed=-3), lambda: dict(seed=1.5), "must be an integer"),
+    # hisparse.device_buffer_size >= 1 (page_size 1, no speculation: the draft zone is empty)
+    (
+        "hisparse.device_buffer_size",
+        lambda: dict(page_size=1, speculative=None, hisparse=HS(device_buffer_size=1)),
+        lambda: dict(page_size=1, speculative=None, hisparse=HS(device_buffer_size=0)),
+        "must be >= 1",
+    ),
     (
         "hisparse.device_buffer_size",
         lambda: dict(hisparse=HS(device_buffer_size=16)),
         lambda: dict(hisparse=HS(device_buffer_size=24)),
+        "must be a multiple of page_size (16)",
     ),
     (
         "hisparse.device_buffer_size",
         lambda: dict(hisparse=HS(device_buffer_size=64, top_k=64)),
         lambda: dict(hisparse=HS(device_buffer_size=48, top_k=64)),
+        "must be >= top_k (64)",
     ),
     (
         "hisparse.host_to_device_ratio",
         lambda: dict(hisparse=HS(host_to_device_ratio=1), max_context_len=4096),
         lambda: dict(hisparse=HS(host_to_device_ratio=0)),
+        "must be >= 1",
     ),
-    ("hisparse.top_k", lambda: dict(hisparse=HS(top_k=1)), lambda: dict(hisparse=HS(top_k=0))),
+    (
+        "hisparse.host_to_device_ratio",
+        lambda: dict(hisparse=HS(host_to_device_ratio=2)),
+        lambda: dict(hisparse=HS(host_to_device_ratio=2.0)),
+        "must be an integer",
+    ),
+    (
+        "hisparse.top_k",
+        lambda: dict(hisparse=HS(top_k=1)),
+        lambda: dict(hisparse=HS(top_k=0)),
+        "must be >= 1",
+    ),
     (
         "speculative.num_steps",
         lambda: dict(speculative=SP(num_steps=1)),
         lambda: dict(speculative=SP(num_steps=0)),
+        "must be >= 1",
+    ),
+    # num_draft_tokens >= 2 when given (checked before the chain rule D == num_steps + 1)
+    (
+        "speculative.num_draft_tokens",
+        lambda: dict(speculative=SP(num_steps=1, num_draft_tokens=2)),
+        lambda: dict(speculative=SP(num_steps=1, num_draft_tokens=1)),
+        "must be >= 2",
     ),
     (
         "speculative.num_draft_tokens",
         lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=4)),
         lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=5)),
+        "a chain verifies num_steps + 1 = 4 tokens",
+    ),
+    (
+        "speculative.num_draft_tokens",
+        lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=4)),
+        lambda: dict(speculative=SP(num_steps=3, num_draft_tokens=3)),
+        "a chain verifies num_steps + 1 = 4 tokens",
+    ),
+    # eagle_topk >= 1
+    (
+        "speculative.eagle_topk",
+        lambda: dict(speculative=SP(eagle_topk=1)),
+        lambda: dict(speculative=SP(eagle_topk=0)),
+        "must be >= 1",
     ),
     (
         "speculative.eagle_topk",
         lambda: dict(speculative=SP(eagle_topk=1), page_size=16),
         lambda: dict(speculative=SP(eagle_topk=2), page_size=16),
+        "need page_size == 1",
     ),
+    # page_size 1 with an explicit num_draft_tokens (a tree's D is free): trees are still refused
     (
         "speculative.eagle_topk",
         lambda: dict(speculative=SP(eagle_topk=1), page_size=1, hisparse=None, device_pool_tokens=4100),
-        lambda: dict(speculative=SP(eagle_topk=2), page_size=1, hisparse=None, device_pool_tokens=4100),
+        lambda: dict(
+            speculative=SP(eagle_topk=2, num_draft_tokens=6),
+            page_size=1,
+            hisparse=None,
+            device_pool_tokens=4102,
+        ),
+        "only chain drafting",
     ),
     # verify tokens live in the draft zone: D <= page_size - 1
     (
         "speculative.num_draft_tokens",
         lambda: dict(page_size=8, speculative=SP(num_steps=6)),
         lambda: dict(page_size=8, speculative=SP(num_steps=7)),
+        "draft zone of page_size - 1 = 7 columns",
     ),
     # one device buffer fits: S >= HOT + P
     (
         "device_pool_tokens",
         lambda: dict(max_context_len=64, device_pool_tokens=144, hisparse=HS(host_to_device_ratio=1)),
         lambda: dict(max_context_len=64, device_pool_tokens=128, hisparse=HS(host_to_device_ratio=1)),
+        "must hold one device buffer",
     ),
     # a prefill is dense in the device pool: S >= roundup(max_context_len, P)
     (
         "device_pool_tokens",
         lambda: dict(max_context_len=1024, device_pool_tokens=1024),
         lambda: dict(max_context_len=1025, device_pool_tokens=1024),
+        "a prefill is dense in the device pool",
     ),
     # logical / host pools hold one request of max_context_len plus the draft tokens
     (
         "hisparse.host_to_device_ratio",
         lambda: dict(max_context_len=2044, device_pool_tokens=2048, hisparse=HS(host_to_device_ratio=1)),
         lambda: dict(max_context_len=2045, device_pool_tokens=2048, hisparse=HS(host_to_device_ratio=1)),
+        "the logical and host pools",
     ),
     # without HiSparse every token is resident
     (
         "device_pool_tokens",
         lambda: dict(hisparse=None, max_context_len=4092, device_pool_tokens=4096),
         lambda: dict(hisparse=None, max_context_len=4093, device_pool_tokens=4096),
+        "without HiSparse every token is resident",
     ),
 ]
 
 
-@pytest.mark.parametrize(("field", "good", "bad"), RULES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RULES)])
-def test_rule_boundary(field, good, bad):
+@pytest.mark.parametrize(
+    ("field", "good", "bad", "rule"), RULES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RULES)]
+)
+def test_rule_boundary(field, good, bad, rule):
     EngineConfig(**good())
     with pytest.raises(ConfigError) as info:
         EngineConfig(**bad())
     assert info.value.field == field
+    assert rule in info.value.rule, info.value.rule
     assert str(info.value).startswith(f"{field}=")
     assert isinstance(info.value, ValueError)
 
 
 MODEL_RULES = [
-    # (field, kwargs for check_against_model that pass, that fail, config)
-    ("hisparse", dict(index_topk=64), dict(index_topk=None), EngineConfig()),
-    ("hisparse.top_k", dict(index_topk=64), dict(index_topk=32), EngineConfig(hisparse=HS(top_k=64))),
-    ("hisparse.device_buffer_size", dict(index_topk=128), dict(index_topk=129), EngineConfig()),
-    ("speculative", dict(has_mtp=True), dict(has_mtp=False), EngineConfig()),
-    ("max_context_len", dict(max_positions=4096), dict(max_positions=4095), EngineConfig()),
+    # (field, kwargs for check_against_model that pass, that fail, config, rule fragment)
+    (
+        "hisparse",
+        dict(index_topk=64),
+        dict(index_topk=None),
+        EngineConfig(),
+        "needs a model with a DSA indexer",
+    ),
+    (
+        "hisparse.top_k",
+        dict(index_topk=64),
+        dict(index_topk=32),
+        EngineConfig(hisparse=HS(top_k=64)),
+        "must equal the model's index_topk (32)",
+    ),
+    (
+        "hisparse.device_buffer_size",
+        dict(index_topk=128),
+        dict(index_topk=129),
+        EngineConfig(),
+        "must be >= the model's index_topk (129)",
+    ),
+    (
+        "speculative",
+        dict(has_mtp=True),
+        dict(has_mtp=False),
+        EngineConfig(),
+        "needs a model with an MTP layer",
+    ),
+    (
+        "max_context_len",
+        dict(max_positions=4096),
+        dict(max_positions=4095),
+        EngineConfig(),
+        "must be <= the model's max_position_embeddings (4095)",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("field", "good", "bad", "config"), MODEL_RULES, ids=[r[0] for r in MODEL_RULES])
-def test_model_rule_boundary(field, good, bad, config):
+@pytest.mark.parametrize(
+    ("field", "good", "bad", "config", "rule"), MODEL_RULES, ids=[r[0] for r in MODEL_RULES]
+)
+def test_model_rule_boundary(field, good, bad, config, rule):
     base = dict(index_topk=64, has_mtp=True, max_positions=None)
     check_against_model(config, **{**base, **good})
     with pytest.raises(ConfigError) as info:
         check_against_model(config, **{**base, **bad})
     assert info.value.field == field
+    assert rule in info.value.rule, info.value.rule
+
+
+def test_the_model_free_rules_need_no_model():
+    """Without HiSparse and speculation nothing but the context limit depends on the model."""
+    config = EngineConfig(hisparse=None, speculative=None)
+    check_against_model(config, index_topk=None, has_mtp=False, max_positions=None)
 
 
 def test_config_is_frozen():
@@ -155,7 +290,15 @@ configs = st.builds(
         device_buffer_size=st.integers(1, 16).map(lambda n: n * 32),
         host_to_device_ratio=st.integers(1, 8),
     ),
-    speculative=st.none() | st.builds(SP, num_steps=st.integers(1, 8)),
+    # trees (eagle_topk > 1) and explicit D are drawn too: whatever is accepted must still fit
+    speculative=st.none()
+    | st.builds(SP, num_steps=st.integers(1, 8))
+    | st.builds(
+        SP,
+        num_steps=st.integers(1, 8),
+        eagle_topk=st.integers(1, 3),
+        num_draft_tokens=st.none() | st.integers(1, 10),
+    ),
 )
 
 
@@ -181,12 +324,242 @@ def test_every_accepted_config_satisfies_the_memory_layers_assumptions(data, top
     else:
         assert plan.device_tokens >= need, "one request fits, resident"
     if config.speculative is not None:
-        assert plan.draft_tokens == config.speculative.num_steps + 1
+        assert config.speculative.eagle_topk == 1 or plan.page_size == 1, "trees need page_size 1"
+        if config.speculative.eagle_topk == 1:
+            assert plan.draft_tokens == config.speculative.num_steps + 1
+
+
+# --- an accepted config's plan, built into the memory layer, serves one request of the limit -----
+
+LAYERS = 2  # each layer has its own device rows, buffer tokens and LRU
+ROW_DIM = 3
+
+
+def _stub_model(top_k: int) -> SimpleNamespace:
+    """Just what ``Executor.__init__`` reads of a model: it builds the memory layer from the config
+    exactly as serving does, without loading (or running) a model."""
+    cfg = SimpleNamespace(
+        index_topk=top_k,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=None,
+        num_hidden_layers=LAYERS,
+        kv_row_dim=ROW_DIM,
+        index_head_dim=2,
+        eos_token_id=None,
+        vocab_size=257,
+    )
+    return SimpleNamespace(cfg=cfg, dtype=torch.float32)
+
+
+@st.composite
+def small_configs(draw):
+    """(config, the model's top_k): small sizes, the device pool mostly at (or a page above) the
+    smallest the rules allow, so that the accepted configs sit at the boundaries. Many draws are
+    rejected: a pool below the boundary, trees, a D that is not num_steps + 1 or outgrows the
+    draft zone, a short ratio."""
+    hisparse = draw(st.booleans())
+    steps = draw(st.integers(1, 6))
+    spec = draw(
+        st.none()
+        | st.just(SP(num_steps=steps))
+        | st.builds(
+            SP,
+            num_steps=st.just(steps),
+            eagle_topk=st.sampled_from([1, 1, 2]),
+            num_draft_tokens=st.sampled_from([steps + 1, steps + 2]),
+        )
+    )
+    draft = 0 if spec is None else spec.draft_tokens
+    # any page size is accepted, not only powers of two; HiSparse verify tokens need
+    # D <= page_size - 1, so there the pages start at D (just past the boundary)
+    if hisparse and draft:
+        page = draw(st.sampled_from([draft, draft + 1, draft + 1, draft + 2, draft + 5]))
+    else:
+        page = draw(st.integers(1, 9))
+    max_ctx = draw(st.integers(1, 48))
+    if hisparse:
+        hot = page * draw(st.integers(1, 4))
+        top_k = draw(st.integers(1, hot))
+        hs = HS(
+            device_buffer_size=hot,
+            host_to_device_ratio=draw(st.sampled_from([1, 1, 2, 3])),
+            top_k=draw(st.sampled_from([None, top_k])),
+        )
+        least = max(hot + page, round_up(max_ctx, page))
+    else:
+        hs, top_k = None, draw(st.integers(1, 16))
+        least = round_up(max_ctx + draft, page)
+    # pool pages: at the boundary, a page above it, or anywhere up to there (where a rule that went
+    # missing would let a config through)
+    pages = least // page
+    pool_pages = draw(st.sampled_from([pages, pages + 1]) | st.integers(1, pages + 1))
+    config = EngineConfig(
+        page_size=page,
+        max_context_len=max_ctx,
+        max_running_requests=draw(st.integers(1, 3)),
+        device_pool_tokens=page * pool_pages,
+        hisparse=hs,
+        speculative=spec,
+    )
+    return config, top_k
+
+
+class _Request:
+    """One request driven through the memory layer's verbs, with a unique stamp per KV write."""
+
+    def __init__(self, memory, plan, rng: random.Random) -> None:
+        self.memory, self.plan, self.rng = memory, plan, rng
+        self.hisparse = plan.hisparse
+        self.committed: dict[int, torch.Tensor] = {}  # position -> [LAYERS, ROW_DIM] its KV
+        self._next = 0
+        self.row = -1
+
+    def kv(self) -> torch.Tensor:
+        return self.memory.device_kv if self.hisparse else self.memory.store.kv[:LAYERS]
+
+    def write(self, slots: torch.Tensor, positions) -> dict[int, torch.Tensor]:
+        """What the target's forward does: one new KV row per token, in every layer."""
+        new = {}
+        for pos in positions:
+            self._next += 1
+            new[pos] = (
+                self._next + torch.arange(LAYERS * ROW_DIM, dtype=torch.float32).view(LAYERS, ROW_DIM) / 8
+            )
+        self.kv()[:, slots.long()] = torch.stack([new[p] for p in positions], dim=1)
+        return new
+
+    def check(self) -> None:
+        self.memory.check_integrity(data=True)
+
+    def swap_in(self, first: int, steps: int, visible: dict[int, torch.Tensor]) -> None:
+        """Swap-in of one decode (steps=1) or verify (steps=D) for every layer, in rounds as the
+        backend resolves it: every valid top-k entry gets a slot holding that position's KV."""
+        k = self.plan.top_k
+        tops = []
+        for j in range(steps):
+            n = first + j + 1
+            picked = self.rng.sample(range(n), min(k, n))
+            tops.append(picked + [-1] * (k - len(picked)))
+        top = torch.tensor([tops], dtype=torch.int32)  # [1, S, K]
+        lens = torch.arange(first + 1, first + steps + 1).view(1, steps)
+        rows = torch.tensor([self.row])
+        for layer in range(LAYERS):
+            pending = [True] * steps
+            result = self.memory.swap_in(layer, top, lens, rows)
+            while True:
+                done = int(result.steps_done[0])
+                assert int(result.unrecoverable[0]) == 0, "a committed position had no copy"
+                resolved = [j for j in range(steps) if pending[j] and j < done]
+                assert resolved, "hot >= top_k must let every call resolve a step"
+                for j in resolved:
+                    pending[j] = False
+                    for pos, slot in zip(tops[j], result.slots[0, j].tolist()):
+                        if pos < 0:
+                            assert slot == -1
+                            continue
+                        assert slot >= 1, f"position {pos} got no device slot"
+                        want = visible[pos][layer]
+                        assert torch.equal(self.memory.device_kv[layer, slot], want), f"slot {slot} != {pos}"
+                if not any(pending):
+                    break
+                mask = torch.tensor([pending])
+                result = self.memory.swap_in(layer, top, torch.where(mask, lens, 0), rows)
+
+    def run(self, prompt: int, accepts) -> None:
+        memory, plan = self.memory, self.plan
+        speculative = plan.draft_tokens > 0
+        assert memory.can_admit(prompt), "a prompt of max_context_len must be admitted into empty pools"
+        got = memory.admit(prompt)
+        self.row = got.row
+        prompt_kv = self.write(got.slots, list(range(prompt)))
+        self.check()
+        memory.start_staging(self.row, prompt)
+        self.committed.update(prompt_kv)
+        self.check()
+        memory.wait_staging()
+        assert memory.collect_ready(speculative=speculative) == [self.row], "the device buffer must fit"
+        self.check()
+        limit = plan.max_request_len
+        if not speculative:
+            while memory.length(self.row) < limit:
+                assert memory.can_decode(self.row), f"decode refused at {memory.length(self.row)} < {limit}"
+                targets = memory.prepare_decode([self.row])
+                pos = memory.length(self.row)
+                new = self.write(targets.slots, [pos])
+                if self.hisparse:
+                    self.swap_in(pos, 1, {**self.committed, **new})
+                memory.commit_decode([self.row], targets.slots)
+                self.committed.update(new)
+                self.check()
+            assert not memory.can_decode(self.row), "a decode past the request limit must be refused"
+        else:
+            d = plan.draft_tokens
+            while memory.length(self.row) + d <= limit:
+                n = memory.length(self.row)
+                assert memory.can_decode(self.row, new_tokens=d, speculative=True), f"verify refused at {n}"
+                layout = memory.prepare_verify([self.row], d)
+                new = self.write(layout.targets.slots, list(range(n, n + d)))
+                if self.hisparse:
+                    self.swap_in(n, d, {**self.committed, **new})
+                accepted = accepts(d)
+                assert memory.finalize_verify([self.row], [accepted], layout) == []
+                assert memory.length(self.row) == n + accepted
+                self.committed.update({p: new[p] for p in range(n, n + accepted)})
+                self.check()
+            assert not memory.can_decode(self.row, new_tokens=d, speculative=True)
+        length = memory.length(self.row)
+        assert sorted(self.committed) == list(range(length))
+        if self.hisparse:  # every committed position's host copy is its KV
+            memory.wait_backups()
+            host = memory.host.req_to_host[self.row, :length]
+            want = torch.stack([self.committed[p] for p in range(length)], dim=1)
+            assert torch.equal(memory.host.kv[:, host], want)
+        else:  # every committed position's KV sits at its location
+            locs = memory.req_to_token[self.row, :length]
+            want = torch.stack([self.committed[p] for p in range(length)], dim=1)
+            assert torch.equal(self.kv()[:, locs], want)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data(), seed=st.integers(0, 2**16))
+def test_every_accepted_config_serves_one_request_of_max_context_len(data, seed):
+    """The memory layer that serving builds from an accepted config (HiSparse coordinator or the
+    resident pool) takes a prompt of up to max_context_len into empty pools, gets its device
+    buffer, decodes (or verifies D tokens per round, each swap-in resolving every step) up to the
+    plan's request limit without a refusal, passes every integrity check on the way, and once
+    released every pool is back at its initial free count."""
+    from pipeline.executor import Executor
+
+    try:
+        config, top_k = data.draw(small_configs(), label="config")
+        executor = Executor(config, model=_stub_model(top_k))
+    except ConfigError:
+        reject()
+    memory, plan = executor.memory, executor.plan
+    event("hisparse" if plan.hisparse else "resident")
+    event(f"speculative D={plan.draft_tokens}" if plan.draft_tokens else "plain decode")
+    if plan.hisparse:
+        event("outgrows the hot region" if plan.max_request_len > plan.hot else "stays short")
+    try:
+        assert plan == config.memory_plan(top_k)
+        initial = memory.free_counts()
+        memory.check_integrity()
+        limit = config.max_context_len
+        prompt = data.draw(st.just(limit) | st.integers(1, limit), label="prompt")
+        request = _Request(memory, plan, random.Random(seed))
+        request.run(prompt, lambda d: data.draw(st.integers(1, d), label="accepted"))
+        memory.release(request.row)
+        memory.check_integrity()
+        assert memory.free_counts() == initial, "a pool did not return to its initial free count"
+    finally:
+        executor.close()
 
 
 def test_an_injected_model_must_match_the_configured_dtype(tiny_model):
     from pipeline.executor import Executor
 
     with pytest.raises(ConfigError) as info:
-        Executor(EngineConfig(dtype="float32", max_context_len=512, device_pool_tokens=1024), model=tiny_model)
+        Executor(
+            EngineConfig(dtype="float32", max_context_len=512, device_pool_tokens=1024), model=tiny_model
+        )
     assert info.value.field == "dtype"
