@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.checks import FLOAT_DTYPES, check_same_device, check_tensor, resolve_impl
+from kernels.checks import FLOAT_DTYPES, check_index_range, check_same_device, check_tensor, resolve_impl
 
 # Triton limits: a selection program keeps 2 * next_pow2(top_k) packed keys; the score program one
 # [heads, dim] query tile (tl.dot needs every tile side >= 16, so smaller sizes are padded).
@@ -122,13 +122,22 @@ def indexer_topk(
     *,
     impl: str = "auto",
     max_seq_len: int | None = None,
+    validate: bool = False,
 ) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
     """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"``.
 
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
     ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
+    ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
+    of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
+    next row's entries silently.
     """
     check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
+    if max_seq_len is not None and max_seq_len > req_to_token.shape[1]:
+        raise ValueError(f"max_seq_len={max_seq_len} exceeds req_to_token's {req_to_token.shape[1]} positions")
+    if validate:
+        check_index_range("req_rows", req_rows, req_to_token.shape[0])
+        check_index_range("seq_lens", seq_lens, req_to_token.shape[1] + 1)
     _, heads, dim = index_q.shape
     fits = (index_q.dtype != torch.float64 and index_k.dtype != torch.float64 and top_k <= TRITON_MAX_TOP_K
             and heads <= TRITON_MAX_HEADS and dim <= TRITON_MAX_DIM)

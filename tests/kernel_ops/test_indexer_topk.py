@@ -136,6 +136,21 @@ def test_wrapper_rejects_bad_arguments():
         indexer_topk(**case, top_k=4, scale=1.0, impl="fast")
 
 
+def test_wrapper_validates_the_values_the_kernel_trusts():
+    """``validate=True``: request rows inside ``req_to_token`` and lengths within its positions; a
+    ``max_seq_len`` past its positions is refused always (no synchronisation needed)."""
+    case = make_case(0)
+    rows, max_ctx = case["req_to_token"].shape
+    indexer_topk(**case, top_k=4, scale=1.0, validate=True)  # a valid case passes
+    for name, bad in [("req_rows", torch.full_like(case["req_rows"], rows)),
+                      ("seq_lens", torch.full_like(case["seq_lens"], max_ctx + 1)),
+                      ("seq_lens", torch.full_like(case["seq_lens"], -1))]:
+        with pytest.raises(ValueError, match=name):
+            indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, validate=True)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        indexer_topk(**case, top_k=4, scale=1.0, max_seq_len=max_ctx + 1)
+
+
 # --- canaries around every buffer the Triton kernels touch, and the wrapper's layout checks ---------
 
 
