@@ -136,7 +136,8 @@ def figures_line(stats: dict[str, object]) -> list[str]:
         rate = hits / (hits + misses) if hits + misses else 1.0
         lines.append(
             f"hisparse: {hits} hits, {misses} misses (hit rate {rate:.1%}), "
-            f"{sum(hs['h2d_bytes']) / 1e6:.2f} MB host->device, {hs['d2h_bytes'] / 1e6:.2f} MB device->host"
+            f"{sum(hs['h2d_bytes']) / 1e6:.2f} MB host->device, "
+            f"{sum(hs['d2h_bytes']) / 1e6:.2f} MB device->host"
         )
     spec = stats.get("speculative")
     if spec and spec["verify_rounds"]:

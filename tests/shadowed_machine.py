@@ -2,9 +2,18 @@
 
 The HiSparse executor's transfers land only when a rule lets them (``ManualStreams``), so a missing
 wait shows up as corrupted data instead of passing by luck. Subclasses add the decode rules (plain
-steps, or draft and verify); the shared rules admit requests, land copies, collect staged requests,
-end requests in any phase, and compare every host copy and device column holding a committed
-position against the shadow's KV once the copies have landed.
+steps, or draft and verify); the shared rules admit requests, land copies, collect staged requests
+and end requests in any phase. Checked against the shadow, which ran the same commands with all KV
+resident (ARCHITECTURE §7):
+
+* after every rule, item 6: every device row holding a committed position (a buffer column, or a
+  staging prompt's dense slot) equals the shadow's KV of that position. It waits for no copy: device
+  rows are written by the forward, by swap-in loads and by device-to-device moves, none of which is
+  a transfer the test holds back, so a load that read a host copy too early shows up here;
+* whenever no copy is in flight, every committed position's host copy equals the shadow's KV;
+* item 9 per request: ending a request raises every pool's free count by exactly what that request
+  owned (its row, and its logical, physical and host pages), and once no request is live every pool
+  is back at its initial free count.
 """
 
 from __future__ import annotations
@@ -78,33 +87,75 @@ class ShadowedMachine(RuleBasedStateMachine):
 
     @invariant()
     def integrity(self) -> None:
-        # data=False: the data check would wait for copies and so hide a missing wait
+        # data=False: the coordinator's data check waits for the copies in flight (it compares
+        # against host copies) and so would hide a missing wait; item 6 is checked against the
+        # shadow instead, without waiting
         self.executor.check_integrity(data=False)
         assert set(self.executor.seqs) == set(self.phase)
         assert self.executor.staging() == [r for r, p in self.phase.items() if p == "staging"]
+        self.check_device_kv()
+        if all(s.done == s.issued for s in self.streams.streams.values()):
+            self.check_host_kv()
 
     def check_kv_against_shadow(self) -> None:
-        coord, truth = self.executor.memory, self.shadow.memory
-        layers = coord.num_layers
-        for rid, phase in self.phase.items():
-            row, shadow_row = self.executor.seqs[rid].row, self.shadow.seqs[rid].row
-            length = coord.length(row)
-            positions = torch.arange(length)
-            true_kv = truth.store.kv[:layers, truth.req_to_token[shadow_row, positions]]  # [L, n, dim]
-            host_kv = coord.host.kv[:, coord.host.req_to_host[row, positions]]
+        """Host copies and device rows (the host copies only once every copy has landed)."""
+        self.check_host_kv()
+        self.check_device_kv()
+
+    def _true_kv(self, rid: str, layers: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The shadow's KV of ``positions`` of ``rid`` in ``layers`` (broadcast together)."""
+        truth = self.shadow.memory
+        return truth.store.kv[layers, truth.req_to_token[self.shadow.seqs[rid].row, positions]]
+
+    def check_host_kv(self) -> None:
+        """Every committed position's host copy is its KV (valid once the copies have landed)."""
+        coord = self.executor.memory
+        every = torch.arange(coord.num_layers)[:, None]
+        for rid in self.phase:
+            row = self.executor.seqs[rid].row
+            positions = torch.arange(coord.length(row))
+            host_kv = coord.host.kv[:, coord.host.req_to_host[row, positions]]  # [L, n, dim]
+            true_kv = self._true_kv(rid, every, positions[None, :])
             assert torch.equal(host_kv, true_kv), f"{rid}: a host copy differs from the position's KV"
-            if phase == "staging":
+
+    def check_device_kv(self) -> None:
+        """ARCHITECTURE §7 item 6, every layer: a device row holding a committed position is its KV."""
+        coord = self.executor.memory
+        every = torch.arange(coord.num_layers)[:, None]
+        for rid, phase in self.phase.items():
+            row = self.executor.seqs[rid].row
+            length = coord.length(row)
+            if phase == "staging":  # the prompt is dense in device, read through the mapping
+                positions = torch.arange(length)
+                slots = coord.alloc.lookup(coord.req_to_token[row, positions])
+                device_rows = coord.device_kv[:, slots.to(coord.device)].cpu()  # [L, n, dim]
+                true_kv = self._true_kv(rid, every, positions[None, :])
+                assert torch.equal(device_rows, true_kv), f"{rid}: a staging prompt's device row differs"
                 continue
-            for layer in range(layers):
-                held = coord.buffers.tokens[layer, row].long()
-                cols = torch.nonzero((held >= 0) & (held < length)).reshape(-1)
-                device_rows = coord.device_kv[layer, coord.buffers.locs[row, cols]]
-                assert torch.equal(device_rows, true_kv[layer, held[cols]]), f"{rid}: stale device row"
+            held = coord.buffers.tokens[:, row].long().cpu()  # [L, columns]
+            layers, cols = torch.nonzero((held >= 0) & (held < length), as_tuple=True)
+            device_rows = coord.device_kv[layers, coord.buffers.locs[row, cols]].cpu()
+            true_kv = self._true_kv(rid, layers, held[layers, cols])
+            assert torch.equal(device_rows, true_kv), f"{rid}: a device column holds stale KV"
 
     def end_request(self, rid: str) -> None:
+        """Release ``rid`` in both executors; ARCHITECTURE §7 item 9 for that request."""
+        coord, row = self.executor.memory, self.executor.seqs[rid].row
+        owned = {
+            "rows": 1,
+            "logical_pages": len(coord.alloc.logical.pages_of(row)),
+            "physical_pages": len(coord.alloc.physical.pages_of(row)),
+            "host_pages": len(coord.host.allocator.pages_of(row)),
+        }
+        before = self.executor.pool_counts()
         self.executor.release(rid)
         self.shadow.release(rid)
         del self.phase[rid]
+        after = self.executor.pool_counts()
+        freed = {pool: after[pool] - before[pool] for pool in after}
+        assert freed == owned, f"{rid}: ending it freed {freed}, it owned {owned}"
+        if not self.phase:
+            assert after == self.initial, "a pool is not back at its initial free count with nothing live"
 
     def teardown(self) -> None:
         self.all_copies_land()

@@ -10,14 +10,14 @@ from kernels.swap_in import SwapInResult
 
 @attrs.define(eq=False)
 class LayerCounters:
-    """Running totals since the engine started (per layer where the move is per layer)."""
+    """Running totals since the engine started, one entry per layer."""
 
     num_layers: int
     hits: list[int] = attrs.field(init=False)  # top-k entries resolved without a copy
     misses: list[int] = attrs.field(init=False)  # rows loaded host -> device
     unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
     h2d_bytes: list[int] = attrs.field(init=False)
-    d2h_bytes: int = 0  # staging copies and backups, all layers
+    d2h_bytes: list[int] = attrs.field(init=False)  # staging copies and backups
     swap_in_calls: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -25,6 +25,7 @@ class LayerCounters:
         self.misses = [0] * self.num_layers
         self.unrecoverable = [0] * self.num_layers
         self.h2d_bytes = [0] * self.num_layers
+        self.d2h_bytes = [0] * self.num_layers
 
     def add_swap_in(self, layer: int, result: SwapInResult) -> None:
         totals = result.totals
@@ -43,7 +44,9 @@ class LayerCounters:
         self.swap_in_calls += 1
 
     def add_backup(self, num_bytes_per_layer: int) -> None:
-        self.d2h_bytes += num_bytes_per_layer * self.num_layers
+        """A device->host copy of the same tokens in every layer (staging and backups move all layers)."""
+        for layer in range(self.num_layers):
+            self.d2h_bytes[layer] += num_bytes_per_layer
 
     def hit_rate(self, layer: int) -> float:
         total = self.hits[layer] + self.misses[layer]
@@ -55,6 +58,6 @@ class LayerCounters:
             "misses": list(self.misses),
             "unrecoverable": list(self.unrecoverable),
             "h2d_bytes": list(self.h2d_bytes),
-            "d2h_bytes": self.d2h_bytes,
+            "d2h_bytes": list(self.d2h_bytes),
             "hit_rate": [round(self.hit_rate(layer), 4) for layer in range(self.num_layers)],
         }

@@ -1,6 +1,6 @@
 """A committed token is never lost: decoded while the request was short (in its identity column),
-evicted from the hot region by long decoding, its KV is still recovered from host, checked against
-the KV an all-resident run computed for the same position."""
+evicted from the hot region by long decoding, its KV is still recovered from host in every layer,
+checked against the KV an all-resident run computed for the same position."""
 
 from __future__ import annotations
 
@@ -46,20 +46,20 @@ def test_tokens_decoded_while_short_survive_eviction(tiny_model):
     length = coord.length(row)
     early = torch.arange(len(prompt), HOT)  # decoded in the short phase, in identity columns then
     coord.wait_backups()
-    layer = 0
-    resident = set(coord.buffers.tokens[layer, row, : HOT + 1].tolist())
-    evicted = [p for p in early.tolist() if p not in resident]
-    assert evicted, "90 decode steps should have evicted some early token from an 8-column hot region"
-    # ask for the evicted positions as a decode step of length `length` would
-    top = torch.full((1, 1, tiny_model.cfg.index_topk), -1, dtype=torch.int32)
-    top[0, 0, : len(evicted)] = torch.tensor(evicted, dtype=torch.int32)
-    before = coord.counters.misses[layer]
-    result = coord.swap_in(layer, top, torch.tensor([[length]]), torch.tensor([row]))
-    assert coord.counters.misses[layer] - before == len(evicted)
-    slots = result.slots[0, 0, : len(evicted)].long()
-    assert bool((slots > 0).all())
-    true_kv = truth.store.kv[layer, truth.req_to_token[shadow_row, torch.tensor(evicted)]]
-    assert torch.equal(coord.device_kv[layer, slots], true_kv)
+    for layer in range(coord.num_layers):  # every layer keeps its own hot region and LRU
+        resident = set(coord.buffers.tokens[layer, row, : HOT + 1].tolist())
+        evicted = [p for p in early.tolist() if p not in resident]
+        assert evicted, f"layer {layer}: 90 decode steps should have evicted an early token from 8 columns"
+        # ask for the evicted positions as a decode step of length `length` would
+        top = torch.full((1, 1, tiny_model.cfg.index_topk), -1, dtype=torch.int32)
+        top[0, 0, : len(evicted)] = torch.tensor(evicted, dtype=torch.int32)
+        before = coord.counters.misses[layer]
+        result = coord.swap_in(layer, top, torch.tensor([[length]]), torch.tensor([row]))
+        assert coord.counters.misses[layer] - before == len(evicted), f"layer {layer}"
+        slots = result.slots[0, 0, : len(evicted)].long()
+        assert bool((slots > 0).all()), f"layer {layer}: an evicted committed token was not recovered"
+        true_kv = truth.store.kv[layer, truth.req_to_token[shadow_row, torch.tensor(evicted)]]
+        assert torch.equal(coord.device_kv[layer, slots], true_kv), f"layer {layer}: recovered KV differs"
     hs.check_integrity()
     for ex in (hs, res):
         ex.close()

@@ -1,0 +1,96 @@
+"""The per-layer HiSparse counters add up: after a run, for every layer,
+
+* ``h2d_bytes == misses * row_bytes`` (each miss copies one row host->device);
+* ``d2h_bytes == committed tokens * row_bytes`` (the prompt's staging copy plus the backup of every
+  token committed by a decode step or a verify's finalize);
+* ``hits + misses`` equals the number of unique valid top-k positions of every swapped-in step,
+  summed over the recorded top-k trace (decode and verify records, the fast-path steps of a short
+  request included: swap-in counts their entries as hits, ``kernels/swap_in.py``), and no entry is
+  unrecoverable;
+* ``hit_rate == hits / (hits + misses)``; the stats dict carries the same per-layer lists.
+
+The prompts are several times longer than HOT, so nearly every step takes the long path and misses.
+"""
+
+from __future__ import annotations
+
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.executor import Executor, NewSequence
+from pipeline.hisparse.trace import read_trace
+from pipeline.sampling import SamplingParams
+
+HOT = 8
+GREEDY = SamplingParams(max_new_tokens=10_000, ignore_eos=True)
+PROMPTS = {"long": tuple((i * 37 + 5) % 256 for i in range(4 * HOT)), "short": (3, 1, 4)}
+
+
+def _config(speculative: SpeculativeConfig | None) -> EngineConfig:
+    return EngineConfig(
+        dtype="float64",
+        page_size=4,
+        max_context_len=128,
+        max_running_requests=2,
+        device_pool_tokens=128,  # no memory pressure: no retraction re-stages a prompt
+        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
+        speculative=speculative,
+    )
+
+
+def _check_counters(executor: Executor, committed: dict[str, int], trace_path, *, phase: str) -> None:
+    coord = executor.memory
+    counters = coord.counters
+    for rid, n in committed.items():
+        assert coord.length(executor.seqs[rid].row) == n
+    row_bytes = coord.row_dim * coord.device_kv.element_size()
+    executor.trace.close()
+    records = [r for r in read_trace(trace_path) if r["phase"] != "prefill"]  # prefill: no swap-in
+    assert records and {r["phase"] for r in records} == {phase}
+    total = sum(committed.values())
+    stats = executor.stats()["hisparse"]
+    for layer in range(coord.num_layers):
+        hits, misses = counters.hits[layer], counters.misses[layer]
+        assert misses > 0 and hits > 0, f"layer {layer}: the run should both hit and miss"
+        assert counters.unrecoverable[layer] == 0
+        assert counters.h2d_bytes[layer] == misses * row_bytes, f"layer {layer}"
+        assert counters.d2h_bytes[layer] == total * row_bytes, f"layer {layer}"
+        assert counters.hit_rate(layer) == hits / (hits + misses)
+        picked = sum(
+            len({t for t in r["top_k"] if 0 <= t <= r["position"]}) for r in records if r["layer"] == layer
+        )
+        assert hits + misses == picked, f"layer {layer}: counted entries differ from the traced top-k"
+        assert stats["hit_rate"][layer] == round(hits / (hits + misses), 4)
+    for key in ("hits", "misses", "unrecoverable", "h2d_bytes", "d2h_bytes"):
+        assert stats[key] == list(getattr(counters, key)), key
+
+
+def _start(executor: Executor) -> None:
+    executor.prefill([NewSequence(rid, prompt, GREEDY) for rid, prompt in PROMPTS.items()])
+    executor.wait_staging()
+    assert executor.collect_ready() == list(PROMPTS)
+
+
+def test_decode_counters_add_up(tiny_model, tmp_path):
+    path = tmp_path / "topk.jsonl"
+    executor = Executor(_config(None), model=tiny_model, trace_path=str(path))
+    _start(executor)
+    steps = 24  # the short request outgrows HOT on the way
+    for _ in range(steps):
+        assert set(executor.decode(list(PROMPTS)).tokens) == set(PROMPTS)
+    _check_counters(executor, {rid: len(p) + steps for rid, p in PROMPTS.items()}, path, phase="decode")
+    executor.close()
+
+
+def test_verify_counters_add_up(tiny_model, tmp_path):
+    path = tmp_path / "topk.jsonl"
+    executor = Executor(_config(SpeculativeConfig(num_steps=2)), model=tiny_model, trace_path=str(path))
+    _start(executor)
+    committed = {rid: len(p) for rid, p in PROMPTS.items()}
+    for _ in range(10):
+        ids = list(PROMPTS)
+        assert not executor.draft(ids).refused
+        result = executor.verify(ids)
+        assert not result.failed
+        for rid in ids:
+            committed[rid] += len(result.tokens[rid])  # accepted drafts and the bonus token
+    _check_counters(executor, committed, path, phase="verify")
+    executor.close()
