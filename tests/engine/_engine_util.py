@@ -90,6 +90,43 @@ class Gate:
                 await anyio.sleep(0.002)
 
 
+class Hold:
+    """Holds a stage's first executor command of one of ``types`` (and matching ``match``) on the
+    event loop, before it is sent, until ``open()``.
+
+    Unlike a ``Gate`` the executor stays free: the other stages go on while this one waits, so the
+    requests it owns stay in their state (a decode stage held before its ``Decode`` keeps its batch
+    in DECODE and the requests that staged meanwhile in READY, since it joins them between steps).
+    """
+
+    def __init__(self, *types: type, match: Callable[[object], bool] = lambda command: True) -> None:
+        self.types = types
+        self.match = match
+        self.entered = threading.Event()
+        self._open = anyio.Event()
+        self._used = False
+
+    def install(self, stage) -> Hold:
+        """Wrap ``stage``'s executor client (``stage._client.call``)."""
+        client = stage._client
+        real = client.call
+
+        async def held(command):
+            if not self._used and isinstance(command, self.types) and self.match(command):
+                self._used = True
+                self.entered.set()
+                await self._open.wait()
+            return await real(command)
+
+        client.call = held
+        return self
+
+    def open(self) -> None:
+        self._open.set()
+
+    wait_entered = Gate.wait_entered
+
+
 async def until(predicate: Callable[[], bool]) -> None:
     """Yield to the engine until ``predicate()`` holds (hang guard: 60 s)."""
     with anyio.fail_after(60):

@@ -5,20 +5,27 @@ from __future__ import annotations
 
 import anyio
 import pytest
-from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
+from _engine_util import Gate, Hold, config, driver_outputs, live_request, make_prompts, until
 
 from pipeline import Engine, SamplingParams
+from pipeline.messages import Decode
 from statemachines.request import State
 
-# where to hold the victim, the executor method to gate, and the state the victim is in meanwhile
+# where to hold the victim, the executor method to gate (None: hold the decode stage on the event
+# loop, see below), and the state the victim is in meanwhile
 HOLDS = {
     "queued": ("prefill", State.QUEUED),  # another request's prefill holds the device
     "prefill": ("prefill", State.PREFILL),
     "staging": ("collect_ready", State.STAGING),
+    # another request's decode step is held before it is sent: the decode stage joins new requests
+    # only between steps, so the victim, staged meanwhile, waits READY with its device buffer
+    "ready": (None, State.READY),
     "decode": ("decode", State.DECODE),
     "draft": ("draft", State.DRAFT),
     "verify": ("verify", State.VERIFY),
 }
+# a streaming consumer is cancelled mid-stream, after its first delta: in the states after prefill
+STREAMED = [where for where in HOLDS if where not in ("queued", "prefill")]
 
 
 def involves(rid: str):
@@ -34,32 +41,55 @@ def involves(rid: str):
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("where", list(HOLDS))
-async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where):
+@pytest.mark.parametrize(
+    ("where", "consumer"), [(w, "text") for w in HOLDS] + [(w, "stream") for w in STREAMED]
+)
+async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where, consumer):
+    """The victim's consumer (``generate_text``, or a task iterating ``generate`` that has had at
+    least one delta) is cancelled while the victim is held in ``where``: it ends ABORTED, every pool
+    is back at its initial count, and a request submitted afterwards gets the driver's tokens."""
     method, state = HOLDS[where]
     spec = where in ("draft", "verify") or where == "staging"
     cfg = config(num_steps=3 if spec else None)
     prompts = make_prompts([21, 40, 9], seed=1)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    blocker = "other" if where == "queued" else "victim"
+    blocker = "other" if where in ("queued", "ready") else "victim"
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate(involves(blocker)).install(engine.executor, method)
+        if method is None:
+            gate = Hold(Decode).install(engine._pipe.decode)
+        else:
+            gate = Gate(involves(blocker)).install(engine.executor, method)
         results = {}
+        deltas = []  # what the streaming victim's consumer received
 
         async def consume(rid, prompt):
             results[rid] = await engine.generate_text(prompt, params, request_id=rid)
 
+        async def stream(rid, prompt):
+            async for delta in engine.generate(prompt, params, request_id=rid):
+                deltas.append(delta)
+            results[rid] = deltas[-1]  # not reached: cancelled mid-stream
+
+        def victim_is(wanted: State) -> bool:
+            req = live_request(engine, "victim")
+            return req is not None and req.state is wanted
+
         try:
             async with anyio.create_task_group() as tg:
-                if where == "queued":
+                if blocker == "other":
                     tg.start_soon(consume, "other", prompts[1])
                     await gate.wait_entered()
                 victim_scope = anyio.CancelScope()
-                tg.start_soon(_run_in_scope, victim_scope, consume, "victim", prompts[0])
+                victim_consumer = stream if consumer == "stream" else consume
+                tg.start_soon(_run_in_scope, victim_scope, victim_consumer, "victim", prompts[0])
                 if where == "queued":
                     await until(lambda: any(r.request_id == "victim" for r in engine._pipe.admission.queue))
+                elif where == "ready":
+                    await until(lambda: victim_is(State.READY))
                 else:
                     await gate.wait_entered()
+                if consumer == "stream":
+                    await until(lambda: len(deltas) >= 1)  # mid-stream: its first token was delivered
                 victim = live_request(engine, "victim")
                 assert victim.state is state
                 victim_scope.cancel()
@@ -72,9 +102,14 @@ async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where):
         assert victim.state is State.ABORTED and victim.finish_reason == "abort"
         assert "victim" not in results
         assert engine.executor.pool_counts() == engine.initial_pool_counts
+        assert engine.stats()["requests"]["ended"]["abort"] == 1
         assert results["bystander"].finish_reason == "length"
-        if where == "queued":
+        if blocker == "other":
             assert results["other"].finish_reason == "length"
+        if consumer == "stream":
+            assert deltas and not any(d.finished for d in deltas)
+            received = [t for d in deltas for t in d.token_ids]
+            assert received == victim.output_ids[: len(received)]
     expected = driver_outputs(tiny_model, cfg, [prompts[2]], [params], ["bystander"])
     assert list(results["bystander"].token_ids) == expected["bystander"]
 

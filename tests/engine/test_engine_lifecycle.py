@@ -10,11 +10,12 @@ import sys
 import anyio
 import pytest
 import structlog
-from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
+from _engine_util import Gate, Hold, config, driver_outputs, live_request, make_prompts, until
 
 from pipeline import Engine, EngineError, RequestError, RequestFailed, SamplingParams, configure_logging
 from pipeline.executor import StepResult
 from pipeline.logs import read_json_lines, replay
+from pipeline.messages import CollectReady, Decode, Draft, Prefill, Verify
 from statemachines.request import TERMINAL, State
 
 
@@ -85,46 +86,106 @@ def test_importing_never_configures_logging():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-GATED = ["prefill", "collect_ready", "decode", "draft", "verify"]
+# the decode stage's command held in each scenario, and the state the first request is then in:
+# DECODE (plain decoding), DRAFT or VERIFY (speculative); the other states are the same in all three
+FIRST = {"decode": (Decode, State.DECODE), "draft": (Draft, State.DRAFT), "verify": (Verify, State.VERIFY)}
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("method", GATED)
+@pytest.mark.parametrize("first", list(FIRST))
 @pytest.mark.parametrize("on_exit", ["abort", "finish"])
-async def test_shutdown_with_requests_in_every_state_restores_pools(tiny_model, method, on_exit):
-    """Leave the engine while one request is held inside a device command, others decode, others
-    stage, and the rest wait in the queue (only 3 rows for 8 requests)."""
-    cfg = config(num_steps=3 if method in ("draft", "verify") else None, max_running_requests=3)
-    prompts = make_prompts([5, 70, 18, 33, 12, 8, 50, 21], seed=5)
-    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    ends: dict[str, str] = {}
+async def test_shutdown_with_requests_in_every_state_restores_pools(tiny_model, first, on_exit):
+    """Leave the engine with a request in every state at once (checked at the moment of leaving):
 
-    async def consume(engine, i, prompt):
-        last = None
-        async for last in engine.generate(prompt, params, request_id=f"s{i}"):  # noqa: B007
-            pass
-        ends[f"s{i}"] = last.finish_reason
+    * s0 in DECODE, DRAFT or VERIFY: the decode stage's first step is held before it is sent (for
+      DRAFT it is then let go and held inside the device command, after the draft started);
+    * s1 READY: staged meanwhile, it waits to join the batch between two steps;
+    * s2 STAGING: the staging stage's poll for it is held;
+    * s3 PREFILL: held inside the device command (for DRAFT, which holds the device, its command is
+      held before it is sent);
+    * s4, s5 QUEUED: only 4 request rows.
+
+    ``on_exit="abort"`` aborts all six, ``"finish"`` gives each the synchronous driver's tokens;
+    either way every pool is back at its initial count."""
+    spec = first != "decode"
+    cfg = config(num_steps=3 if spec else None, max_running_requests=4)
+    prompts = make_prompts([5, 40, 18, 33, 12, 8], seed=5)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ids = [f"s{i}" for i in range(len(prompts))]
+    ends: dict[str, str] = {}
+    tokens: dict[str, list[int]] = {}
+
+    async def consume(engine, rid, prompt):
+        tokens[rid] = []
+        async for last in engine.generate(prompt, params, request_id=rid):
+            tokens[rid] += last.token_ids
+        ends[rid] = last.finish_reason
 
     async with anyio.create_task_group() as tg, Engine(cfg, model=tiny_model, on_exit=on_exit) as engine:
-        gate = Gate().install(engine.executor, method)
-        for i, prompt in enumerate(prompts):
-            tg.start_soon(consume, engine, i, prompt)
-        await gate.wait_entered()
-        await until(lambda: len(engine._registry.live) == len(prompts))
-        states = {r.state for r in engine._registry.live.values()}
-        assert State.QUEUED in states
-        tg.start_soon(_open_when_closing, engine, gate)
+        pipe = engine._pipe
+        holds: list = []
+
+        def hold(h):
+            holds.append(h)
+            return h
+
+        def state_of(rid: str) -> State | None:
+            req = live_request(engine, rid)
+            return None if req is None else req.state
+
+        def start(*rids: str) -> None:
+            for rid in rids:
+                tg.start_soon(consume, engine, rid, prompts[ids.index(rid)])
+
+        try:
+            command, first_state = FIRST[first]
+            step = hold(Hold(command).install(pipe.decode))
+            start("s0")
+            await step.wait_entered()
+            start("s1")
+            await until(lambda: state_of("s1") is State.READY)
+            poll = hold(Hold(CollectReady).install(pipe.staging))
+            start("s2")
+            await poll.wait_entered()
+            if first == "draft":
+                prefill = hold(Hold(Prefill).install(pipe.prefill))
+            else:
+                prefill = hold(Gate().install(engine.executor, "prefill"))
+            start("s3")
+            await prefill.wait_entered()
+            start("s4", "s5")
+            await until(lambda: {r.request_id for r in pipe.admission.queue} == {"s4", "s5"})
+            if first == "draft":
+                drafting = hold(Gate().install(engine.executor, "draft"))
+                step.open()
+                await drafting.wait_entered()
+            held = {rid: state_of(rid) for rid in ids}
+            assert held == {
+                "s0": first_state,
+                "s1": State.READY,
+                "s2": State.STAGING,
+                "s3": State.PREFILL,
+                "s4": State.QUEUED,
+                "s5": State.QUEUED,
+            }
+        except BaseException:
+            for h in holds:
+                h.open()
+            raise
+        tg.start_soon(_open_when_closing, engine, holds)
     assert engine.final_pool_counts == engine.initial_pool_counts
-    assert len(ends) == len(prompts)
+    assert set(ends) == set(ids)
     if on_exit == "finish":
         assert set(ends.values()) == {"length"}
+        assert tokens == driver_outputs(tiny_model, cfg, prompts, [params] * len(ids), ids)
     else:
-        assert "abort" in ends.values() and set(ends.values()) <= {"abort", "length"}
+        assert set(ends.values()) == {"abort"}
 
 
-async def _open_when_closing(engine, gate) -> None:
+async def _open_when_closing(engine, holds) -> None:
     await until(lambda: not engine._running)
-    gate.open()
+    for h in holds:
+        h.open()
 
 
 @pytest.mark.asyncio
