@@ -119,9 +119,10 @@ def swap_in_python(
     copy_dst: list[int] = []
     for b, row in enumerate(req_rows.tolist()):
         tokens, locs, order = buffer_tokens[row].tolist(), buffer_locs[row].tolist(), lru[row].tolist()
+        old_order = order
         protected: set[int] = set()
         done, hits, misses, lost = num_steps, 0, 0, 0
-        changed = False  # the long path reorders the LRU (and may load); the fast path changes nothing
+        loaded = False  # only the long path changes the tables: it loads and reorders the LRU
         for s in range(num_steps):
             n = lens[b][s]
             if n == 0:
@@ -139,7 +140,7 @@ def swap_in_python(
                     slots += [-1] * (top_k * (num_steps - s))
                     break
                 step_hits, loads, host_slots, unrecoverable, order, returned = step
-                changed = True
+                loaded = loaded or bool(loads)
                 hits += step_hits
                 misses += len(loads)
                 lost += unrecoverable
@@ -150,10 +151,11 @@ def swap_in_python(
                 protected.update(returned)
             slots += [out.get(t, -1) if 0 <= t < n else -1 for t in top]
         counts += (done, hits, misses, lost)
-        if changed:  # one tensor per row for both tables
-            state = _ints(tokens + order, torch.int32)
-            buffer_tokens[row] = state[: len(tokens)]
-            lru[row] = state[len(tokens) :]
+        # write back only what changed: in a steady decode the same hot set often repeats
+        if loaded:
+            buffer_tokens[row] = _ints(tokens, torch.int32)
+        if order != old_order:
+            lru[row] = _ints(order, torch.int32)
     if copy_src:
         src = _ints(copy_src, torch.int64).to(host_kv.device)
         dst = _ints(copy_dst, torch.int64).to(device_kv.device)
