@@ -4,7 +4,10 @@ Held-out prompts, greedy, batch 1 (or ``--batch``), HiSparse on unless ``--no-hi
 configuration it reports the accept length (tokens committed per verify, bonus included), the accept
 rate (drafts accepted / proposed) and decode tokens/s (from the first output token to the last, so
 prefill is excluded), and the speed-up over plain decoding. Configurations alternate prompt by
-prompt, so machine noise hits all of them alike. The outputs must be identical (greedy is lossless);
+prompt, so machine noise hits all of them alike; the whole alternation runs ``--repeats`` times.
+Tokens/s is the median over repeats; the speed-up is the median of the paired per-prompt ratios
+(each configuration against plain decoding on the same prompt in the same repeat), which cancels
+the drift of a shared machine between prompts. The outputs must be identical (greedy is lossless);
 the benchmark says so if they are not.
 """
 
@@ -16,6 +19,7 @@ from pipeline.benchmarks.common import (
     add_common_args,
     held_out_prompts,
     machine,
+    median,
     setup,
     table,
     write_json,
@@ -75,18 +79,26 @@ def main(argv: list[str]) -> int:
     for k in steps[1:]:
         executors[k] = Executor(engine_config(args, k), model=executors[0].model)
     prompts = held_out_prompts(args.prompts, args.prompt_len, args.seed)
-    seconds = dict.fromkeys(steps, 0.0)
-    tokens = dict.fromkeys(steps, 0)
+    per_repeat: dict[int, list[float]] = {k: [] for k in steps}  # tokens/s of each whole repeat
+    ratios: dict[int, list[float]] = {k: [] for k in steps}  # paired per-prompt speed-ups
     identical = True
-    for start in range(0, len(prompts), args.batch):
-        batch = prompts[start : start + args.batch]
-        outputs = {}
+    for _ in range(args.repeats):
+        seconds = dict.fromkeys(steps, 0.0)
+        tokens = dict.fromkeys(steps, 0)
+        for start in range(0, len(prompts), args.batch):
+            batch = prompts[start : start + args.batch]
+            outputs, rates = {}, {}
+            for k in steps:
+                outputs[k], sec, count = run_batch(executors[k], batch, args.new_tokens)
+                seconds[k] += sec
+                tokens[k] += count
+                rates[k] = count / sec
+            for k in steps:
+                ratios[k].append(rates[k] / rates[0])
+            identical &= all(outputs[k] == outputs[0] for k in steps)
         for k in steps:
-            outputs[k], sec, count = run_batch(executors[k], batch, args.new_tokens)
-            seconds[k] += sec
-            tokens[k] += count
-        identical &= all(outputs[k] == outputs[0] for k in steps)
-    report = summarize(args, steps, executors, seconds, tokens, identical, threads)
+            per_repeat[k].append(tokens[k] / seconds[k])
+    report = summarize(args, steps, executors, per_repeat, ratios, identical, threads)
     write_json(args.out, report)
     print_report(report)
     for executor in executors.values():
@@ -94,16 +106,16 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def summarize(args, steps, executors, seconds, tokens, identical, threads) -> dict:
+def summarize(args, steps, executors, per_repeat, ratios, identical, threads) -> dict:
     rows = {}
-    plain_tps = tokens[0] / seconds[0]
     for k in steps:
         counters: SpecCounters | None = executors[k].spec_counters
-        tps = tokens[k] / seconds[k]
         rows[k] = {
             "num_steps": k,
-            "tokens_per_s": tps,
-            "speedup": tps / plain_tps,
+            "tokens_per_s": median(per_repeat[k]),
+            "tokens_per_s_repeats": per_repeat[k],
+            "speedup": median(ratios[k]),
+            "speedup_min_max": [min(ratios[k]), max(ratios[k])],
             "accept_length": None if counters is None else counters.accept_length,
             "accept_rate": None if counters is None else counters.accept_rate,
             "accepted_per_pos": None if counters is None else counters.accepted_per_pos,
@@ -119,6 +131,7 @@ def summarize(args, steps, executors, seconds, tokens, identical, threads) -> di
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "batch": args.batch,
+        "repeats": args.repeats,
         "threads": threads,
         "outputs_identical_to_plain": identical,
         "configs": rows,
@@ -129,13 +142,15 @@ def print_report(r: dict) -> None:
     print(
         f"model {r['model']} {r['dtype']}, HiSparse {'on' if r['hisparse'] else 'off'}, {r['prompts']} held-out "
         f"prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens, batch {r['batch']}, "
-        f"{r['threads']} threads"
+        f"{r['threads']} threads, {r['repeats']} repeats"
     )
     rows = []
     for k, c in r["configs"].items():
         name = "plain" if int(k) == 0 else f"spec, {k} steps"
         length, rate = c["accept_length"], c["accept_rate"]
         shown = ["-" if v is None else v for v in (length, rate)]
-        rows.append([name, *shown, c["tokens_per_s"], c["speedup"]])
-    print(table(["decoding", "accept length", "accept rate", "decode tokens/s", "vs plain"], rows))
+        low, high = c["speedup_min_max"]
+        rows.append([name, *shown, c["tokens_per_s"], c["speedup"], f"{low:.2f}-{high:.2f}"])
+    print(table(["decoding", "accept length", "accept rate", "decode tokens/s", "vs plain (median)",
+                 "per-prompt range"], rows))
     print(f"outputs identical to plain greedy: {r['outputs_identical_to_plain']}")
