@@ -104,6 +104,7 @@ class ExecutorActor:
         self._limiter = anyio.CapacityLimiter(1)
         self.snapshot: dict[str, object] = executor.stats()  # replaced whole after each change
         self.num_commands = 0
+        self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)
         self._handlers: dict[type, Callable[[Command, bool], tuple[Result, bool]]] = {
             CanAdmit: self._can_admit,
             Prefill: self._prefill,
@@ -122,6 +123,7 @@ class ExecutorActor:
                 outcome = await anyio.to_thread.run_sync(
                     self._execute, envelope.command, idle, limiter=self._limiter
                 )
+                self.busy_s += outcome.seconds
                 with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
                     envelope.reply.send_nowait(outcome)  # the caller may have been cancelled
                 envelope.reply.close()

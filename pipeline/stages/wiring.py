@@ -108,6 +108,7 @@ class Pipeline:
                 "tokens_per_s": tokens / uptime if uptime > 0 else 0.0,
             },
             "executor_commands": self.actor.num_commands,
+            "executor_busy_s": self.actor.busy_s,
         }
 
 

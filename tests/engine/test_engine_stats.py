@@ -103,6 +103,8 @@ async def test_stats_report_pools_counters_acceptance_and_throughput(tiny_model,
     )
     assert after_short["throughput"]["tokens_generated"] == 2 * 9
     assert stats["executor_commands"] > after_short["executor_commands"] > 0
+    # time inside device commands grows with them, and never exceeds the engine's lifetime
+    assert 0 < after_short["executor_busy_s"] < stats["executor_busy_s"] < throughput["uptime_s"]
 
     if not tiered:
         assert stats["hisparse"] is None and stats["speculative"] is None
