@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_canary import strided_last
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -205,31 +206,25 @@ def test_triton_touches_nothing_outside_its_buffers(fill, max_seq_len, monkeypat
         torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
 
 
-def _strided(x):
-    from _kernel_canary import strided_last
-
-    return strided_last(x)
-
-
 # (argument, what is wrong, how to break it, what the message says)
 INDEXER_LAYOUT = [
-    ("index_q", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_q", "stride", strided_last, "must be contiguous in its last dim"),
     ("index_q", "dtype", lambda x: x.long(), "must have dtype"),
     ("index_q", "shape", lambda x: x[0], "must have 3 dims"),
-    ("index_w", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_w", "stride", strided_last, "must be contiguous in its last dim"),
     ("index_w", "dtype", lambda x: x.int(), "must have dtype"),
     ("index_w", "shape", lambda x: x[:, :1], "must have shape"),
-    ("index_k", "stride", _strided, "must be contiguous in its last dim"),
+    ("index_k", "stride", strided_last, "must be contiguous in its last dim"),
     ("index_k", "dtype", lambda x: x.long(), "must have dtype"),
     ("index_k", "shape", lambda x: x[:, :3], "must have shape"),
-    ("req_to_token", "stride", _strided, "must be contiguous in its last dim"),
+    ("req_to_token", "stride", strided_last, "must be contiguous in its last dim"),
     ("req_to_token", "dtype", lambda x: x.float(), "must have dtype"),
     ("req_to_token", "shape", lambda x: x[0], "must have 2 dims"),
     # a strided 1-D req_rows / seq_lens used to pass and the Triton kernel read them with stride 1
-    ("req_rows", "stride", _strided, "must be contiguous in its last dim"),
+    ("req_rows", "stride", strided_last, "must be contiguous in its last dim"),
     ("req_rows", "dtype", lambda x: x.int(), "must have dtype"),
     ("req_rows", "shape", lambda x: x[:2], "must have shape"),
-    ("seq_lens", "stride", _strided, "must be contiguous in its last dim"),
+    ("seq_lens", "stride", strided_last, "must be contiguous in its last dim"),
     ("seq_lens", "dtype", lambda x: x.int(), "must have dtype"),
     ("seq_lens", "shape", lambda x: torch.cat([x, x[:1]]), "must have shape"),
 ]

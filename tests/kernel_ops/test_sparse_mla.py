@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _kernel_canary import strided_last
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -149,24 +150,18 @@ def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
         torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
 
 
-def _strided(x):
-    from _kernel_canary import strided_last
-
-    return strided_last(x)
-
-
 # (argument, what is wrong, how to break it, what the message says)
 SPARSE_MLA_LAYOUT = [
-    ("q_latent", "stride", _strided, "must be contiguous in its last dim"),
+    ("q_latent", "stride", strided_last, "must be contiguous in its last dim"),
     ("q_latent", "dtype", lambda x: x.long(), "must have dtype"),
     ("q_latent", "shape", lambda x: x[0], "must have 3 dims"),
-    ("q_rope", "stride", _strided, "must be contiguous in its last dim"),
+    ("q_rope", "stride", strided_last, "must be contiguous in its last dim"),
     ("q_rope", "dtype", lambda x: x.double(), "must have dtype torch.float32"),  # must match q_latent
     ("q_rope", "shape", lambda x: x[:, :1], "must have shape"),  # 1 head, q_latent has 5
-    ("kv", "stride", _strided, "must be contiguous in its last dim"),
+    ("kv", "stride", strided_last, "must be contiguous in its last dim"),
     ("kv", "dtype", lambda x: x.long(), "must have dtype"),
     ("kv", "shape", lambda x: x[:, :10], "must have shape"),  # not C + R columns
-    ("slots", "stride", _strided, "must be contiguous in its last dim"),
+    ("slots", "stride", strided_last, "must be contiguous in its last dim"),
     ("slots", "dtype", lambda x: x.float(), "must have dtype"),
     ("slots", "shape", lambda x: x[:1], "must have shape"),  # not one row per query
 ]
