@@ -25,7 +25,10 @@ class SpecCounters:
         self.accepted_per_pos = [0] * self.num_steps
 
     def record(self, accepted: int) -> None:
-        """One request's verify round with ``accepted`` of ``num_steps`` drafts taken."""
+        """One request's verify round with ``accepted`` of ``num_steps`` drafts taken (raises
+        ``ValueError``, counters unchanged, outside ``0..num_steps``)."""
+        if not 0 <= accepted <= self.num_steps:
+            raise ValueError(f"accepted must lie in [0, {self.num_steps}], got {accepted}")
         self.verify_rounds += 1
         self.proposed_drafts += self.num_steps
         self.accepted_drafts += accepted

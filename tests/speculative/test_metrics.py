@@ -84,6 +84,15 @@ def test_every_draft_rejected():
     assert c.proposed_drafts == 14
 
 
+@pytest.mark.parametrize("bad", [-1, 3])
+def test_an_impossible_round_is_refused_and_counts_nothing(bad):
+    c = counters(2, [1, 2])
+    before = c.as_dict()
+    with pytest.raises(ValueError, match="accepted"):
+        c.record(bad)
+    assert c.as_dict() == before
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 6).flatmap(lambda k: st.tuples(st.just(k), st.lists(st.integers(0, k), max_size=30))))
 def test_counters_agree_with_their_definitions(case):
