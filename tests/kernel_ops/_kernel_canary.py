@@ -45,6 +45,17 @@ def root(x: torch.Tensor) -> torch.Tensor:
     return x if x._base is None else x._base
 
 
+def snapshot(args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Copies of every argument's whole storage (its canaries included), for ``assert_unchanged``."""
+    return {name: root(t).clone() for name, t in args.items()}
+
+
+def assert_unchanged(args: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
+    """No argument, nor the canary memory around it, was written (NaN canaries compare equal)."""
+    for name, t in args.items():
+        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+
+
 def sentinel(dtype: torch.dtype) -> float | int:
     return float("nan") if dtype.is_floating_point else -7
 

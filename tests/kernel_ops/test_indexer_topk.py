@@ -173,7 +173,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, max_seq_len, monkeypat
     no query sees), and both outputs (the score scratch and the top-k) sit inside flat sentinels.
     The result equals the dense oracle, every output element is written, nothing outside the
     outputs is, and no input changes."""
-    from _kernel_canary import CanaryOutputs, embed, root
+    from _kernel_canary import CanaryOutputs, assert_unchanged, embed, snapshot
 
     import kernels.indexer_topk_triton as triton_module
 
@@ -194,7 +194,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, max_seq_len, monkeypat
         seq_lens=embed(case["seq_lens"], (CANARY,), max_ctx, lead=CANARY),
     )
     assert args["index_k"].stride(0) == 5 + 4 and args["req_to_token"].stride(0) == max_ctx + 5
-    before = {name: root(t).clone() for name, t in args.items()}
+    before = snapshot(args)
     outputs = CanaryOutputs()
     monkeypatch.setattr(triton_module, "torch", outputs.proxy)
     got = indexer_topk(**args, top_k=top_k, scale=0.5, impl="triton", max_seq_len=max_seq_len)
@@ -202,8 +202,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, max_seq_len, monkeypat
     assert len(outputs.allocated) == 2, "a score scratch and the top-k"
     assert torch.equal(got, want)
     assert torch.equal(indexer_topk(**args, top_k=top_k, scale=0.5, impl="torch"), want)
-    for name, t in args.items():
-        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+    assert_unchanged(args, before)
 
 
 # (argument, what is wrong, how to break it, what the message says)

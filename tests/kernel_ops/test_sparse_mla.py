@@ -120,7 +120,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
     a flat sentinel. 17 heads take two head blocks, the second one mostly masked. The result equals
     dense attention over the selected rows, an all-masked query gives zeros, every output element
     is written, nothing outside the output is, and no input changes."""
-    from _kernel_canary import CanaryOutputs, embed, root
+    from _kernel_canary import CanaryOutputs, assert_unchanged, embed, snapshot
 
     import kernels.sparse_mla_triton as triton_module
 
@@ -136,7 +136,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
         slots=embed(case["slots"], (CANARY, 9), rows, lead=CANARY),  # slot `rows`: a canary row
     )
     assert args["kv"].stride(0) == 20 + 6 + 7 and args["slots"].stride(0) == 24 + 9
-    before = {name: root(t).clone() for name, t in args.items()}
+    before = snapshot(args)
     outputs = CanaryOutputs()
     monkeypatch.setattr(triton_module, "torch", outputs.proxy)
     got = sparse_mla(**args, scale=0.3, impl="triton", validate=True)
@@ -146,8 +146,7 @@ def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
     assert not got[2].any(), "an all-masked query gives zeros"
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sparse_mla(**args, scale=0.3, impl="torch").double(), want, rtol=1e-5, atol=1e-5)
-    for name, t in args.items():
-        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+    assert_unchanged(args, before)
 
 
 # (argument, what is wrong, how to break it, what the message says)
