@@ -7,7 +7,8 @@ Reported: generated tokens per second from the first submission to the last comp
 start-up and executor construction excluded on both sides), the median over repeats, and the ratio
 engine / driver as the median of each repeat's paired ratio (with its range). Beside it, the share of
 the engine's wall time that its executor spent inside device commands: the rest is the pipeline's
-own cost (event loop, stages, thread hand-offs), a figure the machine's noise hardly moves. Greedy outputs must be identical; the report says whether they are.
+own cost (event loop, stages, thread hand-offs), a figure the machine's noise hardly moves. Greedy
+outputs must be identical; the report says whether they are.
 
 The bundled model is used when present; otherwise a random tiny model, with a note (its speed is
 representative, its text is not).
@@ -36,7 +37,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--no-hisparse", action="store_true")
-    parser.add_argument("--hot", type=int, default=64, help="HiSparse device buffer (hot columns; >= the model's index_topk)")
+    parser.add_argument(
+        "--hot", type=int, default=64, help="HiSparse device buffer (hot columns; >= the model's index_topk)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-engine.json")
