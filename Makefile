@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The demo prompt (printf escapes): the bundled byte-level model continues code best mid-file.
 PROMPT := class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):
 
-.PHONY: run test lint venv clean
+.PHONY: run test test-all lint venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
 
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline statemachines kernels tests

@@ -11,28 +11,24 @@ import importlib
 from typing import TYPE_CHECKING
 
 from pipeline.config import EngineConfig, HiSparseConfig, MemoryPlan, SpeculativeConfig
-from pipeline.errors import ConfigError, HispecError, RequestError
+from pipeline.errors import ConfigError, EngineClosed, EngineError, HispecError, RequestError, RequestFailed
 
 # public name -> the module that defines it (imported on first access)
 _LAZY = {
     "Engine": "pipeline.engine",
-    "EngineClosed": "pipeline.engine",
-    "EngineError": "pipeline.engine",
     "GenerateResult": "pipeline.messages",
     "RequestOutput": "pipeline.messages",
-    "RequestFailed": "pipeline.stages.output",
     "RequestMetrics": "pipeline.request",
     "SamplingParams": "pipeline.sampling",
     "configure_logging": "pipeline.logs",
 }
 
 if TYPE_CHECKING:
-    from pipeline.engine import Engine, EngineClosed, EngineError
+    from pipeline.engine import Engine
     from pipeline.logs import configure_logging
     from pipeline.messages import GenerateResult, RequestOutput
     from pipeline.request import RequestMetrics
     from pipeline.sampling import SamplingParams
-    from pipeline.stages.output import RequestFailed
 
 
 def __getattr__(name: str) -> object:

@@ -18,8 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
 }
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
-    "engine": ("pipeline.bench_engine", "async engine throughput beside the synchronous driver"),
-    "kernels": ("kernels.bench", "time each kernel op beside the machine's copy bandwidth"),
+    "engine": ("pipeline.benchmarks.engine", "async engine throughput beside the synchronous driver"),
+    "kernels": ("pipeline.benchmarks.kernels", "time each kernel op beside the machine's copy bandwidth"),
     "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
     "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
 }

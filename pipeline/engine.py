@@ -32,7 +32,7 @@ import anyio
 import structlog
 
 from pipeline.config import EngineConfig
-from pipeline.errors import HispecError, RequestError
+from pipeline.errors import EngineClosed, EngineError, RequestError
 from pipeline.logs import SUBMITTED
 from pipeline.messages import GenerateResult, RequestOutput
 
@@ -44,14 +44,6 @@ if TYPE_CHECKING:
     from pipeline.stages.context import Registry, StageContext
 
 log = structlog.get_logger("hispec.engine")
-
-
-class EngineClosed(HispecError):
-    """The engine is not running (not entered yet, or shutting down)."""
-
-
-class EngineError(HispecError):
-    """The engine cannot go on (releasing a request's memory failed)."""
 
 
 class Engine:

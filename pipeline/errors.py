@@ -30,3 +30,21 @@ class RequestError(HispecError, ValueError):
         self.rule = rule
         shown = value if not isinstance(value, (list, tuple, str)) or len(value) <= 40 else f"<{len(value)} items>"
         super().__init__(f"{field}={shown!r}: {rule}")
+
+
+class EngineClosed(HispecError):
+    """The engine is not running (not entered yet, or shutting down)."""
+
+
+class EngineError(HispecError):
+    """The engine cannot go on; every live request has been failed."""
+
+
+class RequestFailed(HispecError):
+    """The request ended FAILED (an internal error affecting it alone); other requests continue."""
+
+    def __init__(self, request_id: str, reason: str, output_ids: tuple[int, ...]) -> None:
+        self.request_id = request_id
+        self.reason = reason
+        self.output_ids = output_ids  # what it had generated before it failed
+        super().__init__(f"request {request_id!r} failed: {reason}")

@@ -32,7 +32,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline.model.checkpoint import save_model
-from pipeline.model.config import BUNDLED_MODELS, ModelConfig
+from pipeline.model.config import ModelConfig
 from pipeline.model.corpus import DEFAULT_SELECTION, SELECTIONS, build_corpus
 from pipeline.model.model import DeepseekV32, init_weights
 from pipeline.model.moe import MoE
@@ -42,7 +42,8 @@ from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, TrainOutput, t
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, default=BUNDLED_MODELS["tiny"], help="checkpoint directory")
+    p.add_argument("--out", type=Path, required=True,
+                   help="checkpoint directory to write (required: the bundled model is never overwritten by default)")
     p.add_argument("--log", type=Path, default=None, help="JSON-lines metrics file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)

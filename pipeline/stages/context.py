@@ -18,8 +18,7 @@ import anyio
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pipeline.engine import EngineError
-from pipeline.errors import RequestError
+from pipeline.errors import EngineError, RequestError
 from pipeline.logs import info_enabled, request_context
 from pipeline.messages import Outcome, Release, StageMessage, Wake
 from pipeline.request import Request

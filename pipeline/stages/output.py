@@ -21,20 +21,10 @@ from collections.abc import Callable
 import anyio
 import attrs
 
-from pipeline.errors import HispecError
+from pipeline.errors import RequestFailed
 from pipeline.messages import RequestOutput
 from pipeline.request import Request
 from statemachines.request import State
-
-
-class RequestFailed(HispecError):
-    """The request ended FAILED (an internal error affecting it alone); other requests continue."""
-
-    def __init__(self, request_id: str, reason: str, output_ids: tuple[int, ...]) -> None:
-        self.request_id = request_id
-        self.reason = reason
-        self.output_ids = output_ids  # what it had generated before it failed
-        super().__init__(f"request {request_id!r} failed: {reason}")
 
 
 def complete_text(output_ids: list[int]) -> str:

@@ -21,7 +21,7 @@ import anyio
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pipeline.engine import EngineClosed
+from pipeline.errors import EngineClosed
 from pipeline.executor import Executor
 from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request

@@ -5,6 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from pipeline.errors import RequestFailed
 from pipeline.executor import PrefillResult, StepResult
 from pipeline.messages import AdmitAnswer, Wake
 from pipeline.model.tokenizer import ByteTokenizer
@@ -13,7 +14,7 @@ from pipeline.sampling import SamplingParams
 from pipeline.stages.admission import AdmissionQueue
 from pipeline.stages.context import Bells
 from pipeline.stages.decode import DecodeBatch, settle
-from pipeline.stages.output import OutputBuffer, RequestFailed
+from pipeline.stages.output import OutputBuffer
 from pipeline.stages.prefill import sort_prefilled
 from statemachines.request import (
     AbortRequested,

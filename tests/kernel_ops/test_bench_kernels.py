@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kernels.bench import BEGIN, END, markdown, write_docs
+from pipeline.benchmarks.kernels import BEGIN, END, markdown, write_docs
 
 REPORT = dict(
     machine=dict(device="cpu", dtype="float32", torch="x", threads=1, processor="p", cpus=2, load_avg_1min=0.5,

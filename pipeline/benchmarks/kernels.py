@@ -6,7 +6,8 @@ be compared with the bandwidth of ``dst.copy_(src)`` measured in the same run. O
 both implementations (torch reference and Triton); on CPU only the reference (the engine's CPU path).
 
 Results go to a JSON file (``--out``) and, as a markdown table, between the ``bench:begin`` /
-``bench:end`` markers of ``docs/kernels.md`` (``--docs``; ``--no-docs`` to skip).
+``bench:end`` markers of ``docs/kernels.md`` only when asked (``--write-docs``): a benchmark never
+rewrites a tracked file by default.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from kernels.indexer_topk import indexer_topk
 from kernels.kv_copy import copy_rows
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import swap_in
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
 BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 F32 = 4
@@ -240,9 +243,9 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec bench kernels",
                                      description="Time each kernel op beside plain torch copy bandwidth.")
     parser.add_argument("--out", default="bench-kernels.json", help="JSON results (default: %(default)s)")
-    parser.add_argument("--docs", default=str(Path(__file__).resolve().parents[1] / "docs" / "kernels.md"),
-                        help="markdown file whose bench section is replaced (default: the repo's docs/kernels.md)")
-    parser.add_argument("--no-docs", action="store_true", help="leave the docs alone")
+    parser.add_argument("--write-docs", nargs="?", const=str(DOCS), default=None, metavar="MD",
+                        help="replace the bench section of MD (default when given: the repo's docs/kernels.md); "
+                             "without this flag no tracked file is written")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ops", nargs="*", help="subset of: indexer_topk swap_in sparse_mla kv_copy")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="row/query dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -256,8 +259,9 @@ def main(argv: list[str]) -> int:
     report = measure(device, dtype, set(args.ops) if args.ops else None)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"wrote {args.out}")
-    if not args.no_docs:
-        table = markdown(report)
-        print(table)
-        print(f"updated {args.docs}" if write_docs(Path(args.docs), table) else f"no bench markers in {args.docs}")
+    table = markdown(report)
+    print(table)
+    if args.write_docs:
+        path = Path(args.write_docs)
+        print(f"updated {path}" if write_docs(path, table) else f"no bench markers in {path}")
     return 0
