@@ -1,36 +1,21 @@
-"""The synchronous driver: the executor's commands in a plain loop, no asyncio.
+"""The synchronous driver: the scheduling core's turns in a plain loop, no asyncio.
 
-Each iteration: admit queued requests into one prefill (in arrival order, while memory allows),
-collect the requests whose staging finished, then run one decode step (plain) or one draft + verify
-round (speculative) over every decoding request, and end the requests that finished. It is the
-oracle and the baseline of the async engine, and what the tests drive directly.
+Each iteration runs one turn of every part of the core in pipeline order (admission, prefill,
+staging, decode), executing their commands directly on the executor, and passes each turn's hand-off
+to the next part. Staging copies are waited for before staging's turn, so which requests join which
+step does not depend on copy timing (the async engine overlaps them instead). It is the oracle and
+the baseline of the async engine, and what many tests drive directly.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 
-from pipeline.executor import Executor, NewSequence
+from pipeline.executor import Executor
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
-from statemachines.request import (
-    AbortRequested,
-    Admitted,
-    Crashed,
-    DraftDone,
-    DraftStarted,
-    Event,
-    Finished,
-    FinishedAtPrefill,
-    JoinedBatch,
-    PrefillDone,
-    Retracted,
-    StagingDone,
-    State,
-    StepDone,
-    Verified,
-)
+from pipeline.scheduler import Handoff, Scheduler, Turn, end
+from statemachines.request import AbortRequested, State
 
 
 class SyncDriver:
@@ -38,15 +23,14 @@ class SyncDriver:
 
     def __init__(self, executor: Executor, *, max_prefill_tokens: int = 8192, check: bool = False) -> None:
         self.executor = executor
-        self.max_prefill_tokens = max_prefill_tokens
         self.check = check
+        self.core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps)
         self.requests: dict[str, Request] = {}
-        self._queue: collections.deque[str] = collections.deque()
         self._ids = itertools.count()
 
     @property
     def speculative(self) -> bool:
-        return self.executor.config.speculative is not None
+        return self.executor.speculative
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> Request:
         """Queue a request; raises ``RequestError`` (nothing queued) if it is invalid."""
@@ -58,7 +42,7 @@ class SyncDriver:
             rid, tuple(prompt_ids), params, self.executor.tokenizer, self.executor.config.max_context_len
         )
         self.requests[rid] = req
-        self._queue.append(rid)
+        self.core.admission.push(req)
         return req
 
     def generate(
@@ -75,13 +59,15 @@ class SyncDriver:
             pass
 
     def abort(self, request_id: str) -> None:
-        """Abort in whatever state the request is; frees everything it owns."""
+        """Abort in whatever state the request is: it ends at once, its memory released."""
         req = self.requests[request_id]
         if req.is_finished:
             return
-        if req.state is State.QUEUED and request_id in self._queue:
-            self._queue.remove(request_id)
-        self._end(req, AbortRequested(), "abort")
+        core = self.core
+        core.admission.remove({request_id})
+        core.staging.owned.pop(request_id, None)
+        core.decode.members.pop(request_id, None)
+        self._drive(end([(req, AbortRequested())], "driver"))
 
     def live(self, state: State) -> list[Request]:
         return [r for r in self.requests.values() if r.state is state]
@@ -90,95 +76,42 @@ class SyncDriver:
 
     def step(self) -> bool:
         """One scheduler iteration; False once nothing is left to do."""
-        self._admit()
-        # Synchronous: wait for the staging copies, so that which requests join which step does not
-        # depend on copy timing (the async engine overlaps them instead).
+        core = self.core
+        self._route(self._drive(core.admission.turn()), "admission")
         self.executor.wait_staging()
-        for rid in self.executor.collect_ready():
-            req = self.requests[rid]
-            req.apply(StagingDone())
-            req.apply(JoinedBatch())
-        decoding = [r.request_id for r in self.live(State.DECODE)]
-        if decoding:
-            self._speculate(decoding) if self.speculative else self._decode(decoding)
+        self._route(self._drive(core.staging.turn()), "staging")
+        if len(core.decode):
+            self._route(self._drive(core.decode.turn()), "decode")
         if self.check:
-            self.executor.check_integrity()
+            self.check_integrity()
         return any(not r.is_finished for r in self.requests.values())
 
-    def _admit(self) -> None:
-        batch: list[Request] = []
-        budget = self.max_prefill_tokens
-        while self._queue:
-            req = self.requests[self._queue[0]]
-            need = len(req.known_tokens())
-            if (batch and need > budget) or not self.executor.can_admit(need):
-                break
-            self._queue.popleft()
-            req.apply(Admitted())
-            batch.append(req)
-            budget -= need
-        if not batch:
+    def _drive(self, turn: Turn) -> Handoff:
+        """Run a turn's commands on the executor until it returns its hand-off."""
+        try:
+            command = next(turn)
+            while True:
+                command = turn.send(self.executor.run(command))
+        except StopIteration as stop:
+            return stop.value
+
+    def _route(self, handoff: Handoff, part: str) -> None:
+        core = self.core
+        for req in handoff.ended:
+            core.aborts.discard(req.request_id)
+        core.admission.requeue(handoff.requeue)
+        if not handoff.onward:
             return
-        result = self.executor.prefill([NewSequence(r.request_id, r.known_tokens(), r.params) for r in batch])
-        for req in batch:
-            if req.request_id in result.refused:
-                req.apply(Retracted())
-                self._queue.appendleft(req.request_id)
-                continue
-            reason = req.append((result.first_tokens[req.request_id],))
-            if reason is None:
-                req.apply(PrefillDone())
-            else:
-                self._end(req, FinishedAtPrefill(reason), reason)
+        if part == "admission":
+            self._route(self._drive(core.prefill.turn(handoff.onward)), "prefill")
+        elif part == "prefill":
+            core.staging.accept(handoff.onward)
+        elif part == "staging":
+            core.decode.accept(handoff.onward)
+        else:
+            raise AssertionError(f"{part} hands nothing onward")
 
-    def _decode(self, ids: list[str]) -> None:
-        result = self.executor.decode(ids)
-        self._retract(result.refused)
-        for rid, tokens in result.tokens.items():
-            req = self.requests[rid]
-            reason = req.append(tokens)
-            if reason is None:
-                req.apply(StepDone())
-            else:
-                self._end(req, Finished(reason), reason)
-
-    def _speculate(self, ids: list[str]) -> None:
-        # room for the round first: a request that cannot grow is retracted while still in DECODE
-        # (there is no way back to the queue from DRAFT)
-        draft_tokens = self.executor.config.speculative.draft_tokens
-        ids, refused = self.executor.reserve(ids, new_tokens=draft_tokens, speculative=True)
-        self._retract(refused)
-        for rid in ids:
-            self.requests[rid].apply(DraftStarted())
-        drafted = self.executor.draft(ids)
-        self._retract(drafted.refused)
-        runnable = [rid for rid in ids if rid not in drafted.refused]
-        for rid in runnable:
-            self.requests[rid].apply(DraftDone(num_drafts=self.executor.num_draft_steps))
-        result = self.executor.verify(runnable)
-        for rid, why in result.failed.items():
-            req = self.requests[rid]
-            req.error = why
-            self._end(req, Crashed(why), "error")
-        for rid, tokens in result.tokens.items():
-            req = self.requests[rid]
-            req.record_verify(result.accepted[rid], self.executor.num_draft_steps)
-            reason = req.append(tokens)
-            if reason is None:
-                req.apply(Verified(accepted=len(tokens)))
-            else:
-                self._end(req, Finished(reason), reason)
-
-    def _retract(self, request_ids: tuple[str, ...]) -> None:
-        """Memory pressure: release, and queue again at the front (output kept)."""
-        for rid in request_ids:
-            req = self.requests[rid]
-            self.executor.release(rid)
-            req.apply(Retracted())
-            req.metrics.num_retractions += 1
-            self._queue.appendleft(rid)
-
-    def _end(self, req: Request, event: Event, reason: str) -> None:
-        self.executor.release(req.request_id)
-        req.finish_reason = reason
-        req.apply(event)
+    def check_integrity(self) -> None:
+        live = [r for r in self.requests.values() if not r.is_finished]
+        self.core.check_integrity(live)
+        self.executor.check_integrity(states={r.request_id: r.state for r in live})

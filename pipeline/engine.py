@@ -35,6 +35,7 @@ from pipeline.config import EngineConfig
 from pipeline.errors import EngineClosed, EngineError, RequestError
 from pipeline.logs import SUBMITTED
 from pipeline.messages import GenerateResult, RequestOutput
+from statemachines.request import AbortRequested, Crashed
 
 if TYPE_CHECKING:
     from pipeline.executor import Executor
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from pipeline.stages.context import Registry, StageContext
 
 log = structlog.get_logger("hispec.engine")
+
+# leaving the engine with on_exit="abort": how long the stages get to end what is live before the
+# engine stops them and ends it itself (a step or two is enough; this bounds a stuck command)
+_WIND_DOWN_S = 30.0
 
 
 class Engine:
@@ -83,6 +88,7 @@ class Engine:
         self.initial_pool_counts: dict[str, int] | None = None  # free counts before the first request
         self.final_pool_counts: dict[str, int] | None = None  # free counts after shutdown, before close
         self._running = False
+        self._pipe = None
 
     # --- lifetime ---------------------------------------------------------------------------------
 
@@ -115,23 +121,47 @@ class Engine:
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
         self._running = False
+        cancelled = exc_type is not None and issubclass(exc_type, anyio.get_cancelled_exc_class())
+        stages_ok = self._pipe.all_running and not self._tg.cancel_scope.cancel_called
+        suppressed = None
         try:
-            try:
-                with anyio.CancelScope(shield=True):
-                    await self._stop_requests(exc_type)
-            finally:
-                suppressed = await self._tg.__aexit__(exc_type, exc, tb)  # the stages end one by one
+            if not cancelled and stages_ok:
+                # the stages are alive: they end (or finish) what is live; aborting is bounded in time
+                finish = self._on_exit == "finish" and exc_type is None
+                with anyio.CancelScope(shield=True), anyio.move_on_after(None if finish else _WIND_DOWN_S):
+                    await self._wind_down(finish=finish)
+            self._pipe.close_entries()
+            if self._registry.live:
+                self._tg.cancel_scope.cancel()  # the stages did not empty the engine: stop them
+            suppressed = await self._tg.__aexit__(exc_type, exc, tb)  # the stages end one by one
         finally:
             with anyio.CancelScope(shield=True):
+                # a stage crashed: what was live fails; the caller cancelled or left: it is aborted
+                crash = None if stages_ok else "the engine stopped: a stage raised"
+                await self._stop_what_is_live(crash)
                 await self._close_executor()
         return suppressed
 
-    async def _stop_requests(self, exc_type: Any) -> None:
-        if self._tg.cancel_scope.cancel_called:  # a stage raised: nothing will move any more
-            self._pipe.fail_live("the engine stopped: a stage raised")
-        else:
-            await self._wind_down(finish=self._on_exit == "finish" and exc_type is None)
-        self._pipe.close_entries()
+    async def _stop_what_is_live(self, crash: str | None) -> None:
+        """With every stage stopped (cancelled or crashed), end each live request here: release its
+        memory through the executor (no other task uses it now) and apply its terminal event
+        (``Crashed(crash)``, or an abort)."""
+        live = list(self._registry.live.values())
+        if not live:
+            return
+        await anyio.to_thread.run_sync(self._release_all, [r.request_id for r in live])
+        for req in live:
+            if not req.is_finished:
+                event = Crashed(crash) if crash is not None else AbortRequested()
+                req.apply(event, "engine", output_tokens=len(req.output_ids))
+            self._registry.ended(req)
+
+    def _release_all(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            try:
+                self.executor.release(rid)
+            except Exception:  # shutdown frees what it can; the pools check below tells
+                log.error("engine.release_failed", request_id=rid, exc_info=True)
 
     async def _close_executor(self) -> None:
         self.final_pool_counts = self.executor.pool_counts()
@@ -162,8 +192,12 @@ class Engine:
         """Stream one request's output as deltas (the last one has ``finished``, ``finish_reason``
         and ``metrics``). Raises ``RequestError`` naming the field right here if the request is
         invalid. The request is submitted when iteration starts; closing or cancelling the iterator
-        aborts it. Iteration raises ``RequestFailed`` if the request fails."""
-        return self._stream(self._new_request(prompt, params, request_id))
+        aborts it. Iteration raises ``RequestFailed`` if the request fails.
+
+        ``async with engine.generate(...) as stream: async for delta in stream: ...`` aborts the
+        request as soon as the block is left, ``break`` included (a bare ``async for`` that breaks
+        while something still holds the iterator aborts only when the iterator is closed)."""
+        return RequestStream(self._stream(self._new_request(prompt, params, request_id)))
 
     async def generate_text(
         self,
@@ -188,8 +222,10 @@ class Engine:
         Returns at once; the stage that owns the request ends it at its next safe point (between
         two device commands), releases its memory, and its stream ends with ``finish_reason="abort"``.
         """
-        if not self._registry.request_abort(request_id):
+        req = self._registry.live.get(request_id) if self._pipe is not None else None
+        if req is None or req.is_finished:
             return False
+        self._ctx.aborts.add(request_id)
         self._pipe.bells.ring_all(reason="abort")
         return True
 
@@ -247,7 +283,7 @@ class Engine:
         log.info(SUBMITTED, request_id=req.request_id, state=req.state.value, prompt_tokens=len(req.prompt_ids))
         try:
             await self._pipe.submit(req)
-        except EngineClosed:
+        except BaseException:  # closed, or cancelled while waiting for a slot: it never reached admission
             self._pipe.drop_unsubmitted(req)
             raise
         try:
@@ -261,4 +297,28 @@ class Engine:
                 self.abort(req.request_id)
 
 
-__all__ = ["Engine", "EngineClosed", "EngineError", "GenerateResult", "RequestOutput"]
+class RequestStream:
+    """What ``Engine.generate`` returns: an async iterator of deltas, and an async context manager
+    that aborts the request when its block is left (whether or not the stream was read to its end)."""
+
+    def __init__(self, deltas: AsyncIterator[RequestOutput]) -> None:
+        self._deltas = deltas
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        """Stop reading: an unfinished request is aborted."""
+        await self._deltas.aclose()
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+__all__ = ["Engine", "EngineClosed", "EngineError", "GenerateResult", "RequestOutput", "RequestStream"]

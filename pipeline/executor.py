@@ -1,21 +1,32 @@
 """The executor: the single owner of the model, the KV memory and every device command.
 
-Mechanism only. Stages (or the synchronous driver) decide which requests go into which command; the
-executor runs one command at a time and reports what happened. Its commands:
+Mechanism only. The scheduling core (``pipeline/scheduler.py``) decides which requests go into which
+command; the executor runs one command at a time (``run``) and reports what happened. Its commands
+(``pipeline/messages.py``):
 
-* ``prefill(sequences)``: admits what fits, runs the prompts in one flat forward, samples each first
-  token, starts staging (and, in speculative mode, drafts over the prompt);
-* ``collect_ready()``: requests whose staging finished, in FIFO order;
-* ``decode(ids)``: one plain decode step for each request;
-* ``draft(ids)`` / ``verify(ids)``: one speculative round (``pipeline/speculative``);
-* ``release(id)``: every resource of a request goes back, in any state.
+* ``Admit``: allocate the memory of the longest prefix of candidates that fits together;
+* ``Prefill``: the admitted prompts in one flat forward, each first token, the start of staging (and,
+  in speculative mode, the draft extend over the prompt);
+* ``CollectReady``: requests whose staging finished, in FIFO order;
+* ``Decode``: one plain decode step; ``Reserve`` / ``Draft`` / ``Verify``: a speculative round
+  (``pipeline/speculative/round.py``);
+* ``Release``: every resource of a request goes back, in any state.
 
-Each request samples with its own generator, so its tokens do not depend on its batch companions.
+Fault isolation. Work for one request (sampling, acceptance) is guarded request by request; a batched
+forward that raises is retried on halves of its batch until the requests that make it fail are
+found, and only those are reported ``failed``. The retries redo nothing that was committed: a forward
+commits only after it returns, and everything before the commit is idempotent.
+
+Each request samples with its own generator, so its tokens do not depend on its batch companions; a
+retracted request keeps its generator (``Release(keep_sampling_state=True)``), so its random stream
+continues where it stopped when it is admitted again.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 import attrs
 import structlog
@@ -26,39 +37,50 @@ from pipeline.errors import ConfigError, RequestError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import TransferStream
+from pipeline.memory.interface import KVMemory, Residency
 from pipeline.memory.resident import ResidentMemory
+from pipeline.memory.targets import PrefillSlots
+from pipeline.messages import (
+    NO_FIGURES,
+    Admit,
+    AdmitResult,
+    CollectReady,
+    Command,
+    Decode,
+    Draft,
+    NewSequence,
+    Outcome,
+    Prefill,
+    PrefillResult,
+    ReadyResult,
+    Release,
+    Reserve,
+    RoomResult,
+    StepFigures,
+    StepResult,
+    Verify,
+)
 from pipeline.model import DeepseekV32, load_model
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.sampling import SamplingParams, make_generator, sample
+from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
-from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
+from pipeline.speculative.rounds import ExtendInput, draft_extend
+from statemachines.request import State
 
 log = structlog.get_logger(__name__)
 
-
-@attrs.frozen
-class NewSequence:
-    """A request entering prefill."""
-
-    request_id: str
-    token_ids: tuple[int, ...]  # the prompt (after a retraction: prompt + tokens generated so far)
-    params: SamplingParams
-
-
-@attrs.frozen
-class PrefillResult:
-    first_tokens: dict[str, int]  # request id -> the token sampled after its prompt
-    refused: tuple[str, ...]  # not admitted (memory): back to the queue
-
-
-@attrs.frozen
-class StepResult:
-    tokens: dict[str, tuple[int, ...]]  # request id -> new output tokens this step, in order
-    refused: tuple[str, ...] = ()  # could not step (memory): the caller retracts them
-    accepted: dict[str, int] = attrs.Factory(dict)  # speculative: accepted drafts per request
-    failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue
+# which residency a row must have while its request is in each state (the rest hold no row)
+RESIDENCY: dict[State, Residency] = {
+    State.PREFILL: Residency.PREFILL,
+    State.STAGING: Residency.STAGING,
+    State.READY: Residency.RESIDENT,
+    State.DECODE: Residency.RESIDENT,
+    State.DRAFT: Residency.RESIDENT,
+    State.VERIFY: Residency.RESIDENT,
+}
 
 
 @attrs.define(eq=False)
@@ -69,8 +91,19 @@ class Sequence:
     row: int
     params: SamplingParams
     generator: torch.Generator | None
-    next_token: int = -1  # sampled, its KV not computed yet (it sits at position = length)
-    draft: DraftState | None = None  # speculative: the stash between steps
+    token_ids: tuple[int, ...] = ()  # what the prefill runs (prompt, plus output after a retraction)
+    prefill: PrefillSlots | None = None  # the prompt's locations and dense slots, until the prefill ran
+    plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
+    draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
+
+    @property
+    def next_token(self) -> int:
+        """The token whose KV comes next: the draft state's bonus in speculative mode."""
+        return self.draft.bonus if self.draft is not None else self.plain_next
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Executor:
@@ -112,26 +145,83 @@ class Executor:
         if config.hisparse is not None:
             streams = {"transfer": transfer} if transfer is not None else {}
             drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0
-            self.memory: HiSparseCoordinator | ResidentMemory = HiSparseCoordinator(
-                **memory_args, **streams, num_draft_layers=drafts
-            )
+            self.memory: KVMemory = HiSparseCoordinator(**memory_args, **streams, num_draft_layers=drafts)
         else:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=cfg.num_nextn_predict_layers)
         self.trace = TopKTrace(trace_path) if trace_path else None
         spec = config.speculative
+        self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
+        # generators of retracted requests, kept for their re-admission
+        self._sampling_state: dict[str, torch.Generator | None] = {}
 
-    # --- commands ---------------------------------------------------------------------------------
+    @property
+    def speculative(self) -> bool:
+        return self.num_steps > 0
+
+    @property
+    def draft_tokens(self) -> int:
+        """D: positions a speculative round adds at most (0 without speculation)."""
+        return self.config.speculative.draft_tokens if self.speculative else 0
+
+    # --- the command protocol -----------------------------------------------------------------------
+
+    def run(self, command: Command, *, idle: bool = True) -> Outcome:
+        """Run one command. ``idle``: nothing else waits for the device (``CollectReady`` may then
+        wait for the copies in flight). Never raises: an error outside any one request comes back in
+        ``Outcome.error`` (nothing is known of the command's effect then)."""
+        start = time.perf_counter()
+        before = self._swap_totals()
+        try:
+            result, changed = self._dispatch(command, idle)
+        except Exception as exc:  # the whole command failed: its requests fail, not the engine
+            log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
+            return Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start)
+        after = self._swap_totals()
+        figures = StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES
+        return Outcome(result, figures, changed, None, time.perf_counter() - start)
+
+    def _dispatch(self, command: Command, idle: bool) -> tuple[object, bool]:
+        match command:
+            case Admit(sequences=sequences):
+                result = self.admit(sequences)
+                return result, bool(result.admitted)
+            case Prefill(request_ids=ids):
+                return self.prefill_admitted(list(ids)), True
+            case CollectReady(request_ids=ids):
+                if idle:
+                    self.wait_staging()
+                ready = tuple(self.collect_ready(list(ids)))
+                failed = {self._by_row[row]: why for row, why in self.memory.take_staging_failures().items()}
+                return ReadyResult(ready, idle, failed), bool(ready or failed)
+            case Decode(request_ids=ids):
+                return self.decode(list(ids)), True
+            case Reserve(request_ids=ids, new_tokens=n):
+                runnable, refused = self.reserve(list(ids), new_tokens=n, speculative=self.speculative)
+                return RoomResult(tuple(runnable), refused), bool(runnable)
+            case Draft(request_ids=ids):
+                return self.draft(list(ids)), True
+            case Verify(request_ids=ids):
+                return self.verify(list(ids)), True
+            case Release(request_ids=ids, keep_sampling_state=keep):
+                for rid in ids:
+                    self._release_logged(rid, keep)
+                return None, bool(ids)
+            case _:
+                raise TypeError(f"unknown command {command!r}")
+
+    # --- admission and prefill --------------------------------------------------------------------
 
     def validate(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
-        """Request-level checks (ARCHITECTURE §6); raises ``RequestError`` for this request only."""
+        """Request-level checks (docs/invariants.md, "Requests"); raises ``RequestError`` for this
+        request only."""
         params.validate()
         if not token_ids:
             raise RequestError("prompt", token_ids, "must not be empty")
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
         if bad:
             raise RequestError("prompt", bad[:8], f"token ids must be ints in [0, {vocab})")
         limit = self.config.max_context_len
@@ -143,60 +233,92 @@ class Executor:
             )
 
     def can_admit(self, num_tokens: int) -> bool:
-        return self.memory.can_admit(num_tokens)
+        return self.memory.can_admit(num_tokens, speculative=self.speculative)
+
+    def admit(self, sequences: Seq[NewSequence]) -> AdmitResult:
+        """Allocate, in order, every candidate until the first that does not fit: each allocation
+        counts against the next, so the batch is judged as a whole."""
+        admitted: list[str] = []
+        for seq in sequences:
+            if seq.request_id in self.seqs:
+                raise ValueError(f"request {seq.request_id!r} is already admitted")
+            if not self.can_admit(len(seq.token_ids)):
+                break
+            got = self.memory.admit(len(seq.token_ids), speculative=self.speculative)
+            self._register(seq, got)
+            admitted.append(seq.request_id)
+        return AdmitResult(tuple(admitted))
 
     @torch.inference_mode()
-    def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
-        """Admit what fits (in order), run the admitted prompts in one forward, start staging."""
-        admitted: list[tuple[NewSequence, object]] = []
-        refused: list[str] = []
-        for seq in sequences:
-            if refused or not self.memory.can_admit(len(seq.token_ids)):
-                refused.append(seq.request_id)
+    def prefill_admitted(self, request_ids: list[str]) -> PrefillResult:
+        """Run the admitted prompts in one forward (a failing forward is bisected), sample each
+        first token, draft-extend (speculative), start staging."""
+        seqs = [self.seqs[rid] for rid in request_ids]
+        ran, failed = self.isolate(seqs, self._prefill_forward, "prefill")
+        first: dict[str, int] = {}
+        extend: list[tuple[Sequence, ExtendInput]] = []
+        for seq, hidden, logits in ran:
+            try:
+                token = sample(logits, seq.params, seq.generator)
+            except Exception as exc:  # this request's sampling, this request's failure
+                failed[seq.request_id] = _reason(exc)
                 continue
-            admitted.append((seq, self.memory.admit(len(seq.token_ids))))
-        if not admitted:
-            return PrefillResult({}, tuple(refused))
+            first[seq.request_id] = token
+            if self.speculative:
+                next_ids = (*seq.token_ids[1:], token)
+                extend.append((seq, ExtendInput(seq.row, 0, next_ids, hidden, seq.params, seq.generator)))
+            else:
+                seq.plain_next = token
+        if extend:
+            extended, errors = self.isolate(extend, self._extend, "draft extend")
+            for seq, state in extended:
+                seq.draft = state
+            failed.update(errors)
+            for rid in errors:
+                first.pop(rid, None)
+        for rid in request_ids:
+            seq = self.seqs[rid]
+            seq.prefill = None
+            if rid in first:
+                self.memory.start_staging(seq.row, len(seq.token_ids))
+        return PrefillResult(first, failed)
+
+    def _prefill_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, torch.Tensor, torch.Tensor]]:
         dev = self.device
-        ids = torch.tensor([t for seq, _ in admitted for t in seq.token_ids], device=dev)
-        positions = torch.cat([torch.arange(len(seq.token_ids), device=dev) for seq, _ in admitted])
-        rows = torch.cat([torch.full((len(seq.token_ids),), got.row, device=dev) for seq, got in admitted])
-        locs = torch.cat([got.locs for _, got in admitted])
-        slots = torch.cat([got.slots for _, got in admitted])
-        for seq, got in admitted:
-            self._register(seq, got.row)
+        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
+        positions = torch.cat([torch.arange(len(s.token_ids), device=dev) for s in seqs])
+        rows = torch.cat([torch.full((len(s.token_ids),), s.row, device=dev) for s in seqs])
+        locs = torch.cat([s.prefill.locs for s in seqs]).to(dev)
+        slots = torch.cat([s.prefill.slots for s in seqs]).to(dev)
         backend = self.memory.backend(rows, positions, locs, slots, trace=self.trace, labels=self._labels())
         hidden = self.model(ids, positions, backend)  # [T, D]
-        ends = torch.cumsum(torch.tensor([len(seq.token_ids) for seq, _ in admitted]), 0) - 1
+        lens = [len(s.token_ids) for s in seqs]
+        ends = torch.cumsum(torch.tensor(lens), 0) - 1
         logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
-        first: dict[str, int] = {}
-        for i, (seq, _) in enumerate(admitted):
-            state = self.seqs[seq.request_id]
-            state.next_token = sample(logits[i], state.params, state.generator)
-            first[seq.request_id] = state.next_token
-        if self.config.speculative is not None:
-            self._draft_extend_prompts(admitted, hidden, ends)
-        for seq, got in admitted:
-            self.memory.start_staging(got.row, len(seq.token_ids))
-        return PrefillResult(first, tuple(refused))
+        out, start = [], 0
+        for i, (seq, n) in enumerate(zip(seqs, lens)):
+            out.append((seq, hidden[start : start + n].clone(), logits[i]))  # own copies: no batch retained
+            start += n
+        return out
 
-    def _draft_extend_prompts(self, admitted, hidden: torch.Tensor, ends: torch.Tensor) -> None:
-        """The MTP layer over each prompt: target hidden of position p with the token at p + 1."""
-        starts = (ends - torch.tensor([len(seq.token_ids) for seq, _ in admitted]) + 1).tolist()
-        inputs = []
-        for (seq, got), start, end in zip(admitted, starts, ends.tolist()):
-            state = self.seqs[seq.request_id]
-            next_ids = (*seq.token_ids[1:], state.next_token)
-            inputs.append(
-                ExtendInput(got.row, 0, next_ids, hidden[start : end + 1], state.params, state.generator)
-            )
-        for (seq, _), draft in zip(admitted, draft_extend(self.model, self.memory, inputs)):
-            self.seqs[seq.request_id].draft = draft
+    def _extend(self, items: list[tuple[Sequence, ExtendInput]]) -> list[tuple[Sequence, DraftState]]:
+        states = draft_extend(self.model, self.memory, [x for _, x in items])
+        return [(seq, state) for (seq, _), state in zip(items, states)]
 
-    def collect_ready(self) -> list[str]:
-        """Requests whose prompt KV reached host and that now own a device buffer (FIFO)."""
-        rows = self.memory.collect_ready(speculative=self.config.speculative is not None)
-        return [self._by_row[row] for row in rows]
+    def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
+        """``Admit`` then ``Prefill`` in one call (tests and benchmarks): the sequences that do not fit
+        are left out of the result (neither in ``first_tokens`` nor in ``failed``)."""
+        admitted = self.admit(sequences).admitted
+        if not admitted:
+            return PrefillResult({})
+        return self.prefill_admitted(list(admitted))
+
+    def collect_ready(self, request_ids: list[str] | None = None) -> list[str]:
+        """Requests (of ``request_ids``; all when None) whose prompt KV reached host and that now own
+        their device buffer (FIFO)."""
+        rows = None if request_ids is None else [self.seqs[rid].row for rid in request_ids if rid in self.seqs]
+        ready = self.memory.collect_ready(rows, speculative=self.speculative)
+        return [self._by_row[row] for row in ready]
 
     def staging(self) -> list[str]:
         return [self._by_row[row] for row in self.memory.staging_rows()]
@@ -205,11 +327,23 @@ class Executor:
         """Block until every staging copy in flight has landed."""
         self.memory.wait_staging()
 
+    # --- decode -----------------------------------------------------------------------------------
+
     def can_step(self, request_id: str, new_tokens: int = 1) -> bool:
         row = self.seqs[request_id].row
-        return self.memory.can_decode(
-            row, new_tokens=new_tokens, speculative=self.config.speculative is not None
-        )
+        return self.memory.can_decode(row, new_tokens=new_tokens, speculative=self.speculative)
+
+    def reserve(
+        self, request_ids: list[str], *, new_tokens: int, speculative: bool
+    ) -> tuple[list[str], tuple[str, ...]]:
+        """Room for ``new_tokens`` more positions, request by request, each reservation counting
+        against the next: (the requests that got it, the refused ones). Reserving again is a no-op."""
+        runnable: list[str] = []
+        for rid in request_ids:
+            if self.can_step(rid, new_tokens):
+                self.memory.ensure_capacity(self.seqs[rid].row, new_tokens=new_tokens, speculative=speculative)
+                runnable.append(rid)
+        return runnable, tuple(rid for rid in request_ids if rid not in runnable)
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:
@@ -218,6 +352,20 @@ class Executor:
         if not runnable:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
+        ran, failed = self.isolate(seqs, self._decode_forward, "decode")
+        out: dict[str, tuple[int, ...]] = {}
+        if ran:
+            self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, _) in ran]))
+        for seq, (_, logits) in ran:
+            try:
+                seq.plain_next = sample(logits, seq.params, seq.generator)
+            except Exception as exc:  # this request's sampling, this request's failure
+                failed[seq.request_id] = _reason(exc)
+                continue
+            out[seq.request_id] = (seq.plain_next,)
+        return StepResult(out, refused, failed=failed)
+
+    def _decode_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, tuple[torch.Tensor, torch.Tensor]]]:
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
         dev = self.device
@@ -228,127 +376,121 @@ class Executor:
             rows, positions, targets.locs, targets.slots, steps=1, trace=self.trace, labels=self._labels()
         )
         logits = self.model.logits(self.model(ids, positions, backend))  # [B, V]
-        self.memory.commit_decode(row_list, targets.slots)
-        out: dict[str, tuple[int, ...]] = {}
-        for i, seq in enumerate(seqs):
-            seq.next_token = sample(logits[i], seq.params, seq.generator)
-            out[seq.request_id] = (seq.next_token,)
-        return StepResult(out, refused)
+        return [(s, (targets.slots[i : i + 1], logits[i])) for i, s in enumerate(seqs)]
 
-    def reserve(
-        self, request_ids: list[str], *, new_tokens: int, speculative: bool
-    ) -> tuple[list[str], tuple[str, ...]]:
-        """Room for ``new_tokens`` more positions, request by request, each reservation counting
-        against the next: (the requests that got it, the refused ones). Reserving again is a no-op,
-        so a caller may reserve before ``decode``/``draft`` to learn the refusals first."""
-        runnable: list[str] = []
-        for rid in request_ids:
-            if self.can_step(rid, new_tokens):
-                self.memory.ensure_capacity(self.seqs[rid].row, new_tokens=new_tokens, speculative=speculative)
-                runnable.append(rid)
-        return runnable, tuple(rid for rid in request_ids if rid not in runnable)
-
-    @property
-    def num_draft_steps(self) -> int:
-        spec = self.config.speculative
-        return 0 if spec is None else spec.num_steps
+    # --- a speculative round ------------------------------------------------------------------------
 
     @torch.inference_mode()
     def draft(self, request_ids: list[str]) -> StepResult:
-        """Chain drafting: each request's one proposal becomes ``num_steps`` proposals."""
-        spec = self.config.speculative
-        assert spec is not None, "draft() needs a speculative config"
-        d = spec.draft_tokens
-        runnable, refused = self.reserve(request_ids, new_tokens=d, speculative=True)
-        if not runnable:
-            return StepResult({}, refused)
-        seqs = [self.seqs[rid] for rid in runnable]
-        states = draft_chain(
-            self.model,
-            self.memory,
-            [s.row for s in seqs],
-            [s.draft for s in seqs],
-            [s.params for s in seqs],
-            [s.generator for s in seqs],
-            spec.num_steps,
-        )
-        for seq, state in zip(seqs, states):
-            seq.draft = state
-        return StepResult({}, refused)
+        """Chain drafting; the round's room must have been reserved (``reserve``)."""
+        assert self.speculative, "draft() needs a speculative config"
+        seqs = [self.seqs[rid] for rid in request_ids]
+
+        def chain(group: list[Sequence]) -> list[Sequence]:
+            spec_round.draft(self.model, self.memory, group, self.num_steps)
+            return group
+
+        _, failed = self.isolate(seqs, chain, "draft")
+        return StepResult({}, failed=failed)
 
     @torch.inference_mode()
     def verify(self, request_ids: list[str]) -> StepResult:
         """One target forward over ``[bonus, d_1..d_k]`` of every request, acceptance, finalize, and
-        the draft extend over the accepted tokens."""
-        spec = self.config.speculative
-        assert spec is not None, "verify() needs a speculative config"
-        d = spec.draft_tokens
+        the draft extend over the accepted tokens (``pipeline/speculative/round.py``)."""
+        assert self.speculative, "verify() needs a speculative config"
         if not request_ids:
             return StepResult({})
         seqs = [self.seqs[rid] for rid in request_ids]
-        row_list = [s.row for s in seqs]
-        lengths = [self.memory.length(r) for r in row_list]
-        layout = self.memory.prepare_verify(row_list, d)
-        dev = self.device
-        ids = torch.tensor([t for s in seqs for t in (s.draft.bonus, *s.draft.drafts)], device=dev)
-        positions = torch.cat([torch.arange(n, n + d) for n in lengths]).to(dev)
-        rows = torch.tensor(row_list, device=dev).repeat_interleave(d)
-        backend = self.memory.backend(
-            rows,
-            positions,
-            layout.targets.locs,
-            layout.targets.slots,
-            steps=d,
+        done = spec_round.verify(
+            self.model,
+            self.memory,
+            seqs,
+            self.draft_tokens,
             trace=self.trace,
             labels=self._labels(),
+            isolate=self.isolate,
         )
-        hidden = self.model(ids, positions, backend)  # [B * D, H]
-        logits = self.model.logits(hidden).reshape(len(seqs), d, -1)
-        decisions = [
-            accept(list(s.draft.drafts), s.draft.draft_probs, logits[i], s.params, s.generator)
-            for i, s in enumerate(seqs)
-        ]
-        failed_rows = set(self.memory.finalize_verify(row_list, [a + 1 for a, _ in decisions], layout))
-        out, accepted, failed, extend = {}, {}, {}, []
-        for i, (seq, (a, token)) in enumerate(zip(seqs, decisions)):
-            if seq.row in failed_rows:
-                failed[seq.request_id] = str(self.memory.take_failure(seq.row))
-                continue
-            new = (*seq.draft.drafts[:a], token)
-            out[seq.request_id], accepted[seq.request_id] = new, a
-            self.spec_counters.record(a)
-            seq.next_token = token
-            extend.append(
-                ExtendInput(
-                    seq.row, lengths[i], new, hidden[i * d : i * d + a + 1], seq.params, seq.generator
-                )
-            )
-        if extend:
-            live = [s for s in seqs if s.request_id in out]
-            for seq, state in zip(live, draft_extend(self.model, self.memory, extend)):
-                seq.draft = state
-        return StepResult(out, accepted=accepted, failed=failed)
+        for rid in request_ids:
+            if rid in done.accepted:
+                self.spec_counters.record(done.accepted[rid])
+        return StepResult(done.tokens, accepted=done.accepted, failed=done.failed)
 
-    def release(self, request_id: str) -> None:
-        """Free everything the request owns; safe in every state (staging included)."""
+    # --- fault isolation ----------------------------------------------------------------------------
+
+    def isolate(self, items: list, run: Callable[[list], list], what: str) -> tuple[list, dict[str, str]]:
+        """``run(items)`` -> per-item results; when it raises, run halves until the items that fail
+        alone are found. Returns (the results of the items that ran, {request id: reason})."""
+        if not items:
+            return [], {}
+        try:
+            return run(items), {}
+        except Exception as exc:  # bisect to the culprit
+            if len(items) == 1:
+                rid = _request_id(items[0])
+                log.error("executor.request_failed", request_id=rid, step=what, error=_reason(exc))
+                return [], {rid: _reason(exc)}
+        half = len(items) // 2
+        left, left_failed = self.isolate(items[:half], run, what)
+        right, right_failed = self.isolate(items[half:], run, what)
+        return left + right, {**left_failed, **right_failed}
+
+    # --- ending ----------------------------------------------------------------------------------------
+
+    def release(self, request_id: str, *, keep_sampling_state: bool = False) -> None:
+        """Free everything the request owns; safe in every state (staging included). With
+        ``keep_sampling_state`` (a retraction) its generator waits for its re-admission."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
+            if not keep_sampling_state:
+                self._sampling_state.pop(request_id, None)
             return
+        if keep_sampling_state:
+            self._sampling_state[request_id] = seq.generator
         self._by_row.pop(seq.row, None)
         self.memory.release(seq.row)
+
+    def _release_logged(self, request_id: str, keep_sampling_state: bool) -> None:
+        """``release`` that never raises: a failure is logged with the request id and the row is
+        given back to the memory directly (whose ``release`` frees what it can)."""
+        try:
+            self.release(request_id, keep_sampling_state=keep_sampling_state)
+        except Exception:
+            log.error("executor.release_failed", request_id=request_id, exc_info=True)
+            seq = self.seqs.pop(request_id, None)
+            if seq is not None:
+                self._by_row.pop(seq.row, None)
+                try:
+                    self.memory.release(seq.row)
+                except Exception:
+                    log.error("executor.release_failed", request_id=request_id, row=seq.row, exc_info=True)
 
     def close(self) -> None:
         for rid in list(self.seqs):
             self.release(rid)
+        self._sampling_state.clear()
         self.memory.close()
         if self.trace is not None:
             self.trace.close()
 
     # --- figures and checks -----------------------------------------------------------------------
 
-    def check_integrity(self, *, data: bool = True) -> None:
+    def check_integrity(self, *, data: bool = True, states: dict[str, State] | None = None) -> None:
+        """The memory's invariants, the executor's rows against the memory's, and (``states``: each
+        live request's lifecycle state) every row's residency against its request's state."""
         self.memory.check_integrity(data=data)
         assert {s.row for s in self.seqs.values()} == set(self.memory.live_rows()), "executor rows disagree"
+        if states is None:
+            return
+        for rid, state in states.items():
+            want = RESIDENCY.get(state)
+            seq = self.seqs.get(rid)
+            if want is None:
+                assert seq is None, f"request {rid} is {state.name} but holds row {seq.row}"
+                continue
+            assert seq is not None, f"request {rid} is {state.name} but holds no row"
+            have = self.memory.residency(seq.row)
+            assert have is want, f"request {rid} is {state.name} but its row is {have.name}"
+        assert set(self.seqs) <= set(states), f"rows of unknown requests: {sorted(set(self.seqs) - set(states))}"
 
     def stats(self) -> dict[str, object]:
         """Every pool's free count and capacity, HiSparse transfer counters, speculative counters."""
@@ -366,10 +508,26 @@ class Executor:
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _register(self, seq: NewSequence, row: int) -> None:
-        gen = make_generator(seq.params, self.config.seed, seq.request_id)
-        self.seqs[seq.request_id] = Sequence(seq.request_id, row, seq.params, gen)
-        self._by_row[row] = seq.request_id
+    def _register(self, seq: NewSequence, got: PrefillSlots) -> None:
+        if seq.request_id in self._sampling_state:
+            gen = self._sampling_state.pop(seq.request_id)
+        else:
+            gen = make_generator(seq.params, self.config.seed, seq.request_id)
+        self.seqs[seq.request_id] = Sequence(seq.request_id, got.row, seq.params, gen, tuple(seq.token_ids), got)
+        self._by_row[got.row] = seq.request_id
 
     def _labels(self) -> dict[int, str] | None:
         return dict(self._by_row) if self.trace is not None else None
+
+    def _swap_totals(self) -> tuple[int, int, int]:
+        counters = getattr(self.memory, "counters", None)
+        if counters is None:
+            return 0, 0, 0
+        return sum(counters.hits), sum(counters.misses), sum(counters.h2d_bytes)
+
+
+def _request_id(item: object) -> str:
+    """The request an isolated item belongs to (a ``Sequence``, or a tuple starting with one)."""
+    while isinstance(item, tuple):
+        item = item[0]
+    return item.request_id

@@ -1,107 +1,147 @@
-"""The frozen contracts of every hop in the async engine.
+"""The frozen contracts of every hop: commands to the executor, their results, stage hand-offs, deltas.
 
-Three kinds of hop, one section each below:
+Four kinds of value, one section each below:
 
-* stage -> executor actor: a *command* (what device work to run, by request id), answered by an
-  ``Outcome`` (what happened). The executor's own result values (``PrefillResult``,
-  ``StepResult``) travel inside the outcome unchanged.
-* stage -> stage: a batch of requests changing hands. Ownership moves with the message: from the
-  moment a stage receives a request, only that stage applies events to it, until it sends it on.
-  ``Wake`` carries no request: it asks a stage to look at shared state again (memory freed, an
-  abort requested, a consumer caught up).
+* scheduling core -> executor: a *command* (what device work to run, by request id). Both drivers send
+  the same commands (the synchronous driver calls ``Executor.run`` directly, the async engine through
+  the executor actor), so the device sees one protocol.
+* executor -> scheduling core: an ``Outcome`` wrapping the command's *result*.
+* stage -> stage (async engine only): requests changing hands. Ownership moves with the message: from
+  the moment a stage receives a request, only that stage applies events to it, until it sends it on.
+  ``Wake`` carries no request: it asks a stage to look at shared state again.
 * engine -> caller: ``RequestOutput`` deltas from ``Engine.generate`` and the ``GenerateResult`` of
   ``Engine.generate_text``.
 
-Request objects ride inside frozen messages by reference: the message is immutable, the request is
-an object with identity that only its owning stage changes, and only on the event loop.
+Request objects ride inside stage messages by reference: the message is immutable, the request is an
+object with identity that only its owning stage changes, and only on the event loop. Commands carry
+request ids and plain values only, so they can be copied to another process unchanged.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import attrs
 
 if TYPE_CHECKING:
-    from pipeline.executor import NewSequence, PrefillResult, StepResult
     from pipeline.request import Request, RequestMetrics
+    from pipeline.sampling import SamplingParams
 
-# --- commands to the executor actor ------------------------------------------------------------
+
+# --- commands ------------------------------------------------------------------------------------
 
 
 @attrs.frozen
-class CanAdmit:
-    """Query (changes nothing): would prompts of these lengths fit right now?"""
+class NewSequence:
+    """A request entering prefill."""
 
-    num_tokens: tuple[int, ...]  # tokens each candidate prefills, in queue order
+    request_id: str
+    token_ids: tuple[int, ...]  # the prompt (after a retraction: prompt + tokens generated so far)
+    params: SamplingParams
+
+
+@attrs.frozen
+class Admit:
+    """Take the longest prefix of ``sequences`` that fits memory *together*, and allocate it.
+
+    What an admitted request holds from here on covers everything it needs to reach decode (its
+    prompt's device slots, locations and host copy, and the device buffer it gets when staging ends),
+    so staging can always finish. Requests not taken change nothing and stay queued."""
+
+    sequences: tuple[NewSequence, ...]  # queue order; the prefill token budget is already applied
 
 
 @attrs.frozen
 class Prefill:
-    """Admit what fits (in order), prefill it in one forward, start staging."""
+    """Run the prompts of admitted requests in one forward, sample each first token, start staging."""
 
-    sequences: tuple[NewSequence, ...]  # the batch, in queue order
+    request_ids: tuple[str, ...]  # admitted, in queue order
 
 
 @attrs.frozen
 class CollectReady:
-    """Pop the requests whose staging copy landed and whose device buffer fits (FIFO).
+    """Requests among ``request_ids`` whose staging copy landed: each gets its device buffer (FIFO).
 
-    When no other command is waiting, the actor first waits for the copies in flight: the device
-    has nothing else to do, and the answer is then final until memory changes."""
+    When the executor has nothing else queued, it first waits for the copies in flight."""
+
+    request_ids: tuple[str, ...]  # the caller's staging requests
 
 
 @attrs.frozen
 class Decode:
-    """One plain decode step over these requests."""
+    """One plain decode step; a request whose memory cannot grow comes back refused."""
 
     request_ids: tuple[str, ...]  # the decode batch, join order
 
 
 @attrs.frozen
+class Reserve:
+    """Room for ``new_tokens`` more positions per request, in order, each counting against the next.
+
+    The speculative round reserves here, once; ``Draft`` and ``Verify`` then never run out."""
+
+    request_ids: tuple[str, ...]
+    new_tokens: int  # D, the tokens a round may add
+
+
+@attrs.frozen
 class Draft:
-    """Chain drafting (the MTP layer) for the requests that have room for a round's D positions.
+    """Chain drafting with the MTP layer (room already reserved)."""
 
-    Memory check and drafting form one command, so no other command can take the memory in between.
-    Between the two, the worker calls ``on_start`` on the event loop with the ids that will be drafted
-    (the stage moves them to DRAFT there); the others come back in ``StepResult.refused``, still in
-    DECODE, where a retraction is legal."""
-
-    request_ids: tuple[str, ...]  # the runnable decode batch, join order
-    on_start: Callable[[tuple[str, ...]], None]  # runs on the event loop before drafting starts
+    request_ids: tuple[str, ...]
 
 
 @attrs.frozen
 class Verify:
-    """Target verify, acceptance, finalize and draft extend for these requests."""
+    """Target verify, acceptance, finalize and draft extend."""
 
     request_ids: tuple[str, ...]  # drafted requests not aborted meanwhile
 
 
 @attrs.frozen
 class Release:
-    """Give back everything these requests own, in whatever state they are (idempotent)."""
+    """Give back everything these requests own, in whatever state they are (idempotent, never raises)."""
 
     request_ids: tuple[str, ...]
+    # retraction: keep each request's sampling generator for its re-admission (its random stream goes on)
+    keep_sampling_state: bool = False
 
 
-Command = CanAdmit | Prefill | CollectReady | Decode | Draft | Verify | Release
+Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release
 
-# --- what the executor actor answers -----------------------------------------------------------
-
-
-@attrs.frozen
-class AdmitAnswer:
-    fits: tuple[bool, ...]  # one per ``CanAdmit.num_tokens`` entry, judged on the same free memory
-    free_rows: int  # request rows free now (each admitted request takes one)
+# --- results -------------------------------------------------------------------------------------
 
 
 @attrs.frozen
-class ReadyAnswer:
+class AdmitResult:
+    admitted: tuple[str, ...]  # a prefix of the candidates, in order; they own memory now
+
+
+@attrs.frozen
+class PrefillResult:
+    first_tokens: dict[str, int]  # request id -> the token sampled after its prompt
+    failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue (others unaffected)
+
+
+@attrs.frozen
+class ReadyResult:
     ready: tuple[str, ...]  # left staging, own a device buffer now (FIFO order)
-    staging: tuple[str, ...]  # still staging after this call
-    waited: bool  # True: copies in flight were waited for, so whoever is still staging waits for memory
+    waited: bool  # True: the copies in flight were waited for, so this answer holds until memory changes
+    failed: dict[str, str] = attrs.Factory(dict)  # request id -> why its staging copy failed
+
+
+@attrs.frozen
+class RoomResult:
+    runnable: tuple[str, ...]  # got the room, in order
+    refused: tuple[str, ...]  # memory is short: the caller retracts them
+
+
+@attrs.frozen
+class StepResult:
+    tokens: dict[str, tuple[int, ...]]  # request id -> new output tokens this step, in order
+    refused: tuple[str, ...] = ()  # could not step (memory): the caller retracts them
+    accepted: dict[str, int] = attrs.Factory(dict)  # speculative: accepted drafts per request
+    failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue (others unaffected)
 
 
 @attrs.frozen
@@ -113,8 +153,9 @@ class StepFigures:
     h2d_bytes: int  # bytes those loads moved
 
 
-if TYPE_CHECKING:
-    Result = AdmitAnswer | ReadyAnswer | PrefillResult | StepResult | None
+NO_FIGURES = StepFigures(0, 0, 0)
+
+Result = AdmitResult | PrefillResult | ReadyResult | RoomResult | StepResult | None
 
 
 @attrs.frozen
@@ -122,13 +163,13 @@ class Outcome:
     """What one command did."""
 
     result: Result  # the command's answer; None for ``Release`` and when ``error`` is set
-    figures: StepFigures  # swap-in work this command did
-    changed: bool  # memory or request state changed (waiting stages should look again)
-    error: str | None = None  # the command raised: exception type and message; nothing is known about its effect
-    seconds: float = 0.0  # wall time of the command in the worker thread
+    figures: StepFigures = NO_FIGURES  # swap-in work this command did
+    changed: bool = False  # memory or request state changed (stages waiting for memory look again)
+    error: str | None = None  # the command raised outside any one request: exception type and message
+    seconds: float = 0.0  # wall time of the command
 
 
-# --- between stages ------------------------------------------------------------------------------
+# --- between stages (async engine) ----------------------------------------------------------------
 
 
 @attrs.frozen
@@ -139,8 +180,15 @@ class Submit:
 
 
 @attrs.frozen
+class Requeue:
+    """Decode -> admission: requests retracted under memory pressure (QUEUED, output kept)."""
+
+    requests: tuple[Request, ...]  # in the order they go back to the front of the queue
+
+
+@attrs.frozen
 class PrefillBatch:
-    """Admission -> prefill: requests just admitted (state PREFILL)."""
+    """Admission -> prefill: requests just admitted (state PREFILL, memory allocated)."""
 
     requests: tuple[Request, ...]  # queue order
 
@@ -161,13 +209,12 @@ class Ready:
 
 @attrs.frozen
 class Wake:
-    """Look at shared state again; carries no request. Dropped when the inbox is full (the stage then
-    has other messages to read and looks again after each of them)."""
+    """Look at shared state again; carries no request. At most one is outstanding per stage."""
 
-    reason: str  # "memory", "abort", "consumer" or "prefill-done": for the log only
+    reason: str  # "memory", "abort" or "consumer": for the log only
 
 
-StageMessage = Submit | PrefillBatch | Staged | Ready | Wake
+StageMessage = Submit | Requeue | PrefillBatch | Staged | Ready | Wake
 
 # --- to the caller -------------------------------------------------------------------------------
 

@@ -12,10 +12,11 @@ import time
 import attrs
 import structlog
 
+from pipeline.logs import info_enabled, request_context
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.metrics import SpecCounters
-from statemachines.request import TERMINAL, Event, State, advance
+from statemachines.request import TERMINAL, Crashed, Event, State, advance
 
 log = structlog.get_logger("hispec.lifecycle")
 
@@ -83,8 +84,9 @@ class Request:
     max_context_len: int
     state: State = State.QUEUED
     output_ids: list[int] = attrs.Factory(list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    error: str | None = None
+    # set only by the terminal event (``apply``): "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None
+    error: str | None = None  # a crash's reason
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
     _text: str = ""  # output text so far, stop strings cut away
 
@@ -99,25 +101,34 @@ class Request:
     def text(self) -> str:
         return self._text
 
-    def apply(self, event: Event, **figures: object) -> State:
-        """Advance the lifecycle by ``event`` (raises ``IllegalTransition``, state unchanged)."""
+    def apply(self, event: Event, stage: str | None = None, **figures: object) -> State:
+        """Advance the lifecycle by ``event`` (raises ``IllegalTransition``, state unchanged).
+
+        The terminal event is the one place that sets ``finish_reason`` (and ``error``): its
+        ``reason``, ``"abort"`` for an abort, ``"error"`` for a crash. ``stage`` (the stage applying
+        the event) and ``request_id`` are bound to every log line written meanwhile."""
         before = self.state
         self.state = advance(self.state, event)
+        if self.state in TERMINAL:
+            self.metrics.finished_time = time.monotonic()
+            if isinstance(event, Crashed):
+                self.finish_reason, self.error = "error", event.reason
+            else:
+                self.finish_reason = getattr(event, "reason", None) or self.state.value
         fields = attrs.asdict(event) if attrs.has(type(event)) else {}
-        log.info(
-            event.name,
-            request_id=self.request_id,
-            from_state=before.value,
-            state=self.state.value,
-            **fields,
-            **figures,
-        )
+        if stage is not None and info_enabled():
+            with request_context(self.request_id, stage):
+                log.info(event.name, request_id=self.request_id, from_state=before.value,
+                         state=self.state.value, **fields, **figures)
+        else:
+            log.info(event.name, request_id=self.request_id, from_state=before.value,
+                     state=self.state.value, **fields, **figures)
         return self.state
 
-    def record_verify(self, accepted: int, num_drafts: int) -> None:
-        """One verify round: ``accepted`` of ``num_drafts`` drafts taken (the bonus token aside)."""
+    def record_verify(self, accepted: int, num_steps: int) -> None:
+        """One verify round: ``accepted`` of ``num_steps`` drafts taken (the bonus token aside)."""
         if self.metrics.spec is None:
-            self.metrics.spec = SpecCounters(num_drafts)
+            self.metrics.spec = SpecCounters(num_steps)
         self.metrics.spec.record(accepted)
 
     def known_tokens(self) -> tuple[int, ...]:
@@ -126,7 +137,8 @@ class Request:
 
     def append(self, tokens: tuple[int, ...] | list[int], now: float | None = None) -> str | None:
         """Add newly committed tokens, one by one; returns the finish reason if one of them ends the
-        request (the tokens after it are dropped)."""
+        request (the tokens after it are dropped). The caller ends the request with the terminal
+        event carrying that reason (``finish_reason`` is set there, not here)."""
         now = time.monotonic() if now is None else now
         eos = self.tokenizer.eos_token_id
         for token in tokens:
@@ -136,17 +148,13 @@ class Request:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
             if token == eos and not self.params.ignore_eos:
-                self.finish_reason = "stop"
-                return self.finish_reason
+                return "stop"
             if self._hit_stop_string():
-                self.finish_reason = "stop"
-                return self.finish_reason
+                return "stop"
             if len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-                return self.finish_reason
+                return "length"
             if len(self.prompt_ids) + len(self.output_ids) >= self.max_context_len:
-                self.finish_reason = "length"
-                return self.finish_reason
+                return "length"
         return None
 
     def _hit_stop_string(self) -> bool:

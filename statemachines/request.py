@@ -82,7 +82,7 @@ class DraftStarted(Event):
 class DraftDone(Event):
     """Drafts ready; the target verifies them."""
 
-    num_drafts: int = 0
+    num_steps: int = 0  # draft tokens proposed per request
 
 
 @attrs.frozen

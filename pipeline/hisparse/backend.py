@@ -13,25 +13,38 @@ attends over the selected rows:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import attrs
 import torch
 
 from kernels.indexer_topk import indexer_topk
 from kernels.sparse_mla import sparse_mla
+from kernels.swap_in import SwapInResult
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.model.attention_api import AttentionInputs
 
-if TYPE_CHECKING:
-    from pipeline.hisparse.coordinator import HiSparseCoordinator
+
+class SwapInMemory(Protocol):
+    """What the backend reads of the coordinator: the pools, the token table, the map, swap-in."""
+
+    device_kv: torch.Tensor  # [L, physical rows, row_dim]
+    index_k: torch.Tensor  # [L, logical rows, index_dim]
+    alloc: Any  # HiSparseAllocator (``lookup``: logical location -> physical slot)
+
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+
+    def swap_in(
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+    ) -> SwapInResult: ...
 
 
 @attrs.define(eq=False)
 class HiSparseBackend:
     """``AttentionBackend`` for one forward of the target model over HiSparse memory."""
 
-    coord: HiSparseCoordinator
+    coord: SwapInMemory
     req_rows: torch.Tensor  # [T] int64 request row of each token
     positions: torch.Tensor  # [T] int64
     write_locs: torch.Tensor  # [T] int64 logical location (indexer key)

@@ -33,9 +33,10 @@ from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStream, make_transfer_stream
-from pipeline.hisparse.verify import FinalizeError, SpeculativeBuffers
+from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows
-from pipeline.memory.targets import PrefillSlots, WriteTargets
+from pipeline.memory.interface import Residency
+from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
 
 log = structlog.get_logger(__name__)
@@ -46,7 +47,7 @@ class RowMemory:
     """What the coordinator knows of one live request row."""
 
     length: int  # committed positions (their KV exists)
-    phase: str  # "prefill" | "staging" | "ready"
+    residency: Residency
     prefill_pages: list[int] = attrs.Factory(list)  # physical pages while the prompt is dense in device
     prefill_locs: torch.Tensor | None = None  # [n] the prompt's locations
     staging: TransferHandle | None = None  # the prompt's copy to host
@@ -54,7 +55,9 @@ class RowMemory:
 
 
 @attrs.define(eq=False)
-class HiSparseCoordinator(SpeculativeBuffers):
+class HiSparseCoordinator:
+    """Implements ``KVMemory`` (``pipeline/memory/interface.py``) over the two-level map."""
+
     plan: MemoryPlan
     num_layers: int
     row_dim: int  # MLA row: latent + rope key
@@ -73,9 +76,10 @@ class HiSparseCoordinator(SpeculativeBuffers):
     counters: LayerCounters = attrs.field(init=False)
     draft: DraftPool | None = attrs.field(init=False)
     _mem: dict[int, RowMemory] = attrs.field(init=False, factory=dict)
-    # staging FIFO; a row is here <=> its phase is "staging"
+    # staging FIFO; a row is here <=> its residency is STAGING
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
-    _failures: dict[int, FinalizeError] = attrs.field(init=False, factory=dict)  # rolled-back finalizes
+    verify: VerifyBuffers = attrs.field(init=False)  # verify binding and finalize (speculative rounds)
+    _staging_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # row -> why its copy failed
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
 
@@ -124,6 +128,7 @@ class HiSparseCoordinator(SpeculativeBuffers):
         )
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
+        self.verify = VerifyBuffers(self)
 
     # --- admission and prefill ------------------------------------------------------------------
 
@@ -141,25 +146,36 @@ class HiSparseCoordinator(SpeculativeBuffers):
     def live_rows(self) -> list[int]:
         return sorted(self._mem)
 
-    def can_admit(self, num_tokens: int) -> bool:
-        """Room for a prompt: a row, dense device slots, locations and its host copy."""
+    def _admission_pages(self, num_tokens: int, speculative: bool) -> tuple[int, int]:
+        """(prompt pages, extra device pages): a prompt is dense in device, and the row also holds,
+        from admission on, the rest of the device buffer it gets when staging ends (so that staging
+        never waits for memory: the progress guarantee of ``docs/invariants.md``)."""
+        page = self.plan.page_size
+        pages = -(-num_tokens // page)
+        buffer_pages = self.buffers.capacity_for(num_tokens, speculative=speculative) // page
+        return pages, max(0, buffer_pages - pages)
+
+    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
+        """Room for a prompt: a row, dense device slots (and its future buffer), locations and its
+        host copy."""
         if not self.rows.can_allocate():
             return False
-        pages = -(-num_tokens // self.plan.page_size)
+        pages, extra = self._admission_pages(num_tokens, speculative)
         return (
-            self.alloc.physical.can_allocate(pages)
+            self.alloc.physical.can_allocate(pages + extra)
             and self.alloc.logical.can_allocate(pages)
             and self.host.allocator.can_allocate(pages)
         )
 
-    def admit(self, num_tokens: int) -> PrefillSlots:
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
         """A row and its prompt's locations and slots; raises ``OutOfMemory`` (nothing changed)."""
-        if not self.can_admit(num_tokens):
+        if not self.can_admit(num_tokens, speculative=speculative):
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
         row = self.rows.allocate()
-        got = self.alloc.alloc_prefill(row, num_tokens)
+        _, extra = self._admission_pages(num_tokens, speculative)
+        got = self.alloc.alloc_prefill(row, num_tokens, extra_pages=extra)
         self._mem[row] = RowMemory(
-            length=0, phase="prefill", prefill_pages=got.physical_pages, prefill_locs=got.locs
+            length=0, residency=Residency.PREFILL, prefill_pages=got.physical_pages, prefill_locs=got.locs
         )
         return PrefillSlots(row, got.locs.to(self.device), got.slots.to(self.device))
 
@@ -172,7 +188,7 @@ class HiSparseCoordinator(SpeculativeBuffers):
         dev_slots = self.alloc.lookup(mem.prefill_locs[:length]).to(self.device)
         mem.staging = self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
         self.counters.add_backup(length * self.host.row_bytes)
-        mem.length, mem.phase = length, "staging"
+        mem.length, mem.residency = length, Residency.STAGING
         self._staging.append(row)
 
     def staging_rows(self) -> list[int]:
@@ -182,18 +198,27 @@ class HiSparseCoordinator(SpeculativeBuffers):
         """Block until every staging copy in flight has landed."""
         self._staging_stream.synchronize()
 
-    def collect_ready(self, *, speculative: bool = False) -> list[int]:
-        """Pop staged rows whose copy has landed, in FIFO order, and give each its device buffer.
+    def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
+        """Pop staged rows (of ``rows``; all when None) whose copy has landed, in FIFO order, and give
+        each its device buffer (from the pages it holds since admission).
 
-        Stops at the first row whose copy is still in flight, or whose buffer does not fit yet (it
-        stays at the head of the queue and is tried again on the next call).
+        Stops at the first row whose copy is still in flight (copies land in issue order). A row
+        whose copy failed is skipped and reported by ``take_staging_failures`` (the caller releases it). A row whose buffer would not fit (it cannot happen when it was
+        admitted with the same ``speculative``) stays at the head of the queue.
         """
+        wanted = None if rows is None else set(rows)
         ready: list[int] = []
-        while self._staging:
-            row = self._staging[0]
+        for row in list(self._staging):
+            if wanted is not None and row not in wanted:
+                continue
             mem = self._mem[row]
             assert mem.staging is not None
-            if not mem.staging.query():
+            try:
+                landed = mem.staging.query()
+            except Exception as exc:  # this row's copy failed: this row fails alone
+                self._staging_failures[row] = f"staging copy failed: {type(exc).__name__}: {exc}"
+                continue
+            if not landed:
                 break
             need = self.buffers.capacity_for(mem.length, speculative=speculative)
             short = need // self.plan.page_size - len(mem.prefill_pages)
@@ -201,10 +226,18 @@ class HiSparseCoordinator(SpeculativeBuffers):
                 break
             pages = self.alloc.alloc_device_buffer(row, mem.prefill_pages, mem.prefill_locs, need)
             self.buffers.assign(row, pages)
-            self._staging.popleft()
-            mem.phase, mem.staging, mem.prefill_pages, mem.prefill_locs = "ready", None, [], None
+            self._staging.remove(row)
+            mem.residency, mem.staging, mem.prefill_pages, mem.prefill_locs = Residency.RESIDENT, None, [], None
             ready.append(row)
         return ready
+
+    def residency(self, row: int) -> Residency:
+        return self._mem[row].residency
+
+    def take_staging_failures(self) -> dict[int, str]:
+        """Rows whose staging copy failed since the last call, with the reason (once each)."""
+        failed, self._staging_failures = self._staging_failures, {}
+        return {row: why for row, why in failed.items() if row in self._mem}
 
     # --- plain decode ---------------------------------------------------------------------------
 
@@ -322,6 +355,17 @@ class HiSparseCoordinator(SpeculativeBuffers):
         assert self.draft is not None, "the coordinator was built without a draft pool"
         return self.draft.backend(rows, positions, locs)
 
+    # --- speculative verify (``VerifyBuffers``) --------------------------------------------------
+
+    def prepare_verify(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
+        return self.verify.prepare(rows, draft_tokens)
+
+    def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
+        return self.verify.finalize(rows, accepted, layout)
+
+    def take_failure(self, row: int) -> Exception | None:
+        return self.verify.take_failure(row)
+
     # --- swap-in --------------------------------------------------------------------------------
 
     def swap_in(
@@ -341,18 +385,33 @@ class HiSparseCoordinator(SpeculativeBuffers):
             hot=self.hot,
         )
         self.counters.add_swap_in(layer, result)
+        if self.counters.last_unrecoverable:
+            self._log_unrecoverable(layer, top_k_pos, seq_lens, rows, result)
         return result
+
+    def _log_unrecoverable(
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, result: SwapInResult
+    ) -> None:
+        """A valid position with no copy anywhere is an invariant violation: say where (warning)."""
+        lost = (result.slots < 0) & (top_k_pos >= 0) & (top_k_pos.long() < seq_lens[..., None])
+        for b, s, k in torch.nonzero(lost).tolist():
+            log.warning(
+                "hisparse.unrecoverable_miss",
+                row=int(rows[b]),
+                layer=layer,
+                position=int(top_k_pos[b, s, k]),
+            )
 
     # --- ending ---------------------------------------------------------------------------------
 
     def release(self, row: int) -> None:
         """Return everything ``row`` owns, in any phase; waits for copies that touch its slots."""
         mem = self._mem.pop(row)
-        if mem.phase == "staging":
+        if mem.residency is Residency.STAGING:
             assert mem.staging is not None
-            mem.staging.wait()
             self._staging.remove(row)
-        mem.backup.wait()
+            _wait_logged(mem.staging, row, "staging")
+        _wait_logged(mem.backup, row, "backup")
         covered = self.alloc.req_to_token.covered_len(row)
         self.alloc.clear(self.req_to_token[row, :covered])
         if mem.prefill_pages:
@@ -405,8 +464,8 @@ class HiSparseCoordinator(SpeculativeBuffers):
         self.alloc.check_integrity()
         self.host.check_integrity()
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
-        staged = [r for r, m in self._mem.items() if m.phase == "staging"]
-        assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' phases"
+        staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
+        assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
         for row, mem in self._mem.items():
             owned = self.alloc.physical.pages_of(row)
             expect = set(mem.prefill_pages) | set(self.buffers.pages(row))
@@ -414,7 +473,7 @@ class HiSparseCoordinator(SpeculativeBuffers):
             assert not (mem.prefill_pages and self.buffers.pages(row)), (
                 f"row {row}: prompt and buffer at once"
             )
-            if mem.phase in ("prefill", "staging"):
+            if mem.residency is not Residency.RESIDENT:
                 continue
             self.buffers.check_integrity(row, mem.length)
             copies = self.host.req_to_host[row, : mem.length]
@@ -437,6 +496,15 @@ class HiSparseCoordinator(SpeculativeBuffers):
             dev = self.device_kv[layer, self.buffers.locs[row, cols]].cpu()
             host = self.host.kv[layer, self.host.req_to_host[row, held[cols].cpu()]]
             assert torch.equal(dev, host), f"row {row} layer {layer}: a device row differs from its host copy"
+
+
+def _wait_logged(handle: TransferHandle, row: int, what: str) -> None:
+    """Wait for a copy that touches ``row``'s slots; a failed copy is logged, not raised: the row is
+    being released either way, and its slots must be freed all the same."""
+    try:
+        handle.wait()
+    except Exception as exc:  # release never fails; the copy's error is reported here
+        log.error("hisparse.copy_failed", row=row, copy=what, error=f"{type(exc).__name__}: {exc}")
 
 
 def _pool(allocator) -> dict[str, int]:

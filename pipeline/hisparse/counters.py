@@ -19,6 +19,7 @@ class LayerCounters:
     h2d_bytes: list[int] = attrs.field(init=False)
     d2h_bytes: list[int] = attrs.field(init=False)  # staging copies and backups
     swap_in_calls: int = 0
+    last_unrecoverable: int = 0  # unrecoverable entries of the latest swap-in call
 
     def __attrs_post_init__(self) -> None:
         self.hits = [0] * self.num_layers
@@ -41,6 +42,7 @@ class LayerCounters:
         self.misses[layer] += int(totals[1])
         self.unrecoverable[layer] += int(totals[2])
         self.h2d_bytes[layer] += int(totals[3])
+        self.last_unrecoverable = int(totals[2])
         self.swap_in_calls += 1
 
     def add_backup(self, num_bytes_per_layer: int) -> None:

@@ -82,8 +82,9 @@ class HiSparseAllocator:
         pages = -(-num_tokens // self.page_size)
         return self.req_to_token.can_cover(row, num_tokens) and self.physical.can_allocate(pages)
 
-    def alloc_prefill(self, row: int, num_tokens: int) -> PrefillAllocation:
-        """Logical locations and physical slots for the prompt of an empty ``row``, bound 1:1.
+    def alloc_prefill(self, row: int, num_tokens: int, extra_pages: int = 0) -> PrefillAllocation:
+        """Logical locations and physical slots for the prompt of an empty ``row``, bound 1:1, plus
+        ``extra_pages`` physical pages after them (held for the device buffer the row gets later).
 
         Mutates both allocators, ``req_to_token`` and ``logical_to_physical``; raises
         ``OutOfMemory`` and changes nothing when either level is short. The slots stay valid until
@@ -92,12 +93,12 @@ class HiSparseAllocator:
         if self.req_to_token.covered_len(row):
             raise ValueError(f"request row {row} already holds locations")
         pages = -(-num_tokens // self.page_size)
-        if not self.physical.can_allocate(pages):
-            raise OutOfMemory(self.physical.name, pages, self.physical.num_free_pages)
+        if not self.physical.can_allocate(pages + extra_pages):
+            raise OutOfMemory(self.physical.name, pages + extra_pages, self.physical.num_free_pages)
         logical_pages = self.req_to_token.cover(row, num_tokens)
-        physical_pages = self.physical.allocate(pages, row)
+        physical_pages = self.physical.allocate(pages + extra_pages, row)
         locs = page_slots(logical_pages, self.page_size)[:num_tokens]
-        slots = page_slots(physical_pages, self.page_size)[:num_tokens]
+        slots = page_slots(physical_pages[:pages], self.page_size)[:num_tokens]
         self.logical_to_physical[locs] = slots
         return PrefillAllocation(logical_pages, physical_pages, locs, slots)
 

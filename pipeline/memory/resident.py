@@ -1,8 +1,8 @@
 """All-resident KV memory: what the engine uses when HiSparse is off.
 
 Every token's KV stays in one device pool addressed by location; a location is its own "slot", there
-is nothing to stage and nothing to swap. It offers the same verbs as the HiSparse coordinator, so the
-executor drives both the same way.
+is nothing to stage and nothing to swap. It implements ``KVMemory`` (``pipeline/memory/interface.py``)
+like the HiSparse coordinator, so the executor drives both the same way.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import attrs
 import torch
 
 from pipeline.config import MemoryPlan
+from pipeline.memory.interface import Residency
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.req_to_token import RequestRows, token_table
 from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
@@ -34,6 +35,7 @@ class ResidentMemory:
     _table: PagedTable = attrs.field(init=False)  # req_to_token over the allocator's pages
     _length: dict[int, int] = attrs.field(init=False, factory=dict)
     _ready: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
+    _residency: dict[int, Residency] = attrs.field(init=False, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         plan = self.plan
@@ -59,10 +61,10 @@ class ResidentMemory:
     def live_rows(self) -> list[int]:
         return sorted(self._length)
 
-    def can_admit(self, num_tokens: int) -> bool:
+    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
         return self.rows.can_allocate() and self.allocator.can_allocate(-(-num_tokens // self.plan.page_size))
 
-    def admit(self, num_tokens: int) -> PrefillSlots:
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
         if not self.can_admit(num_tokens):
             raise OutOfMemory(
                 "kv admission", -(-num_tokens // self.plan.page_size), self.allocator.num_free_pages
@@ -70,12 +72,14 @@ class ResidentMemory:
         row = self.rows.allocate()
         self._table.cover(row, num_tokens)
         self._length[row] = 0
+        self._residency[row] = Residency.PREFILL
         locs = self._table.table[row, :num_tokens].to(self.device)
         return PrefillSlots(row, locs, locs)
 
     def start_staging(self, row: int, length: int) -> None:
         """Nothing to copy: the request is ready at once (still in FIFO order)."""
         self._length[row] = length
+        self._residency[row] = Residency.STAGING
         self._ready.append(row)
 
     def staging_rows(self) -> list[int]:
@@ -84,10 +88,19 @@ class ResidentMemory:
     def wait_staging(self) -> None:
         return None
 
-    def collect_ready(self, *, speculative: bool = False) -> list[int]:
-        ready = list(self._ready)
-        self._ready.clear()
+    def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
+        wanted = None if rows is None else set(rows)
+        ready = [r for r in self._ready if wanted is None or r in wanted]
+        for row in ready:
+            self._ready.remove(row)
+            self._residency[row] = Residency.RESIDENT
         return ready
+
+    def residency(self, row: int) -> Residency:
+        return self._residency[row]
+
+    def take_staging_failures(self) -> dict[int, str]:
+        return {}
 
     def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
         end = self._length[row] + new_tokens
@@ -136,7 +149,7 @@ class ResidentMemory:
             n = self._length[row]
             locs.append(self._table.table[row, n : n + draft_tokens])
         out = torch.cat(locs).to(self.device)
-        return VerifyLayout(WriteTargets(out, out), draft_tokens)
+        return VerifyLayout(WriteTargets(out, out), draft_tokens, tuple(rows))
 
     def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Nothing moves: the accepted rows are already where they belong; rejected ones are
@@ -156,6 +169,7 @@ class ResidentMemory:
 
     def release(self, row: int) -> None:
         self._length.pop(row)
+        self._residency.pop(row)
         if row in self._ready:
             self._ready.remove(row)
         self._table.release(row)
@@ -196,3 +210,6 @@ class ResidentMemory:
         self.allocator.check_integrity()
         self._table.check_integrity()
         assert set(self._length) == set(self.rows.in_use()), "resident rows disagree with the row pool"
+        assert set(self._residency) == set(self._length), "resident rows without a residency"
+        staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING]
+        assert sorted(staged) == sorted(self._ready), "the ready queue disagrees with the rows' residency"

@@ -29,3 +29,4 @@ class VerifyLayout:
 
     targets: WriteTargets  # [B * D]
     draft_tokens: int  # D
+    rows: tuple[int, ...] = ()  # the request rows, in the order of ``targets``

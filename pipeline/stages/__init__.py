@@ -1,7 +1,8 @@
 """The engine's actors: admission, prefill, staging, decode, and the executor actor that owns the device.
 
-Each stage keeps its decisions in a plain synchronous core (testable without an event loop) and
-moves messages in and out of it in a thin async loop.
+Each stage owns one part of the scheduling core (``pipeline/scheduler.py``) and runs its turns: it
+moves messages in and out, sends the part's commands to the executor actor, and passes the part's
+hand-offs to the next stage. No stage decides anything itself, and none calls into another.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from collections.abc import Iterator
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
 
+from pipeline.scheduler import Handoff, Turn
+from pipeline.stages.executor_actor import ExecutorClient
+
 
 def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
     """Every message already waiting in ``inbox``, without blocking."""
@@ -19,3 +23,14 @@ def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
             yield inbox.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
             return
+
+
+async def drive(turn: Turn, client: ExecutorClient) -> Handoff:
+    """Run one turn of a core part: each command it yields goes to the executor actor, each outcome
+    back into the turn, until the turn returns its hand-off."""
+    try:
+        command = next(turn)
+        while True:
+            command = turn.send(await client.call(command))
+    except StopIteration as stop:
+        return stop.value

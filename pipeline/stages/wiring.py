@@ -1,19 +1,23 @@
-"""Builds the actor pipeline around one executor: the streams, the stages, who holds which end.
+"""Builds the actor pipeline around one executor: the core's parts, the streams, the stages.
 
 Stream ends and their owners (each closes what it owns when it ends)::
 
-    admission inbox  <- engine (submissions) + bells          buffer queue_size
-    prefill inbox    <- admission                             buffer 0: one batch hand-off at a time
-    staging inbox    <- prefill + bells                       buffer 4
-    decode inbox     <- staging + bells                       buffer 4
-    executor inbox   <- one client per stage                  buffer 8 (each stage has one command out)
+    admission inbox  <- engine (submissions, retractions' end, bells)   unbounded buffer, bounded use:
+                                                                         queue_size submission slots,
+                                                                         <= max_running_requests Requeue
+    prefill inbox    <- admission                                        buffer 0: one hand-off at a time
+    staging inbox    <- prefill + bells                                  buffer 4
+    decode inbox     <- staging + bells                                  buffer 4
+    executor inbox   <- one client per stage                             buffer 8 (one command out per stage)
 
-The engine owns the submission end and the bells; closing them (once nothing is live) is the
-shutdown signal, and it flows down the pipeline as each stage closes its outbound end.
+The engine owns the submission end, the retraction end (decode sends on it without waiting) and the
+bells; closing them (once nothing is live) is the shutdown signal, and it flows down the pipeline as
+each stage closes its outbound end; the executor actor ends when the last stage has closed its handle.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Awaitable, Callable
 
@@ -25,24 +29,30 @@ from pipeline.errors import EngineClosed
 from pipeline.executor import Executor
 from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request
+from pipeline.scheduler import Scheduler
 from pipeline.stages.admission import AdmissionStage
-from pipeline.stages.context import Bells, Registry, StageContext, apply
+from pipeline.stages.context import Bells, Registry, StageContext
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.executor_actor import Envelope, ExecutorActor, ExecutorClient
 from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.staging import StagingStage
-from statemachines.request import AbortRequested, Crashed
+from statemachines.request import AbortRequested
 
 
 @attrs.define(eq=False)
 class Pipeline:
     ctx: StageContext
+    core: Scheduler
     actor: ExecutorActor
     admission: AdmissionStage
     prefill: PrefillStage
     staging: StagingStage
     decode: DecodeStage
     submit_end: MemoryObjectSendStream[StageMessage]
+    requeue_end: MemoryObjectSendStream[StageMessage]
+    slots: anyio.Semaphore  # submissions waiting for admission to read them
+    ended_stages: set[str] = attrs.Factory(set)  # stages whose run() has returned or raised
+    closed: bool = False  # the entries are closed: no new submission
 
     @property
     def bells(self) -> Bells:
@@ -51,40 +61,53 @@ class Pipeline:
     def runners(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
         stages = (self.actor, self.admission, self.prefill, self.staging, self.decode)
         names = ("executor", "admission", "prefill", "staging", "decode")
-        return [(name, stage.run) for name, stage in zip(names, stages)]
+        return [(name, self._tracked(name, stage.run)) for name, stage in zip(names, stages)]
+
+    def _tracked(self, name: str, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        async def runner() -> None:
+            try:
+                await run()
+            finally:
+                self.ended_stages.add(name)
+
+        return runner
+
+    @property
+    def all_running(self) -> bool:
+        return not self.ended_stages
 
     async def submit(self, req: Request) -> None:
-        """Hand a registered request to admission. Shielded: once sent, admission owns it, so a
-        cancelled caller must not be left unsure whether the hand-off happened."""
+        """Hand a registered request to admission, waiting for a submission slot (backpressure)."""
+        if self.closed:
+            raise EngineClosed("the engine is shutting down")
+        await self.slots.acquire()
         try:
-            with anyio.CancelScope(shield=True):
-                await self.submit_end.send(Submit(req))
+            self.submit_end.send_nowait(Submit(req))
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self.slots.release()
             raise EngineClosed("the engine is shutting down") from None
 
     def drop_unsubmitted(self, req: Request) -> None:
         """A registered request that never reached admission: it ends ABORTED, owning nothing."""
-        req.finish_reason = "abort"
-        apply(req, AbortRequested(), "engine")
+        req.apply(AbortRequested(), "engine")
         self.ctx.registry.ended(req)
 
-    def fail_live(self, reason: str) -> None:
-        """The stages were cancelled (one raised): every live request ends FAILED; the executor's
-        close() then releases whatever they held."""
-        for req in list(self.ctx.registry.live.values()):
-            if not req.is_finished:
-                req.finish_reason, req.error = "error", reason
-                apply(req, Crashed(reason), "engine")
-            self.ctx.registry.ended(req)
-
     def close_entries(self) -> None:
+        self.closed = True
         self.submit_end.close()
+        self.requeue_end.close()
         self.bells.close()
 
     def on_read(self) -> None:
         """A consumer read its deltas: a parked request may step again."""
         if self.ctx.max_undelivered_tokens is not None:
             self.bells.ring("decode", reason="consumer")
+
+    def check_integrity(self) -> None:
+        """Every live request is held by the stage that owns its state, or travels between two."""
+        live = [r for r in self.ctx.registry.live.values() if not r.is_finished]
+        held = {r.request_id for reqs in self.core.containers().values() for r in reqs}
+        self.core.check_integrity(live, in_transit=[r for r in live if r.request_id not in held])
 
     def stats(self) -> dict[str, object]:
         registry = self.ctx.registry
@@ -96,9 +119,9 @@ class Pipeline:
             **snapshot,
             "requests": {
                 "live": len(registry.live),
-                "queued": len(self.admission.queue),
-                "staging": len(self.staging.owned),
-                "decoding": len(self.decode.batch),
+                "queued": len(self.core.admission),
+                "staging": len(self.core.staging.owned),
+                "decoding": len(self.core.decode),
                 "ended": finished,
             },
             "throughput": {
@@ -115,41 +138,27 @@ class Pipeline:
 def build_pipeline(
     executor: Executor, *, queue_size: int, max_prefill_tokens: int, max_undelivered_tokens: int | None
 ) -> Pipeline:
-    admission_end, admission_inbox = anyio.create_memory_object_stream[StageMessage](queue_size)
+    admission_end, admission_inbox = anyio.create_memory_object_stream[StageMessage](math.inf)
     prefill_end, prefill_inbox = anyio.create_memory_object_stream[PrefillBatch](0)
     staging_end, staging_inbox = anyio.create_memory_object_stream[StageMessage](4)
     decode_end, decode_inbox = anyio.create_memory_object_stream[StageMessage](4)
     executor_end, executor_inbox = anyio.create_memory_object_stream[Envelope](8)
 
     bells = Bells({"admission": admission_end.clone(), "staging": staging_end.clone(), "decode": decode_end.clone()})
-    spec = executor.config.speculative
+    core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps)
     ctx = StageContext(
-        registry=Registry(),
-        bells=bells,
-        speculative=spec is not None,
-        num_draft_steps=0 if spec is None else spec.num_steps,
-        draft_tokens=1 if spec is None else spec.draft_tokens,
-        max_undelivered_tokens=max_undelivered_tokens,
+        registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens
     )
-    stages: dict[str, object] = {}
-
-    def memory_changed() -> None:
-        """Wake the stages that wait for memory, and only those (the others would find nothing)."""
-        if len(stages["admission"].queue):
-            bells.ring("admission", reason="memory")
-        if stages["staging"].is_waiting():
-            bells.ring("staging", reason="memory")
-
-    actor = ExecutorActor(executor, executor_inbox, on_change=memory_changed)
+    actor = ExecutorActor(executor, executor_inbox, on_change=bells.ring_wanted)
 
     def client() -> ExecutorClient:
         return ExecutorClient(executor_end.clone())
 
-    admission = AdmissionStage(ctx, client(), admission_inbox, prefill_end, max_prefill_tokens)
-    ctx.requeue = admission.requeue
-    prefill = PrefillStage(ctx, client(), prefill_inbox, staging_end, on_done=admission.prefill_done)
-    staging = StagingStage(ctx, client(), staging_inbox, decode_end)
-    decode = DecodeStage(ctx, client(), decode_inbox)
-    stages.update(admission=admission, staging=staging)
+    slots = anyio.Semaphore(queue_size)
+    requeue_end = admission_end.clone()
+    admission = AdmissionStage(ctx, core.admission, client(), admission_inbox, prefill_end, slots)
+    prefill = PrefillStage(ctx, core.prefill, client(), prefill_inbox, staging_end)
+    staging = StagingStage(ctx, core.staging, client(), staging_inbox, decode_end)
+    decode = DecodeStage(ctx, core.decode, client(), decode_inbox, requeue_end)
     executor_end.close()  # only the stages' clones remain: the actor ends when the last stage does
-    return Pipeline(ctx, actor, admission, prefill, staging, decode, admission_end)
+    return Pipeline(ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots)

@@ -14,8 +14,8 @@ from statemachines.request import State
 # where to hold the victim, the executor method to gate (None: hold the decode stage on the event
 # loop, see below), and the state the victim is in meanwhile
 HOLDS = {
-    "queued": ("prefill", State.QUEUED),  # another request's prefill holds the device
-    "prefill": ("prefill", State.PREFILL),
+    "queued": ("prefill_admitted", State.QUEUED),  # another request's prefill holds the device
+    "prefill": ("prefill_admitted", State.PREFILL),
     "staging": ("collect_ready", State.STAGING),
     # another request's decode step is held before it is sent: the decode stage joins new requests
     # only between steps, so the victim, staged meanwhile, waits READY with its device buffer
@@ -83,7 +83,7 @@ async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where, 
                 victim_consumer = stream if consumer == "stream" else consume
                 tg.start_soon(_run_in_scope, victim_scope, victim_consumer, "victim", prompts[0])
                 if where == "queued":
-                    await until(lambda: any(r.request_id == "victim" for r in engine._pipe.admission.queue))
+                    await until(lambda: any(r.request_id == "victim" for r in engine._pipe.core.admission.queue))
                 elif where == "ready":
                     await until(lambda: victim_is(State.READY))
                 else:
@@ -93,7 +93,7 @@ async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where, 
                 victim = live_request(engine, "victim")
                 assert victim.state is state
                 victim_scope.cancel()
-                await until(lambda: "victim" in engine._registry.pending_aborts or victim.is_finished)
+                await until(lambda: "victim" in engine._ctx.aborts.pending or victim.is_finished)
                 gate.open()
                 tg.start_soon(consume, "bystander", prompts[2])
         finally:
@@ -190,7 +190,7 @@ async def test_a_deadline_aborts_the_request(tiny_model):
     """``generate_text(timeout=...)``: the request is held in prefill past its deadline."""
     cfg = config()
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate().install(engine.executor, "prefill")
+        gate = Gate().install(engine.executor, "prefill_admitted")
         try:
             with pytest.raises(TimeoutError):
                 await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05)

@@ -152,7 +152,7 @@ async def test_a_finished_request_carries_its_metrics(tiny_model, num_steps):
     results = {}
     deltas = []
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate().install(engine.executor, "prefill")
+        gate = Gate().install(engine.executor, "prefill_admitted")
 
         async def text(rid, prompt, sp=params):
             results[rid] = await engine.generate_text(prompt, sp, request_id=rid)
@@ -166,7 +166,7 @@ async def test_a_finished_request_carries_its_metrics(tiny_model, num_steps):
                 tg.start_soon(text, "first", prompts[0])
                 await gate.wait_entered()
                 tg.start_soon(text, "second", prompts[1])
-                await until(lambda: any(r.request_id == "second" for r in engine._pipe.admission.queue))
+                await until(lambda: any(r.request_id == "second" for r in engine._pipe.core.admission.queue))
                 gate.open()
                 tg.start_soon(text, "one", prompts[2], SamplingParams(max_new_tokens=1))
                 tg.start_soon(stream, "streamed", prompts[3])

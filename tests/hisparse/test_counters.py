@@ -87,7 +87,9 @@ def test_verify_counters_add_up(tiny_model, tmp_path):
     committed = {rid: len(p) for rid, p in PROMPTS.items()}
     for _ in range(10):
         ids = list(PROMPTS)
-        assert not executor.draft(ids).refused
+        runnable, refused = executor.reserve(ids, new_tokens=executor.draft_tokens, speculative=True)
+        assert not refused
+        assert not executor.draft(runnable).failed
         result = executor.verify(ids)
         assert not result.failed
         for rid in ids:

@@ -30,10 +30,10 @@ def quiet_logs() -> Iterator[None]:
 def oracle_drafter(monkeypatch, executor, truth: dict[str, list[int]]) -> None:
     """Drafts = the true continuation (``truth[request_id]``: prompt and plain output), wrong at one
     pseudo-random position per round (or none), so every accept length occurs."""
-    from pipeline import executor as executor_module
+    from pipeline.speculative import round as round_module
     from pipeline.speculative.draft_state import DraftState
 
-    real = executor_module.draft_chain
+    real = round_module.draft_chain
 
     def chain(model, memory, rows, states, params, generators, num_steps):
         states = real(model, memory, rows, states, params, generators, num_steps)
@@ -49,4 +49,4 @@ def oracle_drafter(monkeypatch, executor, truth: dict[str, list[int]]) -> None:
             out.append(DraftState(state.bonus, state.hidden, tuple(drafts), state.draft_probs))
         return out
 
-    monkeypatch.setattr(executor_module, "draft_chain", chain)
+    monkeypatch.setattr(round_module, "draft_chain", chain)

@@ -47,10 +47,12 @@ class SpecMachine(ShadowedMachine):
     @rule()
     def draft(self) -> None:
         ids = [r for r, p in self.phase.items() if p == "decode"]
-        result = self.executor.draft(ids)
-        for rid in result.refused:
+        d = self.executor.draft_tokens
+        runnable, refused = self.executor.reserve(ids, new_tokens=d, speculative=True)
+        for rid in refused:
             self.end_request(rid)
-        runnable = [r for r in ids if r not in result.refused]
+        assert not self.executor.draft(runnable).failed
+        self.shadow.reserve(runnable, new_tokens=d, speculative=True)
         self.shadow.draft(runnable)
         for rid in runnable:
             assert self.executor.seqs[rid].draft.drafts == self.shadow.seqs[rid].draft.drafts

@@ -1,0 +1,171 @@
+"""The KV memory interface the executor and the speculative code are written against.
+
+Two implementations satisfy it: ``ResidentMemory`` (every token's KV on the device) and
+``HiSparseCoordinator`` (a per-request device buffer over a host copy of every token). A request is
+known to the memory by its *row* (``0..max_running_requests-1``), handed out by ``admit`` and given
+back by ``release``; every other verb takes rows.
+
+A row's residency moves ``PREFILL -> STAGING -> RESIDENT`` (``Residency``): dense prompt slots while
+prefilling, the prompt's copy to host in flight, then its decode-time layout. Indices a verb returns
+(locations, slots) stay valid until the next verb that changes the same row's layout, unless the
+verb's docstring says otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
+    from pipeline.model.attention_api import AttentionBackend
+
+
+class Residency(enum.Enum):
+    """Where a live row's KV is (one fact; ``check_integrity`` compares it with the request's state)."""
+
+    PREFILL = "prefill"  # admitted: dense device slots for the prompt, the forward has not run yet
+    STAGING = "staging"  # prompt KV computed; its copy to host is in flight
+    RESIDENT = "resident"  # decode layout: the device buffer (HiSparse) or the resident pool
+
+
+class KVMemory(Protocol):
+    """What the executor may ask of a KV memory. Nothing here is thread-safe: one caller at a time."""
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        """``[rows, max_request_len]`` int64 location of each (row, position); a live view."""
+        ...
+
+    # --- admission and prefill ------------------------------------------------------------------
+
+    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
+        """Whether ``admit`` would succeed now (changes nothing)."""
+        ...
+
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
+        """A free row and everything its prompt needs to reach decode: locations and device slots for
+        the prompt (dense), its host copy, and the pages of the device buffer it gets when staging
+        ends, so that ``collect_ready`` never waits for memory. Raises ``OutOfMemory`` and changes
+        nothing when a pool is short. The slots stay valid until ``collect_ready`` returns the row."""
+        ...
+
+    def start_staging(self, row: int, length: int) -> None:
+        """The prompt's ``length`` positions are computed: copy them to host; the row is STAGING."""
+        ...
+
+    def staging_rows(self) -> list[int]:
+        """STAGING rows in FIFO order."""
+        ...
+
+    def wait_staging(self) -> None:
+        """Block until every staging copy in flight has landed."""
+        ...
+
+    def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
+        """Pop, in FIFO order, the STAGING rows (of ``rows``; all when None) whose copy has landed,
+        and give each its decode layout (RESIDENT). Stops at the first whose copy is in flight."""
+        ...
+
+    def take_staging_failures(self) -> dict[int, str]:
+        """Rows whose staging copy failed since the last call, with the reason (each once): they
+        never become RESIDENT; the caller fails and releases them."""
+        ...
+
+    # --- decode ----------------------------------------------------------------------------------
+
+    def length(self, row: int) -> int:
+        """Committed positions of ``row`` (their KV exists)."""
+        ...
+
+    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        """Whether ``ensure_capacity`` would succeed (changes nothing)."""
+        ...
+
+    def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
+        """Locations and device room for ``new_tokens`` more positions; idempotent; raises
+        ``OutOfMemory`` before changing anything when a pool is short."""
+        ...
+
+    def prepare_decode(self, rows: list[int]) -> WriteTargets:
+        """Where each row's next token (position = its length) writes; idempotent until
+        ``commit_decode``. Raises ``OutOfMemory`` for a row without room."""
+        ...
+
+    def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
+        """The forward wrote ``num_new[i]`` (default 1) new positions of ``rows[i]`` at ``slots``:
+        they are committed (lengths grow; HiSparse backs them up to host)."""
+        ...
+
+    def backend(
+        self,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        locs: torch.Tensor,
+        slots: torch.Tensor,
+        *,
+        steps: int = 0,
+        trace: object = None,
+        labels: dict[int, str] | None = None,
+    ) -> AttentionBackend:
+        """The attention backend of one target forward (``steps``: 0 = prefill, else tokens per row)."""
+        ...
+
+    def draft_backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> AttentionBackend:
+        """The MTP layer's backend: its own all-resident rows, addressed by logical location."""
+        ...
+
+    # --- speculative verify ------------------------------------------------------------------------
+
+    def prepare_verify(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
+        """Bind the ``draft_tokens`` verify tokens of each row to device slots (room reserved before
+        with ``ensure_capacity``); idempotent until ``finalize_verify``."""
+        ...
+
+    def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
+        """Commit ``accepted[i]`` (>= 1) verify tokens of ``rows[i]``; returns the rows whose finalize
+        was rolled back (nothing changed for them; ``take_failure`` says why)."""
+        ...
+
+    def take_failure(self, row: int) -> Exception | None:
+        """Why ``row``'s last finalize was rolled back (once), or None."""
+        ...
+
+    # --- ending ------------------------------------------------------------------------------------
+
+    def release(self, row: int) -> None:
+        """Give back everything ``row`` owns, in any residency, exactly once. Never leaves a pool
+        inconsistent: a copy that failed is logged and its slots freed all the same."""
+        ...
+
+    def close(self) -> None:
+        """Wait for the copies in flight and stop the transfer workers."""
+        ...
+
+    # --- figures and checks ------------------------------------------------------------------------
+
+    def live_rows(self) -> list[int]: ...
+
+    def residency(self, row: int) -> Residency: ...
+
+    def free_counts(self) -> dict[str, int]:
+        """Free count of every pool (back at its initial value once nothing is live)."""
+        ...
+
+    def pools(self) -> dict[str, dict[str, int]]:
+        """Every pool's free count and capacity."""
+        ...
+
+    def counters_dict(self) -> dict[str, object] | None:
+        """HiSparse transfer counters per layer (None for resident memory)."""
+        ...
+
+    def device_kv_bytes(self, row: int) -> int:
+        """Device bytes of the target's MLA KV that ``row`` holds."""
+        ...
+
+    def check_integrity(self, *, data: bool = True) -> None:
+        """Every invariant of ``docs/invariants.md`` this memory is responsible for."""
+        ...

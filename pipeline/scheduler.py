@@ -1,0 +1,504 @@
+"""The scheduling core: every decision the pipeline makes, in plain synchronous code.
+
+Theory of operation. A request passes four owners, one *part* of the core each::
+
+    AdmissionPart --admitted--> PrefillPart --staged--> StagingPart --ready--> DecodePart
+         ^                                                                        |
+         +----------------------------- retracted -----------------------------------+
+
+Each part owns the requests in its states (admission: QUEUED; prefill: PREFILL; staging: STAGING;
+decode: READY, DECODE, DRAFT, VERIFY) and decides what to do with them in a *turn*: a generator that
+yields device commands (``pipeline.messages``) and is sent each command's ``Outcome``, and returns a
+``Handoff`` saying which requests move on, which go back to the queue, and which ended. A turn never
+awaits and never touches torch; whoever drives it runs the commands:
+
+* the synchronous driver (``pipeline/driver.py``) runs one turn of each part in order, calling the
+  executor directly, and passes hand-offs from part to part;
+* the async engine gives each part to a stage actor (``pipeline/stages``), which runs its part's turns
+  against the executor actor and sends hand-offs to the next stage as messages.
+
+So the policy (who is admitted, how a speculative round is ordered, who is retracted, how a request
+ends) is written once, here, and both drivers produce the same commands for the same request.
+
+Rules every part follows:
+
+* Ending a request: release its memory first (``Release``), then apply the terminal event (which sets
+  its finish reason), then report it in ``Handoff.ended``. A QUEUED request holds no memory.
+* Aborts are wishes (``AbortBook``) that the owning part applies at its next safe point: before a
+  command and between the two halves of a speculative round.
+* A command's failure (``Outcome.error``) fails the requests of that command only; a failure the
+  executor pins on one request (``failed``) fails that request only.
+* Retraction (memory pressure) releases a request's memory but keeps its output and its sampling
+  state; it goes back to the front of the queue and prefills prompt + output when re-admitted.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Generator, Iterable, Iterator
+
+import attrs
+
+from pipeline.messages import (
+    Admit,
+    AdmitResult,
+    CollectReady,
+    Command,
+    Decode,
+    Draft,
+    NewSequence,
+    Outcome,
+    Prefill,
+    PrefillResult,
+    ReadyResult,
+    Release,
+    Reserve,
+    RoomResult,
+    StepResult,
+    Verify,
+)
+from pipeline.request import Request
+from statemachines.request import (
+    AbortRequested,
+    Admitted,
+    Crashed,
+    DraftDone,
+    DraftStarted,
+    Event,
+    Finished,
+    FinishedAtPrefill,
+    JoinedBatch,
+    PrefillDone,
+    Retracted,
+    StagingDone,
+    State,
+    StepDone,
+    Verified,
+)
+
+
+@attrs.define(eq=False)
+class Handoff:
+    """What one turn did to the requests that left its part."""
+
+    onward: list[Request] = attrs.Factory(list)  # to the next part, in order
+    requeue: list[Request] = attrs.Factory(list)  # retracted: to the front of the queue, in order
+    ended: list[Request] = attrs.Factory(list)  # reached a terminal state, memory released
+    notify: list[Request] = attrs.Factory(list)  # got new output tokens (wake their consumers)
+
+    def merge(self, other: Handoff) -> Handoff:
+        for name in ("onward", "requeue", "ended", "notify"):
+            getattr(self, name).extend(getattr(other, name))
+        return self
+
+
+Turn = Generator[Command, Outcome, Handoff]
+
+
+@attrs.define(eq=False)
+class AbortBook:
+    """Ids whose abort was asked for; the part owning each request applies it at a safe point."""
+
+    pending: set[str] = attrs.field(factory=set)
+
+    def add(self, request_id: str) -> None:
+        self.pending.add(request_id)
+
+    def discard(self, request_id: str) -> None:
+        self.pending.discard(request_id)
+
+    def among(self, reqs: Iterable[Request]) -> list[Request]:
+        """The live requests of ``reqs`` with an abort pending."""
+        if not self.pending:
+            return []
+        return [r for r in reqs if r.request_id in self.pending and not r.is_finished]
+
+
+def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
+    """The figures a step's lifecycle events carry: batch size, the step's HiSparse hits and misses
+    (the whole batch's, summed over layers) and the device command's wall time."""
+    return {
+        "batch_size": batch_size,
+        "step_hits": outcome.figures.hits,
+        "step_misses": outcome.figures.misses,
+        "device_ms": round(outcome.seconds * 1e3, 3),
+    }
+
+
+def end(items: list[tuple[Request, Event]], stage: str) -> Turn:
+    """Release (whatever holds memory), then apply each terminal event."""
+    if not items:
+        return Handoff()
+    held = tuple(r.request_id for r, _ in items if r.state is not State.QUEUED)
+    if held:
+        yield Release(held)  # never fails: the executor frees what it can and logs the rest
+    for req, event in items:
+        req.apply(event, stage, output_tokens=len(req.output_ids))
+    return Handoff(ended=[r for r, _ in items])
+
+
+def retract(reqs: list[Request], stage: str) -> Turn:
+    """Memory pressure: release (sampling state kept), back to the queue with the output kept."""
+    if not reqs:
+        return Handoff()
+    yield Release(tuple(r.request_id for r in reqs), keep_sampling_state=True)
+    for req in reqs:
+        req.apply(Retracted(), stage)
+        req.metrics.num_retractions += 1
+    return Handoff(requeue=list(reqs))
+
+
+def fail(reqs: Iterable[Request], reason: str, stage: str) -> Turn:
+    return (yield from end([(r, Crashed(reason)) for r in reqs], stage))
+
+
+def take_aborts(reqs: Iterable[Request], aborts: AbortBook, stage: str) -> Turn:
+    """End every request of ``reqs`` whose abort is pending."""
+    return (yield from end([(r, AbortRequested()) for r in aborts.among(reqs)], stage))
+
+
+# --- admission ---------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class AdmissionPart:
+    """The FIFO of QUEUED requests and the choice of each prefill batch.
+
+    A turn takes requests from the head, in order, while the prefill token budget allows (the head
+    always), and asks the executor to admit the longest prefix that fits memory together; nobody
+    overtakes the head. Retracted requests go back to the front, in order.
+    """
+
+    max_prefill_tokens: int  # a prefill batch's token budget (a longer head request still goes alone)
+    aborts: AbortBook
+    name: str = "admission"
+    queue: collections.deque[Request] = attrs.field(factory=collections.deque)
+    # the last turn found candidates and admitted none: it waits for memory to change
+    waiting_for_memory: bool = False
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self.queue)
+
+    def push(self, req: Request) -> None:
+        self.queue.append(req)
+
+    def requeue(self, reqs: Iterable[Request]) -> None:
+        """Back to the front, keeping their order."""
+        self.queue.extendleft(reversed(list(reqs)))
+
+    def remove(self, request_ids: set[str]) -> None:
+        self.queue = collections.deque(r for r in self.queue if r.request_id not in request_ids)
+
+    def candidates(self) -> list[Request]:
+        """The head requests the token budget allows in one prefill (at least the first)."""
+        chosen: list[Request] = []
+        budget = self.max_prefill_tokens
+        for req in self.queue:
+            need = len(req.known_tokens())
+            if chosen and need > budget:
+                break
+            chosen.append(req)
+            budget -= need
+        return chosen
+
+    def turn(self) -> Turn:
+        aborted = self.aborts.among(self.queue)
+        self.remove({r.request_id for r in aborted})
+        done = yield from end([(r, AbortRequested()) for r in aborted], self.name)
+        candidates = self.candidates()
+        if not candidates:
+            self.waiting_for_memory = False
+            return done
+        outcome = yield Admit(tuple(NewSequence(r.request_id, r.known_tokens(), r.params) for r in candidates))
+        if outcome.error is not None:
+            # nothing is known of the command's effect: release whatever it may have allocated
+            self.remove({r.request_id for r in candidates})
+            for req in candidates:
+                req.apply(Admitted(), self.name)
+            return done.merge((yield from fail(candidates, outcome.error, self.name)))
+        result: AdmitResult = outcome.result
+        admitted = candidates[: len(result.admitted)]
+        assert [r.request_id for r in admitted] == list(result.admitted), "admission must take a prefix"
+        self.remove(set(result.admitted))
+        self.waiting_for_memory = not admitted
+        for req in admitted:
+            if req.metrics.scheduled_time is None:
+                req.metrics.scheduled_time = time.monotonic()
+            req.apply(Admitted(), self.name, batch_size=len(admitted), queued=len(self.queue))
+        done.onward.extend(admitted)
+        return done
+
+
+# --- prefill -----------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class PrefillPart:
+    """Runs one admitted batch: the forward, the first tokens, the start of staging.
+
+    Each request then ends (its first token ends it: ``FinishedAtPrefill``; an abort arrived:
+    ``AbortRequested``; the executor failed it: ``Crashed``) or goes on to staging (``PrefillDone``).
+    """
+
+    aborts: AbortBook
+    name: str = "prefill"
+    batch: list[Request] = attrs.Factory(list)  # the batch being prefilled (during a turn)
+
+    def turn(self, reqs: list[Request]) -> Turn:
+        self.batch = list(reqs)
+        try:
+            done = yield from take_aborts(reqs, self.aborts, self.name)
+            reqs = [r for r in reqs if not r.is_finished]
+            if not reqs:
+                return done
+            outcome = yield Prefill(tuple(r.request_id for r in reqs))
+            if outcome.error is not None:
+                return done.merge((yield from fail(reqs, outcome.error, self.name)))
+            result: PrefillResult = outcome.result
+            ending: list[tuple[Request, Event]] = []
+            staged: list[Request] = []
+            figures = figures_of(outcome, len(reqs))
+            for req in reqs:
+                if req.request_id in result.failed:
+                    ending.append((req, Crashed(result.failed[req.request_id])))
+                    continue
+                prompt_len = len(req.known_tokens())
+                reason = req.append((result.first_tokens[req.request_id],))
+                if reason is not None:
+                    ending.append((req, FinishedAtPrefill(reason)))
+                elif req.request_id in self.aborts.pending:
+                    ending.append((req, AbortRequested()))
+                else:
+                    req.apply(PrefillDone(), self.name, prefill_tokens=prompt_len, **figures)
+                    staged.append(req)
+            done.merge((yield from end(ending, self.name)))
+            done.onward.extend(staged)
+            done.notify.extend(r for r in reqs if r.output_ids)
+            return done
+        finally:
+            self.batch = []
+
+
+# --- staging -----------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class StagingPart:
+    """Requests whose prompt KV is on its way to the host pool; hands them on READY, in FIFO order."""
+
+    aborts: AbortBook
+    name: str = "staging"
+    owned: dict[str, Request] = attrs.field(factory=dict)  # arrival order = staging order
+    # the last poll waited for every copy and still found nothing: what is left waits for memory
+    waiting_for_memory: bool = False
+
+    def accept(self, reqs: Iterable[Request]) -> None:
+        self.owned.update((r.request_id, r) for r in reqs)
+
+    def turn(self) -> Turn:
+        aborted = self.aborts.among(self.owned.values())
+        for req in aborted:
+            self.owned.pop(req.request_id)
+        done = yield from end([(r, AbortRequested()) for r in aborted], self.name)
+        if not self.owned:
+            self.waiting_for_memory = False
+            return done
+        outcome = yield CollectReady(tuple(self.owned))
+        if outcome.error is not None:
+            doomed, self.owned = list(self.owned.values()), {}
+            return done.merge((yield from fail(doomed, outcome.error, self.name)))
+        result: ReadyResult = outcome.result
+        ready = [self.owned.pop(rid) for rid in result.ready]
+        broken = [(self.owned.pop(rid), Crashed(why)) for rid, why in result.failed.items() if rid in self.owned]
+        self.waiting_for_memory = not ready and not broken and result.waited
+        for req in ready:
+            req.apply(StagingDone(), self.name)
+        done.onward.extend(ready)
+        return done.merge((yield from end(broken, self.name)))
+
+
+# --- decode ------------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class DecodePart:
+    """The running batch, stepped back to back (continuous batching).
+
+    A plain step: ``Decode`` -> ``StepDone`` or ``Finished``. A speculative round, in this order:
+    ``Reserve`` (room for D positions; the refused are retracted while still in DECODE) ->
+    ``DraftStarted`` -> ``Draft`` -> ``DraftDone`` -> [pending aborts] -> ``Verify`` -> ``Verified`` or
+    ``Finished``. A request the executor cannot grow is retracted; one it failed ends FAILED.
+    """
+
+    aborts: AbortBook
+    num_steps: int  # draft tokens per speculative round; 0 = plain decoding
+    name: str = "decode"
+    members: dict[str, Request] = attrs.field(factory=dict)  # join order
+
+    @property
+    def speculative(self) -> bool:
+        return self.num_steps > 0
+
+    @property
+    def draft_tokens(self) -> int:
+        """D: positions one round may add (the bonus token and the drafts)."""
+        return self.num_steps + 1
+
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def accept(self, reqs: Iterable[Request]) -> None:
+        for req in reqs:
+            self.members[req.request_id] = req
+            req.apply(JoinedBatch(), self.name, batch_size=len(self.members))
+
+    def _pop(self, reqs: Iterable[Request]) -> list[Request]:
+        return [self.members.pop(r.request_id) for r in reqs if r.request_id in self.members]
+
+    def turn(self, runnable: list[Request] | None = None) -> Turn:
+        """One step (or round) over ``runnable`` (default: every member), after pending aborts."""
+        done = yield from take_aborts(list(self.members.values()), self.aborts, self.name)
+        self._pop(done.ended)
+        reqs = [r for r in (runnable if runnable is not None else self.members.values()) if not r.is_finished]
+        if not reqs:
+            return done
+        step = self._round(reqs) if self.speculative else self._step(reqs)
+        return done.merge((yield from step))
+
+    def _step(self, reqs: list[Request]) -> Turn:
+        outcome = yield Decode(tuple(r.request_id for r in reqs))
+        if outcome.error is not None:
+            return (yield from fail(self._pop(reqs), outcome.error, self.name))
+        result: StepResult = outcome.result
+        done = yield from self._retract(result.refused)
+        return done.merge((yield from self._settle(result, outcome, len(result.tokens), verified=False)))
+
+    def _round(self, reqs: list[Request]) -> Turn:
+        outcome = yield Reserve(tuple(r.request_id for r in reqs), self.draft_tokens)
+        if outcome.error is not None:
+            return (yield from fail(self._pop(reqs), outcome.error, self.name))
+        room: RoomResult = outcome.result
+        done = yield from self._retract(room.refused)
+        drafting = [self.members[rid] for rid in room.runnable]
+        if not drafting:
+            return done
+        for req in drafting:
+            req.apply(DraftStarted(), self.name, batch_size=len(drafting))
+        outcome = yield Draft(tuple(room.runnable))
+        if outcome.error is not None:
+            return done.merge((yield from fail(self._pop(drafting), outcome.error, self.name)))
+        failed: dict[str, str] = outcome.result.failed
+        for req in drafting:
+            if req.request_id not in failed:
+                req.apply(DraftDone(num_steps=self.num_steps), self.name, batch_size=len(drafting))
+        doomed = [r for r in drafting if r.request_id in failed]
+        self._pop(doomed)
+        done.merge((yield from end([(r, Crashed(failed[r.request_id])) for r in doomed], self.name)))
+        # an abort that arrived while drafting takes effect here, between draft and verify
+        drafted = [r for r in drafting if r.request_id not in failed]
+        aborted = yield from take_aborts(drafted, self.aborts, self.name)
+        self._pop(aborted.ended)
+        done.merge(aborted)
+        drafted = [r for r in drafted if not r.is_finished]
+        if not drafted:
+            return done
+        outcome = yield Verify(tuple(r.request_id for r in drafted))
+        if outcome.error is not None:
+            return done.merge((yield from fail(self._pop(drafted), outcome.error, self.name)))
+        return done.merge((yield from self._settle(outcome.result, outcome, len(drafted), verified=True)))
+
+    def _retract(self, refused: tuple[str, ...]) -> Turn:
+        reqs = self._pop(self.members[rid] for rid in refused)
+        return (yield from retract(reqs, self.name))
+
+    def _settle(self, result: StepResult, outcome: Outcome, batch_size: int, *, verified: bool) -> Turn:
+        """Append each request's committed tokens and apply ``StepDone`` / ``Verified``; end the ones
+        that finished or failed."""
+        figures = figures_of(outcome, batch_size)
+        ending: list[tuple[Request, Event]] = []
+        notify: list[Request] = []
+        for rid, tokens in result.tokens.items():
+            req = self.members[rid]
+            if verified:
+                req.record_verify(result.accepted[rid], self.num_steps)
+            reason = req.append(tokens)
+            notify.append(req)
+            if reason is not None:
+                ending.append((req, Finished(reason)))
+            elif verified:
+                req.apply(Verified(accepted=len(tokens)), self.name, **figures)
+            else:
+                req.apply(StepDone(), self.name, **figures)
+        for rid, why in result.failed.items():
+            ending.append((self.members[rid], Crashed(why)))
+        self._pop(r for r, _ in ending)
+        done = yield from end(ending, self.name)
+        done.notify.extend(notify)
+        return done
+
+
+# --- the whole core ----------------------------------------------------------------------------------
+
+# which part owns a request in each live state
+OWNER: dict[State, str] = {
+    State.QUEUED: "admission",
+    State.PREFILL: "prefill",
+    State.STAGING: "staging",
+    State.READY: "decode",
+    State.DECODE: "decode",
+    State.DRAFT: "decode",
+    State.VERIFY: "decode",
+}
+
+
+@attrs.define(eq=False)
+class Scheduler:
+    """The four parts over one abort book (the synchronous driver holds all of them; the engine
+    gives one to each stage)."""
+
+    admission: AdmissionPart
+    prefill: PrefillPart
+    staging: StagingPart
+    decode: DecodePart
+    aborts: AbortBook
+
+    @classmethod
+    def build(cls, *, max_prefill_tokens: int, num_steps: int) -> Scheduler:
+        aborts = AbortBook()
+        return cls(
+            admission=AdmissionPart(max_prefill_tokens, aborts),
+            prefill=PrefillPart(aborts),
+            staging=StagingPart(aborts),
+            decode=DecodePart(aborts, num_steps),
+            aborts=aborts,
+        )
+
+    def containers(self) -> dict[str, list[Request]]:
+        return {
+            "admission": list(self.admission.queue),
+            "prefill": list(self.prefill.batch),
+            "staging": list(self.staging.owned.values()),
+            "decode": list(self.decode.members.values()),
+        }
+
+    def check_integrity(self, live: Iterable[Request], *, in_transit: Iterable[Request] = ()) -> None:
+        """Every live request sits in exactly the container of the part that owns its state (or,
+        in the async engine, in a message between two stages: ``in_transit``)."""
+        where: dict[str, list[str]] = collections.defaultdict(list)
+        for name, reqs in self.containers().items():
+            for req in reqs:
+                where[req.request_id].append(name)
+        moving = {r.request_id for r in in_transit}
+        for req in live:
+            places = where.pop(req.request_id, [])
+            if req.request_id in moving and not places:
+                continue
+            assert len(places) == 1, f"request {req.request_id} ({req.state.name}) is held by {places or 'no part'}"
+            assert OWNER[req.state] == places[0], (
+                f"request {req.request_id} is {req.state.name} but held by {places[0]}"
+            )
+        assert not where, f"parts hold requests that are not live: {sorted(where)}"
