@@ -13,10 +13,9 @@ import structlog
 from _engine_util import Gate, Hold, config, driver_outputs, live_request, make_prompts, until
 
 from pipeline import Engine, RequestError, RequestFailed, SamplingParams, configure_logging
-from pipeline.messages import StepResult
-from pipeline.scheduler import DecodePart
 from pipeline.logs import read_json_lines, replay
-from pipeline.messages import CollectReady, Decode, Draft, Prefill, Verify
+from pipeline.messages import CollectReady, Decode, Draft, Prefill, StepResult, Verify
+from pipeline.scheduler import DecodePart
 from statemachines.request import TERMINAL, State
 
 
