@@ -223,15 +223,11 @@ class Engine:
     ) -> Request:
         from pipeline.request import Request
         from pipeline.sampling import SamplingParams
+        from pipeline.validation import encode_prompt
 
         self._require_running()
         ex = self.executor
-        if isinstance(prompt, str):
-            token_ids = ex.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence):
-            token_ids = list(prompt)
-        else:
-            raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids")
+        token_ids = encode_prompt(prompt, ex.tokenizer)  # text or ids, else RequestError naming `prompt`
         params = SamplingParams() if params is None else params
         ex.validate(token_ids, params)  # reads only the config and the model's vocabulary size
         if request_id is None:

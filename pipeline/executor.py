@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from pipeline.config import EngineConfig, check_against_model
-from pipeline.errors import ConfigError, RequestError
+from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import TransferStream
@@ -34,6 +34,7 @@ from pipeline.sampling import SamplingParams, make_generator, sample
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
 from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
+from pipeline.validation import validate_request
 
 log = structlog.get_logger(__name__)
 
@@ -126,21 +127,10 @@ class Executor:
     # --- commands ---------------------------------------------------------------------------------
 
     def validate(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
-        """Request-level checks (ARCHITECTURE §6); raises ``RequestError`` for this request only."""
-        params.validate()
-        if not token_ids:
-            raise RequestError("prompt", token_ids, "must not be empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError("prompt", bad[:8], f"token ids must be ints in [0, {vocab})")
-        limit = self.config.max_context_len
-        if len(token_ids) >= limit:
-            raise RequestError(
-                "prompt",
-                list(token_ids),
-                f"length {len(token_ids)} leaves no room: max_context_len is {limit}",
-            )
+        """Request-level checks (``pipeline.validation``); raises ``RequestError`` for this request only."""
+        validate_request(
+            token_ids, params, vocab_size=self.model.cfg.vocab_size, max_context_len=self.config.max_context_len
+        )
 
     def can_admit(self, num_tokens: int) -> bool:
         return self.memory.can_admit(num_tokens)
