@@ -11,6 +11,9 @@ Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), ne
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import attrs
 
 from pipeline.errors import ConfigError
@@ -303,3 +306,40 @@ def check_against_model(
             config.max_context_len,
             f"must be <= the model's max_position_embeddings ({max_positions})",
         )
+
+
+ON_EXIT = ("abort", "finish")
+
+
+def check_engine_options(
+    config: object,
+    *,
+    max_prefill_tokens: object,
+    max_undelivered_tokens: object,
+    on_exit: object,
+    trace_path: object,
+    queue_size: object,
+) -> None:
+    """The keyword arguments of ``Engine(config, ...)``; raises ``ConfigError`` naming the first bad one.
+
+    ``trace_path`` must name a file that can be created: its directory exists and it is not itself a
+    directory (the file is opened when the engine starts).
+    """
+    _require(isinstance(config, EngineConfig), "config", type(config).__name__, "must be an EngineConfig")
+    _require_int("max_prefill_tokens", max_prefill_tokens, 1)
+    if max_undelivered_tokens is not None:
+        _require_int("max_undelivered_tokens", max_undelivered_tokens, 1)
+    _require(isinstance(on_exit, str) and on_exit in ON_EXIT, "on_exit", on_exit, f"must be one of {ON_EXIT}")
+    if trace_path is not None:
+        _require(
+            isinstance(trace_path, (str, os.PathLike)) and os.fspath(trace_path) != "",
+            "trace_path",
+            trace_path,
+            "must be a file path or None",
+        )
+        path = Path(trace_path)
+        _require(not path.is_dir(), "trace_path", trace_path, "is a directory: name a file to write")
+        _require(
+            path.parent.is_dir(), "trace_path", trace_path, f"its directory {str(path.parent)!r} does not exist"
+        )
+    _require_int("queue_size", queue_size, 1)

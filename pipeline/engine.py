@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import structlog
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, check_engine_options
 from pipeline.errors import EngineClosed, EngineError, RequestError
 from pipeline.logs import SUBMITTED
 from pipeline.messages import GenerateResult, RequestOutput
@@ -67,10 +67,14 @@ class Engine:
         trace_path: str | None = None,
         queue_size: int = 64,
     ) -> None:
-        if on_exit not in ("abort", "finish"):
-            raise ValueError(f"on_exit={on_exit!r}: must be 'abort' or 'finish'")
-        if max_undelivered_tokens is not None and max_undelivered_tokens < 1:
-            raise ValueError("max_undelivered_tokens must be >= 1 or None")
+        check_engine_options(  # ConfigError naming the argument
+            config,
+            max_prefill_tokens=max_prefill_tokens,
+            max_undelivered_tokens=max_undelivered_tokens,
+            on_exit=on_exit,
+            trace_path=trace_path,
+            queue_size=queue_size,
+        )
         self.config = config
         self._model = model
         self._max_prefill_tokens = max_prefill_tokens
@@ -110,7 +114,9 @@ class Engine:
 
     def _build_executor(self) -> Executor:
         from pipeline.executor import Executor
+        from pipeline.preflight import preflight
 
+        preflight(self.config, model=self._model)  # device, model path, memory: before anything is allocated
         return Executor(self.config, model=self._model, trace_path=self._trace_path)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
