@@ -1,10 +1,11 @@
 """Frozen, validated engine configuration.
 
-Every rule of ARCHITECTURE section 6 that can be checked without the model is checked when the
-object is built; the rules that need the model (``top_k`` against ``index_topk``, an MTP layer for
-speculative decoding, the context limit against the model's positions) are checked by
-``check_against_model`` when the engine loads it. A violation raises ``ConfigError`` naming the
-field, the value and the rule.
+Every rule that can be checked without the model is checked when the object is built; the rules
+that need the model (``top_k`` against ``index_topk``, an MTP layer for speculative decoding, the
+context limit against the model's positions) are checked by ``check_against_model`` when the engine
+loads it, and those that need the machine (device, memory) by ``pipeline.preflight`` before that.
+``check_engine_options`` checks the engine's keyword arguments. A violation raises ``ConfigError``
+naming the field, the value and the rule.
 
 Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
 """
@@ -214,11 +215,14 @@ class EngineConfig:
         )
         draft = self._draft_tokens()
         if draft:
+            spec = self.speculative
+            given = spec.num_draft_tokens is not None  # else D is num_steps + 1: name what the user set
             _require(
                 draft <= page - 1,
-                "speculative.num_draft_tokens",
-                draft,
-                f"verify tokens live in the draft zone of page_size - 1 = {page - 1} columns",
+                "speculative.num_draft_tokens" if given else "speculative.num_steps",
+                draft if given else spec.num_steps,
+                f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
+                f"page_size - 1 = {page - 1} columns",
             )
         buffer_columns = hs.device_buffer_size + page
         _require(

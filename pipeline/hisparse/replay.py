@@ -112,6 +112,8 @@ POLICIES = {"lru": lru_misses, "clock": clock_misses, "min": min_misses}
 
 
 def replay(records: Iterable[dict], hot: int) -> ReplayResult:
+    if hot < 1:
+        raise ValueError(f"hot={hot}: must be >= 1")
     streams = wanted_sets(records, hot)
     widest = max((len(w) for s in streams.values() for w in s), default=0)
     if widest > hot:
@@ -126,6 +128,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a JSON-lines top-k trace (Executor(trace_path=...))")
     parser.add_argument("--hot", type=int, required=True, help="device_buffer_size to replay with")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback (see hispec -h)")
     args = parser.parse_args(argv)
     result = replay(read_trace(args.trace), args.hot)
     print(
