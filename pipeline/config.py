@@ -343,7 +343,6 @@ def check_engine_options(
         )
         path = Path(trace_path)
         _require(not path.is_dir(), "trace_path", trace_path, "is a directory: name a file to write")
-        _require(
-            path.parent.is_dir(), "trace_path", trace_path, f"its directory {str(path.parent)!r} does not exist"
-        )
+        where = str(path.parent)
+        _require(path.parent.is_dir(), "trace_path", trace_path, f"its directory {where!r} does not exist")
     _require_int("queue_size", queue_size, 1)

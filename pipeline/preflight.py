@@ -51,7 +51,11 @@ def check_device(config: EngineConfig) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
         raise ConfigError("device", config.device, f"CUDA is not available ({why}); use device='cpu'")
 
 
@@ -61,10 +65,14 @@ def check_model(config: EngineConfig, model: Any) -> None:
 
     if not isinstance(model, DeepseekV32):
         raise ConfigError(
-            "model", type(model).__name__, "must be a built DeepseekV32 (a path or name goes in EngineConfig.model)"
+            "model",
+            type(model).__name__,
+            "must be a built DeepseekV32 (a path or name goes in EngineConfig.model)",
         )
     if model.device.type != config.device:
-        raise ConfigError("model", f"<model on {model.device}>", f"must be on the configured device ({config.device})")
+        raise ConfigError(
+            "model", f"<model on {model.device}>", f"must be on the configured device ({config.device})"
+        )
 
 
 def read_model_config(name: str) -> ModelConfig:
@@ -76,13 +84,20 @@ def read_model_config(name: str) -> ModelConfig:
         path = Path(name)
         if not path.is_dir():
             raise ConfigError(
-                "model", name, f"no such directory (give an HF-format model directory, or one of {sorted(BUNDLED_MODELS)})"
+                "model",
+                name,
+                f"no such directory (give an HF-format model directory, or one of {sorted(BUNDLED_MODELS)})",
             )
         if not (path / "config.json").is_file():
             raise ConfigError("model", name, "has no config.json: not an HF-format model directory")
     try:
         return ModelConfig.from_dir(name)
-    except (OSError, ValueError, KeyError, TypeError) as exc:  # JSON errors and unsupported values are ValueErrors
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as exc:  # JSON errors and unsupported values are ValueErrors
         raise ConfigError("model", name, f"config.json cannot be used: {type(exc).__name__}: {exc}") from None
 
 
@@ -150,7 +165,12 @@ def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstim
         cols = plan.buffer_columns
         add("device KV rows", layers * physical_rows * row_dim * elem, True, POOL_FIELD)
         add("index keys", layers * logical_rows * index_dim * elem, True, POOL_FIELD)
-        add("device buffers", rows * cols * INT64 + layers * rows * (cols + plan.hot) * INT32, True, ROWS_FIELD)
+        add(
+            "device buffers",
+            rows * cols * INT64 + layers * rows * (cols + plan.hot) * INT32,
+            True,
+            ROWS_FIELD,
+        )
         add("host pool", layers * plan.host_tokens * row_dim * elem, False, POOL_FIELD)
         add("token and host tables", 2 * table, False, ROWS_FIELD)
         add("logical-to-physical map", (logical_rows + 1) * INT64, False, POOL_FIELD)
@@ -208,8 +228,8 @@ def _refuse_if_short(
     raise ConfigError(
         field,
         getattr(config, field),
-        f"the memory layer would allocate {format_bytes(need)} of {where} ({estimate.summary(on_device=on_device)}), "
-        f"more than the {format_bytes(available)} available now",
+        f"the memory layer would allocate {format_bytes(need)} of {where} "
+        f"({estimate.summary(on_device=on_device)}), more than the {format_bytes(available)} available now",
     )
 
 

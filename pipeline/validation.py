@@ -48,13 +48,17 @@ def validate_request(
 ) -> None:
     """Raise ``RequestError`` naming the first field of the request that breaks a rule."""
     if not isinstance(params, SamplingParams):
-        raise RequestError("params", type(params).__name__, "must be a SamplingParams (or None for the defaults)")
+        raise RequestError(
+            "params", type(params).__name__, "must be a SamplingParams (or None for the defaults)"
+        )
     params.validate()
     if not isinstance(prompt_ids, (list, tuple)):
         raise RequestError("prompt", type(prompt_ids).__name__, "must be a list of token ids")
     if not prompt_ids:
         raise RequestError("prompt", prompt_ids, "must not be empty")
-    bad = [t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)]
+    bad = [
+        t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)
+    ]
     if bad:
         raise RequestError("prompt", bad[:8], f"token ids must be ints in [0, {vocab_size})")
     if len(prompt_ids) >= max_context_len:

@@ -126,7 +126,9 @@ BAD_REQUESTS = [
 ]
 
 
-@pytest.mark.parametrize(("prompt", "params", "field"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+@pytest.mark.parametrize(
+    ("prompt", "params", "field"), [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS]
+)
 def test_a_bad_request_is_a_request_error_naming_its_field(prompt, params, field):
     with pytest.raises(RequestError) as info:
         validate_request(prompt, params, vocab_size=VOCAB, max_context_len=CONTEXT)
@@ -302,7 +304,9 @@ def test_the_memory_check_compares_device_and_host_separately_on_cuda(tiny_model
     fits = dict(host_available=estimate.host_bytes, device_available=estimate.device_bytes)
     assert preflight.check_memory(config, tiny_model.cfg, **fits) == estimate
     with pytest.raises(ConfigError, match="of cuda memory") as info:
-        preflight.check_memory(config, tiny_model.cfg, **{**fits, "device_available": estimate.device_bytes - 1})
+        preflight.check_memory(
+            config, tiny_model.cfg, **{**fits, "device_available": estimate.device_bytes - 1}
+        )
     assert info.value.field == "device_pool_tokens"
     with pytest.raises(ConfigError, match="of host memory"):
         preflight.check_memory(config, tiny_model.cfg, **{**fits, "host_available": estimate.host_bytes - 1})
