@@ -60,18 +60,20 @@ def check_device(config: EngineConfig) -> None:
 
 
 def check_model(config: EngineConfig, model: Any) -> None:
-    """An injected model: built, and on the configured device (its dtype is checked on use)."""
-    from pipeline.model import DeepseekV32
+    """An injected model: a built model (a ``DeepseekV32``, or anything serving as one: it carries a
+    ``ModelConfig`` as ``cfg``), on the configured device (its dtype is checked on use)."""
+    from pipeline.model import ModelConfig
 
-    if not isinstance(model, DeepseekV32):
+    if not isinstance(getattr(model, "cfg", None), ModelConfig):
         raise ConfigError(
             "model",
             type(model).__name__,
             "must be a built DeepseekV32 (a path or name goes in EngineConfig.model)",
         )
-    if model.device.type != config.device:
+    device = getattr(model, "device", None)
+    if device is not None and getattr(device, "type", device) != config.device:
         raise ConfigError(
-            "model", f"<model on {model.device}>", f"must be on the configured device ({config.device})"
+            "model", f"<model on {device}>", f"must be on the configured device ({config.device})"
         )
 
 

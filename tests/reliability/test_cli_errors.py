@@ -53,6 +53,7 @@ FAST_CASES = [
     (["generate", "abc", "--model", "{tmp}/missing"], "model="),
     (["generate", "abc", "--model", "{tmp}"], "has no config.json"),
     (["generate", "abc", "--model", "{yarn}"], "yarn"),
+    (["generate", "abc", "--log-json", "{tmp}/missing/run.jsonl"], "No such file or directory"),
     (["replay", "{tmp}/missing.jsonl", "--hot", "8"], "No such file or directory"),
     (["replay", "{trace}", "--hot", "8"], "more than hot=8"),
     (["replay", "{trace}", "--hot", "0"], "hot=0: must be >= 1"),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import types
 
 import anyio
 import attrs
@@ -260,6 +261,9 @@ def test_cuda_without_cuda_is_a_config_error_naming_device(tiny_model):
 
 def test_a_model_that_is_not_a_model_is_a_config_error(tiny_model):
     assert start_error(small_config(), model="tiny").field == "model"
+    elsewhere = types.SimpleNamespace(cfg=tiny_model.cfg, device=torch.device("meta"))
+    err = start_error(small_config(), model=elsewhere)
+    assert err.field == "model" and "configured device (cpu)" in str(err)
 
 
 def test_model_paths_that_cannot_be_served_are_config_errors_naming_model(tmp_path):
