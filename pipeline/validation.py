@@ -60,7 +60,7 @@ def validate_request(
         t for t in prompt_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size)
     ]
     if bad:
-        raise RequestError("prompt", bad[:8], f"token ids must be ints in [0, {vocab_size})")
+        raise RequestError("prompt", bad[:8], f"token ids must be ints (not bools) in [0, {vocab_size})")
     if len(prompt_ids) >= max_context_len:
         raise RequestError(
             "prompt",
