@@ -116,7 +116,7 @@ class Engine:
         from pipeline.executor import Executor
         from pipeline.preflight import preflight
 
-        preflight(self.config, model=self._model)  # device, model path, memory: before anything is allocated
+        preflight(self.config, model=self._model)  # device, model, memory: before any allocation
         return Executor(self.config, model=self._model, trace_path=self._trace_path)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
