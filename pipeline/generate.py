@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="print lifecycle events and tracebacks on stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
     return p
 
 
