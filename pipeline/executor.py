@@ -128,8 +128,8 @@ class Executor:
 
     def validate(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
         """Request-level checks (``pipeline.validation``); raises ``RequestError`` for this request only."""
-        limits = dict(vocab_size=self.model.cfg.vocab_size, max_context_len=self.config.max_context_len)
-        validate_request(token_ids, params, **limits)
+        vocab, context = self.model.cfg.vocab_size, self.config.max_context_len
+        validate_request(token_ids, params, vocab_size=vocab, max_context_len=context)
 
     def can_admit(self, num_tokens: int) -> bool:
         return self.memory.can_admit(num_tokens)
