@@ -1,7 +1,8 @@
 """The ``hispec`` command line.
 
 Subcommands are thin: each hands its remaining arguments to the ``main(argv)`` of the module that
-owns the work, imported only when that subcommand runs (so ``hispec --help`` stays fast).
+owns the work, imported only when that subcommand runs (so ``hispec --help`` stays fast). Errors are
+reported here, for every subcommand alike (``main``).
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
+
+from pipeline.errors import ConfigError, HispecError, RequestError
 
 # subcommand -> (module, help); a bench target adds one more word: `hispec bench kernels ...`
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -25,11 +29,19 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
 }
 
 
+VERBOSE_FLAGS = ("-v", "--verbose")
+# a mistake in what the user asked for: exit status 2 (ConfigError and RequestError are ValueErrors)
+USER_ERRORS = (ConfigError, RequestError, ValueError, OSError)
+# the engine or a request failed while serving (EngineError, RequestFailed, ...): exit status 1
+RUN_ERRORS = (HispecError,)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hispec",
         description="Serve a DeepSeek-V3.2-style model with HiSparse and MTP speculative decoding.",
     )
+    parser.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an error too")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, text) in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -46,7 +58,40 @@ def _dispatch(table: dict[str, tuple[str, str]], name: str, rest: list[str]) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one ``hispec`` command and return its exit status.
+
+    A user error (a bad value, request, configuration or file) is one line on stderr,
+    ``hispec COMMAND: message``, and status 2; a request or engine failure is one such line and
+    status 1. ``-v`` / ``--verbose`` (``hispec -v COMMAND ...`` or among the command's options)
+    prints the traceback too. argparse's own errors print usage and exit 2 as usual.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
+    verbose = bool(argv) and argv[0] in VERBOSE_FLAGS
+    argv = argv[1:] if verbose else argv
+    verbose = verbose or any(arg in VERBOSE_FLAGS for arg in argv)
+    try:
+        return _run(argv)
+    except SystemExit as exc:  # argparse has printed its message already
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(exc.code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{_prog(argv)}: interrupted", file=sys.stderr)
+        return 130
+    except BaseException as exc:
+        error, others = reportable(exc)
+        if error is None:
+            raise  # a bug, not a mistake: the traceback is the report
+        if verbose:
+            traceback.print_exception(exc)
+        more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
+        print(f"{_prog(argv)}: {one_line(error)}{more}", file=sys.stderr)
+        failed = isinstance(error, RUN_ERRORS) and not isinstance(error, (ConfigError, RequestError))
+        return 1 if failed else 2
+
+
+def _run(argv: list[str]) -> int:
     parser = build_parser()
     if argv and argv[0] in COMMANDS:
         return _dispatch(COMMANDS, argv[0], argv[1:])
@@ -56,6 +101,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None or args.command == "bench":
         parser.print_help()
     return 0
+
+
+def _prog(argv: list[str]) -> str:
+    if argv and argv[0] in COMMANDS:
+        return f"hispec {argv[0]}"
+    if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_TARGETS:
+        return f"hispec bench {argv[1]}"
+    return "hispec"
+
+
+def reportable(exc: BaseException) -> tuple[BaseException | None, int]:
+    """The error to report in one line and how many others came with it (task groups raise groups),
+    or ``(None, 0)`` when any part of ``exc`` is not a user's or a request's error."""
+    leaves = list(_leaves(exc))
+    if not leaves or not all(isinstance(e, (*USER_ERRORS, *RUN_ERRORS)) for e in leaves):
+        return None, 0
+    return leaves[0], len(leaves) - 1
+
+
+def _leaves(exc: BaseException):
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def one_line(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        text = f"{exc.strerror}: {str(exc.filename)!r}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -1,15 +1,19 @@
 """Frozen, validated engine configuration.
 
-Every rule of ARCHITECTURE section 6 that can be checked without the model is checked when the
-object is built; the rules that need the model (``top_k`` against ``index_topk``, an MTP layer for
-speculative decoding, the context limit against the model's positions) are checked by
-``check_against_model`` when the engine loads it. A violation raises ``ConfigError`` naming the
-field, the value and the rule.
+Every rule that can be checked without the model is checked when the object is built; the rules
+that need the model (``top_k`` against ``index_topk``, an MTP layer for speculative decoding, the
+context limit against the model's positions) are checked by ``check_against_model`` when the engine
+loads it, and those that need the machine (device, memory) by ``pipeline.preflight`` before that.
+``check_engine_options`` checks the engine's keyword arguments. A violation raises ``ConfigError``
+naming the field, the value and the rule.
 
 Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import attrs
 
@@ -211,11 +215,14 @@ class EngineConfig:
         )
         draft = self._draft_tokens()
         if draft:
+            spec = self.speculative
+            given = spec.num_draft_tokens is not None  # else D is num_steps + 1: name what the user set
             _require(
                 draft <= page - 1,
-                "speculative.num_draft_tokens",
-                draft,
-                f"verify tokens live in the draft zone of page_size - 1 = {page - 1} columns",
+                "speculative.num_draft_tokens" if given else "speculative.num_steps",
+                draft if given else spec.num_steps,
+                f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
+                f"page_size - 1 = {page - 1} columns",
             )
         buffer_columns = hs.device_buffer_size + page
         _require(
@@ -303,3 +310,39 @@ def check_against_model(
             config.max_context_len,
             f"must be <= the model's max_position_embeddings ({max_positions})",
         )
+
+
+ON_EXIT = ("abort", "finish")
+
+
+def check_engine_options(
+    config: object,
+    *,
+    max_prefill_tokens: object,
+    max_undelivered_tokens: object,
+    on_exit: object,
+    trace_path: object,
+    queue_size: object,
+) -> None:
+    """The keyword arguments of ``Engine(config, ...)``; raises ``ConfigError`` naming the first bad one.
+
+    ``trace_path`` must name a file that can be created: its directory exists and it is not itself a
+    directory (the file is opened when the engine starts).
+    """
+    _require(isinstance(config, EngineConfig), "config", type(config).__name__, "must be an EngineConfig")
+    _require_int("max_prefill_tokens", max_prefill_tokens, 1)
+    if max_undelivered_tokens is not None:
+        _require_int("max_undelivered_tokens", max_undelivered_tokens, 1)
+    _require(isinstance(on_exit, str) and on_exit in ON_EXIT, "on_exit", on_exit, f"must be one of {ON_EXIT}")
+    if trace_path is not None:
+        _require(
+            isinstance(trace_path, (str, os.PathLike)) and os.fspath(trace_path) != "",
+            "trace_path",
+            trace_path,
+            "must be a file path or None",
+        )
+        path = Path(trace_path)
+        _require(not path.is_dir(), "trace_path", trace_path, "is a directory: name a file to write")
+        where = str(path.parent)
+        _require(path.parent.is_dir(), "trace_path", trace_path, f"its directory {where!r} does not exist")
+    _require_int("queue_size", queue_size, 1)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import structlog
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, check_engine_options
 from pipeline.errors import EngineClosed, EngineError, RequestError
 from pipeline.logs import SUBMITTED
 from pipeline.messages import GenerateResult, RequestOutput
@@ -72,10 +72,14 @@ class Engine:
         trace_path: str | None = None,
         queue_size: int = 64,
     ) -> None:
-        if on_exit not in ("abort", "finish"):
-            raise ValueError(f"on_exit={on_exit!r}: must be 'abort' or 'finish'")
-        if max_undelivered_tokens is not None and max_undelivered_tokens < 1:
-            raise ValueError("max_undelivered_tokens must be >= 1 or None")
+        check_engine_options(  # ConfigError naming the argument
+            config,
+            max_prefill_tokens=max_prefill_tokens,
+            max_undelivered_tokens=max_undelivered_tokens,
+            on_exit=on_exit,
+            trace_path=trace_path,
+            queue_size=queue_size,
+        )
         self.config = config
         self._model = model
         self._max_prefill_tokens = max_prefill_tokens
@@ -116,7 +120,9 @@ class Engine:
 
     def _build_executor(self) -> Executor:
         from pipeline.executor import Executor
+        from pipeline.preflight import preflight
 
+        preflight(self.config, model=self._model)  # device, model, memory: before any allocation
         return Executor(self.config, model=self._model, trace_path=self._trace_path)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
@@ -259,15 +265,11 @@ class Engine:
     ) -> Request:
         from pipeline.request import Request
         from pipeline.sampling import SamplingParams
+        from pipeline.validation import encode_prompt
 
         self._require_running()
         ex = self.executor
-        if isinstance(prompt, str):
-            token_ids = ex.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence):
-            token_ids = list(prompt)
-        else:
-            raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids")
+        token_ids = encode_prompt(prompt, ex.tokenizer)  # text or ids, else RequestError naming `prompt`
         params = SamplingParams() if params is None else params
         ex.validate(token_ids, params)  # reads only the config and the model's vocabulary size
         if request_id is None:

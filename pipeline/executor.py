@@ -33,7 +33,7 @@ import structlog
 import torch
 
 from pipeline.config import EngineConfig, check_against_model
-from pipeline.errors import ConfigError, RequestError
+from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import TransferStream
@@ -68,6 +68,7 @@ from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
 from pipeline.speculative.rounds import ExtendInput, draft_extend
+from pipeline.validation import validate_request
 from statemachines.request import State
 
 log = structlog.get_logger(__name__)
@@ -215,22 +216,11 @@ class Executor:
     # --- admission and prefill --------------------------------------------------------------------
 
     def validate(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
-        """Request-level checks (docs/invariants.md, "Requests"); raises ``RequestError`` for this
-        request only."""
-        params.validate()
-        if not token_ids:
-            raise RequestError("prompt", token_ids, "must not be empty")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in token_ids if not (isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab)]
-        if bad:
-            raise RequestError("prompt", bad[:8], f"token ids must be ints in [0, {vocab})")
-        limit = self.config.max_context_len
-        if len(token_ids) >= limit:
-            raise RequestError(
-                "prompt",
-                list(token_ids),
-                f"length {len(token_ids)} leaves no room: max_context_len is {limit}",
-            )
+        """Request-level checks (``pipeline/validation.py``); raises ``RequestError`` for this request
+        only."""
+        validate_request(
+            token_ids, params, vocab_size=self.model.cfg.vocab_size, max_context_len=self.config.max_context_len
+        )
 
     def can_admit(self, num_tokens: int) -> bool:
         return self.memory.can_admit(num_tokens, speculative=self.speculative)

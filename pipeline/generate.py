@@ -3,13 +3,12 @@
 Several prompts run concurrently. After the texts, one line per request shows the states it went
 through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
 speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
-``hispec trace FILE``.
+``hispec trace FILE``. Errors are reported by ``pipeline.cli`` (one line, exit status 2).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,16 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="print lifecycle events on stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
     return p
 
 
 def model_positions(args: argparse.Namespace, model: Any) -> int | None:
     if model is not None:
         return model.cfg.max_position_embeddings
-    from pipeline.model import ModelConfig, resolve_model_dir
+    from pipeline.preflight import read_model_config
 
-    return ModelConfig.from_dir(resolve_model_dir(args.model)).max_position_embeddings
+    return read_model_config(args.model).max_position_embeddings  # ConfigError naming `model`
 
 
 def engine_config(args: argparse.Namespace, max_positions: int | None) -> EngineConfig:
@@ -114,6 +113,7 @@ async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
     )
+    params.validate()  # a bad sampling flag is reported before the model loads
     cfg = engine_config(args, model_positions(args, model))
     results: list[Any] = [None] * len(args.prompts)
     async with Engine(cfg, model=model) as engine:
@@ -164,9 +164,6 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     )
     try:
         results, stats = anyio.run(run, args, model)
-    except FileNotFoundError as exc:
-        print(f"hispec generate: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
-        return 2
     finally:
         sink.close()
     for i, (prompt, result) in enumerate(zip(args.prompts, results)):

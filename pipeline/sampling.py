@@ -2,15 +2,21 @@
 
 Each request samples with its own ``torch.Generator`` (seeded from ``SamplingParams.seed``, or from the
 engine seed and the request id), so its tokens do not depend on which other requests share its
-batch. Greedy (temperature 0) is argmax, ties to the lowest token id.
+batch. Greedy (temperature 0, or below ``MIN_TEMPERATURE``) is argmax, ties to the lowest token id.
 """
 
 from __future__ import annotations
+
+import math
 
 import attrs
 import torch
 
 from pipeline.errors import RequestError
+
+# A temperature below this is treated as greedy: dividing logits by it would overflow to inf (and
+# sampling raise), and the distribution it asks for is already the argmax to float precision.
+MIN_TEMPERATURE = 1e-5
 
 
 def _check(ok: bool, field: str, value: object, rule: str) -> None:
@@ -18,49 +24,65 @@ def _check(ok: bool, field: str, value: object, rule: str) -> None:
         raise RequestError(field, value, rule)
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    """An int or float with a finite float value; bools are not numbers here."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
+def _stop_tuple(value: object) -> object:
+    """``stop`` as given, a list becoming a tuple (so the frozen params stay hashable)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
 @attrs.frozen
 class SamplingParams:
-    """How one request samples; checked when the request is submitted (``validate``)."""
+    """How one request samples; checked when the request is submitted (``validate``).
+
+    ``temperature`` 0 is greedy, and so is any temperature below ``MIN_TEMPERATURE``.
+    """
 
     max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0  # nucleus mass kept, in (0, 1]
     top_k: int = 0  # 0 = no limit
-    stop: tuple[str, ...] = ()  # strings that end the request (not included in the output)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)  # end the request (not output)
     seed: int | None = None  # None: derived from the engine seed and the request id
     ignore_eos: bool = False
 
     def validate(self) -> None:
         """Raise ``RequestError`` naming the first bad field."""
         n = self.max_new_tokens
-        _check(isinstance(n, int) and not isinstance(n, bool), "max_new_tokens", n, "must be an integer")
+        _check(_is_int(n), "max_new_tokens", n, "must be an integer")
         _check(n >= 1, "max_new_tokens", n, "must be >= 1")
         t = self.temperature
-        _check(isinstance(t, (int, float)) and t == t, "temperature", t, "must be a number")
-        _check(t >= 0, "temperature", t, "must be >= 0 (0 = greedy)")
+        _check(_is_real(t), "temperature", t, "must be a finite number")
+        _check(t >= 0, "temperature", t, f"must be >= 0 (0, or below {MIN_TEMPERATURE}, = greedy)")
         p = self.top_p
-        _check(isinstance(p, (int, float)) and 0 < p <= 1, "top_p", p, "must be in (0, 1]")
+        _check(_is_real(p), "top_p", p, "must be a finite number")
+        _check(0 < p <= 1, "top_p", p, "must be in (0, 1]")
         k = self.top_k
-        _check(
-            isinstance(k, int) and not isinstance(k, bool) and k >= 0, "top_k", k, "must be an integer >= 0"
-        )
+        _check(_is_int(k) and k >= 0, "top_k", k, "must be an integer >= 0 (0 = no limit)")
         _check(
             isinstance(self.stop, tuple) and all(isinstance(s, str) and s for s in self.stop),
             "stop",
             self.stop,
-            "must be a tuple of non-empty strings",
+            "must be a tuple or list of non-empty strings",
         )
-        seed = self.seed
-        _check(
-            seed is None or (isinstance(seed, int) and not isinstance(seed, bool)),
-            "seed",
-            seed,
-            "must be an int",
-        )
+        _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
+        _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be True or False")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def make_generator(params: SamplingParams, engine_seed: int, request_id: str) -> torch.Generator | None:
@@ -84,7 +106,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.to(torch.float64)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(torch.float64)
-    logits = logits / params.temperature
+    logits = logits / float(params.temperature)  # a Python int beyond int64 would not divide
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]

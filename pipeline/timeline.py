@@ -168,6 +168,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("log", help="a JSON-lines log (hispec generate --log-json FILE)")
     parser.add_argument("--out-png", help="default: the log's name with .png")
     parser.add_argument("--out-html", help="default: the log's name with .html")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
     args = parser.parse_args(argv)
     log_path = Path(args.log)
     rows = build_rows(read_json_lines(log_path))

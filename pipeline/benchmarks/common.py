@@ -22,6 +22,7 @@ def add_common_args(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=out, help="JSON results")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
 
 
 def setup(threads: int) -> int:

@@ -43,6 +43,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-engine.json")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
 
 
 def load_or_random(args: argparse.Namespace):

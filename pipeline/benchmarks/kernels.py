@@ -250,6 +250,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--ops", nargs="*", help="subset of: indexer_topk swap_in sparse_mla kv_copy")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="row/query dtype (default: bfloat16 on CUDA, float32 on CPU)")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -38,11 +38,15 @@ def wanted_sets(records: Iterable[dict], hot: int) -> dict[tuple[str, int], list
     """(request, layer) -> the hot-region positions each long decode step wants, in order."""
     streams: dict[tuple[str, int], list[list[int]]] = collections.defaultdict(list)
     for rec in records:
-        if rec.get("phase", "decode") != "decode" or rec["position"] + 1 <= hot:
+        try:
+            phase, query, top_k = rec.get("phase", "decode"), rec["position"], rec["top_k"]
+            key = (rec["request"], rec["layer"])
+        except (AttributeError, KeyError, TypeError):
+            raise ValueError(f"not a top-k trace record: {str(rec)[:60]}") from None
+        if phase != "decode" or query + 1 <= hot:
             continue
-        query = rec["position"]
-        want = list(dict.fromkeys(t for t in rec["top_k"] if 0 <= t < query))
-        streams[(rec["request"], rec["layer"])].append(want)
+        want = list(dict.fromkeys(t for t in top_k if 0 <= t < query))
+        streams[key].append(want)
     return streams
 
 
@@ -112,6 +116,8 @@ POLICIES = {"lru": lru_misses, "clock": clock_misses, "min": min_misses}
 
 
 def replay(records: Iterable[dict], hot: int) -> ReplayResult:
+    if hot < 1:
+        raise ValueError(f"hot={hot}: must be >= 1")
     streams = wanted_sets(records, hot)
     widest = max((len(w) for s in streams.values() for w in s), default=0)
     if widest > hot:
@@ -126,6 +132,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a JSON-lines top-k trace (Executor(trace_path=...))")
     parser.add_argument("--hot", type=int, required=True, help="device_buffer_size to replay with")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
     args = parser.parse_args(argv)
     result = replay(read_trace(args.trace), args.hot)
     print(

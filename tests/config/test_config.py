@@ -158,7 +158,7 @@ RULES = [
     ),
     # verify tokens live in the draft zone: D <= page_size - 1
     (
-        "speculative.num_draft_tokens",
+        "speculative.num_steps",
         lambda: dict(page_size=8, speculative=SP(num_steps=6)),
         lambda: dict(page_size=8, speculative=SP(num_steps=7)),
         "draft zone of page_size - 1 = 7 columns",

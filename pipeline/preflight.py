@@ -1,0 +1,283 @@
+"""Checks made when an engine starts, before the model is loaded or any memory allocated.
+
+``EngineConfig`` checks its own values when it is built; what needs the machine or the model's
+dimensions is checked here, each mistake a ``ConfigError`` naming the field:
+
+* ``model``: an injected model is a ``DeepseekV32`` on the configured device; a model to load is
+  ``"tiny"`` or an existing directory with a readable ``config.json``;
+* ``device``: ``"cuda"`` needs a CUDA build of torch and a visible device;
+* memory: the bytes the memory layer will allocate for this config and model (``estimate_memory``)
+  must fit in the memory available now (host RAM, and the CUDA device's free memory on CUDA);
+  the error names the field whose allocations dominate, ``device_pool_tokens`` (the pools) or
+  ``max_running_requests`` (the per-request tables and buffers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from pipeline.config import EngineConfig
+from pipeline.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pipeline.model import ModelConfig
+
+INT64, INT32 = 8, 4
+# Python bookkeeping of one page in a paged allocator: a free-list entry (pointer and int object)
+# and an owner entry.
+PAGE_BOOKKEEPING_BYTES = 48
+POOL_FIELD, ROWS_FIELD = "device_pool_tokens", "max_running_requests"
+
+
+def preflight(config: EngineConfig, *, model: Any = None) -> None:
+    """Every machine- and model-dependent check of ``config``; raises ``ConfigError`` naming the field."""
+    check_device(config)
+    if model is not None:
+        check_model(config, model)
+        model_cfg = model.cfg
+    else:
+        model_cfg = read_model_config(config.model)
+    check_memory(config, model_cfg)
+
+
+def check_device(config: EngineConfig) -> None:
+    if config.device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = (
+            "this torch build has no CUDA support"
+            if torch.version.cuda is None
+            else "no CUDA device is visible"
+        )
+        raise ConfigError("device", config.device, f"CUDA is not available ({why}); use device='cpu'")
+
+
+def check_model(config: EngineConfig, model: Any) -> None:
+    """An injected model: a built model (a ``DeepseekV32``, or anything serving as one: it carries a
+    ``ModelConfig`` as ``cfg``), on the configured device (its dtype is checked on use)."""
+    from pipeline.model import ModelConfig
+
+    if not isinstance(getattr(model, "cfg", None), ModelConfig):
+        raise ConfigError(
+            "model",
+            type(model).__name__,
+            "must be a built DeepseekV32 (a path or name goes in EngineConfig.model)",
+        )
+    device = getattr(model, "device", None)
+    if device is not None and getattr(device, "type", device) != config.device:
+        raise ConfigError(
+            "model", f"<model on {device}>", f"must be on the configured device ({config.device})"
+        )
+
+
+def read_model_config(name: str) -> ModelConfig:
+    """The model's dimensions from its ``config.json``, without loading any weights."""
+    from pipeline.model import ModelConfig
+    from pipeline.model.config import BUNDLED_MODELS
+
+    if name not in BUNDLED_MODELS:
+        path = Path(name)
+        if not path.is_dir():
+            raise ConfigError(
+                "model",
+                name,
+                f"no such directory (give an HF-format model directory, or one of {sorted(BUNDLED_MODELS)})",
+            )
+        if not (path / "config.json").is_file():
+            raise ConfigError("model", name, "has no config.json: not an HF-format model directory")
+    try:
+        return ModelConfig.from_dir(name)
+    except (
+        OSError,
+        ValueError,
+        KeyError,
+        TypeError,
+    ) as exc:  # JSON errors and unsupported values are ValueErrors
+        raise ConfigError("model", name, f"config.json cannot be used: {type(exc).__name__}: {exc}") from None
+
+
+# --- memory -----------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Allocation:
+    name: str
+    num_bytes: int
+    on_device: bool  # False: host memory (the same RAM as the device on a CPU machine)
+    field: str  # the config field it grows with
+
+
+@attrs.frozen
+class MemoryEstimate:
+    allocations: tuple[Allocation, ...]
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(a.num_bytes for a in self.allocations if a.on_device)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(a.num_bytes for a in self.allocations if not a.on_device)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+    def dominant_field(self, *, on_device: bool | None = None) -> str:
+        """The config field whose allocations weigh most (among the device or host ones if given)."""
+        weights: dict[str, int] = {}
+        for a in self.allocations:
+            if on_device is None or a.on_device == on_device:
+                weights[a.field] = weights.get(a.field, 0) + a.num_bytes
+        return max(weights, key=weights.__getitem__)
+
+    def summary(self, *, on_device: bool | None = None, limit: int = 3) -> str:
+        chosen = [a for a in self.allocations if on_device is None or a.on_device == on_device]
+        chosen.sort(key=lambda a: -a.num_bytes)
+        return ", ".join(f"{a.name} {format_bytes(a.num_bytes)}" for a in chosen[:limit])
+
+
+def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstimate:
+    """The tensors (and page lists) the memory layer allocates for ``config`` and a model of these
+    dimensions: KV rows x row bytes x layers, index keys, the host pool, the per-request tables
+    ``[rows, max_context_len + draft] int64`` and device buffers, the draft layer's pool."""
+    from pipeline.model.checkpoint import parse_dtype
+
+    elem = parse_dtype(config.dtype).itemsize
+    plan = config.memory_plan(model_cfg.index_topk or 0)
+    p, rows, max_len = plan.page_size, plan.max_running_requests, plan.max_request_len
+    layers, row_dim, index_dim = model_cfg.num_hidden_layers, model_cfg.kv_row_dim, model_cfg.index_head_dim
+    table = rows * max_len * INT64
+    physical_pages = plan.device_tokens // p + 1  # page 0, the sink, is extra
+    out: list[Allocation] = []
+
+    def add(name: str, num_bytes: int, on_device: bool, field: str) -> None:
+        out.append(Allocation(name, num_bytes, on_device, field))
+
+    if plan.hisparse:
+        logical_pages = plan.logical_tokens // p + 1
+        logical_rows, physical_rows = logical_pages * p, physical_pages * p
+        cols = plan.buffer_columns
+        add("device KV rows", layers * physical_rows * row_dim * elem, True, POOL_FIELD)
+        add("index keys", layers * logical_rows * index_dim * elem, True, POOL_FIELD)
+        add(
+            "device buffers",
+            rows * cols * INT64 + layers * rows * (cols + plan.hot) * INT32,
+            True,
+            ROWS_FIELD,
+        )
+        add("host pool", layers * plan.host_tokens * row_dim * elem, False, POOL_FIELD)
+        add("token and host tables", 2 * table, False, ROWS_FIELD)
+        add("logical-to-physical map", (logical_rows + 1) * INT64, False, POOL_FIELD)
+        pages = logical_pages + physical_pages + plan.host_pages
+        add("page lists", pages * PAGE_BOOKKEEPING_BYTES, False, POOL_FIELD)
+        if config.speculative is not None and model_cfg.num_nextn_predict_layers > 0:
+            add("draft layer KV", logical_rows * (row_dim + index_dim) * elem, True, POOL_FIELD)
+            add("draft token table", table, True, ROWS_FIELD)
+    else:
+        all_layers = layers + model_cfg.num_nextn_predict_layers
+        slots = physical_pages * p
+        add("KV rows", all_layers * slots * row_dim * elem, True, POOL_FIELD)
+        add("index keys", all_layers * slots * index_dim * elem, True, POOL_FIELD)
+        add("token table", table, False, ROWS_FIELD)
+        if config.device != "cpu":
+            add("token table (device copy)", table, True, ROWS_FIELD)
+        add("page lists", physical_pages * PAGE_BOOKKEEPING_BYTES, False, POOL_FIELD)
+    return MemoryEstimate(tuple(out))
+
+
+def check_memory(
+    config: EngineConfig,
+    model_cfg: ModelConfig,
+    *,
+    host_available: int | None = None,
+    device_available: int | None = None,
+) -> MemoryEstimate:
+    """Refuse a config whose memory layer would not fit in the memory available now.
+
+    ``host_available`` / ``device_available`` default to what the machine reports (None when it
+    reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
+    """
+    estimate = estimate_memory(config, model_cfg)
+    host = available_host_memory() if host_available is None else host_available
+    if config.device == "cpu":
+        _refuse_if_short(config, estimate, estimate.total_bytes, host, None, "memory")
+        return estimate
+    device = available_device_memory() if device_available is None else device_available
+    _refuse_if_short(config, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
+    _refuse_if_short(config, estimate, estimate.host_bytes, host, False, "host memory")
+    return estimate
+
+
+def _refuse_if_short(
+    config: EngineConfig,
+    estimate: MemoryEstimate,
+    need: int,
+    available: int | None,
+    on_device: bool | None,
+    where: str,
+) -> None:
+    if available is None or need <= available:
+        return
+    field = estimate.dominant_field(on_device=on_device)
+    raise ConfigError(
+        field,
+        getattr(config, field),
+        f"the memory layer would allocate {format_bytes(need)} of {where} "
+        f"({estimate.summary(on_device=on_device)}), more than the {format_bytes(available)} available now",
+    )
+
+
+def available_host_memory() -> int | None:
+    """Bytes of RAM that can be allocated now: the least of the kernel's MemAvailable and the room
+    left under this process's cgroup limit (None if the machine reports neither)."""
+    found: list[int] = []
+    meminfo = _read("/proc/meminfo")
+    for line in (meminfo or "").splitlines():
+        if line.startswith("MemAvailable:"):
+            found.append(int(line.split()[1]) * 1024)
+    if not found:
+        with contextlib.suppress(AttributeError, ValueError, OSError):  # no such sysconf name here
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    limit, current = _read("/sys/fs/cgroup/memory.max"), _read("/sys/fs/cgroup/memory.current")
+    if limit and current and limit.strip().isdigit() and current.strip().isdigit():
+        reclaimable = 0
+        for line in (_read("/sys/fs/cgroup/memory.stat") or "").splitlines():
+            key, _, value = line.partition(" ")
+            if key == "inactive_file" and value.strip().isdigit():
+                reclaimable = int(value)
+        found.append(max(0, int(limit) - int(current) + reclaimable))
+    return min(found) if found else None
+
+
+def available_device_memory() -> int | None:
+    """Free bytes on the current CUDA device (None without one)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return int(free)
+
+
+def format_bytes(n: int) -> str:
+    value, unit = float(n), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if value < 1000 or unit == "PB":
+            break
+        value /= 1000
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
