@@ -1,0 +1,328 @@
+"""The scheduling core with hand-built outcomes: no model, no executor, no event loop.
+
+Each test drives a part's turn (a generator of commands) by sending the outcome the test chooses, and
+checks the commands it yields, in order, and the states and hand-off it leaves.
+"""
+
+from __future__ import annotations
+
+import pytest
+import structlog
+
+from pipeline.messages import (
+    Admit,
+    AdmitResult,
+    CollectReady,
+    Decode,
+    Draft,
+    Outcome,
+    Prefill,
+    PrefillResult,
+    ReadyResult,
+    Reserve,
+    RoomResult,
+    StepResult,
+    Verify,
+)
+from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.request import Request
+from pipeline.sampling import SamplingParams
+from pipeline.scheduler import AbortBook, AdmissionPart, DecodePart, PrefillPart, Scheduler, StagingPart
+from statemachines.request import (
+    AbortRequested,
+    Admitted,
+    JoinedBatch,
+    PrefillDone,
+    StagingDone,
+    State,
+)
+
+TOKENIZER = ByteTokenizer()
+
+
+def request(rid: str, prompt_len: int = 4, **params) -> Request:
+    return Request(rid, tuple(range(65, 65 + prompt_len)), SamplingParams(**params), TOKENIZER, 256)
+
+
+def in_state(rid: str, state: State, **params) -> Request:
+    req = request(rid, **params)
+    path = {
+        State.PREFILL: [Admitted()],
+        State.STAGING: [Admitted(), PrefillDone()],
+        State.READY: [Admitted(), PrefillDone(), StagingDone()],
+        State.DECODE: [Admitted(), PrefillDone(), StagingDone(), JoinedBatch()],
+    }[state]
+    for event in path:
+        req.apply(event)
+    return req
+
+
+class Script:
+    """Drives a turn: ``answers`` maps a command type to the result (or a callable of the command)."""
+
+    def __init__(self, turn, answers: dict[type, object]) -> None:
+        self.turn = turn
+        self.answers = answers
+        self.commands: list[object] = []
+
+    def run(self):
+        try:
+            command = next(self.turn)
+            while True:
+                self.commands.append(command)
+                answer = self.answers.get(type(command))
+                if isinstance(answer, Exception):
+                    outcome = Outcome(None, error=f"{type(answer).__name__}: {answer}", changed=True)
+                else:
+                    result = answer(command) if callable(answer) else answer
+                    outcome = Outcome(result, changed=True)
+                command = self.turn.send(outcome)
+        except StopIteration as stop:
+            return stop.value
+
+    def kinds(self) -> list[str]:
+        return [type(c).__name__ for c in self.commands]
+
+
+def ids(reqs) -> list[str]:
+    return [r.request_id for r in reqs]
+
+
+# --- admission ---------------------------------------------------------------------------------------
+
+
+def test_admission_offers_the_budgeted_head_and_takes_what_the_executor_admitted():
+    part = AdmissionPart(max_prefill_tokens=10, aborts=AbortBook())
+    reqs = [request(f"r{i}", n) for i, n in enumerate([4, 5, 3, 2])]
+    for r in reqs:
+        part.push(r)
+    script = Script(part.turn(), {Admit: AdmitResult(("r0",))})
+    handoff = script.run()
+    (admit,) = script.commands
+    assert [s.request_id for s in admit.sequences] == ["r0", "r1"]  # budget 10: 4 + 5, then 3 is over
+    assert ids(handoff.onward) == ["r0"] and reqs[0].state is State.PREFILL
+    assert ids(part.queue) == ["r1", "r2", "r3"] and reqs[1].state is State.QUEUED
+    assert not part.waiting_for_memory
+
+
+@pytest.mark.parametrize(
+    ("admitted", "queue_after", "waiting"),
+    [
+        ((), ["a", "b", "c"], True),  # the head does not fit: nobody overtakes it, admission waits
+        (("a",), ["b", "c"], False),
+        (("a", "b"), ["c"], False),
+        (("a", "b", "c"), [], False),
+    ],
+)
+def test_admission_takes_exactly_the_admitted_prefix(admitted, queue_after, waiting):
+    part = AdmissionPart(max_prefill_tokens=100, aborts=AbortBook())
+    for rid in "abc":
+        part.push(request(rid))
+    handoff = Script(part.turn(), {Admit: AdmitResult(admitted)}).run()
+    assert ids(handoff.onward) == list(admitted)
+    assert ids(part.queue) == queue_after
+    assert part.waiting_for_memory is waiting
+
+
+def test_admission_head_longer_than_the_budget_goes_alone_and_retracted_go_first():
+    part = AdmissionPart(max_prefill_tokens=3, aborts=AbortBook())
+    long, short = request("long", 9), request("short", 1)
+    part.push(long)
+    part.push(short)
+    assert ids(part.candidates()) == ["long"]
+    part.requeue([request("a"), request("b")])
+    assert ids(part.queue) == ["a", "b", "long", "short"]
+
+
+def test_admission_ends_queued_aborts_without_a_release():
+    aborts = AbortBook()
+    part = AdmissionPart(max_prefill_tokens=100, aborts=aborts)
+    victim, other = request("victim"), request("other")
+    part.push(victim)
+    part.push(other)
+    aborts.add("victim")
+    script = Script(part.turn(), {Admit: AdmitResult(("other",))})
+    handoff = script.run()
+    assert script.kinds() == ["Admit"]  # a QUEUED request holds no memory: nothing to release
+    assert victim.state is State.ABORTED and victim.finish_reason == "abort"
+    assert ids(handoff.ended) == ["victim"] and ids(handoff.onward) == ["other"]
+
+
+def test_admission_command_error_fails_the_candidates_and_releases_them():
+    part = AdmissionPart(max_prefill_tokens=100, aborts=AbortBook())
+    reqs = [request("a"), request("b")]
+    for r in reqs:
+        part.push(r)
+    script = Script(part.turn(), {Admit: RuntimeError("boom")})
+    handoff = script.run()
+    assert script.kinds() == ["Admit", "Release"] and script.commands[1].request_ids == ("a", "b")
+    assert [r.state for r in reqs] == [State.FAILED, State.FAILED]
+    assert reqs[0].error == "RuntimeError: boom" and ids(handoff.ended) == ["a", "b"]
+
+
+# --- prefill -----------------------------------------------------------------------------------------
+
+
+def test_prefill_sorts_each_request_by_its_first_token():
+    aborts = AbortBook()
+    reqs = [in_state(rid, State.PREFILL, max_new_tokens=n) for rid, n in [("ok", 5), ("one", 1), ("gone", 5), ("bad", 5)]]
+    part = PrefillPart(aborts)
+
+    def answer(command):
+        aborts.add("gone")  # arrives while the forward runs
+        return PrefillResult({"ok": 70, "one": 71, "gone": 72}, failed={"bad": "ValueError: x"})
+
+    script = Script(part.turn(reqs), {Prefill: answer})
+    handoff = script.run()
+    assert script.kinds() == ["Prefill", "Release"]
+    assert set(script.commands[1].request_ids) == {"one", "gone", "bad"}  # released before ending
+    by_id = {r.request_id: r for r in reqs}
+    assert by_id["ok"].state is State.STAGING and by_id["ok"].output_ids == [70]
+    assert by_id["one"].state is State.FINISHED and by_id["one"].finish_reason == "length"
+    assert by_id["gone"].state is State.ABORTED
+    assert by_id["bad"].state is State.FAILED and by_id["bad"].error == "ValueError: x"
+    assert ids(handoff.onward) == ["ok"] and set(ids(handoff.ended)) == {"one", "gone", "bad"}
+
+
+def test_prefill_aborts_before_the_forward_skip_it():
+    aborts = AbortBook({"a"})
+    reqs = [in_state("a", State.PREFILL), in_state("b", State.PREFILL)]
+    script = Script(PrefillPart(aborts).turn(reqs), {Prefill: PrefillResult({"b": 66})})
+    script.run()
+    assert script.kinds() == ["Release", "Prefill"] and script.commands[1].request_ids == ("b",)
+
+
+# --- staging -----------------------------------------------------------------------------------------
+
+
+def test_staging_hands_on_in_fifo_order_and_fails_a_broken_copy_alone():
+    part = StagingPart(AbortBook())
+    reqs = [in_state(rid, State.STAGING) for rid in "abc"]
+    part.accept(reqs)
+    result = ReadyResult(("a",), waited=False, failed={"b": "staging copy failed: OSError: disk"})
+    script = Script(part.turn(), {CollectReady: result})
+    handoff = script.run()
+    assert script.commands[0].request_ids == ("a", "b", "c")
+    assert script.kinds() == ["CollectReady", "Release"] and script.commands[1].request_ids == ("b",)
+    assert ids(handoff.onward) == ["a"] and reqs[0].state is State.READY
+    assert reqs[1].state is State.FAILED and reqs[2].state is State.STAGING
+    assert list(part.owned) == ["c"] and not part.waiting_for_memory
+
+
+def test_staging_waits_for_memory_only_after_a_poll_that_waited():
+    part = StagingPart(AbortBook())
+    part.accept([in_state("a", State.STAGING)])
+    Script(part.turn(), {CollectReady: ReadyResult((), waited=False)}).run()
+    assert not part.waiting_for_memory  # copies in flight: poll again behind other commands
+    Script(part.turn(), {CollectReady: ReadyResult((), waited=True)}).run()
+    assert part.waiting_for_memory
+
+
+# --- decode ------------------------------------------------------------------------------------------
+
+
+def decode_part(num_steps: int, *rids: str, **params) -> tuple[DecodePart, AbortBook, list[Request]]:
+    aborts = AbortBook()
+    part = DecodePart(aborts, num_steps)
+    reqs = [in_state(rid, State.READY, **params) for rid in rids]
+    part.accept(reqs)
+    return part, aborts, reqs
+
+
+def test_plain_step_settles_tokens_retracts_the_refused_and_fails_the_failed():
+    part, _, reqs = decode_part(0, "a", "b", "c", "d", max_new_tokens=2)
+    reqs[1].output_ids.append(1)  # b reaches its length with this step's token
+    result = StepResult({"a": (66,), "b": (67,)}, refused=("c",), failed={"d": "boom"})
+    script = Script(part.turn(), {Decode: result})
+    handoff = script.run()
+    assert script.kinds() == ["Decode", "Release", "Release"]
+    retract, end = script.commands[1:]
+    assert retract.request_ids == ("c",) and retract.keep_sampling_state  # its random stream goes on
+    assert set(end.request_ids) == {"b", "d"} and not end.keep_sampling_state
+    assert [r.state for r in reqs] == [State.DECODE, State.FINISHED, State.QUEUED, State.FAILED]
+    assert reqs[1].finish_reason == "length" and reqs[2].metrics.num_retractions == 1
+    assert ids(handoff.requeue) == ["c"] and list(part.members) == ["a"]
+    assert set(ids(handoff.notify)) == {"a", "b"}
+
+
+def test_speculative_round_order():
+    part, aborts, reqs = decode_part(2, "a", "b", "c", ignore_eos=True)
+    seen = []
+
+    def draft(command):
+        seen.append([r.state for r in reqs])
+        aborts.add("b")  # arrives while drafting: takes effect between draft and verify
+        return StepResult({})
+
+    answers = {
+        Reserve: RoomResult(("a", "b"), refused=("c",)),
+        Draft: draft,
+        Verify: StepResult({"a": (70, 71, 72)}, accepted={"a": 2}),
+    }
+    script = Script(part.turn(), answers)
+    script.run()
+    assert script.kinds() == ["Reserve", "Release", "Draft", "Release", "Verify"]
+    reserve = script.commands[0]
+    assert reserve.request_ids == ("a", "b", "c") and reserve.new_tokens == 3  # D = num_steps + 1
+    assert script.commands[1].request_ids == ("c",) and script.commands[1].keep_sampling_state
+    # c was retracted while still in DECODE (there is no way back to the queue from DRAFT)
+    assert seen == [[State.DRAFT, State.DRAFT, State.QUEUED]]
+    assert script.commands[3].request_ids == ("b",) and script.commands[4].request_ids == ("a",)
+    assert [r.state for r in reqs] == [State.DECODE, State.ABORTED, State.QUEUED]
+    assert reqs[0].output_ids == [70, 71, 72] and reqs[0].metrics.spec.accepted_drafts == 2
+
+
+def test_round_events_in_order_for_one_request():
+    part, _, _ = decode_part(3, "a", ignore_eos=True)
+    answers = {Reserve: RoomResult(("a",), ()), Draft: StepResult({}), Verify: StepResult({"a": (5,)}, accepted={"a": 0})}
+    with structlog.testing.capture_logs() as logs:
+        Script(part.turn(), answers).run()
+    assert [e["event"] for e in logs] == ["DraftStarted", "DraftDone", "Verified"]
+    assert logs[1]["num_steps"] == 3 and logs[2]["accepted"] == 1
+    assert all(e["request_id"] == "a" for e in logs)
+
+
+def test_a_command_error_fails_only_that_commands_requests():
+    part, _, reqs = decode_part(2, "a", "b")
+    answers = {Reserve: RoomResult(("a",), ()), Draft: RuntimeError("device fell over")}
+    # b has no room this round but is not refused either: it simply is not in this round's batch
+    handoff = Script(part.turn([reqs[0]]), answers).run()
+    assert reqs[0].state is State.FAILED and reqs[0].error == "RuntimeError: device fell over"
+    assert reqs[1].state is State.DECODE and ids(handoff.ended) == ["a"]
+
+
+def test_decode_aborts_come_first_and_parked_requests_are_left_out():
+    part, aborts, reqs = decode_part(0, "a", "b", "c")
+    aborts.add("a")
+    script = Script(part.turn([reqs[1]]), {Decode: StepResult({"b": (9,)})})  # c is parked
+    script.run()
+    assert script.kinds() == ["Release", "Decode"]
+    assert script.commands[0].request_ids == ("a",) and script.commands[1].request_ids == ("b",)
+    assert [r.state for r in reqs] == [State.ABORTED, State.DECODE, State.DECODE]
+
+
+# --- the whole core ----------------------------------------------------------------------------------
+
+
+def test_registry_check_finds_a_request_in_the_wrong_container():
+    core = Scheduler.build(max_prefill_tokens=64, num_steps=0)
+    queued, decoding = request("q"), in_state("d", State.DECODE)
+    core.admission.push(queued)
+    core.decode.members["d"] = decoding
+    core.check_integrity([queued, decoding])
+    core.staging.owned["q"] = queued  # held twice
+    with pytest.raises(AssertionError, match="held by"):
+        core.check_integrity([queued, decoding])
+    core.staging.owned.clear()
+    core.admission.remove({"q"})
+    core.staging.owned["q"] = queued  # QUEUED, but held by staging
+    with pytest.raises(AssertionError, match="QUEUED but held by staging"):
+        core.check_integrity([queued, decoding])
+    with pytest.raises(AssertionError, match="not live"):
+        core.check_integrity([decoding])
+
+
+def test_abort_event_sets_the_finish_reason_once():
+    req = request("r")
+    req.apply(AbortRequested())
+    assert req.finish_reason == "abort" and req.metrics.finished_time is not None
