@@ -54,10 +54,10 @@ across requests (so every row copy of a call has its own destination).
 
 from __future__ import annotations
 
-import attrs
 import torch
 
 from kernels.checks import check_index_range, check_same_device, check_tensor, check_unique, resolve_impl
+from kernels.swap_in_result import SwapInResult
 
 # Triton kernel size limits: one program per request holds [HOT, K] and [K, K] compare tiles.
 TRITON_MAX_HOT = 1024
@@ -67,34 +67,6 @@ TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
 # implementation, which beats the vectorised reference's per-op overhead there (see
 # kernels/swap_in_python.py and the decode / verify / small rows of `hispec bench kernels`).
 PYTHON_MAX_ENTRIES = 2048
-
-
-@attrs.frozen(eq=False)
-class SwapInResult:
-    """The outcome of one swap-in call (tensors on the metadata's device)."""
-
-    slots: torch.Tensor  # [B, S, K] int32 physical device slot per entry, -1 invalid/unrecoverable
-    steps_done: torch.Tensor  # [B] int32 steps handled before a stop (S when none)
-    hits: torch.Tensor  # [B] int32
-    misses: torch.Tensor  # [B] int32 rows copied host->device
-    unrecoverable: torch.Tensor  # [B] int32
-    bytes_copied: torch.Tensor  # [B] int64 misses * row bytes
-    # (hits, misses, unrecoverable, bytes) summed over the batch, when an implementation has them
-    # as Python numbers anyway (saves a caller the device->host read of the sums)
-    totals: tuple[int, int, int, int] | None = None
-
-    @classmethod
-    def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
-        """Build from ``counts [B, 4]`` = (steps_done, hits, misses, unrecoverable)."""
-        counts = counts.to(torch.int32)
-        return cls(
-            slots=slots,
-            steps_done=counts[:, 0].clone(),
-            hits=counts[:, 1].clone(),
-            misses=counts[:, 2].clone(),
-            unrecoverable=counts[:, 3].clone(),
-            bytes_copied=counts[:, 2].to(torch.int64) * row_bytes,
-        )
 
 
 def check_swap_in_args(

@@ -13,7 +13,7 @@ from array import array
 
 import torch
 
-from kernels.swap_in import SwapInResult
+from kernels.swap_in_result import SwapInResult
 
 
 def _ints(values: list[int], dtype: torch.dtype) -> torch.Tensor:

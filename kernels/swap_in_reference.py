@@ -17,7 +17,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kernels.swap_in import SwapInResult
+from kernels.swap_in_result import SwapInResult
 
 
 @attrs.define(eq=False)

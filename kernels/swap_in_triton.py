@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
-from kernels.swap_in import SwapInResult
+from kernels.swap_in_result import SwapInResult
 
 
 @triton.jit

@@ -269,7 +269,7 @@ class Executor:
         for rid in request_ids:
             seq = self.seqs[rid]
             seq.prefill = None
-            if rid in first:
+            if rid in first and not self._ends_at_first(seq, first[rid]):
                 self.memory.start_staging(seq.row, len(seq.token_ids))
         return PrefillResult(first, failed)
 
@@ -295,6 +295,12 @@ class Executor:
         states = draft_extend(self.model, self.memory, [x for _, x in items])
         return [(seq, state) for (seq, _), state in zip(items, states)]
 
+    def _ends_at_first(self, seq: Sequence, token: int) -> bool:
+        """The first token certainly ends the request (the caller ends it at once): its prompt KV is
+        not copied to host for nothing. A stop string is only known to the caller: it still copies."""
+        limit = seq.params.max_new_tokens == 1 or len(seq.token_ids) + 1 >= self.config.max_context_len
+        return limit or (token == self.tokenizer.eos_token_id and not seq.params.ignore_eos)
+
     def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
         """``Admit`` then ``Prefill`` in one call (tests and benchmarks): the sequences that do not fit
         are left out of the result (neither in ``first_tokens`` nor in ``failed``)."""
@@ -307,6 +313,11 @@ class Executor:
         """Requests (of ``request_ids``; all when None) whose prompt KV reached host and that now own
         their device buffer (FIFO)."""
         rows = None if request_ids is None else [self.seqs[rid].row for rid in request_ids if rid in self.seqs]
+        for rid in request_ids or []:
+            seq = self.seqs.get(rid)
+            if seq is not None and seq.prefill is None and self.memory.residency(seq.row) is Residency.PREFILL:
+                # its first token looked final, so staging was skipped; it goes on after all
+                self.memory.start_staging(seq.row, len(seq.token_ids))
         ready = self.memory.collect_ready(rows, speculative=self.speculative)
         return [self._by_row[row] for row in ready]
 

@@ -67,7 +67,9 @@ def draft_extend(model: Any, memory: Any, inputs: list[ExtendInput]) -> list[Dra
     states = []
     for x, end in zip(inputs, ends.tolist()):
         token, q = propose(out.logits[end], x.params, x.generator)
-        states.append(DraftState(x.next_ids[-1], out.hidden[end], (token,), None if q is None else (q,)))
+        # a copy: a view would keep the whole batch's hidden states alive as long as this request
+        hidden = out.hidden[end].clone()
+        states.append(DraftState(x.next_ids[-1], hidden, (token,), None if q is None else (q,)))
     return states
 
 
@@ -101,7 +103,7 @@ def draft_chain(
             if probs[i] is not None:
                 probs[i].append(q)
     return [
-        DraftState(s.bonus, hidden[i], tuple(drafts[i]), None if probs[i] is None else tuple(probs[i]))
+        DraftState(s.bonus, hidden[i].clone(), tuple(drafts[i]), None if probs[i] is None else tuple(probs[i]))
         for i, s in enumerate(states)
     ]
 
