@@ -5,7 +5,7 @@ For a query token t of a request and each visible position s of that request:
     score[t, s] = sum_h relu(q[t, h] . k[loc(s)] * scale) * w[t, h]
 
 where ``loc(s) = req_to_token[req_rows[t], s]`` is the location of position s's indexer key.
-The top-k contract (ARCHITECTURE section 3a): positions are ordered by score descending, ties broken
+The top-k contract (docs/invariants.md): positions are ordered by score descending, ties broken
 by the lower position first, i.e. a stable descending sort truncated to ``top_k``. Every
 implementation (reference, Triton, tests) follows it, so a full forward, an incremental decode and a
 multi-token verify select the same positions. ``-0.0`` ties with ``0.0`` (as in ``torch.sort``).

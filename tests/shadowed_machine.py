@@ -4,7 +4,7 @@ The HiSparse executor's transfers land only when a rule lets them (``ManualStrea
 wait shows up as corrupted data instead of passing by luck. Subclasses add the decode rules (plain
 steps, or draft and verify); the shared rules admit requests, land copies, collect staged requests
 and end requests in any phase. Checked against the shadow, which ran the same commands with all KV
-resident (ARCHITECTURE §7):
+resident (docs/invariants.md):
 
 * after every rule, item 6: every device row holding a committed position (a buffer column, or a
   staging prompt's dense slot) equals the shadow's KV of that position. It waits for no copy: device
@@ -119,7 +119,7 @@ class ShadowedMachine(RuleBasedStateMachine):
             assert torch.equal(host_kv, true_kv), f"{rid}: a host copy differs from the position's KV"
 
     def check_device_kv(self) -> None:
-        """ARCHITECTURE §7 item 6, every layer: a device row holding a committed position is its KV."""
+        """Invariant I6, every layer: a device row holding a committed position is its KV."""
         coord = self.executor.memory
         every = torch.arange(coord.num_layers)[:, None]
         for rid, phase in self.phase.items():
@@ -139,7 +139,7 @@ class ShadowedMachine(RuleBasedStateMachine):
             assert torch.equal(device_rows, true_kv), f"{rid}: a device column holds stale KV"
 
     def end_request(self, rid: str) -> None:
-        """Release ``rid`` in both executors; ARCHITECTURE §7 item 9 for that request."""
+        """Release ``rid`` in both executors; invariant I9 for that request."""
         coord, row = self.executor.memory, self.executor.seqs[rid].row
         owned = {
             "rows": 1,

@@ -100,7 +100,7 @@ class DeviceBuffers:
         return pages
 
     def check_integrity(self, row: int, seq_len: int) -> None:
-        """ARCHITECTURE §7 items 3-5 for one live row holding ``seq_len`` committed positions."""
+        """Invariants I3-I5 (docs/invariants.md) for one live row holding ``seq_len`` committed positions."""
         cap = self.capacity(row)
         expect = page_slots(self._pages[row], self.page_size).to(self.device)
         assert torch.equal(self.locs[row, :cap], expect), f"row {row}: buffer slots disagree with its pages"

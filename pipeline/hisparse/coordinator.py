@@ -459,7 +459,7 @@ class HiSparseCoordinator:
         return pages * self.plan.page_size * self.num_layers * self.row_dim * self.device_kv.element_size()
 
     def check_integrity(self, *, data: bool = True) -> None:
-        """ARCHITECTURE §7 items 1-8 (item 6 against the host copies when ``data``)."""
+        """Invariants I1-I8 of docs/invariants.md (I6 against the host copies when ``data``)."""
         self.rows.check_integrity()
         self.alloc.check_integrity()
         self.host.check_integrity()

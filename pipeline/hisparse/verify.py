@@ -1,6 +1,6 @@
 """Speculative verify on HiSparse memory: binding the verify tokens, and finalizing the accepted ones.
 
-Verify binding (ARCHITECTURE §4): verify token j of a request with ``n`` committed positions sits at
+Verify binding (docs/invariants.md, "Verify binding and finalize"): verify token j of a request with ``n`` committed positions sits at
 position ``n + j``; its column is the position itself while ``n + j < HOT`` (the identity hot column),
 else ``HOT + 1 + j`` in the draft zone, so drafts never pollute or evict hot rows. The target writes
 its KV there and the token's logical location maps to that slot.

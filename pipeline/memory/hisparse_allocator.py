@@ -12,7 +12,7 @@ is never a real token. ``logical_to_physical`` has one extra trailing entry fixe
 indexing it with -1 (an invalid location) yields -1.
 
 Ownership: every page of either level belongs to one request row (``PagedAllocator`` records it);
-``logical_to_physical[loc]`` is 0 or a slot owned by the row that owns ``loc`` (ARCHITECTURE §7.2).
+``logical_to_physical[loc]`` is 0 or a slot owned by the row that owns ``loc`` (invariant I2, docs/invariants.md).
 """
 
 from __future__ import annotations
@@ -183,7 +183,7 @@ class HiSparseAllocator:
     # --- checks ---------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """ARCHITECTURE §7 items 1 and 2 for both levels and the map between them."""
+        """Invariants I1 and I2 (docs/invariants.md) for both levels and the map between them."""
         self.logical.check_integrity()
         self.physical.check_integrity()
         self.req_to_token.check_integrity()

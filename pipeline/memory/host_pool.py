@@ -76,6 +76,6 @@ class HostPool:
         self.map.release(row)
 
     def check_integrity(self) -> None:
-        """Host half of ARCHITECTURE §7.7: slots unique across requests, disjoint from the free list."""
+        """Host half of invariant I7 (docs/invariants.md): slots unique across requests, disjoint from the free list."""
         self.allocator.check_integrity()
         self.map.check_integrity()

@@ -153,7 +153,7 @@ class PagedAllocator:
                 self._owned.setdefault(owner, set()).add(page)
 
     def check_integrity(self) -> None:
-        """Conservation and disjointness of the pages (ARCHITECTURE section 7, item 1)."""
+        """Conservation and disjointness of the pages (invariant I1, docs/invariants.md)."""
         name = self.name
         assert len(set(self._free)) == len(self._free), f"{name}: duplicate pages in the free list"
         for page in self._free:

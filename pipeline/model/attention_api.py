@@ -14,7 +14,7 @@ What the backend must do, per layer:
 1. write ``kv_rows[t]`` and ``index_k[t]`` at token t's location;
 2. score every visible position s of token t's request with the indexer,
    ``sum_h relu(index_q[t, h] . k_index[s] * index_scale) * index_w[t, h]``, and keep the ``top_k``
-   best: score descending, ties to the lower position (ARCHITECTURE section 3a);
+   best: score descending, ties to the lower position (the top-k contract, docs/invariants.md);
 3. resolve those positions to cache rows and run absorbed MLA over them:
    ``softmax((q_latent . row[:C] + q_rope . row[C:]) * attn_scale) @ row[:C]``.
 """

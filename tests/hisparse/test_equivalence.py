@@ -1,4 +1,4 @@
-"""HiSparse is invisible to the math (ARCHITECTURE §7.10).
+"""HiSparse is invisible to the math (invariant I10, docs/invariants.md).
 
 HiSparse decode yields exactly the tokens of all-resident decode for batches that mix contexts from
 below HOT to over 8x HOT, and in float64 the logits of every forward are bit-identical too: the

@@ -3,7 +3,7 @@
 Interleaves admissions (prompts shorter and longer than HOT), transfers landing at arbitrary times,
 staging collection, decode steps, finishes and aborts in every state (staging included), under a
 device pool small enough that admissions and steps are refused for memory; a shadow executor with
-all KV resident runs the same commands (``shadowed_machine``). After every rule ARCHITECTURE §7
+all KV resident runs the same commands (``shadowed_machine``). After every rule the invariants of docs/invariants.md
 items 1-5, 7 and 8 hold and the tokens equal the shadow's; after every rule and every decode step,
 item 6 holds against the shadow's KV without waiting for any copy (so a load from a host copy that
 had not landed, or a column overwritten too early, shows up); whenever no copy is in flight every

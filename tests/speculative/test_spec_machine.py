@@ -3,7 +3,7 @@
 The shared rules of ``shadowed_machine`` (admissions, transfers landing at arbitrary times, staging
 collection, finishes and aborts in any phase) plus draft and verify as separate commands, so
 requests also end between draft and verify. The all-resident shadow drafts and verifies the same way:
-drafts and committed tokens must agree. The invariants of ARCHITECTURE §7 are checked after every
+drafts and committed tokens must agree. The invariants of docs/invariants.md are checked after every
 rule and after every verify; host copies and device columns are checked against the shadow's KV
 whenever the copies have landed; every pool is back at its initial count at the end.
 """
