@@ -10,8 +10,19 @@ by the lower position first, i.e. a stable descending sort truncated to ``top_k`
 implementation (reference, Triton, tests) follows it, so a full forward, an incremental decode and a
 multi-token verify select the same positions. ``-0.0`` ties with ``0.0`` (as in ``torch.sort``).
 
-Positions ``s >= seq_lens[t]`` are not visible (causality); their ``req_to_token`` entries are never
-read, so they may hold anything. Rows with fewer than ``top_k`` visible positions are padded with -1.
+Positions ``s >= seq_lens[t]`` are not visible (causality). ``req_to_token`` entries a request's
+queries cannot see are never read, so they may hold anything (an implementation may read the keys of
+positions below the longest of the request's queries for all of them, and mask). Rows with fewer
+than ``top_k`` visible positions are padded with -1.
+
+Two torch implementations: ``indexer_topk_reference`` (the CPU engine's path) scores each request's
+queries by one matmul against that request's keys, gathered once, in query chunks of bounded memory,
+and selects with ``topk_positions`` (``torch.topk`` plus a repair of the ties at the k-th value, no
+whole-row sort); ``indexer_topk_oracle`` gathers every visible key once per query and sorts whole
+rows (``stable_topk_positions``). Requests with a few queries (decode, verify) take the gathered
+scores in both. The selection is exact (equal for any scores); the scores of the two agree exactly on
+inputs whose products and sums are exact in the score dtype (small integers), and otherwise to
+rounding, since a matmul's summation order depends on its shape (as the Triton kernel's does).
 """
 
 from __future__ import annotations
@@ -26,6 +37,10 @@ TRITON_MAX_TOP_K = 2048
 TRITON_MAX_HEADS = 128
 TRITON_MAX_DIM = 256
 _GATHER_BUDGET = 1 << 24  # elements of gathered keys per reference chunk (memory, not speed)
+_SCORE_BUDGET = 1 << 20  # elements of [queries, heads, positions] dots per matmul chunk
+# a request with more queries than this is scored by one matmul over its keys; fewer (decode,
+# verify) go into one gather over the batch, which costs less than a matmul call per request
+MATMUL_MIN_QUERIES = 8
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +62,33 @@ def stable_topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
         pad = torch.full((*out.shape[:-1], top_k - k), -1, dtype=torch.int32, device=out.device)
         out = torch.cat([out, pad], dim=-1)
     return out
+
+
+def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``stable_topk_positions`` without sorting whole rows (equal output for any scores, NaN excluded),
+    over the last dim of ``scores [..., n]``: int32 ``[..., top_k]``, -1 where fewer are visible.
+
+    ``torch.topk`` finds the k-th value ``v`` (its own order of ties is arbitrary); the k picked are
+    every entry ``> v`` and the lowest positions among those ``== v`` (``-0.0 == 0.0``, so the two
+    tie); a stable descending sort of those k entries, taken in position order, is the contract's.
+    """
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    rows, k = lead.numel(), min(top_k, n)
+    scores = scores.reshape(rows, n)
+    out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
+    if k == 0 or rows == 0:
+        return out.view(*lead, top_k)
+    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [rows, 1]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # >= 1: at least k entries are >= kth
+    take = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
+    pos = take.nonzero()[:, 1].view(rows, k)  # ascending within each row
+    picked = torch.gather(scores, -1, pos)
+    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
+    pos = torch.gather(pos, -1, order)
+    out[:, :k] = torch.where(torch.gather(picked, -1, order) == float("-inf"), -1, pos).to(torch.int32)
+    return out.view(*lead, top_k)
 
 
 def indexer_scores_reference(
@@ -76,7 +118,7 @@ def indexer_scores_reference(
     return out
 
 
-def indexer_topk_reference(
+def indexer_topk_oracle(
     index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
     index_w: torch.Tensor,  # [T, Hi] per-head weights
     index_k: torch.Tensor,  # [rows, Di] indexer key cache of one layer, addressed by location
@@ -86,13 +128,64 @@ def indexer_topk_reference(
     top_k: int,
     scale: float,
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
-    """Plain torch reference: one dense score row per query over its request's visible positions."""
+    """The slow, obvious form: one gathered score row per query, a stable sort of every row."""
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
     max_len = int(seq_lens.max())
     scores = indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len)
     return stable_topk_positions(scores, top_k)
+
+
+def _request_scores(q, w, keys, seq_lens, scale) -> torch.Tensor:
+    """Scores ``[t, L]`` of one request's queries ``q [t, Hi, Di]`` over its keys ``[L, Di]``."""
+    dt = score_dtype(q.dtype)
+    t, heads, dim = q.shape
+    dots = torch.matmul(q.reshape(t * heads, dim).to(dt), keys.t()).view(t, heads, -1)  # [t, Hi, L]
+    scores = torch.bmm(w.to(dt)[:, None, :], dots.mul_(scale).relu_())[:, 0]  # [t, L]
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] < seq_lens[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def indexer_topk_reference(
+    index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
+    index_w: torch.Tensor,  # [T, Hi] per-head weights
+    index_k: torch.Tensor,  # [rows, Di] indexer key cache of one layer, addressed by location
+    req_to_token: torch.Tensor,  # [N, max_ctx] location of (request row, position)
+    req_rows: torch.Tensor,  # [T] int64 request row of each query
+    seq_lens: torch.Tensor,  # [T] int64 positions visible to each query (its position + 1)
+    top_k: int,
+    scale: float,
+) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
+    """Torch reference: a request with many queries (prefill) is scored by one matmul over its keys,
+    gathered once, in chunks of at most ``_SCORE_BUDGET`` dots; the others by one gather together."""
+    num_tokens, heads, _ = index_q.shape
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
+    if num_tokens == 0:
+        return out
+    if num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
+        lens = seq_lens
+        return topk_positions(indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, lens,
+                                                       scale, int(lens.max())), top_k)
+    row_ids, counts = torch.unique(req_rows, return_counts=True)
+    many = set(row_ids[counts > MATMUL_MIN_QUERIES].tolist())
+    few = ~torch.isin(req_rows, row_ids[counts > MATMUL_MIN_QUERIES]) if many else None
+    if few is None or bool(few.any()):
+        idx = torch.arange(num_tokens, device=index_q.device) if few is None else few.nonzero()[:, 0]
+        lens = seq_lens[idx]
+        scores = indexer_scores_reference(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], lens,
+                                          scale, int(lens.max()))
+        out[idx] = topk_positions(scores, top_k)
+    for row in sorted(many):
+        idx = (req_rows == row).nonzero()[:, 0]
+        lens = seq_lens[idx]
+        keys = index_k[req_to_token[row, : int(lens.max())].long()].to(score_dtype(index_q.dtype))  # [L, Di]
+        chunk = max(1, _SCORE_BUDGET // max(1, heads * keys.shape[0]))
+        for c in range(0, idx.numel(), chunk):
+            sl = idx[c : c + chunk]
+            scores = _request_scores(index_q[sl], index_w[sl], keys, seq_lens[sl], scale)
+            out[sl] = topk_positions(scores, top_k)
+    return out
 
 
 def check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k) -> None:
