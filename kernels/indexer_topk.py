@@ -19,8 +19,7 @@ Two torch implementations: ``indexer_topk_reference`` (the CPU engine's path) sc
 queries by one matmul against that request's keys, gathered once, in query chunks of bounded memory,
 and selects with ``topk_positions`` (``torch.topk`` plus a repair of the ties at the k-th value, no
 whole-row sort); ``indexer_topk_oracle`` gathers every visible key once per query and sorts whole
-rows (``stable_topk_positions``). Requests with a few queries (decode, verify) take the gathered
-scores in both. The selection is exact (equal for any scores); the scores of the two agree exactly on
+rows (``stable_topk_positions``). The selection is exact (equal for any scores); the scores of the two agree exactly on
 inputs whose products and sums are exact in the score dtype (small integers), and otherwise to
 rounding, since a matmul's summation order depends on its shape (as the Triton kernel's does).
 """
@@ -147,6 +146,43 @@ def _request_scores(q, w, keys, seq_lens, scale) -> torch.Tensor:
     return scores.masked_fill(~visible, float("-inf"))
 
 
+def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale) -> torch.Tensor:
+    """Requests with a few queries each (decode, verify), all at once: each request's keys gathered
+    once, its queries padded to the most any request has, one batched matmul per chunk of requests.
+
+        queries [G, Tq, Hi, Di] x keys [G, L, Di] -> dots [G, Tq * Hi, L] -> scores [G * Tq, L]
+    """
+    dev, dt = index_q.device, score_dtype(index_q.dtype)
+    num_tokens, heads, dim = index_q.shape
+    rows, group, counts = torch.unique(req_rows, return_inverse=True, return_counts=True)
+    by_group = torch.sort(group, stable=True).indices
+    slot = torch.empty_like(group)
+    slot[by_group] = torch.arange(num_tokens, device=dev) - (torch.cumsum(counts, 0) - counts)[group[by_group]]
+    num_groups, width = rows.numel(), int(counts.max())
+    q = index_q.new_zeros(num_groups, width, heads, dim, dtype=dt)
+    q[group, slot] = index_q.to(dt)
+    w = index_w.new_zeros(num_groups, width, heads, dtype=dt)
+    w[group, slot] = index_w.to(dt)
+    lens = seq_lens.new_zeros(num_groups, width)  # padding queries see nothing
+    lens[group, slot] = seq_lens
+    max_len = int(lens.max())
+    seen = lens.amax(dim=1)  # [G] positions any query of the request sees: the keys it may read
+    pos = torch.arange(max_len, device=dev)
+    out = torch.empty(num_groups, width, top_k, dtype=torch.int32, device=dev)
+    step = max(1, _SCORE_BUDGET // max(1, max_len * (width * heads + dim)))
+    for g0 in range(0, num_groups, step):
+        sl = slice(g0, g0 + step)
+        locs = torch.where(pos < seen[sl, None], req_to_token[rows[sl], :max_len], 0)  # [g, L]
+        g = locs.shape[0]
+        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(dt)  # [g, L, Di]
+        dots = torch.bmm(q[sl].view(g, width * heads, dim), keys.transpose(1, 2))  # [g, Tq * Hi, L]
+        dots = dots.view(g * width, heads, max_len).mul_(scale).relu_()
+        scores = torch.bmm(w[sl].reshape(g * width, 1, heads), dots)[:, 0]  # [g * Tq, L]
+        scores = scores.masked_fill(pos >= lens[sl].reshape(-1, 1), float("-inf"))
+        out[sl] = topk_positions(scores, top_k).view(g, width, top_k)
+    return out[group, slot]
+
+
 def indexer_topk_reference(
     index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
     index_w: torch.Tensor,  # [T, Hi] per-head weights
@@ -157,34 +193,42 @@ def indexer_topk_reference(
     top_k: int,
     scale: float,
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
-    """Torch reference: a request with many queries (prefill) is scored by one matmul over its keys,
-    gathered once, in chunks of at most ``_SCORE_BUDGET`` dots; the others by one gather together."""
-    num_tokens, heads, _ = index_q.shape
-    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
+    """Torch reference: each request's keys are gathered once. A request with many queries
+    (prefill), or the only request of the call, is scored by matmuls over its keys
+    (``_request_topk``); the others all together by a batched matmul (``_grouped_topk``)."""
+    num_tokens = index_q.shape[0]
     if num_tokens == 0:
-        return out
+        return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
+    if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
+        return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)
     if num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
-        lens = seq_lens
-        return topk_positions(indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, lens,
-                                                       scale, int(lens.max())), top_k)
+        return _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
     row_ids, counts = torch.unique(req_rows, return_counts=True)
-    many = set(row_ids[counts > MATMUL_MIN_QUERIES].tolist())
-    few = ~torch.isin(req_rows, row_ids[counts > MATMUL_MIN_QUERIES]) if many else None
-    if few is None or bool(few.any()):
-        idx = torch.arange(num_tokens, device=index_q.device) if few is None else few.nonzero()[:, 0]
-        lens = seq_lens[idx]
-        scores = indexer_scores_reference(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], lens,
-                                          scale, int(lens.max()))
-        out[idx] = topk_positions(scores, top_k)
-    for row in sorted(many):
+    many = row_ids[counts > MATMUL_MIN_QUERIES]
+    few = ~torch.isin(req_rows, many)
+    if bool(few.any()):
+        idx = few.nonzero()[:, 0]
+        out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
+                                 top_k, scale)
+    for row in many.tolist():
         idx = (req_rows == row).nonzero()[:, 0]
-        lens = seq_lens[idx]
-        keys = index_k[req_to_token[row, : int(lens.max())].long()].to(score_dtype(index_q.dtype))  # [L, Di]
-        chunk = max(1, _SCORE_BUDGET // max(1, heads * keys.shape[0]))
-        for c in range(0, idx.numel(), chunk):
-            sl = idx[c : c + chunk]
-            scores = _request_scores(index_q[sl], index_w[sl], keys, seq_lens[sl], scale)
-            out[sl] = topk_positions(scores, top_k)
+        out[idx] = _request_topk(index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale)
+    return out
+
+
+def _request_topk(index_q, index_w, index_k, locs, seq_lens, top_k, scale) -> torch.Tensor:
+    """Queries of one request (``locs [max_ctx]``: its row of ``req_to_token``): its keys gathered
+    once, then one matmul per chunk of at most ``_SCORE_BUDGET`` dots."""
+    keys = index_k.index_select(0, locs[: int(seq_lens.max())].long()).to(score_dtype(index_q.dtype))  # [L, Di]
+    num_tokens, heads, _ = index_q.shape
+    if num_tokens * heads * keys.shape[0] <= _SCORE_BUDGET:
+        return topk_positions(_request_scores(index_q, index_w, keys, seq_lens, scale), top_k)
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
+    chunk = max(1, _SCORE_BUDGET // max(1, heads * keys.shape[0]))
+    for c in range(0, num_tokens, chunk):
+        sl = slice(c, c + chunk)
+        out[sl] = topk_positions(_request_scores(index_q[sl], index_w[sl], keys, seq_lens[sl], scale), top_k)
     return out
 
 

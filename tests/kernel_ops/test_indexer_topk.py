@@ -98,6 +98,15 @@ def test_matmul_reference_chunks_a_long_prompt(monkeypatch):
     assert chunks == [2] * (tokens // 2)
 
 
+def test_grouped_requests_in_chunks_of_requests(monkeypatch):
+    # decode / verify shapes: several requests with a few queries each, of different lengths
+    module = importlib.import_module("kernels.indexer_topk")
+    case = make_case(6, tokens=MATMUL_MIN_QUERIES, n_reqs=5, heads=2, dim=4, max_ctx=40)
+    want = indexer_topk_oracle(**case, top_k=7, scale=0.5)
+    monkeypatch.setattr(module, "_SCORE_BUDGET", 1)  # one request per chunk
+    assert torch.equal(indexer_topk_reference(**case, top_k=7, scale=0.5), want)
+
+
 def test_matmul_reference_close_to_oracle_on_random_inputs():
     case = make_case(8, tokens=4 * MATMUL_MIN_QUERIES, n_reqs=2, heads=4, dim=16, integer=False)
     got = indexer_topk_reference(**case, top_k=12, scale=0.3)
