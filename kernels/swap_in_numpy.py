@@ -7,14 +7,15 @@ numpy views of the CPU tensors (no copy in, writes go straight to the tables), w
 costs about a microsecond:
 
     entries --stable row sort--> first occurrences --> draft-column compare [B, K, P]
-    hot columns --row sort + searchsorted--> hits --> misses, ranked in order of first appearance
+    position -> hot column table [B, L] (built once per call, updated on loads) --> hits
+    --> misses, ranked in order of first appearance
     LRU positions --class per position, stable sort--> new order; the m-th miss takes the m-th
                                                         evictable column (old LRU order)
 
 Requests whose step overflows are frozen for the rest of the call. Every row copy of the call goes
 through one torch ``index_copy_`` at the end (destinations are distinct within a call), so
 ``device_kv`` may have any dtype and ``host_kv`` may live elsewhere. ``swap_in(impl="auto")`` picks
-this on CPU for all but the smallest calls (see ``kernels.swap_in``).
+this on CPU for all but calls of a few requests (``kernels.swap_in.cpu_impl``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ _KEPT, _PROTECTED, _LOADED, _HIT = 0, 1, 2, 3
 
 @attrs.define(eq=False)
 class _State:
-    """Working copies of the batch's rows of the per-layer tables (numpy, int64)."""
+    """Working copies of the batch's rows of the per-layer tables (numpy, int64), and the call's
+    bookkeeping."""
 
     tokens: np.ndarray  # [B, HOT+P] position held by each column, -1 empty
     column_of: np.ndarray | None  # [B, L+1] hot column of each position < L (see _column_table)
