@@ -67,9 +67,12 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """``stable_topk_positions`` without sorting whole rows (equal output for any scores, NaN excluded),
     over the last dim of ``scores [..., n]``: int32 ``[..., top_k]``, -1 where fewer are visible.
 
-    ``torch.topk`` finds the k-th value ``v`` (its own order of ties is arbitrary); the k picked are
-    every entry ``> v`` and the lowest positions among those ``== v`` (``-0.0 == 0.0``, so the two
-    tie); a stable descending sort of those k entries, taken in position order, is the contract's.
+    ``torch.topk`` picks the right set except among the entries equal to its k-th value ``v``, of
+    which it takes an arbitrary subset. Where more entries equal ``v`` than it took (the ties
+    straddle the cut; ``-0.0 == 0.0``, so the two tie), the row is repaired: every entry ``> v`` and
+    the lowest positions among those ``== v``. A stable descending sort of the k positions, taken in
+    position order, then gives the contract's order. Rows whose ``v`` is ``-inf`` need no repair:
+    whichever invisible positions are picked, they come last and come out as -1.
     """
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows, k = lead.numel(), min(top_k, n)
@@ -77,17 +80,26 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or rows == 0:
         return out.view(*lead, top_k)
-    kth = torch.topk(scores, k, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # [rows, 1]
-    above = scores > kth
-    tied = scores == kth
-    room = k - above.sum(dim=-1, keepdim=True)  # >= 1: at least k entries are >= kth
-    take = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
-    pos = take.nonzero()[:, 1].view(rows, k)  # ascending within each row
+    values, pos = torch.topk(scores, k, dim=-1, sorted=False)  # [rows, k]
+    kth = values.amin(dim=-1, keepdim=True)  # [rows, 1]
+    straddle = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & (kth[:, 0] > float("-inf"))
+    if bool(straddle.any()):
+        pos[straddle] = _lowest_tied(scores[straddle], kth[straddle], k)
+    pos = torch.sort(pos, dim=-1).values  # position order, so that the stable sort breaks ties by it
     picked = torch.gather(scores, -1, pos)
     order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
     pos = torch.gather(pos, -1, order)
     out[:, :k] = torch.where(torch.gather(picked, -1, order) == float("-inf"), -1, pos).to(torch.int32)
     return out.view(*lead, top_k)
+
+
+def _lowest_tied(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """``[rows, k]`` positions: every entry ``> kth``, then the lowest positions ``== kth``."""
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # >= 1: at least k entries are >= kth
+    take = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
+    return take.nonzero()[:, 1].view(-1, k)
 
 
 def indexer_scores_reference(
