@@ -7,10 +7,17 @@ tensors only, never request objects, and this package imports nothing from ``pip
 
 Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
 are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise; swap-in also
-has ``"python"``, which ``auto`` picks for small calls on a CPU.
+has ``"python"`` and ``"numpy"``, between which ``auto`` chooses on a CPU by the batch size.
 """
 
-from kernels.indexer_topk import indexer_topk, indexer_topk_reference, score_dtype, stable_topk_positions
+from kernels.indexer_topk import (
+    indexer_topk,
+    indexer_topk_oracle,
+    indexer_topk_reference,
+    score_dtype,
+    stable_topk_positions,
+    topk_positions,
+)
 from kernels.kv_copy import backup_rows, copy_rows, copy_rows_reference, load_rows, move_rows, scatter_rows
 from kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from kernels.swap_in import SwapInResult, swap_in
@@ -23,6 +30,7 @@ __all__ = [
     "copy_rows",
     "copy_rows_reference",
     "indexer_topk",
+    "indexer_topk_oracle",
     "indexer_topk_reference",
     "load_rows",
     "move_rows",
@@ -34,4 +42,5 @@ __all__ = [
     "swap_in",
     "swap_in_oracle",
     "swap_in_reference",
+    "topk_positions",
 ]

@@ -10,8 +10,18 @@ by the lower position first, i.e. a stable descending sort truncated to ``top_k`
 implementation (reference, Triton, tests) follows it, so a full forward, an incremental decode and a
 multi-token verify select the same positions. ``-0.0`` ties with ``0.0`` (as in ``torch.sort``).
 
-Positions ``s >= seq_lens[t]`` are not visible (causality); their ``req_to_token`` entries are never
-read, so they may hold anything. Rows with fewer than ``top_k`` visible positions are padded with -1.
+Positions ``s >= seq_lens[t]`` are not visible (causality). ``req_to_token`` entries a request's
+queries cannot see are never read, so they may hold anything (an implementation may read the keys of
+positions below the longest of the request's queries for all of them, and mask). Rows with fewer
+than ``top_k`` visible positions are padded with -1.
+
+Two torch implementations: ``indexer_topk_reference`` (the CPU engine's path) scores each request's
+queries by one matmul against that request's keys, gathered once, in query chunks of bounded memory,
+and selects with ``topk_positions`` (``torch.topk`` plus a repair of the ties at the k-th value, no
+whole-row sort); ``indexer_topk_oracle`` gathers every visible key once per query and sorts whole
+rows (``stable_topk_positions``). The selection is exact (equal for any scores); the scores of the two agree exactly on
+inputs whose products and sums are exact in the score dtype (small integers), and otherwise to
+rounding, since a matmul's summation order depends on its shape (as the Triton kernel's does).
 """
 
 from __future__ import annotations
@@ -26,6 +36,10 @@ TRITON_MAX_TOP_K = 2048
 TRITON_MAX_HEADS = 128
 TRITON_MAX_DIM = 256
 _GATHER_BUDGET = 1 << 24  # elements of gathered keys per reference chunk (memory, not speed)
+_SCORE_BUDGET = 1 << 20  # elements of [queries, heads, positions] dots per matmul chunk
+# a request with more queries than this is scored by one matmul over its keys; fewer (decode,
+# verify) go into one gather over the batch, which costs less than a matmul call per request
+MATMUL_MIN_QUERIES = 8
 
 
 def score_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -47,6 +61,45 @@ def stable_topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
         pad = torch.full((*out.shape[:-1], top_k - k), -1, dtype=torch.int32, device=out.device)
         out = torch.cat([out, pad], dim=-1)
     return out
+
+
+def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``stable_topk_positions`` without sorting whole rows (equal output for any scores, NaN excluded),
+    over the last dim of ``scores [..., n]``: int32 ``[..., top_k]``, -1 where fewer are visible.
+
+    ``torch.topk`` picks the right set except among the entries equal to its k-th value ``v``, of
+    which it takes an arbitrary subset. Where more entries equal ``v`` than it took (the ties
+    straddle the cut; ``-0.0 == 0.0``, so the two tie), the row is repaired: every entry ``> v`` and
+    the lowest positions among those ``== v``. A stable descending sort of the k positions, taken in
+    position order, then gives the contract's order. Rows whose ``v`` is ``-inf`` need no repair:
+    whichever invisible positions are picked, they come last and come out as -1.
+    """
+    lead, n = scores.shape[:-1], scores.shape[-1]
+    rows, k = lead.numel(), min(top_k, n)
+    scores = scores.reshape(rows, n)
+    out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
+    if k == 0 or rows == 0:
+        return out.view(*lead, top_k)
+    values, pos = torch.topk(scores, k, dim=-1, sorted=False)  # [rows, k]
+    kth = values.amin(dim=-1, keepdim=True)  # [rows, 1]
+    straddle = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & (kth[:, 0] > float("-inf"))
+    if bool(straddle.any()):
+        pos[straddle] = _lowest_tied(scores[straddle], kth[straddle], k)
+    pos = torch.sort(pos, dim=-1).values  # position order, so that the stable sort breaks ties by it
+    picked = torch.gather(scores, -1, pos)
+    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
+    pos = torch.gather(pos, -1, order)
+    out[:, :k] = torch.where(torch.gather(picked, -1, order) == float("-inf"), -1, pos).to(torch.int32)
+    return out.view(*lead, top_k)
+
+
+def _lowest_tied(scores: torch.Tensor, kth: torch.Tensor, k: int) -> torch.Tensor:
+    """``[rows, k]`` positions: every entry ``> kth``, then the lowest positions ``== kth``."""
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(dim=-1, keepdim=True)  # >= 1: at least k entries are >= kth
+    take = above | (tied & (torch.cumsum(tied, dim=-1) <= room))  # exactly k per row
+    return take.nonzero()[:, 1].view(-1, k)
 
 
 def indexer_scores_reference(
@@ -76,7 +129,7 @@ def indexer_scores_reference(
     return out
 
 
-def indexer_topk_reference(
+def indexer_topk_oracle(
     index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
     index_w: torch.Tensor,  # [T, Hi] per-head weights
     index_k: torch.Tensor,  # [rows, Di] indexer key cache of one layer, addressed by location
@@ -86,13 +139,109 @@ def indexer_topk_reference(
     top_k: int,
     scale: float,
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
-    """Plain torch reference: one dense score row per query over its request's visible positions."""
+    """The slow, obvious form: one gathered score row per query, a stable sort of every row."""
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
     max_len = int(seq_lens.max())
     scores = indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len)
     return stable_topk_positions(scores, top_k)
+
+
+def _request_scores(q, w, keys, seq_lens, scale) -> torch.Tensor:
+    """Scores ``[t, L]`` of one request's queries ``q [t, Hi, Di]`` over its keys ``[L, Di]``."""
+    dt = score_dtype(q.dtype)
+    t, heads, dim = q.shape
+    dots = torch.matmul(q.reshape(t * heads, dim).to(dt), keys.t()).view(t, heads, -1)  # [t, Hi, L]
+    scores = torch.bmm(w.to(dt)[:, None, :], dots.mul_(scale).relu_())[:, 0]  # [t, L]
+    visible = torch.arange(keys.shape[0], device=q.device)[None, :] < seq_lens[:, None]
+    return scores.masked_fill(~visible, float("-inf"))
+
+
+def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale) -> torch.Tensor:
+    """Requests with a few queries each (decode, verify), all at once: each request's keys gathered
+    once, its queries padded to the most any request has, one batched matmul per chunk of requests.
+
+        queries [G, Tq, Hi, Di] x keys [G, L, Di] -> dots [G, Tq * Hi, L] -> scores [G * Tq, L]
+    """
+    dev, dt = index_q.device, score_dtype(index_q.dtype)
+    num_tokens, heads, dim = index_q.shape
+    rows, group, counts = torch.unique(req_rows, return_inverse=True, return_counts=True)
+    by_group = torch.sort(group, stable=True).indices
+    slot = torch.empty_like(group)
+    slot[by_group] = torch.arange(num_tokens, device=dev) - (torch.cumsum(counts, 0) - counts)[group[by_group]]
+    num_groups, width = rows.numel(), int(counts.max())
+    q = index_q.new_zeros(num_groups, width, heads, dim, dtype=dt)
+    q[group, slot] = index_q.to(dt)
+    w = index_w.new_zeros(num_groups, width, heads, dtype=dt)
+    w[group, slot] = index_w.to(dt)
+    lens = seq_lens.new_zeros(num_groups, width)  # padding queries see nothing
+    lens[group, slot] = seq_lens
+    max_len = int(lens.max())
+    seen = lens.amax(dim=1)  # [G] positions any query of the request sees: the keys it may read
+    pos = torch.arange(max_len, device=dev)
+    out = torch.empty(num_groups, width, top_k, dtype=torch.int32, device=dev)
+    step = max(1, _SCORE_BUDGET // max(1, max_len * (width * heads + dim)))
+    for g0 in range(0, num_groups, step):
+        sl = slice(g0, g0 + step)
+        locs = torch.where(pos < seen[sl, None], req_to_token[rows[sl], :max_len], 0)  # [g, L]
+        g = locs.shape[0]
+        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(dt)  # [g, L, Di]
+        dots = torch.bmm(q[sl].view(g, width * heads, dim), keys.transpose(1, 2))  # [g, Tq * Hi, L]
+        dots = dots.view(g * width, heads, max_len).mul_(scale).relu_()
+        scores = torch.bmm(w[sl].reshape(g * width, 1, heads), dots)[:, 0]  # [g * Tq, L]
+        scores = scores.masked_fill(pos >= lens[sl].reshape(-1, 1), float("-inf"))
+        out[sl] = topk_positions(scores, top_k).view(g, width, top_k)
+    return out[group, slot]
+
+
+def indexer_topk_reference(
+    index_q: torch.Tensor,  # [T, Hi, Di] query per indexer head (rotated)
+    index_w: torch.Tensor,  # [T, Hi] per-head weights
+    index_k: torch.Tensor,  # [rows, Di] indexer key cache of one layer, addressed by location
+    req_to_token: torch.Tensor,  # [N, max_ctx] location of (request row, position)
+    req_rows: torch.Tensor,  # [T] int64 request row of each query
+    seq_lens: torch.Tensor,  # [T] int64 positions visible to each query (its position + 1)
+    top_k: int,
+    scale: float,
+) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
+    """Torch reference: each request's keys are gathered once. A request with many queries
+    (prefill), or the only request of the call, is scored by matmuls over its keys
+    (``_request_topk``); the others all together by a batched matmul (``_grouped_topk``)."""
+    num_tokens = index_q.shape[0]
+    if num_tokens == 0:
+        return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
+    if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
+        return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)
+    if num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
+        return _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
+    row_ids, counts = torch.unique(req_rows, return_counts=True)
+    many = row_ids[counts > MATMUL_MIN_QUERIES]
+    few = ~torch.isin(req_rows, many)
+    if bool(few.any()):
+        idx = few.nonzero()[:, 0]
+        out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
+                                 top_k, scale)
+    for row in many.tolist():
+        idx = (req_rows == row).nonzero()[:, 0]
+        out[idx] = _request_topk(index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale)
+    return out
+
+
+def _request_topk(index_q, index_w, index_k, locs, seq_lens, top_k, scale) -> torch.Tensor:
+    """Queries of one request (``locs [max_ctx]``: its row of ``req_to_token``): its keys gathered
+    once, then one matmul per chunk of at most ``_SCORE_BUDGET`` dots."""
+    keys = index_k.index_select(0, locs[: int(seq_lens.max())].long()).to(score_dtype(index_q.dtype))  # [L, Di]
+    num_tokens, heads, _ = index_q.shape
+    if num_tokens * heads * keys.shape[0] <= _SCORE_BUDGET:
+        return topk_positions(_request_scores(index_q, index_w, keys, seq_lens, scale), top_k)
+    out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
+    chunk = max(1, _SCORE_BUDGET // max(1, heads * keys.shape[0]))
+    for c in range(0, num_tokens, chunk):
+        sl = slice(c, c + chunk)
+        out[sl] = topk_positions(_request_scores(index_q[sl], index_w[sl], keys, seq_lens[sl], scale), top_k)
+    return out
 
 
 def check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k) -> None:

@@ -63,9 +63,12 @@ from kernels.swap_in_result import SwapInResult
 TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
-# On a CPU, calls of at most this many top-k entries (requests x steps x top_k) go to the plain-Python
-# implementation, which beats the vectorised reference's per-op overhead there (see
-# kernels/swap_in_python.py and the decode / verify / small rows of `hispec bench kernels`).
+# On a CPU, ``impl="auto"`` runs the plain-Python implementation for calls of at most this many
+# requests and top-k entries (requests x steps x top_k), and the batched numpy one otherwise: Python
+# pays per request, numpy about a fixed ~150 small array ops per step whatever the batch, and they
+# cross at 4-6 requests (decode and verify, top_k 64, HOT 64/128; the swap-in rows of
+# `hispec bench kernels`). The vectorised torch reference costs more than both on a CPU.
+PYTHON_MAX_REQS = 4
 PYTHON_MAX_ENTRIES = 2048
 
 
@@ -130,6 +133,12 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
     check_index_range("req_to_host", req_to_host[rows], host_kv.shape[0], allow_negative=True)
 
 
+def cpu_impl(num_reqs: int, num_steps: int, top_k: int) -> str:
+    """The implementation ``impl="auto"`` runs on a CPU for a call of this shape."""
+    small = num_reqs <= PYTHON_MAX_REQS and num_reqs * num_steps * top_k <= PYTHON_MAX_ENTRIES
+    return "python" if small else "numpy"
+
+
 def swap_in(
     top_k_pos: torch.Tensor,  # [B, S, K] int32, -1 = none, duplicates allowed
     seq_lens: torch.Tensor,  # [B, S] int64 visible length of each step's query, 0 = padding
@@ -147,10 +156,11 @@ def swap_in(
 ) -> SwapInResult:
     """Resolve top-k positions to device slots for one layer (contract: module docstring).
 
-    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"python"`` (small CPU batches) or ``"auto"``
-    (Triton when the metadata is on CUDA and the shapes fit ``TRITON_MAX_*``; on CPU, Python for at
-    most ``PYTHON_MAX_ENTRIES`` top-k entries, else torch). ``host_kv`` may live on another device (pinned host
-    memory); the row copies then go through torch.
+    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"python"`` (small CPU batches), ``"numpy"``
+    (CPU batches) or ``"auto"`` (Triton when the metadata is on CUDA and the shapes fit
+    ``TRITON_MAX_*``, else torch; on CPU, ``cpu_impl``: Python for at most ``PYTHON_MAX_REQS``
+    requests and ``PYTHON_MAX_ENTRIES`` top-k entries, numpy otherwise). ``host_kv`` may live on
+    another device (pinned host memory); the row copies then go through torch.
     """
     check_swap_in_args(
         top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
@@ -174,11 +184,18 @@ def swap_in(
         device_kv,
         hot,
     )
-    small = top_k_pos.numel() <= PYTHON_MAX_ENTRIES
-    if impl == "python" or (impl == "auto" and small and not top_k_pos.is_cuda):
+    if impl == "auto" and top_k_pos.device.type == "cpu":
+        impl = cpu_impl(*top_k_pos.shape)
+    if impl == "python":
         from kernels.swap_in_python import swap_in_python
 
         return swap_in_python(*args)
+    if impl == "numpy":
+        if top_k_pos.device.type != "cpu":
+            raise ValueError(f"impl='numpy' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
+        from kernels.swap_in_numpy import swap_in_numpy
+
+        return swap_in_numpy(*args)
     if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
         from kernels.swap_in_triton import swap_in_triton
 

@@ -26,6 +26,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "kernels": ("pipeline.benchmarks.kernels", "time each kernel op beside the machine's copy bandwidth"),
     "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
     "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
+    "peer": ("pipeline.benchmarks.peer", "the engine beside HF transformers generate on the same weights"),
 }
 
 

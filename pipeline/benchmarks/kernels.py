@@ -78,16 +78,17 @@ def _nothing() -> None:
     return None
 
 
-def prep_indexer(device, dtype, *, tokens, heads, dim, ctx, top_k) -> Prepared:
-    """Bytes: gathered keys + locations of every visible position, queries, weights, output."""
-    reqs = max(1, tokens // 4)
+def prep_indexer(device, dtype, *, tokens, heads, dim, ctx, top_k, prefill=False) -> Prepared:
+    """Verify-like (4 neighbouring positions per request) or one prompt's prefill (``prefill``).
+    Bytes: gathered keys + locations of every visible position, queries, weights, output."""
+    reqs = 1 if prefill else max(1, tokens // 4)
     size = dtype.itemsize
     q = torch.randn(tokens, heads, dim, device=device, dtype=dtype)
     w = torch.randn(tokens, heads, device=device, dtype=dtype)
     k = torch.randn(reqs * ctx, dim, device=device, dtype=dtype)
     r2t = torch.randperm(reqs * ctx, device=device).view(reqs, ctx)
     rows = torch.arange(tokens, device=device) % reqs
-    lens = ctx - torch.arange(tokens, device=device) // reqs  # verify-like: neighbouring positions
+    lens = ctx - torch.arange(tokens, device=device) // reqs  # every query its own position
     moved = int(lens.sum()) * (dim * size + 8) + (q.numel() + w.numel()) * size + tokens * top_k * 4
 
     def run(impl):
@@ -166,10 +167,13 @@ def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict
     table = [
         ("indexer_topk", "small", prep_indexer, dict(tokens=8, heads=4, dim=64, ctx=1024, top_k=64)),
         ("indexer_topk", "large", prep_indexer, dict(tokens=4, heads=64, dim=128, ctx=16384, top_k=2048)),
+        ("indexer_topk", "prefill", prep_indexer,
+         dict(tokens=1536, heads=4, dim=32, ctx=1536, top_k=64, prefill=True)),
         ("swap_in", "decode", prep_swap_in, dict(reqs=1, steps=1, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
         ("swap_in", "verify", prep_swap_in, dict(reqs=1, steps=4, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
         ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
         ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=576, ctx=2048)),
+        ("swap_in", "batch", prep_swap_in, dict(reqs=32, steps=1, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
         ("swap_in", "large", prep_swap_in,
          dict(reqs=4, steps=2, top_k=2048, hot=4096, extra=8, dim=576, ctx=16384)),
         ("sparse_mla", "small", prep_sparse_mla, dict(tokens=32, heads=16, latent=512, rope=64, top_k=64)),
@@ -190,8 +194,8 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
         if only and op not in only:
             continue
         prepared = build()
-        # on a CPU, swap-in also has the plain-Python path that small batches take
-        for impl in impls + (["python"] if op == "swap_in" and device.type == "cpu" else []):
+        # on a CPU, swap-in also has the plain-Python and numpy paths that `auto` chooses between
+        for impl in impls + (["python", "numpy"] if op == "swap_in" and device.type == "cpu" else []):
             seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
             results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.indexer_topk import stable_topk_positions
+from kernels.indexer_topk import topk_positions
 from pipeline.model.attention import IndexerProjection, MlaAttention, MlaProjection
 from pipeline.model.layers import wide_dtype
 
@@ -116,7 +116,7 @@ def _select(idx: IndexerProjection, keys: KeySet, allowed: Tensor, top_k: int, s
     count = min(top_k, scores.shape[-1])
     if stable:
         by_pos = torch.sort(keys.pos, stable=True).indices  # [S] key indices in position order
-        picked = stable_topk_positions(scores[..., by_pos], count).long()
+        picked = topk_positions(scores[..., by_pos], count).long()
         return by_pos[picked.clamp(min=0)], picked >= 0
     top = scores.topk(count, dim=-1)
     return top.indices, top.values > float("-inf")

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from _kernel_canary import strided_last
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernels.indexer_topk import indexer_scores_reference, indexer_topk, stable_topk_positions
+from kernels.indexer_topk import (
+    MATMUL_MIN_QUERIES,
+    indexer_scores_reference,
+    indexer_topk,
+    indexer_topk_oracle,
+    indexer_topk_reference,
+    stable_topk_positions,
+    topk_positions,
+)
 
 CANARY = 3
 BIG = 1000.0  # canary key value: a read of a canary row would dominate every score
@@ -60,6 +70,77 @@ def test_reference_equals_dense_oracle_float64(seed, top_k, heads, dim):
     case = make_case(seed, heads=heads, dim=dim, dtype=torch.float64, integer=seed % 2 == 0)
     got = indexer_topk(**case, top_k=top_k, scale=0.5, impl="torch")
     assert torch.equal(got, dense_oracle(case, top_k, 0.5))
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 40), n_reqs=st.integers(1, 4), top_k=st.integers(1, 45),
+       heads=st.integers(1, 4), dim=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_matmul_reference_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, heads, dim, dtype):
+    # small integers: every product and sum is exact, so the scores (and their many ties) agree
+    # bit for bit whatever the summation order; requests of different lengths share the batch, and
+    # the ones with more than MATMUL_MIN_QUERIES queries take the matmul
+    case = make_case(seed, tokens=tokens, n_reqs=n_reqs, heads=heads, dim=dim, dtype=dtype)
+    want = indexer_topk_oracle(**case, top_k=top_k, scale=0.5)
+    assert torch.equal(indexer_topk_reference(**case, top_k=top_k, scale=0.5), want)
+    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="torch"), want)
+
+
+def test_matmul_reference_chunks_a_long_prompt(monkeypatch):
+    module = importlib.import_module("kernels.indexer_topk")
+    tokens = 3 * MATMUL_MIN_QUERIES
+    case = make_case(4, tokens=tokens, n_reqs=1, heads=3, dim=6, max_ctx=40, lens=[40] * tokens)
+    want = indexer_topk_oracle(**case, top_k=10, scale=0.5)
+    chunks = []
+    score = module._request_scores
+    monkeypatch.setattr(module, "_SCORE_BUDGET", 3 * 40 * 2)  # two queries per chunk
+    monkeypatch.setattr(module, "_request_scores", lambda q, *a: chunks.append(q.shape[0]) or score(q, *a))
+    assert torch.equal(indexer_topk_reference(**case, top_k=10, scale=0.5), want)
+    assert chunks == [2] * (tokens // 2)
+
+
+def test_grouped_requests_in_chunks_of_requests(monkeypatch):
+    # decode / verify shapes: several requests with a few queries each, of different lengths
+    module = importlib.import_module("kernels.indexer_topk")
+    case = make_case(6, tokens=MATMUL_MIN_QUERIES, n_reqs=5, heads=2, dim=4, max_ctx=40)
+    want = indexer_topk_oracle(**case, top_k=7, scale=0.5)
+    monkeypatch.setattr(module, "_SCORE_BUDGET", 1)  # one request per chunk
+    assert torch.equal(indexer_topk_reference(**case, top_k=7, scale=0.5), want)
+
+
+def test_matmul_reference_close_to_oracle_on_random_inputs():
+    case = make_case(8, tokens=4 * MATMUL_MIN_QUERIES, n_reqs=2, heads=4, dim=16, integer=False)
+    got = indexer_topk_reference(**case, top_k=12, scale=0.3)
+    want = indexer_topk_oracle(**case, top_k=12, scale=0.3)
+    assert (got == want).float().mean() > 0.99  # equal but where two scores lie within rounding
+
+
+def _tied_scores(seed: int, rows: int, n: int) -> torch.Tensor:
+    """Scores with many exact ties: zeros of both signs, repeated values, -inf (not visible)."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(-3, 4, (rows, n), generator=g).double() * 0.5
+    scores[torch.rand(rows, n, generator=g) < 0.3] = 0.0
+    scores[torch.rand(rows, n, generator=g) < 0.2] = -0.0
+    scores[torch.rand(rows, n, generator=g) < 0.2] = float("-inf")
+    if seed % 3 == 0:
+        scores += torch.randn(rows, n, generator=g).double()  # distinct values too
+    return scores
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(0, 6), n=st.integers(0, 70), top_k=st.integers(1, 80),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]))
+def test_topk_positions_equals_the_stable_sort(seed, rows, n, top_k, dtype):
+    scores = _tied_scores(seed, rows, n).to(dtype)
+    assert torch.equal(topk_positions(scores, top_k), stable_topk_positions(scores, top_k))
+
+
+def test_topk_positions_ties_negative_zero_with_zero_and_keeps_leading_dims():
+    scores = torch.tensor([[[0.0, -0.0, 1.0, -0.0, 0.0, float("-inf"), 0.0]], [[-0.0] * 7]])  # [2, 1, 7]
+    got = topk_positions(scores, 9)
+    assert got.shape == (2, 1, 9)
+    assert got[0, 0].tolist() == [2, 0, 1, 3, 4, 6, -1, -1, -1]
+    assert got[1, 0].tolist() == [0, 1, 2, 3, 4, 5, 6, -1, -1]
+    assert torch.equal(got, stable_topk_positions(scores, 9))
 
 
 def test_reference_float32_scores_close_to_float64():

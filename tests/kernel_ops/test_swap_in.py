@@ -14,6 +14,7 @@ IMPLS = [
     "oracle",
     "torch",
     "python",
+    "numpy",
     pytest.param("triton", marks=pytest.mark.interpreter),
 ]
 
@@ -154,6 +155,55 @@ def test_python_equals_oracle(world):
     assert_same(oracle_world, expected, py_world, got, "python vs oracle")
     assert_canaries(world, py_world)
     _check_world_invariants(py_world, got)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds())
+def test_numpy_equals_oracle(world):
+    oracle_world, np_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*np_world.args(), impl="numpy", validate=True)
+    assert_same(oracle_world, expected, np_world, got, "numpy vs oracle")
+    assert_canaries(world, np_world)
+    _check_world_invariants(np_world, got)
+    assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=12, max_steps=3, hots=(8, 16, 32)))
+def test_batched_implementations_equal_oracle_on_wide_batches(world):
+    # many requests of different lengths in one call: fast and long paths, stops and misses side by side
+    expected_world = world.clone()
+    expected = swap_in_oracle(*expected_world.args())
+    for impl in ("numpy", "python", "torch"):
+        got_world = world.clone()
+        got = swap_in(*got_world.args(), impl=impl, validate=True)
+        assert_same(expected_world, expected, got_world, got, f"{impl} vs oracle")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=6, max_steps=4))
+def test_numpy_resumes_after_a_stop_like_the_oracle(world):
+    # the caller's protocol after a stop: call again with the resolved steps turned into padding
+    a, b = world.clone(), world.clone()
+    for _ in range(world.seq_lens.shape[1] + 1):
+        ra = swap_in_oracle(*a.args())
+        rb = swap_in(*b.args(), impl="numpy", validate=True)
+        assert_same(a, ra, b, rb, "numpy vs oracle, resumed")
+        done = torch.arange(a.seq_lens.shape[1])[None, :] < ra.steps_done[:, None].long()
+        if bool(done.all()):
+            break
+        a.seq_lens = torch.where(done, 0, a.seq_lens)
+        b.seq_lens = a.seq_lens.clone()
+
+
+def test_auto_on_cpu_picks_python_for_a_few_requests_and_numpy_for_batches():
+    from kernels.swap_in import PYTHON_MAX_REQS, cpu_impl
+
+    assert cpu_impl(1, 1, 64) == "python"
+    assert cpu_impl(PYTHON_MAX_REQS, 4, 64) == "python"
+    assert cpu_impl(PYTHON_MAX_REQS + 1, 1, 64) == "numpy"
+    assert cpu_impl(1, 2, 2048) == "numpy"  # long rows: per-entry Python costs more than the fixed ops
 
 
 @pytest.mark.interpreter

@@ -1,0 +1,56 @@
+"""``hispec bench peer`` plumbing: HF's left-padded batches, the report, the missing-transformers path
+(no timing is asserted anywhere)."""
+
+from __future__ import annotations
+
+import builtins
+import json
+
+import pytest
+
+from pipeline.benchmarks import peer
+
+
+def test_left_padding_puts_every_prompt_against_the_right_edge():
+    ids, mask = peer.left_padded([[5, 6, 7], [8]], pad_id=256)
+    assert ids.tolist() == [[5, 6, 7], [256, 256, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_paired_ratio_median_and_range():
+    got = peer._paired([2.0, 3.0, 8.0], [1.0, 1.0, 2.0])
+    assert got == {"median": 3.0, "min_max": [2.0, 4.0]}
+
+
+def test_report_table(capsys):
+    ratio = {"median": 1.5, "min_max": [1.25, 2.0]}
+    row = dict(batch=8, prompt_len=64, hf_tokens_per_s=100.0, plain_tokens_per_s=150.0, spec_tokens_per_s=200.0,
+               hf_ttft_s=0.5, plain_speed_vs_hf=ratio, spec_speed_vs_hf=ratio, plain_ttft_vs_hf=ratio,
+               spec_ttft_vs_hf=ratio, plain_same_tokens_as_hf=True, spec_same_tokens_as_hf=False)
+    args = dict(dtype="float32", hot=64, spec_steps=3, new_tokens=64, repeats=3)
+    peer.print_report(dict(model="tiny", machine=dict(threads=1), args=args, rows=[row]))
+    out = capsys.readouterr().out
+    assert "| 8 | 64 | 100 | 150 | 200 | 1.50x (1.25-2.00) |" in out
+    assert out.rstrip().endswith("| yes, no |")
+
+
+def test_without_transformers_it_says_how_to_install(monkeypatch, capsys):
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name == "transformers" or name.startswith("transformers."):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    assert peer.main(["--repeats", "1"]) == 2
+    assert "pip install 'hispec[bench]'" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_a_report(tmp_path):
+    out = tmp_path / "peer.json"
+    args = ["--repeats", "1", "--new-tokens", "2", "--concurrency", "1", "--long-prompt-len", "0", "--out", str(out)]
+    assert peer.main(args) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert {name: len(row["runs"]["tokens_per_s"][name]) for name in peer.CONFIGS} == {"hf": 1, "plain": 1, "spec": 1}
