@@ -212,17 +212,22 @@ async def cancel_on_disconnect(receive: Callable[[], Any], on_disconnect: Callab
     The request body must have been read already: ``receive`` then only ever answers
     ``http.disconnect`` (the client closed the connection, or the response is complete)."""
     watch = Watch()
-    async with anyio.create_task_group() as tg:
+    try:
+        async with anyio.create_task_group() as tg:
 
-        async def wait_for_disconnect() -> None:
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            watch.disconnected = True
-            on_disconnect()
-            tg.cancel_scope.cancel()
+            async def wait_for_disconnect() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                watch.disconnected = True
+                on_disconnect()
+                tg.cancel_scope.cancel()
 
-        tg.start_soon(wait_for_disconnect)
-        try:
-            yield watch
-        finally:
-            tg.cancel_scope.cancel()
+            tg.start_soon(wait_for_disconnect)
+            try:
+                yield watch
+            finally:
+                tg.cancel_scope.cancel()
+    except BaseExceptionGroup as group:  # the block's own error, wrapped by the task group
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise

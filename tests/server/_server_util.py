@@ -85,3 +85,22 @@ class RunningServer:
             self._done.result(timeout=120)
         finally:
             self._portal_cm.__exit__(None, None, None)
+
+
+def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """``/metrics`` parsed by prometheus_client's parser: (sample name, sorted labels) -> value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def sse_data(lines) -> list[str]:
+    """The ``data:`` payloads of a server-sent event stream's lines."""
+    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
