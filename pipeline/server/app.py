@@ -85,14 +85,17 @@ class ServerState:
             self.engine.abort(request_id)
         return len(ids)
 
-    def begin(self, body: _Generation, prompt_ids: list[int], *, prompt_field: str, prefix: str) -> Generation:
-        """Check and submit one request (``ApiError`` if it cannot be served)."""
+    def check(self, body: _Generation) -> None:
+        """``ApiError`` unless the server is ready and serves ``body.model``."""
         phase = self.phase
         if phase != "ready":
             raise ApiError(f"the server is {phase}", status=503, type="service_unavailable", code=phase)
         if body.model != self.model_name:
             raise ApiError(f"model: {body.model!r} is not served here (this server serves {self.model_name!r})",
                            param="model", code="model_not_found")  # fmt: skip
+
+    def begin(self, body: _Generation, prompt_ids: list[int], *, prompt_field: str, prefix: str) -> Generation:
+        """Submit one checked request (``ApiError`` if it cannot be served)."""
         context = self.engine.config.max_context_len
         params = sampling_params(body, len(prompt_ids), context, prompt_field=prompt_field)
         request_id = f"{prefix}-{uuid.uuid4().hex}"
@@ -109,10 +112,9 @@ async def _collect(gen: Generation, request: Request) -> str | None:
     """Run a non-streamed request to its end; its text, or None if the client went away first."""
     parts: list[str] = []
     try:
-        async with cancel_on_disconnect(request.receive, gen.disconnected) as watch:
-            async with aclosing(gen.deltas()) as deltas:
-                async for delta in deltas:
-                    parts.append(delta.text)
+        async with cancel_on_disconnect(request.receive, gen.disconnected) as watch, aclosing(gen.deltas()) as deltas:
+            async for delta in deltas:
+                parts.append(delta.text)
     except RequestFailed as exc:
         raise ApiError(error_detail(exc).message, status=500, type="internal_error", code="request_failed") from exc
     if watch.disconnected:
@@ -129,6 +131,7 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=Completion, responses={400: {"model": ErrorResponse}})
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
+    state.check(body)
     prompt = body.prompt
     prompt_ids = list(prompt) if isinstance(prompt, list) else state.engine.tokenizer.encode(prompt)
     gen = state.begin(body, prompt_ids, prompt_field="prompt", prefix="cmpl")
@@ -145,10 +148,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={400: {"model": ErrorResponse}})
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = _state(request)
+    state.check(body)
     try:
         prompt_ids = render_chat(state.engine, body.messages)
-    except EngineClosed as exc:
-        raise ApiError("the server is starting", status=503, type="service_unavailable") from exc
     except Exception as exc:  # a chat template that cannot render this conversation
         raise ApiError(f"messages: the chat template failed: {exc}", param="messages") from exc
     gen = state.begin(body, prompt_ids, prompt_field="messages", prefix="chatcmpl")

@@ -7,6 +7,7 @@ engine on demand (its ``seed`` is ``FAIL_SEED``), through the public API only: i
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import aclosing
 
 import anyio
@@ -101,6 +102,6 @@ def scrape(client: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]]
     return samples
 
 
-def sse_data(lines) -> list[str]:
-    """The ``data:`` payloads of a server-sent event stream's lines."""
-    return [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+def sse_data(lines) -> Iterator[str]:
+    """The ``data:`` payloads of a server-sent event stream's lines, as they come."""
+    return (line.removeprefix("data: ") for line in lines if line.startswith("data: "))

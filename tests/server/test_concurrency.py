@@ -10,8 +10,8 @@ import json
 import anyio
 import httpx
 import pytest
-
 from _server_util import MODEL_NAME, scrape, sse_data
+
 from pipeline import SamplingParams
 
 NUM_CLIENTS = 32
@@ -58,10 +58,9 @@ async def test_streaming_clients_some_disconnecting(server):
                         return  # leaving the block closes the connection mid-stream
 
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
-    async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
-        async with anyio.create_task_group() as tg:
-            for i in range(NUM_CLIENTS):
-                tg.start_soon(client_run, client, i)
+    async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client, anyio.create_task_group() as tg:
+        for i in range(NUM_CLIENTS):
+            tg.start_soon(client_run, client, i)
     await wait_idle(server)
 
     assert left == set(LEAVERS)
@@ -77,13 +76,12 @@ async def test_a_non_streamed_request_is_aborted_when_its_client_leaves(server):
     disconnects_before, aborts_before = counters(server)
     state = server.server.state
     body = {"model": MODEL_NAME, "prompt": "while True:", "max_tokens": 200, "ignore_eos": True}
-    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(functools.partial(client.post, "/v1/completions", json=body))
-            with anyio.fail_after(60):  # a hang guard, not a timing assertion
-                while not await anyio.to_thread.run_sync(server.call, lambda: len(state.in_flight)):
-                    await anyio.sleep(0.01)
-            tg.cancel_scope.cancel()  # the client gives up: its connection closes
+    async with httpx.AsyncClient(base_url=server.url, timeout=120) as client, anyio.create_task_group() as tg:
+        tg.start_soon(functools.partial(client.post, "/v1/completions", json=body))
+        with anyio.fail_after(60):  # a hang guard, not a timing assertion
+            while not await anyio.to_thread.run_sync(server.call, lambda: len(state.in_flight)):
+                await anyio.sleep(0.01)
+        tg.cancel_scope.cancel()  # the client gives up: its connection closes
     await wait_idle(server)
     disconnects, aborts = counters(server)
     assert (disconnects - disconnects_before, aborts - aborts_before) == (1, 1)

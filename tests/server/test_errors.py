@@ -6,8 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from _server_util import FAIL_SEED, MAX_CONTEXT, MODEL_NAME
+from _server_util import FAIL_SEED, MAX_CONTEXT, MODEL_NAME, sse_data
 
 GOOD = {"model": MODEL_NAME, "prompt": "x = ", "max_tokens": 4, "temperature": 0}
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
@@ -116,9 +115,9 @@ def test_a_request_failing_in_the_engine_is_a_500_for_it_alone(server):
     # streamed: the stream carries the error, then [DONE]
     with server.client.stream("POST", "/v1/completions", json={**failing, "stream": True}) as response:
         assert response.status_code == 200
-        events = [line for line in response.iter_lines() if line.startswith("data: ")]
-    assert events[-1] == "data: [DONE]"
-    assert "injected fault" in json.loads(events[-2].removeprefix("data: "))["error"]["message"]
+        events = list(sse_data(response.iter_lines()))
+    assert events[-1] == "[DONE]"
+    assert "injected fault" in json.loads(events[-2])["error"]["message"]
     assert_serving(server)
     server.wait_idle()
     assert server.pool_counts() == server.engine.initial_pool_counts

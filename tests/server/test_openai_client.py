@@ -7,8 +7,8 @@ Greedy requests: the streamed text equals the non-streamed text, and both equal 
 from __future__ import annotations
 
 import pytest
-
 from _server_util import MODEL_NAME
+
 from pipeline import SamplingParams
 from pipeline.server.chat import plain_template
 from pipeline.server.protocol import ChatMessage
