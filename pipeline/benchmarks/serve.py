@@ -35,7 +35,9 @@ from pipeline.logs import configure_logging
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrent streaming clients")
-    p.add_argument("--requests", type=int, default=None, help="requests per round (default: 2 per client, >= 8)")
+    p.add_argument(
+        "--requests", type=int, default=None, help="requests per round (default: 2 per client, >= 8)"
+    )
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (ignore_eos)")
     p.add_argument("--repeats", type=int, default=3)
@@ -52,10 +54,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_argv(args: argparse.Namespace) -> list[str]:
     """The ``hispec serve`` options of the benchmarked server (parsed here too, for the engine side)."""
-    argv = ["--port", "0", "--model", args.model, "--dtype", args.dtype, "--hot", str(args.hot),
-            "--max-context-len", str(args.prompt_len + args.max_tokens + 16),
-            "--max-running-requests", str(max(args.clients)), "--threads", str(args.threads),
-            "--seed", str(args.seed), "--served-model-name", "bench"]  # fmt: skip
+    argv = [
+        "--port",
+        "0",
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--hot",
+        str(args.hot),
+        "--max-context-len",
+        str(args.prompt_len + args.max_tokens + 16),
+        "--max-running-requests",
+        str(max(args.clients)),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+        "--served-model-name",
+        "bench",
+    ]
     return argv + (["--no-spec"] if args.no_spec else []) + (["--no-hisparse"] if args.no_hisparse else [])
 
 
@@ -76,8 +94,15 @@ class Record:
 
 
 async def http_request(client, prompt: list[int], max_tokens: int) -> Record:
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     record = Record()
     async with client.stream("POST", "/v1/completions", json=body) as response:
         response.raise_for_status()
@@ -97,7 +122,9 @@ async def engine_request(engine, prompt: list[int], max_tokens: int) -> Record:
     from pipeline.sampling import SamplingParams
 
     record = Record()
-    stream: AsyncIterator = engine.generate(prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
+    stream: AsyncIterator = engine.generate(
+        prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    )
     async with aclosing(stream) as deltas:
         async for delta in deltas:
             record.chunk(delta.text)
@@ -106,7 +133,9 @@ async def engine_request(engine, prompt: list[int], max_tokens: int) -> Record:
     return record
 
 
-async def run_round(send, prompts: list[list[int]], clients: int, max_tokens: int) -> tuple[float, list[Record]]:
+async def run_round(
+    send, prompts: list[list[int]], clients: int, max_tokens: int
+) -> tuple[float, list[Record]]:
     """``clients`` workers take the prompts in order, one request at a time each; (seconds, records)."""
     records: list[Record | None] = [None] * len(prompts)
     next_index = iter(range(len(prompts)))
@@ -132,9 +161,11 @@ def summary(seconds: float, records: list[Record]) -> dict[str, float]:
     return {
         "requests_per_s": len(records) / seconds,
         "tokens_per_s": sum(r.num_tokens for r in records) / seconds,
-        "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-        "itl_p50_s": pct(itl, 50), "itl_p99_s": pct(itl, 99),
-    }  # fmt: skip
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "itl_p50_s": pct(itl, 50),
+        "itl_p99_s": pct(itl, 99),
+    }
 
 
 def start_server(argv: list[str]) -> tuple[subprocess.Popen, str]:
@@ -156,7 +187,9 @@ async def measure(args: argparse.Namespace, url: str) -> list[dict[str, object]]
 
     cfg = engine_config(serve_parser().parse_args(serve_argv(args)))
     rows = []
-    limits = httpx.Limits(max_connections=max(args.clients) + 4, max_keepalive_connections=max(args.clients) + 4)
+    limits = httpx.Limits(
+        max_connections=max(args.clients) + 4, max_keepalive_connections=max(args.clients) + 4
+    )
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client, Engine(cfg) as engine:
         sides = {
             "server": lambda p, n: http_request(client, p, n),
@@ -178,10 +211,21 @@ async def measure(args: argparse.Namespace, url: str) -> list[dict[str, object]]
                     texts[side] = ["".join(r.text) for r in records]
                 same &= texts["server"] == texts["engine"]
             paired = [s["tokens_per_s"] / e["tokens_per_s"] for s, e in zip(runs["server"], runs["engine"])]
-            rows.append({"clients": clients, "requests": count, "runs": runs, "same_text": same,
-                         "ratio": float(np.median(paired)), "ratio_min_max": [min(paired), max(paired)],
-                         **{f"{side}_{key}": float(np.median([r[key] for r in runs[side]]))
-                            for side in runs for key in runs[side][0]}})  # fmt: skip
+            rows.append(
+                {
+                    "clients": clients,
+                    "requests": count,
+                    "runs": runs,
+                    "same_text": same,
+                    "ratio": float(np.median(paired)),
+                    "ratio_min_max": [min(paired), max(paired)],
+                    **{
+                        f"{side}_{key}": float(np.median([r[key] for r in runs[side]]))
+                        for side in runs
+                        for key in runs[side][0]
+                    },
+                }
+            )
     return rows
 
 
@@ -199,24 +243,59 @@ def main(argv: list[str]) -> int:
         proc.terminate()
         proc.wait(timeout=120)
         sink.close()
-    report = {"bench": "serve", "machine": machine(), "model": args.model, "dtype": args.dtype,
-              "speculative": not args.no_spec, "hisparse": not args.no_hisparse, "prompt_len": args.prompt_len,
-              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}  # fmt: skip
+    report = {
+        "bench": "serve",
+        "machine": machine(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "speculative": not args.no_spec,
+        "hisparse": not args.no_hisparse,
+        "prompt_len": args.prompt_len,
+        "max_tokens": args.max_tokens,
+        "repeats": args.repeats,
+        "rows": rows,
+    }
     write_json(args.out, report)
-    mode = f"{'speculative (3 steps)' if report['speculative'] else 'plain'}, HiSparse {'on' if report['hisparse'] else 'off'}"
-    print(f"model {args.model} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, {args.max_tokens} new "
-          f"tokens, median of {args.repeats}, {torch.get_num_threads()} threads")  # fmt: skip
+    spec = "speculative (3 steps)" if report["speculative"] else "plain"
+    mode = f"{spec}, HiSparse {'on' if report['hisparse'] else 'off'}"
+    print(
+        f"model {args.model} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, {args.max_tokens} new "
+        f"tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
+    )
     ms = 1000.0
-    print(table(
-        ["clients", "requests", "server req/s", "server tokens/s", "engine tokens/s", "server / engine",
-         "range", "TTFT p50 / p99 ms (server)", "TTFT p50 / p99 ms (engine)", "ITL p50 / p99 ms (server)",
-         "ITL p50 / p99 ms (engine)", "same text"],
-        [[r["clients"], r["requests"], r["server_requests_per_s"], r["server_tokens_per_s"],
-          r["engine_tokens_per_s"], r["ratio"], "{:.2f}-{:.2f}".format(*r["ratio_min_max"]),
-          f"{r['server_ttft_p50_s'] * ms:.1f} / {r['server_ttft_p99_s'] * ms:.1f}",
-          f"{r['engine_ttft_p50_s'] * ms:.1f} / {r['engine_ttft_p99_s'] * ms:.1f}",
-          f"{r['server_itl_p50_s'] * ms:.1f} / {r['server_itl_p99_s'] * ms:.1f}",
-          f"{r['engine_itl_p50_s'] * ms:.1f} / {r['engine_itl_p99_s'] * ms:.1f}",
-          "yes" if r["same_text"] else "NO"] for r in rows],
-    ))  # fmt: skip
+    print(
+        table(
+            [
+                "clients",
+                "requests",
+                "server req/s",
+                "server tokens/s",
+                "engine tokens/s",
+                "server / engine",
+                "range",
+                "TTFT p50 / p99 ms (server)",
+                "TTFT p50 / p99 ms (engine)",
+                "ITL p50 / p99 ms (server)",
+                "ITL p50 / p99 ms (engine)",
+                "same text",
+            ],
+            [
+                [
+                    r["clients"],
+                    r["requests"],
+                    r["server_requests_per_s"],
+                    r["server_tokens_per_s"],
+                    r["engine_tokens_per_s"],
+                    r["ratio"],
+                    "{:.2f}-{:.2f}".format(*r["ratio_min_max"]),
+                    f"{r['server_ttft_p50_s'] * ms:.1f} / {r['server_ttft_p99_s'] * ms:.1f}",
+                    f"{r['engine_ttft_p50_s'] * ms:.1f} / {r['engine_ttft_p99_s'] * ms:.1f}",
+                    f"{r['server_itl_p50_s'] * ms:.1f} / {r['server_itl_p99_s'] * ms:.1f}",
+                    f"{r['engine_itl_p50_s'] * ms:.1f} / {r['engine_itl_p99_s'] * ms:.1f}",
+                    "yes" if r["same_text"] else "NO",
+                ]
+                for r in rows
+            ],
+        )
+    )
     return 0

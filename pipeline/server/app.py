@@ -59,6 +59,7 @@ class ServerState:
     metrics: ServerMetrics
     created: int = attrs.field(factory=lambda: int(time.time()))
     draining: bool = False  # set once by ``drain``: new requests get 503
+    aborting: bool = False  # drained with abort: a request accepted just before does not start either
     in_flight: dict[str, Generation] = attrs.field(factory=dict)
 
     @property
@@ -76,6 +77,7 @@ class ServerState:
         """Stop taking requests; with ``abort``, abort every request in flight (their clients get an
         error: a 503 body, or an error event in their stream)."""
         self.draining = True
+        self.aborting = abort
         if abort:
             self.abort_in_flight()
 
@@ -91,10 +93,15 @@ class ServerState:
         if phase != "ready":
             raise ApiError(f"the server is {phase}", status=503, type="service_unavailable", code=phase)
         if body.model != self.model_name:
-            raise ApiError(f"model: {body.model!r} is not served here (this server serves {self.model_name!r})",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise ApiError(
+                f"model: {body.model!r} is not served here (this server serves {self.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
 
-    def begin(self, body: _Generation, prompt_ids: list[int], *, prompt_field: str, prefix: str) -> Generation:
+    def begin(
+        self, body: _Generation, prompt_ids: list[int], *, prompt_field: str, prefix: str
+    ) -> Generation:
         """Submit one checked request (``ApiError`` if it cannot be served)."""
         context = self.engine.config.max_context_len
         params = sampling_params(body, len(prompt_ids), context, prompt_field=prompt_field)
@@ -112,11 +119,16 @@ async def _collect(gen: Generation, request: Request) -> str | None:
     """Run a non-streamed request to its end; its text, or None if the client went away first."""
     parts: list[str] = []
     try:
-        async with cancel_on_disconnect(request.receive, gen.disconnected) as watch, aclosing(gen.deltas()) as deltas:
+        async with (
+            cancel_on_disconnect(request.receive, gen.disconnected) as watch,
+            aclosing(gen.deltas()) as deltas,
+        ):
             async for delta in deltas:
                 parts.append(delta.text)
     except RequestFailed as exc:
-        raise ApiError(error_detail(exc).message, status=500, type="internal_error", code="request_failed") from exc
+        raise ApiError(
+            error_detail(exc).message, status=500, type="internal_error", code="request_failed"
+        ) from exc
     if watch.disconnected:
         return None
     if gen.outcome != "finished":
@@ -167,7 +179,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 @router.get("/v1/models", response_model=ModelList)
 async def models(request: Request) -> Response:
     state = _state(request)
-    card = ModelCard(id=state.model_name, created=state.created, max_model_len=state.engine.config.max_context_len)
+    card = ModelCard(
+        id=state.model_name, created=state.created, max_model_len=state.engine.config.max_context_len
+    )
     return _json(ModelList(data=[card]))
 
 
@@ -201,7 +215,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return _error(ErrorDetail(message=f"{request.method} {request.url.path}: {exc.detail}", type=kind), exc.status_code)
+    return _error(
+        ErrorDetail(message=f"{request.method} {request.url.path}: {exc.detail}", type=kind), exc.status_code
+    )
 
 
 def create_app(engine: Any, *, served_model_name: str | None = None) -> FastAPI:
@@ -211,7 +227,9 @@ def create_app(engine: Any, *, served_model_name: str | None = None) -> FastAPI:
     The app's state (``app.state.hispec``, a ``ServerState``) lets the embedding code drain it.
     """
     app = FastAPI(title="hispec", summary="OpenAI-compatible API over the hispec engine")
-    app.state.hispec = ServerState(engine, served_model_name or str(engine.config.model), ServerMetrics(engine))
+    app.state.hispec = ServerState(
+        engine, served_model_name or str(engine.config.model), ServerMetrics(engine)
+    )
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)

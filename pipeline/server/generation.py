@@ -35,6 +35,7 @@ log = structlog.get_logger("hispec.server")
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 FINISHED_REASONS = ("stop", "length")
+ABORTED_MESSAGE = "the request was aborted: the server is shutting down"
 # engine field -> request field, where they differ
 FIELD_NAMES = {"max_new_tokens": "max_tokens"}
 
@@ -120,7 +121,12 @@ class Generation:
 
     @classmethod
     def start(
-        cls, state: ServerState, request_id: str, prompt_ids: list[int], params: SamplingParams, prompt_field: str
+        cls,
+        state: ServerState,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_field: str,
     ) -> Generation:
         """Hand the request to the engine; ``ApiError`` (400, or 503 while the engine is down) if refused."""
         try:
@@ -148,6 +154,10 @@ class Generation:
         """The engine's deltas for this request. Raises ``ApiError`` (503) if the engine refuses the
         submission, and ``RequestFailed`` if the request fails."""
         metrics = self.state.metrics
+        if self.state.aborting:  # accepted, then the server began an aborting drain before it started
+            self.outcome = "aborted"
+            self._log_end()
+            raise ApiError(ABORTED_MESSAGE, status=503, type="service_unavailable", code="aborted")
         self.state.in_flight[self.request_id] = self
         last_tokens_at: float | None = None
         try:
@@ -206,7 +216,9 @@ class Watch:
 
 
 @asynccontextmanager
-async def cancel_on_disconnect(receive: Callable[[], Any], on_disconnect: Callable[[], None]) -> AsyncIterator[Watch]:
+async def cancel_on_disconnect(
+    receive: Callable[[], Any], on_disconnect: Callable[[], None]
+) -> AsyncIterator[Watch]:
     """Run the block; if the client disconnects first, call ``on_disconnect()`` and cancel the block.
 
     The request body must have been read already: ``receive`` then only ever answers

@@ -25,8 +25,8 @@ from prometheus_client.registry import Collector
 from pipeline.errors import EngineClosed
 
 PREFIX = "hispec:"
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)  # fmt: skip
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)  # fmt: skip
 TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
                      1.0, 2.5, 5.0)  # fmt: skip
 
@@ -43,12 +43,18 @@ class EngineCollector(Collector):
         except EngineClosed:
             return
         requests = stats["requests"]
-        yield _gauge("num_requests_running", "Requests admitted (prefill, staging, decode).",
-                     requests["live"] - requests["queued"])  # fmt: skip
+        yield _gauge(
+            "num_requests_running",
+            "Requests admitted (prefill, staging, decode).",
+            requests["live"] - requests["queued"],
+        )
         yield _gauge("num_requests_waiting", "Requests waiting for admission.", requests["queued"])
-        yield _counter("generation_tokens", "Output tokens generated.", stats["throughput"]["tokens_generated"])
-        ended = CounterMetricFamily(PREFIX + "request_success", "Requests ended, by finish reason.",
-                                    labels=["finished_reason"])  # fmt: skip
+        yield _counter(
+            "generation_tokens", "Output tokens generated.", stats["throughput"]["tokens_generated"]
+        )
+        ended = CounterMetricFamily(
+            PREFIX + "request_success", "Requests ended, by finish reason.", labels=["finished_reason"]
+        )
         for reason, count in sorted(requests["ended"].items()):
             ended.add_metric([reason], count)
         yield ended
@@ -77,8 +83,11 @@ def _pools(pools: dict[str, dict[str, int]]) -> Iterator[Metric]:
     yield capacity
     device = pools.get("device")
     if device and device["capacity"]:
-        yield _gauge("kv_cache_usage_perc", "Share of the device KV pool in use (0-1).",
-                     1 - device["free"] / device["capacity"])  # fmt: skip
+        yield _gauge(
+            "kv_cache_usage_perc",
+            "Share of the device KV pool in use (0-1).",
+            1 - device["free"] / device["capacity"],
+        )
 
 
 HISPARSE_COUNTERS = {
@@ -101,13 +110,19 @@ def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:
     yield _counter("spec_decode_num_drafts", "Verify rounds (one draft chain each).", spec["verify_rounds"])
     yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec["proposed_drafts"])
     yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["accepted_drafts"])
-    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                  "Draft tokens accepted at each draft position.", labels=["position"])  # fmt: skip
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position.",
+        labels=["position"],
+    )
     for pos, value in enumerate(spec["accepted_per_pos"]):
         per_pos.add_metric([str(pos)], value)
     yield per_pos
-    yield _gauge("spec_accept_length", "Tokens committed per verify round, the bonus token included.",
-                 spec["accept_length"] or 0.0)  # fmt: skip
+    yield _gauge(
+        "spec_accept_length",
+        "Tokens committed per verify round, the bonus token included.",
+        spec["accept_length"] or 0.0,
+    )
     yield _gauge("spec_accept_rate", "Accepted / proposed draft tokens.", spec["accept_rate"] or 0.0)
 
 
@@ -121,17 +136,29 @@ class ServerMetrics:
         def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
             return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
 
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of the requests the engine accepted.",
-                                     registry=self.registry)  # fmt: skip
-        self.disconnects = Counter(PREFIX + "request_disconnects",
-                                   "Requests aborted because their client disconnected.", registry=self.registry)  # fmt: skip
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of the requests the engine accepted.",
+            registry=self.registry,
+        )
+        self.disconnects = Counter(
+            PREFIX + "request_disconnects",
+            "Requests aborted because their client disconnected.",
+            registry=self.registry,
+        )
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first output token.")
-        self.itl = histogram("inter_token_latency_seconds", "Gap between output tokens as the server receives them.",
-                             TOKEN_GAP_BUCKETS)  # fmt: skip
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Gap between output tokens as the server receives them.",
+            TOKEN_GAP_BUCKETS,
+        )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end of the request.")
         self.queue = histogram("request_queue_time_seconds", "Arrival to admission into a prefill.")
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Mean gap between a request's output tokens after the first.", TOKEN_GAP_BUCKETS)  # fmt: skip
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean gap between a request's output tokens after the first.",
+            TOKEN_GAP_BUCKETS,
+        )
 
     def observe_delta(self, gap: float, num_tokens: int) -> None:
         """``num_tokens`` arrived ``gap`` seconds after the request's previous tokens."""

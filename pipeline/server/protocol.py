@@ -95,7 +95,9 @@ class CompletionRequest(_Generation):
     def _one_prompt(cls, prompt: Any) -> Any:
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
-                raise ValueError(f"a batch of {len(prompt)} prompts is not supported (send one request per prompt)")
+                raise ValueError(
+                    f"a batch of {len(prompt)} prompts is not supported (send one request per prompt)"
+                )
             return prompt[0]
         return prompt
 

@@ -43,16 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
     p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument("--device-pool-tokens", type=int, default=None,
-                   help="device KV slots (default: 16384, or one full context if that is more)")  # fmt: skip
+    p.add_argument(
+        "--device-pool-tokens",
+        type=int,
+        default=None,
+        help="device KV slots (default: 16384, or one full context if that is more)",
+    )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hot", type=int, default=128, help="HiSparse hot columns per request")
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
     p.add_argument("--num-steps", type=int, default=3, help="draft steps per speculative round")
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
-    p.add_argument("--on-exit", choices=["abort", "finish"], default="abort",
-                   help="on SIGINT/SIGTERM: abort the requests in flight, or let them finish")  # fmt: skip
+    p.add_argument(
+        "--on-exit",
+        choices=["abort", "finish"],
+        default="abort",
+        help="on SIGINT/SIGTERM: abort the requests in flight, or let them finish",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
@@ -117,8 +125,15 @@ class HttpServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_config=None, access_log=False, lifespan="off", http="h11",
-                                ws="none", timeout_graceful_shutdown=None)  # fmt: skip
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            access_log=False,
+            lifespan="off",
+            http="h11",
+            ws="none",
+            timeout_graceful_shutdown=None,
+        )
         self._server = _Uvicorn(config)
         self._stop = anyio.Event()
         self.pools_restored: bool | None = None  # known once run() returns
@@ -138,8 +153,12 @@ class HttpServer:
         log.info("server.draining", on_exit=self.on_exit, in_flight=len(self.state.in_flight))
         self._stop.set()
 
-    async def run(self, *, on_ready: Callable[[HttpServer], None] | None = None,
-                  task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED) -> None:  # fmt: skip
+    async def run(
+        self,
+        *,
+        on_ready: Callable[[HttpServer], None] | None = None,
+        task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Serve until ``shutdown()`` and every connection has ended. ``task_status.started(port)``
         (and ``on_ready``) once the engine runs."""
         served = anyio.Event()
@@ -175,8 +194,13 @@ async def _serve(args: argparse.Namespace, model: Any) -> int:
     from pipeline.engine import Engine
 
     engine = Engine(engine_config(args), model=model, on_exit=args.on_exit)
-    server = HttpServer(engine, host=args.host, port=args.port,
-                        served_model_name=args.served_model_name or args.model, on_exit=args.on_exit)  # fmt: skip
+    server = HttpServer(
+        engine,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        on_exit=args.on_exit,
+    )
 
     def ready(server: HttpServer) -> None:
         print(f"hispec serve: listening on {server.url} (model {server.state.model_name!r})", flush=True)
@@ -192,8 +216,10 @@ async def _serve(args: argparse.Namespace, model: Any) -> int:
             tg.start_soon(on_signals)
             await server.run(on_ready=ready)
             tg.cancel_scope.cancel()
-    print(f"hispec serve: stopped; memory pools {'restored' if server.pools_restored else 'NOT restored'}",
-          flush=True)  # fmt: skip
+    print(
+        f"hispec serve: stopped; memory pools {'restored' if server.pools_restored else 'NOT restored'}",
+        flush=True,
+    )
     return 0 if server.pools_restored else 1
 
 

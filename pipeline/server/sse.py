@@ -18,7 +18,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from pipeline.errors import RequestFailed
-from pipeline.server.generation import ApiError, Generation, cancel_on_disconnect
+from pipeline.server.generation import ABORTED_MESSAGE, ApiError, Generation, cancel_on_disconnect
 from pipeline.server.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -45,14 +45,16 @@ def error_detail(exc: Exception) -> ErrorDetail:
     if isinstance(exc, ApiError):
         return ErrorDetail(message=exc.message, type=exc.type, param=exc.param, code=exc.code)
     if isinstance(exc, RequestFailed):
-        return ErrorDetail(message=f"the request failed inside the engine: {exc.reason}", type="internal_error",
-                           code="request_failed")  # fmt: skip
+        return ErrorDetail(
+            message=f"the request failed inside the engine: {exc.reason}",
+            type="internal_error",
+            code="request_failed",
+        )
     raise TypeError(f"no error body for {type(exc).__name__}")
 
 
 def shutdown_abort() -> ApiError:
-    return ApiError("the request was aborted: the server is shutting down", status=503,
-                    type="service_unavailable", code="aborted")  # fmt: skip
+    return ApiError(ABORTED_MESSAGE, status=503, type="service_unavailable", code="aborted")
 
 
 async def completion_events(gen: Generation, model: str, include_usage: bool) -> AsyncIterator[bytes]:
@@ -66,7 +68,9 @@ async def completion_events(gen: Generation, model: str, include_usage: bool) ->
                 choice = CompletionChoice(text=delta.text, finish_reason=reason)
                 yield event(Completion(id=gen.request_id, created=created, model=model, choices=[choice]))
         if include_usage:
-            yield event(Completion(id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage))
+            yield event(
+                Completion(id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage)
+            )
     except (ApiError, RequestFailed) as exc:
         yield error_event(exc)
     yield DONE
@@ -87,8 +91,11 @@ async def chat_events(gen: Generation, model: str, include_usage: bool) -> Async
                     raise shutdown_abort()
                 yield chunk(ChatDelta(content=delta.text), delta.finish_reason if delta.finished else None)
         if include_usage:
-            yield event(ChatCompletionChunk(id=gen.request_id, created=created, model=model, choices=[],
-                                            usage=gen.usage))  # fmt: skip
+            yield event(
+                ChatCompletionChunk(
+                    id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage
+                )
+            )
     except (ApiError, RequestFailed) as exc:
         yield error_event(exc)
     yield DONE
@@ -109,7 +116,10 @@ class EventStream(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        async with cancel_on_disconnect(receive, self.on_disconnect) as watch, aclosing(self.events) as events:
+        async with (
+            cancel_on_disconnect(receive, self.on_disconnect) as watch,
+            aclosing(self.events) as events,
+        ):
             async for data in events:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         if not watch.disconnected:

@@ -54,8 +54,9 @@ class RunningServer:
 
     def __init__(self, model, cfg: EngineConfig | None = None, *, on_exit: str = "abort") -> None:
         self.engine = FlakyEngine(cfg or server_config(), model=model)
-        self.server = HttpServer(self.engine, host="127.0.0.1", port=0, served_model_name=MODEL_NAME,
-                                 on_exit=on_exit)  # fmt: skip
+        self.server = HttpServer(
+            self.engine, host="127.0.0.1", port=0, served_model_name=MODEL_NAME, on_exit=on_exit
+        )
         self._portal_cm = anyio.from_thread.start_blocking_portal("asyncio")
         self.portal = self._portal_cm.__enter__()
         try:

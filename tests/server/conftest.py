@@ -9,9 +9,6 @@ import structlog
 
 from pipeline.logs import configure_logging
 
-pytest.importorskip("fastapi")
-pytest.importorskip("uvicorn")
-
 
 @pytest.fixture(scope="module", autouse=True)
 def quiet_logs():

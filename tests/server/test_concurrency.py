@@ -33,7 +33,9 @@ async def wait_idle(server) -> None:
 @pytest.mark.asyncio
 async def test_streaming_clients_some_disconnecting(server):
     expected = {
-        p: server.call(server.engine.generate_text, list(p.encode()), SamplingParams(max_new_tokens=MAX_TOKENS)).text
+        p: server.call(
+            server.engine.generate_text, list(p.encode()), SamplingParams(max_new_tokens=MAX_TOKENS)
+        ).text
         for p in PROMPTS
     }
     disconnects_before, aborts_before = counters(server)
@@ -42,8 +44,14 @@ async def test_streaming_clients_some_disconnecting(server):
 
     async def client_run(client: httpx.AsyncClient, i: int) -> None:
         leaves = i in LEAVERS
-        body = {"model": MODEL_NAME, "prompt": PROMPTS[i % len(PROMPTS)], "temperature": 0, "stream": True,
-                "max_tokens": 200 if leaves else MAX_TOKENS, "ignore_eos": leaves}  # fmt: skip
+        body = {
+            "model": MODEL_NAME,
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "temperature": 0,
+            "stream": True,
+            "max_tokens": 200 if leaves else MAX_TOKENS,
+            "ignore_eos": leaves,
+        }
         parts = []
         async with client.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200
@@ -58,7 +66,10 @@ async def test_streaming_clients_some_disconnecting(server):
                         return  # leaving the block closes the connection mid-stream
 
     limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
-    async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client, anyio.create_task_group() as tg:
+    async with (
+        httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client,
+        anyio.create_task_group() as tg,
+    ):
         for i in range(NUM_CLIENTS):
             tg.start_soon(client_run, client, i)
     await wait_idle(server)

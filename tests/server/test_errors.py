@@ -45,7 +45,10 @@ BAD_CHATS = [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]}, "messages.0.content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        "messages.0.content",
+    ),
     ({"messages": [{"role": "user", "content": "y" * MAX_CONTEXT}]}, "messages"),
     ({"max_completion_tokens": 0}, "max_completion_tokens"),
     ({"tools": [{"type": "function"}]}, "tools"),
@@ -94,7 +97,9 @@ def test_bad_chat_is_a_400_naming_the_field(server, changes, param):
 
 @pytest.mark.parametrize("raw", [b'{"model": "tiny-test", "prompt": ', b"not json", b"[1, 2]", b""])
 def test_a_body_that_is_not_a_json_object_is_a_400(server, raw):
-    response = server.client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+    response = server.client.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
     error = assert_error(response, 400, None)
     assert "JSON" in error["message"] or "required" in error["message"]
     assert_serving(server)
@@ -103,8 +108,9 @@ def test_a_body_that_is_not_a_json_object_is_a_400(server, raw):
 def test_stream_error_messages_and_unknown_paths(server):
     assert_error(server.client.get("/v1/nowhere"), 404, None)
     assert_error(server.client.get("/v1/completions"), 405, None)
-    error = assert_error(server.client.post("/v1/completions", json=body_with(GOOD, {"max_tokens": "4"})), 400,
-                         "max_tokens")  # fmt: skip
+    error = assert_error(
+        server.client.post("/v1/completions", json=body_with(GOOD, {"max_tokens": "4"})), 400, "max_tokens"
+    )
     assert "'4'" in error["message"]
 
 

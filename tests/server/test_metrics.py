@@ -15,10 +15,23 @@ def test_metrics_match_engine_stats(server):
     before = scrape(server.client)
     prompt_tokens = 0
     for prompt in ("a = 1\n", "def g():", "for i in range(3):"):
-        response = server.client.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24,
-                                                               "temperature": 0, "ignore_eos": True})  # fmt: skip
+        response = server.client.post(
+            "/v1/completions",
+            json={
+                "model": MODEL_NAME,
+                "prompt": prompt,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         prompt_tokens += response.json()["usage"]["prompt_tokens"]
-    chat = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10, "stream": True}
+    chat = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 10,
+        "stream": True,
+    }
     with server.client.stream("POST", "/v1/chat/completions", json=chat) as response:
         assert response.read().endswith(b"data: [DONE]\n\n")
     prompt_tokens += len(b"user: hello\nassistant: ")
@@ -29,7 +42,10 @@ def test_metrics_match_engine_stats(server):
     def value(name: str, **labels: str) -> float:
         return got[(name, tuple(sorted(labels.items())))]
 
-    assert value("hispec:prompt_tokens_total") - before.get(("hispec:prompt_tokens_total", ()), 0) == prompt_tokens
+    assert (
+        value("hispec:prompt_tokens_total") - before.get(("hispec:prompt_tokens_total", ()), 0)
+        == prompt_tokens
+    )
     assert value("hispec:generation_tokens_total") == stats["throughput"]["tokens_generated"]
     for reason, count in stats["requests"]["ended"].items():
         assert value("hispec:request_success_total", finished_reason=reason) == count

@@ -6,14 +6,13 @@ Greedy requests: the streamed text equals the non-streamed text, and both equal 
 
 from __future__ import annotations
 
+import openai
 import pytest
 from _server_util import MODEL_NAME
 
 from pipeline import SamplingParams
 from pipeline.server.chat import plain_template
 from pipeline.server.protocol import ChatMessage
-
-openai = pytest.importorskip("openai")
 
 PROMPTS = ["def add(a, b):", "class Queue:\n    def"]
 MAX_TOKENS = 12
@@ -41,10 +40,14 @@ def test_completion_streamed_equals_whole_equals_engine(client, server, prompt):
     whole = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
     chunks = list(
         client.completions.create(
-            model=MODEL_NAME, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0, stream=True,
+            model=MODEL_NAME,
+            prompt=prompt,
+            max_tokens=MAX_TOKENS,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
-    )  # fmt: skip
+    )
     text, num_tokens, reason = engine_text(server, list(prompt.encode()))
     assert whole.choices[0].text == text
     assert "".join(c.choices[0].text for c in chunks if c.choices) == text
@@ -66,7 +69,9 @@ def test_completion_accepts_token_ids(client, server):
 
 def test_chat_streamed_equals_whole_equals_engine(client, server):
     messages = [{"role": "system", "content": "Write Python."}, {"role": "user", "content": "A stack class."}]
-    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0)
+    whole = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0
+    )
     stream = client.chat.completions.create(
         model=MODEL_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0, stream=True
     )
@@ -88,17 +93,27 @@ def test_stop_string_and_sampling_parameters(client, server):
     text = engine_text(server, list(prompt.encode()), max_tokens=24)[0]
     stop = text[3:5] if len(text) >= 5 else None
     if stop:  # the engine cuts before the first occurrence of a stop string
-        got = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop])
+        got = client.completions.create(
+            model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0, stop=[stop]
+        )
         assert got.choices[0].text == text[: text.index(stop)]
         assert got.choices[0].finish_reason == "stop"
     # sampled with a seed: the same seed gives the same text (top_k and top_p pass through)
-    kwargs = dict(model=MODEL_NAME, prompt=prompt, max_tokens=8, temperature=0.9, top_p=0.9, seed=7,
-                  extra_body={"top_k": 20, "ignore_eos": True})  # fmt: skip
+    kwargs = dict(
+        model=MODEL_NAME,
+        prompt=prompt,
+        max_tokens=8,
+        temperature=0.9,
+        top_p=0.9,
+        seed=7,
+        extra_body={"top_k": 20, "ignore_eos": True},
+    )
     first, second = client.completions.create(**kwargs), client.completions.create(**kwargs)
     assert first.choices[0].text == second.choices[0].text
     assert first.usage.completion_tokens == 8 and first.choices[0].finish_reason == "length"
     sampled = server.call(
-        server.engine.generate_text, list(prompt.encode()),
+        server.engine.generate_text,
+        list(prompt.encode()),
         SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.9, top_k=20, seed=7, ignore_eos=True),
-    )  # fmt: skip
+    )
     assert first.choices[0].text == sampled.text

@@ -32,10 +32,18 @@ class Streams:
     def __init__(self, url: str, model: str, max_tokens: int) -> None:
         self.events: dict[int, list[str]] = {}
         self.started = threading.Barrier(NUM_STREAMS + 1)
-        self.body = {"model": model, "prompt": "def main():", "max_tokens": max_tokens, "ignore_eos": True,
-                     "temperature": 0, "stream": True}  # fmt: skip
+        self.body = {
+            "model": model,
+            "prompt": "def main():",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
         self.url = url
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(NUM_STREAMS)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(NUM_STREAMS)
+        ]
         for thread in self.threads:
             thread.start()
         self.started.wait(timeout=120)  # a hang guard, not a timing assertion
@@ -55,10 +63,28 @@ class Streams:
 
 
 def start_cli_server(log_path: Path, on_exit: str) -> tuple[subprocess.Popen, str]:
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--port", "0", "--log-json", str(log_path),
-               "--on-exit", on_exit, "--max-context-len", "512", "--max-running-requests", "8", "--threads", "1"]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "serve",
+        "--port",
+        "0",
+        "--log-json",
+        str(log_path),
+        "--on-exit",
+        on_exit,
+        "--max-context-len",
+        "512",
+        "--max-running-requests",
+        "8",
+        "--threads",
+        "1",
+    ]
     proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    guard = threading.Timer(300, proc.kill)  # a hang guard: a stuck server fails the test instead of hanging it
+    guard = threading.Timer(
+        300, proc.kill
+    )  # a hang guard: a stuck server fails the test instead of hanging it
     guard.daemon = True
     guard.start()
     for line in proc.stdout:
@@ -77,7 +103,9 @@ def test_signal_with_requests_in_flight(tmp_path, signum, on_exit):
     proc, url = start_cli_server(log_path, on_exit)
     try:
         assert httpx.get(url + "/health").json() == {"status": "ready"}
-        done = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=60)
+        done = httpx.post(
+            url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 3}, timeout=60
+        )
         assert done.status_code == 200
         streams = Streams(url, "tiny", max_tokens=300 if on_exit == "abort" else 40)
         proc.send_signal(signum)
@@ -102,7 +130,9 @@ def test_signal_with_requests_in_flight(tmp_path, signum, on_exit):
     assert len(final) == NUM_STREAMS + 1 and set(ended) == set(final)
     expected = State.ABORTED if on_exit == "abort" else State.FINISHED
     assert sorted(s.value for s in final.values()) == sorted(["finished"] + [expected.value] * NUM_STREAMS)
-    assert sorted(r["outcome"] for r in ended.values()) == sorted(["finished"] + [expected.value] * NUM_STREAMS)
+    assert sorted(r["outcome"] for r in ended.values()) == sorted(
+        ["finished"] + [expected.value] * NUM_STREAMS
+    )
     stopped = [r for r in records if r.get("event") == "server.stopped"]
     assert len(stopped) == 1 and stopped[0]["pools_restored"] is True
 
