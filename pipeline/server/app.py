@@ -213,6 +213,11 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return _error(ErrorDetail(message=message, type="invalid_request_error", param=param), 400)
 
 
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    detail = error_detail(exc)
+    return _error(ErrorDetail(message=detail.message, type="internal_error"), 500)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     return _error(
@@ -233,5 +238,6 @@ def create_app(engine: Any, *, served_model_name: str | None = None) -> FastAPI:
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
     return app

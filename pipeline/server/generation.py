@@ -181,6 +181,10 @@ class Generation:
             self.outcome = "failed"
             self.finish_reason = exc.reason
             raise
+        except Exception as exc:  # the engine itself failed (every live request ends)
+            self.outcome = "failed"
+            self.finish_reason = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             self.state.in_flight.pop(self.request_id, None)
             if self.outcome == "pending":  # closed before its end: the client went away

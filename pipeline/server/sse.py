@@ -50,7 +50,7 @@ def error_detail(exc: Exception) -> ErrorDetail:
             type="internal_error",
             code="request_failed",
         )
-    raise TypeError(f"no error body for {type(exc).__name__}")
+    return ErrorDetail(message=f"internal error: {type(exc).__name__}: {exc}", type="internal_error")
 
 
 def shutdown_abort() -> ApiError:
@@ -71,7 +71,7 @@ async def completion_events(gen: Generation, model: str, include_usage: bool) ->
             yield event(
                 Completion(id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage)
             )
-    except (ApiError, RequestFailed) as exc:
+    except Exception as exc:  # after the stream began, an error can only be reported in it
         yield error_event(exc)
     yield DONE
 
@@ -96,7 +96,7 @@ async def chat_events(gen: Generation, model: str, include_usage: bool) -> Async
                     id=gen.request_id, created=created, model=model, choices=[], usage=gen.usage
                 )
             )
-    except (ApiError, RequestFailed) as exc:
+    except Exception as exc:  # after the stream began, an error can only be reported in it
         yield error_event(exc)
     yield DONE
 
