@@ -168,12 +168,15 @@ class HttpServer:
                 await self._server.serve(sockets=[self.sock])
             finally:
                 served.set()
+                self._stop.set()  # uvicorn ended on its own: leave the engine too
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(serve)
             try:
                 while not (self._server.started or served.is_set()):
                     await anyio.sleep(0.01)
+                if not self._server.started:
+                    raise RuntimeError("uvicorn did not start")
                 async with self.engine:
                     log.info("server.ready", url=self.url, model=self.state.model_name)
                     if on_ready is not None:
