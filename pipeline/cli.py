@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
     "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
+    "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "engine": ("pipeline.benchmarks.engine", "async engine throughput beside the synchronous driver"),
@@ -27,6 +28,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
     "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
     "peer": ("pipeline.benchmarks.peer", "the engine beside HF transformers generate on the same weights"),
+    "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
 }
 
 

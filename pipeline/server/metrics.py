@@ -1,0 +1,181 @@
+"""Prometheus metrics of the server, named as vLLM names them (``hispec:`` in place of ``vllm:``).
+
+Two sources:
+
+* what the engine counts (``engine.stats()``), read at every scrape by ``EngineCollector``: running
+  and waiting requests, generated tokens, ended requests by reason, pool occupancy, HiSparse
+  counters per layer, speculative counters;
+* what the server observes per request (``ServerMetrics``): prompt tokens accepted, latency
+  histograms from each request's final metrics (time to first token, end-to-end, queue time, time
+  per output token), inter-token latency as the server receives the deltas (a delta of k tokens
+  after a gap g counts k gaps of g/k, as SGLang counts them), and client disconnects.
+
+Every app has its own ``CollectorRegistry``, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pipeline.errors import EngineClosed
+
+PREFIX = "hispec:"
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0)  # fmt: skip
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                     1.0, 2.5, 5.0)  # fmt: skip
+
+
+class EngineCollector(Collector):
+    """Reads ``engine.stats()`` at scrape time (nothing while the engine is not running)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            stats = self.engine.stats()
+        except EngineClosed:
+            return
+        requests = stats["requests"]
+        yield _gauge(
+            "num_requests_running",
+            "Requests admitted (prefill, staging, decode).",
+            requests["live"] - requests["queued"],
+        )
+        yield _gauge("num_requests_waiting", "Requests waiting for admission.", requests["queued"])
+        yield _counter(
+            "generation_tokens", "Output tokens generated.", stats["throughput"]["tokens_generated"]
+        )
+        ended = CounterMetricFamily(
+            PREFIX + "request_success", "Requests ended, by finish reason.", labels=["finished_reason"]
+        )
+        for reason, count in sorted(requests["ended"].items()):
+            ended.add_metric([reason], count)
+        yield ended
+        yield from _pools(stats["pools"])
+        if stats.get("hisparse"):
+            yield from _hisparse(stats["hisparse"])
+        if stats.get("speculative"):
+            yield from _speculative(stats["speculative"])
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(PREFIX + name, doc, value=value)
+
+
+def _pools(pools: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    free = GaugeMetricFamily(PREFIX + "pool_free", "Free units of each memory pool.", labels=["pool"])
+    capacity = GaugeMetricFamily(PREFIX + "pool_capacity", "Capacity of each memory pool.", labels=["pool"])
+    for name, pool in pools.items():
+        free.add_metric([name], pool["free"])
+        capacity.add_metric([name], pool["capacity"])
+    yield free
+    yield capacity
+    device = pools.get("device")
+    if device and device["capacity"]:
+        yield _gauge(
+            "kv_cache_usage_perc",
+            "Share of the device KV pool in use (0-1).",
+            1 - device["free"] / device["capacity"],
+        )
+
+
+HISPARSE_COUNTERS = {
+    "hits": ("hisparse_hits", "Top-k entries served from the device buffers."),
+    "misses": ("hisparse_misses", "KV rows loaded host -> device on a miss."),
+    "h2d_bytes": ("hisparse_h2d_bytes", "Bytes copied host -> device."),
+    "d2h_bytes": ("hisparse_d2h_bytes", "Bytes copied device -> host."),
+}
+
+
+def _hisparse(hs: dict[str, list[int]]) -> Iterator[Metric]:
+    for key, (name, doc) in HISPARSE_COUNTERS.items():
+        family = CounterMetricFamily(PREFIX + name, doc + " Per layer.", labels=["layer"])
+        for layer, value in enumerate(hs[key]):
+            family.add_metric([str(layer)], value)
+        yield family
+
+
+def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:
+    yield _counter("spec_decode_num_drafts", "Verify rounds (one draft chain each).", spec["verify_rounds"])
+    yield _counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", spec["proposed_drafts"])
+    yield _counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec["accepted_drafts"])
+    per_pos = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted at each draft position.",
+        labels=["position"],
+    )
+    for pos, value in enumerate(spec["accepted_per_pos"]):
+        per_pos.add_metric([str(pos)], value)
+    yield per_pos
+    yield _gauge(
+        "spec_accept_length",
+        "Tokens committed per verify round, the bonus token included.",
+        spec["accept_length"] or 0.0,
+    )
+    yield _gauge("spec_accept_rate", "Accepted / proposed draft tokens.", spec["accept_rate"] or 0.0)
+
+
+class ServerMetrics:
+    """The server's own observations, beside the engine's counters, in one registry."""
+
+    def __init__(self, engine: Any) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=self.registry)
+
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens",
+            "Prompt tokens of the requests the engine accepted.",
+            registry=self.registry,
+        )
+        self.disconnects = Counter(
+            PREFIX + "request_disconnects",
+            "Requests aborted because their client disconnected.",
+            registry=self.registry,
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first output token.")
+        self.itl = histogram(
+            "inter_token_latency_seconds",
+            "Gap between output tokens as the server receives them.",
+            TOKEN_GAP_BUCKETS,
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the end of the request.")
+        self.queue = histogram("request_queue_time_seconds", "Arrival to admission into a prefill.")
+        self.tpot = histogram(
+            "request_time_per_output_token_seconds",
+            "Mean gap between a request's output tokens after the first.",
+            TOKEN_GAP_BUCKETS,
+        )
+
+    def observe_delta(self, gap: float, num_tokens: int) -> None:
+        """``num_tokens`` arrived ``gap`` seconds after the request's previous tokens."""
+        share = gap / num_tokens
+        for _ in range(num_tokens):
+            self.itl.observe(share)
+
+    def observe_finished(self, metrics: Any) -> None:
+        """A request's final ``RequestMetrics`` (it ended with stop or length)."""
+        for histogram, value in (
+            (self.ttft, metrics.time_to_first_token),
+            (self.e2e, metrics.e2e_latency),
+            (self.queue, metrics.queue_time),
+            (self.tpot, metrics.inter_token_latency),
+        ):
+            if value is not None:
+                histogram.observe(value)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
