@@ -122,4 +122,4 @@ def test_spec_equals_greedy_on_the_bundled_model(model64):
 
 def test_train_defaults_build_the_bundled_architecture(path):
     """``hispec train`` with no architecture flags builds exactly the bundled model's shape."""
-    assert model_config(build_parser().parse_args([]), 256) == ModelConfig.from_dir(path)
+    assert model_config(build_parser().parse_args(["--out", "unused"]), 256) == ModelConfig.from_dir(path)

@@ -47,7 +47,7 @@ def test_config_reads_hf_spellings():
     ("overrides", "message"),
     [
         (dict(model_type="llama"), "model_type"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'linear'"),
         (dict(q_lora_rank=None), "q_lora_rank"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(mlp_layer_types=["dense"]), "one entry per hidden layer"),
@@ -114,7 +114,7 @@ def test_missing_tensor_is_named(tmp_path):
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.2.eh_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"mtp\.0\.eh_proj\.weight"):
+    with pytest.raises(CheckpointError, match=r"1 missing \(model\.layers\.2\.eh_proj\.weight\)"):
         load_model(tmp_path)
 
 
