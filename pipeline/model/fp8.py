@@ -89,7 +89,7 @@ def dequantize_into(dest: Tensor, weight: Tensor, scale_inv: Tensor, cfg: Fp8Con
         scale = scale.expand(*lead, *grid)
     if tuple(scale.shape) != (*lead, *grid):
         raise QuantizationError(
-            f"{name}.weight_scale_inv has shape {list(scale_inv.shape)}, "
+            f"{name.removesuffix('weight')}weight_scale_inv has shape {list(scale_inv.shape)}, "
             f"expected {[*lead, *grid]} for a {list(weight.shape)} weight"
         )
     bm = rows if cfg.block is None else cfg.block[0]
