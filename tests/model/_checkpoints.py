@@ -66,26 +66,37 @@ def is_quantized(name: str, tensor: Tensor) -> bool:
     return tensor.ndim == 2 and name.endswith(".weight") and not any(k in name for k in _KEEP)
 
 
-def write_fp8_checkpoint(src: Path, out: Path, max_shard_bytes: int, rest_dtype=torch.bfloat16) -> list[str]:
-    """Rewrite checkpoint ``src`` into ``out`` as an FP8 checkpoint: block-quantized linear weights
-    plus ``weight_scale_inv``, everything else in ``rest_dtype``, sharded with an index file.
-    Returns the names of the quantized weights."""
-    out.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, Tensor] = {}
+def to_fp8(tensors: dict[str, Tensor], rest_dtype=torch.bfloat16) -> tuple[dict[str, Tensor], list[str]]:
+    """Checkpoint tensors -> FP8 checkpoint tensors (linear weights block-quantized with their
+    ``weight_scale_inv``, the rest in ``rest_dtype``) and the names of the quantized weights."""
+    out: dict[str, Tensor] = {}
     quantized: list[str] = []
-    for name, tensor in read_dir(src).items():
+    for name, tensor in tensors.items():
         if is_quantized(name, tensor):
             q, s = quantize_fp8(tensor)
-            tensors[name] = q
-            tensors[name.removesuffix("weight") + "weight_scale_inv"] = s
+            out[name] = q
+            out[name.removesuffix("weight") + "weight_scale_inv"] = s
             quantized.append(name)
         else:
-            tensors[name] = tensor.to(rest_dtype) if tensor.is_floating_point() else tensor
-    write_shards({k: v.contiguous() for k, v in tensors.items()}, out, max_shard_bytes)
+            out[name] = (tensor.to(rest_dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return out, quantized
+
+
+def write_fp8_checkpoint(src: Path, out: Path, max_shard_bytes: int) -> list[str]:
+    """Rewrite checkpoint ``src`` into ``out`` as an FP8 checkpoint (see :func:`to_fp8`), sharded with
+    an index file. Returns the names of the quantized weights."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors, quantized = to_fp8(read_dir(src))
+    write_shards(tensors, out, max_shard_bytes)
     raw = json.loads((src / "config.json").read_text())
+    write_fp8_config(raw, out)
+    return quantized
+
+
+def write_fp8_config(raw: dict, out: Path) -> None:
+    raw = dict(raw)
     raw["dtype"] = "bfloat16"
     raw["quantization_config"] = {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK],
     }
     (out / "config.json").write_text(json.dumps(raw, indent=2))
-    return quantized
