@@ -85,8 +85,6 @@ def dequantize_into(dest: Tensor, weight: Tensor, scale_inv: Tensor, cfg: Fp8Con
     if cfg.block is None and scale.numel() == 1:
         scale = scale.reshape(1, 1)
     lead = tuple(weight.shape[:-2])
-    if tuple(scale.shape) == grid and lead:
-        scale = scale.expand(*lead, *grid)
     if tuple(scale.shape) != (*lead, *grid):
         raise QuantizationError(
             f"{name.removesuffix('weight')}weight_scale_inv has shape {list(scale_inv.shape)}, "
