@@ -52,12 +52,19 @@ class HiSparseBackend:
     steps: int = 0  # 0 = prefill; else tokens per request, request-major
     trace: TopKTrace | None = None
     labels: dict[int, str] | None = None  # request id of each request row, for the trace
+    # [T, K] int32 the last full layer's top-k of this forward; a shared layer (``reuse_topk``)
+    # swaps these positions into its own buffer instead of running an indexer pass
+    last_topk: torch.Tensor | None = None
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
         kv = self.coord.device_kv[layer]  # [rows, C + R]
         keys = self.coord.index_k[layer]  # [logical rows, Di]
         kv[self.write_slots] = inputs.kv_rows.to(kv.dtype)
+        if inputs.reuse_topk:
+            if self.last_topk is None:
+                raise RuntimeError(f"layer {layer} reuses a top-k, but no full layer ran before it")
+            return self._attend_selected(inputs, layer, kv, self.last_topk)
         keys[self.write_locs] = inputs.index_k.to(keys.dtype)
         top = indexer_topk(
             inputs.index_q,
@@ -69,6 +76,12 @@ class HiSparseBackend:
             inputs.top_k,
             inputs.index_scale,
         )  # [T, K] int32 positions
+        self.last_topk = top
+        return self._attend_selected(inputs, layer, kv, top)
+
+    def _attend_selected(
+        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
+    ) -> torch.Tensor:
         if self.trace is not None:
             phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
             self.trace.record(layer, phase, self._trace_labels(), self.positions, top)

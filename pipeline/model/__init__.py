@@ -1,5 +1,8 @@
 """The DeepSeek-V3.2-style model: config, layers, MLA + indexer, MTP, checkpoints, reference decoders.
 
+Architectures (``registry``): ``deepseek_v32`` and ``glm_moe_dsa`` (GLM-5); checkpoints are read by
+``load_model`` (sharded, lazy, FP8 block-quantized weights dequantized at load, plain or YaRN RoPE).
+
 The inference contract (``attention_api``): ``DeepseekV32.forward(input_ids, positions, backend)``
 returns final-normed hidden states, ``logits(hidden)`` the head's output and
 ``mtp_forward(next_token_ids, positions, prev_hidden, backend)`` one MTP step; an
@@ -9,8 +12,9 @@ synchronous oracles built on it.
 """
 
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
-from pipeline.model.checkpoint import CheckpointError, load_model, save_model
-from pipeline.model.config import ModelConfig, ModelConfigError, resolve_model_dir
+from pipeline.model.checkpoint import save_model
+from pipeline.model.config import ModelConfig, ModelConfigError, ModelNotFoundError, resolve_model_dir
+from pipeline.model.loader import load_model
 from pipeline.model.model import DeepseekV32, MtpOutput, init_weights
 from pipeline.model.reference import (
     DecodeSession,
@@ -19,10 +23,13 @@ from pipeline.model.reference import (
     ReferenceSpecDecoder,
     Sampling,
 )
+from pipeline.model.registry import ARCHITECTURES
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 from pipeline.model.tokenizer import ByteTokenizer, StreamDecoder
+from pipeline.model.weights import CheckpointError
 
 __all__ = [
+    "ARCHITECTURES",
     "AttentionBackend",
     "AttentionInputs",
     "ByteTokenizer",
@@ -33,6 +40,7 @@ __all__ = [
     "Generation",
     "ModelConfig",
     "ModelConfigError",
+    "ModelNotFoundError",
     "MtpOutput",
     "ReferenceDecoder",
     "ReferenceSpecDecoder",

@@ -6,8 +6,10 @@ score ``q_nope . (W_UK latent)`` equals ``(q_nope @ W_UK) . latent``: the query 
 space once per token and attention runs directly over cached rows; the output is lifted back by W_UV.
 
 The indexer is a second, cheap attention used only to rank past positions: its own single-head key
-per token (``LayerNorm(wk(x))``, half-split rope), ``index_n_heads`` query heads read from the MLA query
-latent, and per-head weights ``weights_proj(x) / sqrt(n_heads)``.
+per token (``LayerNorm(wk(x))``, half-split rope for DeepSeek-V3.2, interleaved for GLM-5),
+``index_n_heads`` query heads read from the MLA query latent, and per-head weights
+``weights_proj(x) / sqrt(n_heads)``. A ``"shared"`` layer (GLM-5) has no indexer: the backend reuses
+the previous full layer's selection for it.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ class Indexer(nn.Module):
     def project(self, x: Tensor, q_resid: Tensor, cos: Tensor, sin: Tensor) -> IndexerProjection:
         cfg = self.cfg
         r = cfg.qk_rope_head_dim
+        rope = rope_interleaved if cfg.indexer_rope == "interleaved" else rope_half_split
         q = self.wq_b(q_resid).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))  # [..., Hi, Di]
-        q = torch.cat([rope_half_split(q[..., :r], cos, sin), q[..., r:]], dim=-1)
+        q = torch.cat([rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = self.k_norm(self.wk(x))  # [..., Di]
-        k_rot = rope_half_split(k[..., None, :r], cos, sin)[..., 0, :]
+        k_rot = rope(k[..., None, :r], cos, sin)[..., 0, :]
         k = torch.cat([k_rot, k[..., r:]], dim=-1)
         wide = wide_dtype(x.dtype)
         w = F.linear(x.to(wide), self.weights_proj.weight.to(wide)) * cfg.index_n_heads**-0.5
@@ -68,7 +71,7 @@ class Indexer(nn.Module):
 class MlaAttention(nn.Module):
     """Multi-head latent attention; parameter names follow HF's ``DeepseekV32Attention``."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.cfg = cfg
         h = cfg.num_attention_heads
@@ -79,7 +82,8 @@ class MlaAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * cfg.v_head_dim, cfg.hidden_size, bias=False)
-        self.indexer = Indexer(cfg)
+        # a "shared" layer has no indexer weights; it reuses the previous full layer's selection
+        self.indexer: Indexer | None = Indexer(cfg) if cfg.indexer_kind(layer) == "full" else None
 
     # ----- projections shared by inference and training ---------------------------------------
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> MlaProjection:
@@ -109,19 +113,20 @@ class MlaAttention(nn.Module):
         """``x [T, D]`` (already normed) -> ``[T, D]``."""
         cfg = self.cfg
         p = self.project(x, cos, sin)
-        idx = self.indexer.project(x, p.q_resid, cos, sin)
+        idx = self.indexer.project(x, p.q_resid, cos, sin) if self.indexer is not None else None
         w_uk, w_uv = self.up_weights()
         inputs = AttentionInputs(
             layer=layer,
             q_latent=torch.einsum("thn,hnc->thc", p.q_nope, w_uk),
             q_rope=p.q_rope,
             kv_rows=torch.cat([p.latent, p.k_rope], dim=-1),
-            index_q=idx.q,
-            index_w=idx.w,
-            index_k=idx.k,
+            index_q=None if idx is None else idx.q,
+            index_w=None if idx is None else idx.w,
+            index_k=None if idx is None else idx.k,
             attn_scale=cfg.attn_scale,
             index_scale=cfg.index_scale,
             top_k=cfg.index_topk,
+            reuse_topk=idx is None,
         )
         latent_out = backend.attend(inputs)  # [T, H, C]
         out = torch.einsum("thc,hvc->thv", latent_out.to(x.dtype), w_uv)  # [T, H, v]

@@ -14,7 +14,10 @@ What the backend must do, per layer:
 1. write ``kv_rows[t]`` and ``index_k[t]`` at token t's location;
 2. score every visible position s of token t's request with the indexer,
    ``sum_h relu(index_q[t, h] . k_index[s] * index_scale) * index_w[t, h]``, and keep the ``top_k``
-   best: score descending, ties to the lower position (the top-k contract, docs/invariants.md);
+   best: score descending, ties to the lower position (the top-k contract, docs/invariants.md); on a
+   layer with ``reuse_topk`` (a GLM-5 "shared" layer, which has no indexer) reuse instead the
+   positions the previous layer of this forward selected, which is always a full layer's selection
+   or itself reused from one;
 3. resolve those positions to cache rows and run absorbed MLA over them:
    ``softmax((q_latent . row[:C] + q_rope . row[C:]) * attn_scale) @ row[:C]``.
 """
@@ -35,12 +38,14 @@ class AttentionInputs:
     q_latent: Tensor  # [T, H, kv_lora_rank] absorbed nope query (q_nope @ W_UK)
     q_rope: Tensor  # [T, H, qk_rope_head_dim] rotated
     kv_rows: Tensor  # [T, kv_lora_rank + qk_rope_head_dim] the new tokens' cache rows
-    index_q: Tensor  # [T, index_n_heads, index_head_dim] rotated
-    index_w: Tensor  # [T, index_n_heads] per-head weights (weights_proj(x) * n_heads**-0.5)
-    index_k: Tensor  # [T, index_head_dim] the new tokens' indexer keys (normed, rotated)
+    # the three indexer tensors are None exactly when reuse_topk is set
+    index_q: Tensor | None  # [T, index_n_heads, index_head_dim] rotated
+    index_w: Tensor | None  # [T, index_n_heads] per-head weights (weights_proj(x) * n_heads**-0.5)
+    index_k: Tensor | None  # [T, index_head_dim] the new tokens' indexer keys (normed, rotated)
     attn_scale: float  # MLA softmax scale
     index_scale: float  # indexer softmax_scale (applied inside the relu)
     top_k: int  # index_topk
+    reuse_topk: bool = False  # a shared layer: no indexer pass, reuse the previous layer's top-k
 
 
 class AttentionBackend(Protocol):

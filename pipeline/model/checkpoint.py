@@ -14,8 +14,9 @@ MTP layer of original DeepSeek-V3 checkpoints:
     model.layers.{L+d}.{embed_tokens,shared_head.head}.weight    copies of the shared tensors (written,
                                                                  ignored on load, as HF ignores them)
 
-On load, fused expert tensors (``mlp.experts.gate_up_proj`` / ``mlp.experts.down_proj``, HF's in-memory
-form) are accepted too.
+Loading (sharded, lazy, FP8) lives in ``loader.py``; this module holds the names and the writer.
+``save_model`` writes one ``model.safetensors``, or shards plus ``model.safetensors.index.json``
+when given ``max_shard_bytes``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from pipeline.model.config import ModelConfig, resolve_model_dir
 from pipeline.model.layers import wide_dtype
 from pipeline.model.model import _WIDE_SUFFIXES, DeepseekV32
+from pipeline.model.weights import INDEX_FILE
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -39,13 +39,8 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "float64": torch.float64,
 }
-_MTP_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")
-_MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-class CheckpointError(ValueError):
-    """Tensors missing from, or unknown to, a checkpoint."""
+# tensors of an MTP layer that copy the model's own (written for other readers, ignored on load)
+MTP_SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -63,26 +58,13 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 # ----- names ----------------------------------------------------------------------------------------
-def _to_checkpoint_name(name: str, num_layers: int) -> str:
+def to_checkpoint_name(name: str, num_layers: int) -> str:
     m = re.match(r"^mtp\.(\d+)\.(.*)$", name)
     if m is None:
         return name
     layer, rest = num_layers + int(m.group(1)), m.group(2)
     rest = rest.removeprefix("block.")
     return f"model.layers.{layer}.{rest}"
-
-
-def _to_model_name(name: str, num_layers: int) -> str | None:
-    """Checkpoint name -> our state-dict name; None for the MTP layer's copies of shared tensors."""
-    m = re.match(r"^model\.layers\.(\d+)\.(.*)$", name)
-    if m is None or int(m.group(1)) < num_layers:
-        return name
-    depth, rest = int(m.group(1)) - num_layers, m.group(2)
-    if rest in _MTP_SHARED_COPIES:
-        return None
-    if rest.startswith(_MTP_OWN):
-        return f"mtp.{depth}.{rest}"
-    return f"mtp.{depth}.block.{rest}"
 
 
 def _split_experts(name: str, tensor: Tensor) -> dict[str, Tensor]:
@@ -99,79 +81,6 @@ def _split_experts(name: str, tensor: Tensor) -> dict[str, Tensor]:
     return out
 
 
-def _fuse_experts(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Per-expert checkpoint tensors -> fused ``gate_up_proj [E, 2I, D]`` / ``down_proj [E, D, I]``."""
-    groups: dict[str, dict[int, dict[str, Tensor]]] = {}
-    out: dict[str, Tensor] = {}
-    for name, tensor in tensors.items():
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = tensor
-            continue
-        groups.setdefault(m.group(1), {}).setdefault(int(m.group(2)), {})[m.group(3)] = tensor
-    for prefix, experts in groups.items():
-        ids = sorted(experts)
-        if ids != list(range(len(ids))) or any(len(experts[e]) != 3 for e in ids):
-            raise CheckpointError(f"incomplete per-expert tensors under {prefix}")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]], dim=0) for e in ids]
-        )
-        out[f"{prefix}.down_proj"] = torch.stack([experts[e]["down_proj"] for e in ids])
-    return out
-
-
-# ----- load / save ----------------------------------------------------------------------------------
-def read_tensors(path: Path) -> dict[str, Tensor]:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {path}")
-    tensors: dict[str, Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensors[key] = f.get_tensor(key)
-    return tensors
-
-
-def load_model(
-    name_or_path: str | Path, dtype: str | torch.dtype | None = None, device: str | torch.device = "cpu"
-) -> DeepseekV32:
-    """Build the model from an HF-format directory (or a bundled name such as ``"tiny"``).
-
-    ``dtype`` defaults to the checkpoint's own. Raises :class:`CheckpointError` on missing or unknown tensors.
-    """
-    path = resolve_model_dir(name_or_path)
-    cfg = ModelConfig.from_dir(path)
-    target = parse_dtype(dtype if dtype is not None else cfg.dtype)
-    with torch.device("meta"):
-        model = DeepseekV32(cfg)
-    # cast before loading, so a float64 checkpoint is not rounded through float32 on the way in
-    model.to_empty(device=device).to_dtype(target)
-    state = _checkpoint_to_state(read_tensors(path), cfg)
-    expected = set(model.state_dict())
-    missing, unknown = expected - set(state), set(state) - expected
-    if cfg.tie_word_embeddings:
-        missing.discard("lm_head.weight")
-        state.pop("lm_head.weight", None)
-    if missing or unknown:
-        raise CheckpointError(f"checkpoint {path}: missing {sorted(missing)}, unexpected {sorted(unknown)}")
-    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=False)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model.eval()
-
-
-def _checkpoint_to_state(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    state: dict[str, Tensor] = {}
-    for name, tensor in _fuse_experts(tensors).items():
-        if "rotary_emb" in name:
-            continue
-        ours = _to_model_name(name, cfg.num_hidden_layers)
-        if ours is not None:
-            state[ours] = tensor
-    return state
-
-
 def model_tensors(model: DeepseekV32, dtype: torch.dtype) -> dict[str, Tensor]:
     """The checkpoint tensors of ``model`` in HF naming (router/indexer weights kept wide)."""
     cfg = model.cfg
@@ -181,7 +90,7 @@ def model_tensors(model: DeepseekV32, dtype: torch.dtype) -> dict[str, Tensor]:
             continue
         cast = wide_dtype(dtype) if name.endswith(_WIDE_SUFFIXES) else dtype
         tensor = tensor.detach().to("cpu", cast)
-        ckpt = _to_checkpoint_name(name, cfg.num_hidden_layers)
+        ckpt = to_checkpoint_name(name, cfg.num_hidden_layers)
         if ckpt.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             out.update(_split_experts(ckpt, tensor))
         else:
@@ -194,14 +103,50 @@ def model_tensors(model: DeepseekV32, dtype: torch.dtype) -> dict[str, Tensor]:
     return {k: v.contiguous() for k, v in sorted(out.items())}
 
 
-def save_model(model: DeepseekV32, path: str | Path, dtype: str | torch.dtype | None = None) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` (HF names) into ``path``; returns the directory."""
+def save_model(
+    model: DeepseekV32,
+    path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> Path:
+    """Write ``config.json`` and the weights (HF names) into ``path``; returns the directory.
+
+    Without ``max_shard_bytes``: one ``model.safetensors``. With it: shards
+    ``model-0000i-of-0000n.safetensors`` of at most that size (a larger tensor gets a shard of its
+    own) and ``model.safetensors.index.json``, as HF writes sharded checkpoints.
+    """
     out_dir = Path(path)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = parse_dtype(dtype) if dtype is not None else model.dtype
-    cfg = model.cfg
-    raw = cfg.to_hf_dict()
+    raw = model.cfg.to_hf_dict()
     raw["dtype"] = dtype_name(target)
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
-    save_file(model_tensors(model, target), str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tensors = model_tensors(model, target)
+    if max_shard_bytes is None:
+        save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        write_shards(tensors, out_dir, max_shard_bytes)
     return out_dir
+
+
+def write_shards(tensors: dict[str, Tensor], out_dir: Path, max_shard_bytes: int) -> list[Path]:
+    """Split ``tensors`` (in order) into safetensors shards plus HF's index file; returns the shards."""
+    groups: list[dict[str, Tensor]] = [{}]
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    files, weight_map = [], {}
+    for i, group in enumerate(groups):
+        file = out_dir / f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(file), metadata={"format": "pt"})
+        files.append(file)
+        weight_map.update(dict.fromkeys(group, file.name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return files

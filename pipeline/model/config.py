@@ -1,8 +1,12 @@
-"""The model's shape, read from (and written back to) an HF ``config.json`` of ``deepseek_v32``.
+"""The model's shape, read from (and written back to) an HF ``config.json``.
 
-Only what the forward pass needs is kept; everything else in the file is ignored on read. The MTP
-layer count comes from ``num_nextn_predict_layers`` (HF's DeepSeek-V3 calls it ``num_mtp_layers``;
-both spellings are read, 0 means no MTP layer).
+The architectures served are listed in ``registry`` (``deepseek_v32``, ``glm_moe_dsa``); any other
+``model_type`` is refused. Only what the forward pass needs is kept; everything else in the file is
+ignored on read. The MTP layer count comes from ``num_nextn_predict_layers`` (HF's DeepSeek-V3 calls
+it ``num_mtp_layers``; both spellings are read, 0 means no MTP layer). RoPE is plain or YaRN
+(``rope``); a ``quantization_config`` is read by the loader (``fp8``), not here.
+
+Every error is a :class:`ModelConfigError`, a ``ConfigError`` on the field ``model``.
 """
 
 from __future__ import annotations
@@ -13,13 +17,28 @@ from typing import Any
 
 import attrs
 
+from pipeline.errors import ConfigError
+from pipeline.model.registry import INDEXER_ROPES, Architecture, UnsupportedArchitecture, architecture
+from pipeline.model.rope import Rope, RopeError, Yarn
+
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # names that resolve to a directory bundled with the package
 BUNDLED_MODELS: dict[str, Path] = {"tiny": _ASSETS / "tiny"}
 
 
-class ModelConfigError(ValueError):
-    """A ``config.json`` that hispec cannot serve (wrong model type, unsupported RoPE, bad field)."""
+class ModelConfigError(ConfigError):
+    """A model hispec cannot serve (its config.json or its weights); ``field`` is ``"model"``.
+
+    ``value`` is the model directory (or the offending value when no directory is known) and
+    ``rule`` says what is wrong, in one line.
+    """
+
+    def __init__(self, rule: str, value: object = "config.json") -> None:
+        super().__init__("model", value, rule)
+
+
+class ModelNotFoundError(ModelConfigError, FileNotFoundError):
+    """The model directory does not exist (also a ``FileNotFoundError``)."""
 
 
 def resolve_model_dir(name_or_path: str | Path) -> Path:
@@ -28,7 +47,7 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
         return BUNDLED_MODELS[name_or_path]
     path = Path(name_or_path)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory not found: {name_or_path!r} (bundled: {sorted(BUNDLED_MODELS)})")
+        raise ModelNotFoundError(f"no such model directory (bundled: {', '.join(sorted(BUNDLED_MODELS))})", str(name_or_path))
     return path
 
 
@@ -72,8 +91,24 @@ class ModelConfig:
     eos_token_id: int | None
     num_nextn_predict_layers: int  # MTP layers; 0 = none
     dtype: str = "float32"  # the dtype the checkpoint was saved in
+    model_type: str = "deepseek_v32"  # a key of registry.ARCHITECTURES
+    rope_yarn: Yarn | None = None  # None = plain RoPE with rope_theta
+    # per target layer "full" (runs its indexer) or "shared" (reuses the previous full layer's
+    # top-k); empty = every layer full. The first layer is full; MTP layers are always full.
+    indexer_types: tuple[str, ...] = ()
 
     def __attrs_post_init__(self) -> None:
+        try:
+            architecture(self.model_type)
+        except UnsupportedArchitecture as exc:
+            raise ModelConfigError(str(exc)) from None
+        if self.indexer_types:
+            if len(self.indexer_types) != self.num_hidden_layers:
+                raise ModelConfigError("indexer_types must have one entry per hidden layer")
+            if set(self.indexer_types) - {"full", "shared"}:
+                raise ModelConfigError(f"indexer_types entries must be 'full' or 'shared': {list(self.indexer_types)}")
+            if self.indexer_types[0] != "full":
+                raise ModelConfigError("indexer_types[0] must be 'full' (a shared layer reuses an earlier full layer)")
         if len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ModelConfigError("mlp_layer_types must have one entry per hidden layer")
         if set(self.mlp_layer_types) - {"dense", "sparse"}:
@@ -100,6 +135,32 @@ class ModelConfig:
 
     # ----- derived values -------------------------------------------------------------------------
     @property
+    def arch(self) -> Architecture:
+        return architecture(self.model_type)
+
+    @property
+    def rope(self) -> Rope:
+        return Rope(theta=self.rope_theta, yarn=self.rope_yarn)
+
+    @property
+    def indexer_rope(self) -> str:
+        """``"half_split"`` or ``"interleaved"``: how the indexer pairs its rotated channels."""
+        rope = self.arch.indexer_rope
+        assert rope in INDEXER_ROPES
+        return rope
+
+    def indexer_kind(self, layer: int) -> str:
+        """``"full"`` or ``"shared"`` for a target layer; MTP layers always run their own indexer."""
+        if layer >= self.num_hidden_layers or not self.indexer_types:
+            return "full"
+        return self.indexer_types[layer]
+
+    @property
+    def num_full_indexer_layers(self) -> int:
+        """Target layers that run an indexer pass per forward."""
+        return sum(self.indexer_kind(i) == "full" for i in range(self.num_hidden_layers))
+
+    @property
     def has_moe(self) -> bool:
         return "sparse" in self.mlp_layer_types or (self.num_nextn_predict_layers > 0 and self.n_routed_experts > 0)
 
@@ -114,7 +175,8 @@ class ModelConfig:
 
     @property
     def attn_scale(self) -> float:
-        return self.qk_head_dim**-0.5
+        """MLA softmax scale, with YaRN's mscale correction when the config asks for it."""
+        return self.rope.softmax_scale(self.qk_head_dim**-0.5)
 
     @property
     def index_scale(self) -> float:
@@ -134,9 +196,27 @@ class ModelConfig:
     # ----- HF config.json -------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Parse a ``deepseek_v32`` config dict; raises :class:`ModelConfigError` naming the bad field."""
-        if raw.get("model_type") != "deepseek_v32":
-            raise ModelConfigError(f"model_type must be 'deepseek_v32', got {raw.get('model_type')!r}")
+        """Parse a config dict of a registered architecture; raises :class:`ModelConfigError` naming the field."""
+        try:
+            arch = architecture(raw.get("model_type"))
+        except UnsupportedArchitecture as exc:
+            raise ModelConfigError(str(exc)) from None
+        try:
+            rope = Rope.from_hf_dict(raw)
+        except RopeError as exc:
+            raise ModelConfigError(str(exc)) from None
+        raw = {**arch.defaults, **{k: v for k, v in raw.items() if v is not None}}
+        try:
+            return cls._from_hf_dict(raw, arch, rope)
+        except KeyError as exc:
+            raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config.json has a malformed field ({exc})") from None
+
+    @classmethod
+    def _from_hf_dict(cls, raw: dict[str, Any], arch: Architecture, rope: Rope) -> ModelConfig:
         if raw.get("q_lora_rank") is None:
             raise ModelConfigError("q_lora_rank is required (the DSA indexer reads the query latent)")
         if raw.get("attention_bias"):
@@ -173,7 +253,7 @@ class ModelConfig:
             hidden_act=str(raw.get("hidden_act", "silu")),
             max_position_embeddings=int(raw["max_position_embeddings"]),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=_rope_theta(raw),
+            rope_theta=rope.theta,
             index_topk=int(raw["index_topk"]),
             index_head_dim=int(raw["index_head_dim"]),
             index_n_heads=int(raw["index_n_heads"]),
@@ -181,22 +261,25 @@ class ModelConfig:
             eos_token_id=None if eos is None else int(eos),
             num_nextn_predict_layers=int(mtp or 0),
             dtype=str(raw.get("dtype", raw.get("torch_dtype", "float32")) or "float32"),
+            model_type=arch.model_type,
+            rope_yarn=rope.yarn,
+            indexer_types=arch.indexer_types(raw, num_layers),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``config.json`` HF transformers 5.x reads as a ``DeepseekV32Config``."""
         out: dict[str, Any] = {
-            "architectures": ["DeepseekV32ForCausalLM"],
-            "model_type": "deepseek_v32",
+            "architectures": [self.arch.hf_class],
             "attention_bias": False,
             "num_key_value_heads": self.num_attention_heads,
             "first_k_dense_replace": _leading_dense(self.mlp_layer_types),
-            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "rope_parameters": self.rope.to_hf(),
             "bos_token_id": None,
             "pad_token_id": None,
+            **self.arch.hf_extra(self),
         }
         for field in attrs.fields(ModelConfig):
-            if field.name in ("rope_theta",):
+            if field.name in ("rope_theta", "rope_yarn", "indexer_types"):
                 continue
             value = getattr(self, field.name)
             out[field.name] = list(value) if isinstance(value, tuple) else value
@@ -204,8 +287,28 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, name_or_path: str | Path) -> ModelConfig:
-        path = resolve_model_dir(name_or_path) / "config.json"
-        return cls.from_hf_dict(json.loads(path.read_text()))
+        """Read ``config.json`` of a model directory; every problem is a :class:`ModelConfigError` on it."""
+        path = resolve_model_dir(name_or_path)
+        try:
+            return cls.from_hf_dict(read_config_json(path))
+        except ModelConfigError as exc:
+            if exc.value != "config.json":
+                raise
+            raise ModelConfigError(f"config.json: {exc.rule}", str(path)) from None
+
+
+def read_config_json(path: Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict; a missing or unreadable file raises :class:`ModelConfigError`."""
+    file = path / "config.json"
+    try:
+        raw = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise ModelConfigError("the directory has no config.json", str(path)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelConfigError(f"config.json is not readable JSON ({exc})", str(path)) from None
+    if not isinstance(raw, dict):
+        raise ModelConfigError("config.json must hold a JSON object", str(path))
+    return raw
 
 
 def _leading_dense(types: tuple[str, ...]) -> int:
@@ -215,17 +318,3 @@ def _leading_dense(types: tuple[str, ...]) -> int:
             break
         count += 1
     return count
-
-
-def _rope_theta(raw: dict[str, Any]) -> float:
-    """Default RoPE only: YaRN and friends change the angles and the softmax scale, so refuse them."""
-    params = raw.get("rope_parameters")
-    if params is None:
-        scaling = raw.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type", "default")) != "default":
-            raise ModelConfigError(f"rope_scaling {scaling!r} is not supported (default RoPE only)")
-        return float(raw.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ModelConfigError(f"rope_parameters.rope_type {rope_type!r} is not supported (default RoPE only)")
-    return float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))

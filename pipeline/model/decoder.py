@@ -29,7 +29,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MlaAttention(cfg)
+        self.self_attn = MlaAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (
             MoE(cfg) if cfg.mlp_kind(layer) == "sparse" else DenseMLP(cfg.hidden_size, cfg.intermediate_size)

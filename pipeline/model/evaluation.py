@@ -23,8 +23,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pipeline.model.checkpoint import load_model
 from pipeline.model.corpus import DEFAULT_SELECTION, SELECTIONS, build_corpus
+from pipeline.model.loader import load_model
 from pipeline.model.model import DeepseekV32
 from pipeline.model.reference import ReferenceDecoder, ReferenceSpecDecoder
 from pipeline.model.training import DENSE, SPARSE_STABLE, mtp_hidden, target_hidden

@@ -51,19 +51,24 @@ class DenseMLP(nn.Module):
 # Angles follow HF exactly: inv_freq and position * inv_freq are float32 whatever the model dtype, the
 # cos/sin are taken in float32 and only then cast to the activations' dtype. MLA rotates its rope
 # channels as interleaved pairs (x0, x1), (x2, x3), ... and writes the result de-interleaved
-# ([even rotated | odd rotated], HF's layout, kept in the cache); the indexer rotates half-split
-# pairs (x_i, x_{i + R/2}).
+# ([even rotated | odd rotated], HF's layout, kept in the cache); the DeepSeek-V3.2 indexer rotates
+# half-split pairs (x_i, x_{i + R/2}), the GLM-5 indexer interleaved pairs as MLA does.
 
 
 def rope_inv_freq(rope_dim: int, theta: float) -> Tensor:  # [R/2] float32
     return 1.0 / (theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim))
 
 
-def rope_cos_sin(positions: Tensor, inv_freq: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """``positions [...]`` -> ``(cos, sin)`` each ``[..., R]`` (the R/2 angles twice, HF's layout)."""
+def rope_cos_sin(
+    positions: Tensor, inv_freq: Tensor, dtype: torch.dtype, scale: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """``positions [...]`` -> ``(cos, sin)`` each ``[..., R]`` (the R/2 angles twice, HF's layout).
+
+    ``scale`` multiplies both in float32 before the cast (YaRN's attention factor; 1 otherwise).
+    """
     freqs = positions.to(torch.float32)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float32)
     angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    return (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
 
 
 def rope_interleaved(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.config import ModelConfig
 from pipeline.model.decoder import DecoderLayer, MtpLayer
-from pipeline.model.layers import RMSNorm, rope_cos_sin, rope_inv_freq, wide_dtype
+from pipeline.model.layers import RMSNorm, rope_cos_sin, wide_dtype
 
 # parameters HF keeps in float32 whatever the model dtype; here: in the wide dtype
 _WIDE_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "indexer.weights_proj.weight")
@@ -70,9 +70,12 @@ class DeepseekV32(nn.Module):
         return self.model.embed_tokens.weight.device
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """``positions [...]`` -> ``(cos, sin) [..., R]`` in ``dtype`` (angles always float32, as HF)."""
-        inv_freq = rope_inv_freq(self.cfg.qk_rope_head_dim, self.cfg.rope_theta)
-        return rope_cos_sin(positions, inv_freq, dtype)
+        """``positions [...]`` -> ``(cos, sin) [..., R]`` in ``dtype`` (angles always float32, as HF).
+
+        Plain RoPE or YaRN (``ModelConfig.rope``); attention and indexer share these.
+        """
+        rope = self.cfg.rope
+        return rope_cos_sin(positions, rope.inv_freq(self.cfg.qk_rope_head_dim), dtype, rope.cos_sin_factor())
 
     def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend) -> Tensor:
         """``input_ids, positions [T] int64`` -> final-normed hidden states ``[T, D]``."""

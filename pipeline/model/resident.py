@@ -75,16 +75,19 @@ class ResidentBackend:
     """:class:`~pipeline.model.attention_api.AttentionBackend` over a :class:`ResidentKV`.
 
     Uses the torch references of ``kernels/`` for the indexer top-k (stable: ties to the lower
-    position) and for sparse MLA.
+    position) and for sparse MLA. A layer with ``reuse_topk`` (GLM-5 "shared") runs no indexer and
+    attends over the positions of the last full layer of the same forward.
     """
 
     store: ResidentKV
     layout: ForwardLayout | None = None
+    last_topk: Tensor | None = None  # [T, K] int32 the last full layer's positions, this forward
 
     def begin(self, layout: ForwardLayout) -> None:
         """Set the layout for the next forward and record its locations in ``req_to_token``."""
         self.store.req_to_token[layout.req_rows, layout.positions] = layout.write_locs
         self.layout = layout
+        self.last_topk = None
 
     def attend(self, inputs: AttentionInputs) -> Tensor:
         layout = self.layout
@@ -95,7 +98,8 @@ class ResidentBackend:
         kv = self.store.kv[inputs.layer]  # [rows, C + R]
         keys = self.store.index_k[inputs.layer]  # [rows, Di]
         kv[layout.write_locs] = inputs.kv_rows.to(kv.dtype)
-        keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
+        if inputs.index_k is not None:
+            keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
         slots = self.select_slots(inputs, keys)  # [T, K]
         return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
 
@@ -103,6 +107,10 @@ class ResidentBackend:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
         layout = self.layout
         assert layout is not None
+        if inputs.reuse_topk:
+            if self.last_topk is None:
+                raise RuntimeError(f"layer {inputs.layer} reuses a top-k, but no full layer ran before it")
+            return positions_to_slots(self.last_topk, self.store.req_to_token, layout.req_rows)
         positions = indexer_topk(
             inputs.index_q,
             inputs.index_w,
@@ -113,6 +121,7 @@ class ResidentBackend:
             inputs.top_k,
             inputs.index_scale,
         )  # [T, K] int32, -1 padded
+        self.last_topk = positions
         return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)
 
 

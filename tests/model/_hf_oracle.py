@@ -1,4 +1,4 @@
-"""HF transformers' DeepSeek-V3.2 as a float64 oracle.
+"""HF transformers' DeepSeek-V3.2 and GLM-MoE-DSA (GLM-5) as float64 oracles.
 
 HF computes RMSNorm, the MoE router, the indexer scores and the eager softmax in float32 whatever the
 model dtype, and breaks indexer top-k ties arbitrarily (``torch.topk``). For float64 comparisons the
@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
 from transformers.models.deepseek_v32 import modeling_deepseek_v32 as hf
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm
 
 from pipeline.model import DeepseekV32, load_model
 
@@ -51,6 +52,14 @@ def _router_forward(self, hidden_states):
     return logits, weights * self.routed_scaling_factor, ids
 
 
+def _half_split_rope(q, k, cos, sin):
+    return hf.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+
+
+def _interleaved_rope(q, k, cos, sin):
+    return glm.apply_rotary_pos_emb_interleave(q, k, cos, sin, unsqueeze_dim=2)
+
+
 @torch.no_grad()
 def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
     b, s, _ = hidden_states.shape
@@ -58,7 +67,8 @@ def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attentio
     r = self.qk_rope_head_dim
     q = self.wq_b(q_resid).view(b, s, self.n_heads, self.head_dim)
     k = self.k_norm(self.wk(hidden_states)).unsqueeze(2)
-    q_rot, k_rot = hf.apply_rotary_pos_emb(q[..., :r], k[..., :r], cos, sin, unsqueeze_dim=2)
+    rope = _interleaved_rope if isinstance(self, glm.GlmMoeDsaIndexer) else _half_split_rope
+    q_rot, k_rot = rope(q[..., :r], k[..., :r], cos, sin)
     q = torch.cat([q_rot, q[..., r:]], dim=-1)
     k = torch.cat([k_rot, k[..., r:]], dim=-1).squeeze(2)
     if cache is not None:
@@ -88,12 +98,16 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
 
 @contextlib.contextmanager
 def hf_float64_patches() -> Iterator[None]:
-    """Patch HF's DeepSeek-V3.2 classes for wide-dtype numerics and the stable top-k; undone on exit."""
+    """Patch HF's DeepSeek-V3.2 and GLM-MoE-DSA classes for wide-dtype numerics and the stable top-k."""
     saved = [
         (hf.DeepseekV32RMSNorm, "forward", _rmsnorm_forward),
         (hf.DeepseekV32TopkRouter, "forward", _router_forward),
         (hf.DeepseekV32Indexer, "forward", _indexer_forward),
         (hf, "eager_attention_forward", _eager_attention),
+        (glm.GlmMoeDsaRMSNorm, "forward", _rmsnorm_forward),
+        (glm.GlmMoeDsaTopkRouter, "forward", _router_forward),
+        (glm.GlmMoeDsaIndexer, "forward", _indexer_forward),
+        (glm, "eager_attention_forward", _eager_attention),
     ]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in saved]
     try:
@@ -120,10 +134,25 @@ def tiny_hf_config(**overrides) -> DeepseekV32Config:
     return DeepseekV32Config(**kw)
 
 
-def random_hf_model(cfg: DeepseekV32Config, seed: int) -> DeepseekV32ForCausalLM:
+def tiny_glm_config(**overrides) -> GlmMoeDsaConfig:
+    """A tiny GLM-MoE-DSA config: 4 layers (1 dense, 3 MoE), indexers full, shared, full, shared."""
+    kw = dict(
+        vocab_size=96, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
+        index_topk=8, index_n_heads=2, index_head_dim=16, bos_token_id=None, eos_token_id=None,
+        pad_token_id=None, tie_word_embeddings=False, indexer_types=["full", "shared", "full", "shared"],
+    )
+    kw.update(overrides)
+    return GlmMoeDsaConfig(**kw)
+
+
+def random_hf_model(cfg, seed: int):
     """A random HF model in float64, eager attention, with non-trivial norm weights and router biases."""
     torch.manual_seed(seed)
-    model = DeepseekV32ForCausalLM(cfg)
+    model = (GlmMoeDsaForCausalLM if isinstance(cfg, GlmMoeDsaConfig) else DeepseekV32ForCausalLM)(cfg)
     model.set_attn_implementation("eager")
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     gen = torch.Generator().manual_seed(seed + 1)
@@ -139,7 +168,12 @@ def random_hf_model(cfg: DeepseekV32Config, seed: int) -> DeepseekV32ForCausalLM
     return model.to(torch.float64).eval()
 
 
-def ours_from_hf(hf_model: DeepseekV32ForCausalLM, tmp: Path) -> DeepseekV32:
+def ours_from_hf(hf_model, tmp: Path) -> DeepseekV32:
     """hispec's model with the HF model's weights, through a real save / load round trip (float64)."""
     hf_model.save_pretrained(tmp)
     return load_model(tmp, dtype=torch.float64)
+
+
+def indexer_topk_of(hf_model) -> list[torch.Tensor | None]:
+    """Each HF layer's last stable top-k ``[B, S, k]`` (None for a GLM shared layer, which has no indexer)."""
+    return [getattr(layer.self_attn.indexer, "last_topk", None) for layer in hf_model.model.layers]

@@ -6,7 +6,6 @@ import attrs
 import torch
 from torch import Tensor
 
-from kernels.indexer_topk import indexer_topk_reference
 from pipeline.model import (
     AttentionInputs,
     DeepseekV32,
@@ -57,12 +56,9 @@ class RecordingBackend(ResidentBackend):
     topk: dict[int, Tensor] = attrs.Factory(dict)
 
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
-        layout = self.layout
-        self.topk[inputs.layer] = indexer_topk_reference(
-            inputs.index_q, inputs.index_w, keys, self.store.req_to_token, layout.req_rows,
-            layout.positions + 1, inputs.top_k, inputs.index_scale,
-        )
-        return super().select_slots(inputs, keys)
+        slots = super().select_slots(inputs, keys)
+        self.topk[inputs.layer] = self.last_topk  # a shared layer's is the full layer's, reused
+        return slots
 
 
 def run(model: DeepseekV32, backend: ResidentBackend, ids, positions, rows=None, locs=None) -> Tensor:

@@ -47,7 +47,7 @@ def test_config_reads_hf_spellings():
     ("overrides", "message"),
     [
         (dict(model_type="llama"), "model_type"),
-        (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}), "rope_type"),
+        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'linear'"),
         (dict(q_lora_rank=None), "q_lora_rank"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(mlp_layer_types=["dense"]), "one entry per hidden layer"),
@@ -114,7 +114,7 @@ def test_missing_tensor_is_named(tmp_path):
     tensors = load_file(str(tmp_path / "model.safetensors"))
     del tensors["model.layers.2.eh_proj.weight"]
     save_file(tensors, str(tmp_path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match=r"mtp\.0\.eh_proj\.weight"):
+    with pytest.raises(CheckpointError, match=r"1 missing \(model\.layers\.2\.eh_proj\.weight\)"):
         load_model(tmp_path)
 
 
@@ -136,3 +136,76 @@ def test_every_dtype_runs_close_to_float64(tmp_path, dtype, tol):
     low = prefill_logits(load_model(tmp_path, dtype=dtype), ids)
     assert low.dtype == DTYPES[dtype]
     assert (low.double() - prefill_logits(model, ids)).abs().max() < tol
+
+
+# ----- RoPE and indexer layouts read as HF reads them -----------------------------------------------
+
+YARN_VARIANTS = {
+    "mscale-both": dict(factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0),
+    "mscale-differ": dict(factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7),
+    "factor-only": dict(factor=8.0, original_max_position_embeddings=16),
+    "attention-factor": dict(factor=2.0, original_max_position_embeddings=64, attention_factor=1.3, beta_fast=16, beta_slow=2),
+    "no-truncate": dict(factor=3.0, original_max_position_embeddings=48, truncate=False, mscale_all_dim=0.5),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(YARN_VARIANTS))
+def test_yarn_frequencies_and_scales_equal_hfs(variant):
+    from _hf_oracle import tiny_hf_config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Attention
+
+    params = {"rope_type": "yarn", "rope_theta": 50000.0, **YARN_VARIANTS[variant]}
+    hf_cfg = tiny_hf_config(rope_parameters=dict(params), max_position_embeddings=2048)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg)
+    cfg = ModelConfig.from_hf_dict(_hf_dict(rope_parameters=dict(params), max_position_embeddings=2048))
+    assert torch.equal(cfg.rope.inv_freq(cfg.qk_rope_head_dim), inv_freq)
+    assert cfg.rope.cos_sin_factor() == attention_factor
+    assert cfg.attn_scale == DeepseekV32Attention(hf_cfg, 0).scaling
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+def test_yarn_in_the_older_rope_scaling_spelling():
+    raw = _hf_dict(rope_theta=10000.0, max_position_embeddings=4096)
+    del raw["rope_parameters"]
+    raw["rope_scaling"] = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64,
+                           "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.rope_yarn is not None and cfg.rope_yarn.factor == 40.0 and cfg.rope_theta == 10000.0
+    assert cfg.attn_scale > cfg.qk_head_dim**-0.5  # DeepSeek's mscale correction of the softmax scale
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(index_topk_freq=2), dict(index_topk_freq=3, index_skip_topk_offset=1),
+     dict(index_topk_pattern="FSFS"), dict(indexer_types=["full", "full", "shared", "shared"])],
+    ids=["default", "freq2", "freq3-offset1", "pattern", "explicit"],
+)
+def test_glm_indexer_types_equal_hfs(kwargs):
+    from _hf_oracle import tiny_glm_config
+
+    hf_cfg = tiny_glm_config(**{"indexer_types": None, **kwargs})
+    raw = hf_cfg.to_dict()
+    raw.pop("indexer_types")  # read from the raw schedule keys, as in a config.json that lacks the list
+    raw.update(kwargs)
+    cfg = ModelConfig.from_hf_dict(raw)
+    assert cfg.model_type == "glm_moe_dsa" and cfg.indexer_rope == "interleaved"
+    assert cfg.indexer_types == tuple(hf_cfg.indexer_types)
+    assert cfg.num_full_indexer_layers == hf_cfg.indexer_types.count("full")
+    assert ModelConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (dict(model_type="deepseek_v3"), r"model_type 'deepseek_v3' is not supported \(supported: deepseek_v32, glm_moe_dsa\)"),
+        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+         r"rope_parameters\.rope_type 'llama3' is not supported \(supported: default, yarn\)"),
+        (dict(model_type="glm_moe_dsa", indexer_types=["shared", "full"]), r"indexer_types\[0\] must be 'full'"),
+        (dict(model_type="glm_moe_dsa", indexer_types=["full", "sparse"]), "indexer_types entries must be"),
+    ],
+)
+def test_unsupported_architecture_and_rope_are_one_line_errors(overrides, message):
+    with pytest.raises(ModelConfigError, match=message) as info:
+        ModelConfig.from_hf_dict(_hf_dict(**overrides))
+    assert info.value.field == "model" and "\n" not in str(info.value)

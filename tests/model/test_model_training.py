@@ -111,8 +111,13 @@ BUNDLED_RECIPE = [
 ]
 
 
+def _args(*argv: str):
+    """``hispec train`` arguments (``--out`` is required; these tests never write)."""
+    return build_parser().parse_args(["--out", "unused", *argv])
+
+
 def test_train_defaults_are_the_bundled_recipe():
-    args = build_parser().parse_args(["--out", "unused"])
+    args = _args()
     plan = phases(args)
     assert plan == BUNDLED_RECIPE
     assert [(p.name, p.steps, p.batch, p.seq_len, p.mtp_steps, p.long_every) for p in plan] == [
@@ -121,20 +126,20 @@ def test_train_defaults_are_the_bundled_recipe():
         assert {p.shape(i, args) for i in range(p.steps)} == {(p.batch, p.seq_len)}
     assert (args.lr, args.warmup, args.mtp_weight, args.kl_weight, args.seed) == (2e-3, 100, 0.3, 1.0, 0)
     # the command the bundled model was trained with (the code of 0f138ec) means the same now
-    card = ["--out", "unused", "--threads", "1", "--sparse-batch", "3", "--sparse-seq-len", "1024", "--long-steps", "60"]
-    assert phases(build_parser().parse_args(card)) == BUNDLED_RECIPE
+    card = ["--threads", "1", "--sparse-batch", "3", "--sparse-seq-len", "1024", "--long-steps", "60"]
+    assert phases(_args(*card)) == BUNDLED_RECIPE
     assert args.corpus == corpus.DEFAULT_SELECTION == corpus.STDLIB_V2
-    assert build_parser().parse_args(["--out", "unused", "--corpus", "stdlib-v1"]).corpus == corpus.STDLIB_V1
+    assert _args("--corpus", "stdlib-v1").corpus == corpus.STDLIB_V1
 
 
 def test_train_recipe_options_are_opt_in():
-    args = build_parser().parse_args(["--out", "unused", "--long-every", "4", "--dense-mtp-steps", "1", "--mtp-steps", "2"])
+    args = _args("--long-every", "4", "--dense-mtp-steps", "1", "--mtp-steps", "2")
     dense, sparse, long = phases(args)
     assert (dense.mtp_steps, sparse.mtp_steps, long.mtp_steps) == (1, 2, 2)
     assert sparse.long_every == 4 and dense.long_every == long.long_every == 0
     assert [sparse.shape(i, args) for i in range(8)] == ([(3, 1024)] * 3 + [(1, 4096)]) * 2
     # without --dense-mtp-steps the dense phase follows --mtp-steps
-    assert phases(build_parser().parse_args(["--out", "unused", "--mtp-steps", "2"]))[0].mtp_steps == 2
+    assert phases(_args("--mtp-steps", "2"))[0].mtp_steps == 2
 
 
 def _is_generated(doc: corpus.Document) -> bool:

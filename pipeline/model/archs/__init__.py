@@ -1,0 +1,1 @@
+"""One module per served architecture; see ``pipeline.model.registry``."""

@@ -1,0 +1,165 @@
+"""Build a model from an HF-format directory: sharded, lazy, FP8-aware.
+
+Steps, each with bounded host memory:
+
+1. ``config.json`` -> :class:`ModelConfig` (a registered architecture, plain or YaRN RoPE) and,
+   when present, ``quantization_config`` (FP8 only);
+2. the model is created on the ``meta`` device and given empty storage of the run dtype on the
+   target device: this is the one model-sized allocation;
+3. every checkpoint tensor that a served layer needs is read on its own (``weights.CheckpointFiles``:
+   positioned reads, no mapping) straight into its parameter, or into a temporary of that one
+   tensor's size and then cast; an FP8 weight is dequantized into its parameter one row of scale
+   blocks at a time. Peak host memory is therefore about the model plus the largest tensor.
+
+Tensors of layers that are not served are skipped unread: layers past the target layers and the
+MTP layers kept (``mtp_layers`` can keep fewer than the checkpoint has), the MTP layer's copies of
+the embedding and head, the indexer of a GLM-5 shared layer. Anything else missing or unknown is a
+:class:`CheckpointError` in one line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import attrs
+import torch
+from torch import Tensor
+
+from pipeline.model.checkpoint import MTP_SHARED_COPIES, parse_dtype, to_checkpoint_name
+from pipeline.model.config import ModelConfig, ModelConfigError, read_config_json, resolve_model_dir
+from pipeline.model.fp8 import FP8_DTYPES, Fp8Config, QuantizationError, dequantize_into
+from pipeline.model.model import DeepseekV32
+from pipeline.model.weights import CheckpointError, CheckpointFiles
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
+_SCALE_SUFFIXES = ("weight_scale_inv", "activation_scale", "input_scale")
+
+
+def load_model(
+    name_or_path: str | Path,
+    dtype: str | torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    *,
+    mtp_layers: int | None = None,
+) -> DeepseekV32:
+    """The model of an HF-format directory (or a bundled name such as ``"tiny"``).
+
+    ``dtype`` defaults to the checkpoint's own (``config.json`` ``dtype``); FP8 weights are
+    dequantized to it. ``mtp_layers`` keeps at most that many MTP layers (their weights are not
+    read otherwise). Raises :class:`ModelConfigError` (field ``model``) for a config it cannot
+    serve and :class:`CheckpointError` (a subclass) for weights it cannot load.
+    """
+    path = resolve_model_dir(name_or_path)
+    cfg, quant = read_model_config(path)
+    if mtp_layers is not None:
+        cfg = attrs.evolve(cfg, num_nextn_predict_layers=min(max(mtp_layers, 0), cfg.num_nextn_predict_layers))
+    target = parse_dtype(dtype if dtype is not None else cfg.dtype)
+    with torch.device("meta"):
+        model = DeepseekV32(cfg)
+    # cast before loading, so a float64 checkpoint is not rounded through float32 on the way in
+    model.to_empty(device=device).to_dtype(target)
+    with torch.no_grad(), CheckpointFiles(path) as files:
+        load_weights(model, files, quant)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def read_model_config(path: Path) -> tuple[ModelConfig, Fp8Config | None]:
+    """``config.json`` of ``path`` -> the model config and the FP8 settings (None = unquantized)."""
+    raw = read_config_json(path)
+    try:
+        return ModelConfig.from_hf_dict(raw), Fp8Config.from_hf_dict(raw)
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"config.json: {exc.rule}", str(path)) from None
+    except QuantizationError as exc:
+        raise ModelConfigError(f"config.json: {exc}", str(path)) from None
+
+
+def load_weights(model: DeepseekV32, files: CheckpointFiles, quant: Fp8Config | None) -> None:
+    """Fill every parameter and buffer of ``model`` from ``files``, one tensor at a time."""
+    where = str(files.path)
+    dests, fused = destinations(model)
+    filled: set[str] = set()
+    unknown: list[str] = []
+    for name in files:
+        if name.endswith(_SCALE_SUFFIXES) or not is_served(name, model.cfg):
+            continue
+        if name in fused:
+            dest, names = fused[name]
+        elif name in dests:
+            dest, names = dests[name], (name,)
+        else:
+            unknown.append(name)
+            continue
+        scale = name.removesuffix("weight") + "weight_scale_inv"
+        try:
+            if scale in files:
+                if quant is None:
+                    raise CheckpointError(f"{scale} is present but config.json has no quantization_config", where)
+                dequantize_into(dest, files.read(name), files.read(scale), quant, name)
+            elif files.entries[name].dtype in FP8_DTYPES:
+                raise CheckpointError(f"{name} is float8 but has no {scale}", where)
+            else:
+                files.read_into(name, dest)
+        except QuantizationError as exc:
+            raise CheckpointError(str(exc), where) from None
+        filled.update(names)
+    missing = [name for name in dests if name not in filled]
+    if missing or unknown:
+        parts = [_listing(what, names) for what, names in (("missing", missing), ("unexpected", unknown)) if names]
+        raise CheckpointError("tensors " + "; ".join(parts), where)
+
+
+def is_served(name: str, cfg: ModelConfig) -> bool:
+    """False for checkpoint tensors the model never reads (see the module docstring)."""
+    if "rotary_emb" in name:
+        return False
+    m = _LAYER.match(name)
+    if m is None:
+        return True
+    layer, rest = int(m.group(1)), m.group(2)
+    if layer >= cfg.num_cache_layers:
+        return False
+    if layer >= cfg.num_hidden_layers:
+        return rest not in MTP_SHARED_COPIES
+    return not (cfg.indexer_kind(layer) == "shared" and rest.startswith("self_attn.indexer."))
+
+
+def destinations(model: DeepseekV32) -> tuple[dict[str, Tensor], dict[str, tuple[Tensor, tuple[str, ...]]]]:
+    """Checkpoint name -> the view of a parameter or buffer it is read into.
+
+    Routed experts are fused in the model (``gate_up_proj [E, 2I, D]``, ``down_proj [E, D, I]``)
+    and per expert in checkpoints; each per-expert name gets its slice. The second table maps the
+    fused spelling (HF's in-memory form, also accepted) to the whole tensor and the per-expert
+    names it stands for.
+    """
+    cfg = model.cfg
+    inner = cfg.moe_intermediate_size
+    dests: dict[str, Tensor] = {}
+    fused: dict[str, tuple[Tensor, tuple[str, ...]]] = {}
+    for name, tensor in model.state_dict().items():  # detached views of the parameters' storage
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        ckpt = to_checkpoint_name(name, cfg.num_hidden_layers)
+        if ckpt.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+            prefix, kind = ckpt.rsplit(".", 1)
+            names: list[str] = []
+            for e in range(tensor.shape[0]):
+                if kind == "gate_up_proj":
+                    dests[f"{prefix}.{e}.gate_proj.weight"] = tensor[e, :inner]
+                    dests[f"{prefix}.{e}.up_proj.weight"] = tensor[e, inner:]
+                    names += [f"{prefix}.{e}.gate_proj.weight", f"{prefix}.{e}.up_proj.weight"]
+                else:
+                    dests[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+                    names.append(f"{prefix}.{e}.down_proj.weight")
+            fused[ckpt] = (tensor, tuple(names))
+        else:
+            dests[ckpt] = tensor
+    return dests, fused
+
+
+def _listing(what: str, names: list[str], shown: int = 4) -> str:
+    head = ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
+    return f"{len(names)} {what} ({head})"
