@@ -21,7 +21,7 @@ import attrs
 import structlog
 import torch
 
-from pipeline.config import EngineConfig, check_against_model
+from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError, RequestError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
@@ -29,7 +29,7 @@ from pipeline.hisparse.transfer import TransferStream
 from pipeline.memory.resident import ResidentMemory
 from pipeline.model import DeepseekV32, load_model
 from pipeline.model.checkpoint import parse_dtype
-from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
 from pipeline.sampling import SamplingParams, make_generator, sample
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
@@ -83,6 +83,7 @@ class Executor:
         model: DeepseekV32 | None = None,
         trace_path: str | None = None,
         transfer: Callable[[str, torch.device], TransferStream] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -91,6 +92,7 @@ class Executor:
             model if model is not None else load_model(config.model, dtype=self.dtype, device=self.device)
         )
         cfg = self.model.cfg
+        self.config = config = resolve_for_model(config, cfg)  # "auto" speculation, max_context_len=None
         if self.model.dtype != self.dtype:
             raise ConfigError("dtype", config.dtype, f"the model given is {self.model.dtype}: they must match")
         check_against_model(
@@ -100,7 +102,9 @@ class Executor:
             max_positions=cfg.max_position_embeddings,
         )
         self.plan = config.memory_plan(cfg.index_topk)
-        self.tokenizer = ByteTokenizer(eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else 256)
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for_model(
+            None if model is not None else config.model, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id
+        )
         memory_args = dict(
             plan=self.plan,
             num_layers=cfg.num_hidden_layers,

@@ -12,7 +12,8 @@ import time
 import attrs
 import structlog
 
-from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.metrics import SpecCounters
 from statemachines.request import TERMINAL, Event, State, advance
@@ -79,17 +80,24 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     max_context_len: int
     state: State = State.QUEUED
     output_ids: list[int] = attrs.Factory(list)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
-    _text: str = ""  # output text so far, stop strings cut away
+    _text: str = ""  # settled output text so far (incremental detokenizer), stop strings cut away
+    _detok: IncrementalDetokenizer = attrs.field(init=False)
+    _end_ids: frozenset[int] = attrs.field(init=False)  # ids that end the request (kept in output_ids, not in text)
+    _stopped: bool = attrs.field(init=False, default=False)  # a stop string matched: the text is final
 
     def __attrs_post_init__(self) -> None:
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        # as vLLM: ignore_eos ignores the model's end ids, never the request's own stop_token_ids
+        model_ends = frozenset() if self.params.ignore_eos else self.tokenizer.eos_token_ids
+        self._end_ids = model_ends | frozenset(self.params.stop_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -128,33 +136,41 @@ class Request:
         """Add newly committed tokens, one by one; returns the finish reason if one of them ends the
         request (the tokens after it are dropped)."""
         now = time.monotonic() if now is None else now
-        eos = self.tokenizer.eos_token_id
         for token in tokens:
             self.output_ids.append(token)
             self.metrics.num_generation_tokens += 1
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
-            if token == eos and not self.params.ignore_eos:
-                self.finish_reason = "stop"
-                return self.finish_reason
-            if self._hit_stop_string():
-                self.finish_reason = "stop"
-                return self.finish_reason
+            if token in self._end_ids:
+                return self._finish("stop")
+            if self._hit_stop_string(self._detok.push((token,))):
+                return self._finish("stop")
             if len(self.output_ids) >= self.params.max_new_tokens:
-                self.finish_reason = "length"
-                return self.finish_reason
+                return self._finish("length")
             if len(self.prompt_ids) + len(self.output_ids) >= self.max_context_len:
-                self.finish_reason = "length"
-                return self.finish_reason
+                return self._finish("length")
         return None
 
-    def _hit_stop_string(self) -> bool:
-        self._text = self.tokenizer.decode(self.output_ids)
-        if not self.params.stop:
+    def _finish(self, reason: str) -> str:
+        if not self._stopped and self._hit_stop_string(self._detok.finish()):  # flush what was held back
+            reason = "stop"
+        self.finish_reason = reason
+        return reason
+
+    def _hit_stop_string(self, delta: str) -> bool:
+        """Add newly settled text; True (the text cut before it) when a stop string completes."""
+        if self._stopped or not delta:
+            return self._stopped
+        before = len(self._text)
+        self._text += delta
+        stop = self.params.stop
+        if not stop:
             return False
-        cut = [i for i in (self._text.find(s) for s in self.params.stop) if i >= 0]
+        start = max(0, before - max(len(s) for s in stop) + 1)  # a new match ends inside the delta
+        cut = [i for i in (self._text.find(s, start) for s in stop) if i >= 0]
         if not cut:
             return False
         self._text = self._text[: min(cut)]
+        self._stopped = True
         return True

@@ -28,7 +28,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no limit
     stop: tuple[str, ...] = ()  # strings that end the request (not included in the output)
     seed: int | None = None  # None: derived from the engine seed and the request id
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # as vLLM: the model's end ids do not end the request; stop_token_ids still do
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end the request (kept in token_ids, not in text)
 
     def validate(self) -> None:
         """Raise ``RequestError`` naming the first bad field."""
@@ -49,6 +50,13 @@ class SamplingParams:
             "stop",
             self.stop,
             "must be a tuple of non-empty strings",
+        )
+        _check(
+            isinstance(self.stop_token_ids, tuple)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be a tuple of token ids (ints >= 0)",
         )
         seed = self.seed
         _check(
