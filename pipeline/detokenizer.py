@@ -74,6 +74,14 @@ class IncrementalDetokenizer:
             self._prefix_text = window  # keep the older context: a context must have text
         self._read_offset = len(self.ids)
 
+    def pending(self) -> str:
+        """The text the held-back ids would add if the stream ended now (not emitted; a stop string
+        that completes in it ends the request, and ``finish`` then emits this same text)."""
+        if self._read_offset == len(self.ids):
+            return ""
+        window = self.tokenizer.decode(self.ids[self._prefix_offset :])
+        return window[len(self._prefix_text) :] if window.startswith(self._prefix_text) else ""
+
     def finish(self) -> str:
         """The end of the stream: the text still held back (a cut character becomes U+FFFD)."""
         if self.finished:

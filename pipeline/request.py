@@ -144,7 +144,7 @@ class Request:
             self.metrics.last_token_time = now
             if token in self._end_ids:
                 return self._finish("stop")
-            if self._hit_stop_string(self._detok.push((token,))):
+            if self._hit_stop_string(self._detok.push((token,))) or self._stop_in_pending():
                 return self._finish("stop")
             if len(self.output_ids) >= self.params.max_new_tokens:
                 return self._finish("length")
@@ -157,6 +157,13 @@ class Request:
             reason = "stop"
         self.finish_reason = reason
         return reason
+
+    def _stop_in_pending(self) -> bool:
+        """A stop string completed by text still held back (byte pieces): ending here keeps it there."""
+        if not self.params.stop:
+            return False
+        pending = self._detok.pending()
+        return bool(pending) and any(s in self._text[-len(s) :] + pending for s in self.params.stop)
 
     def _hit_stop_string(self, delta: str) -> bool:
         """Add newly settled text; True (the text cut before it) when a stop string completes."""

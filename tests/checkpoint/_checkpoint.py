@@ -8,9 +8,9 @@ text), ``</s>``, ``<|user|>``, ``<|assistant|>``, ``<|end|>``, and a chat templa
 ``tokenizer_config.json``. ``config.json`` ends generation with ``</s>``; ``generation_config.json``
 adds ``<|end|>``. The model has no MTP layer.
 
-So that the end tokens show up early in greedy output, two rows of the embedding and of the head
-are swapped: the tokens greedy decoding would emit 3rd and 6th after :data:`PROMPT` become
-``<|end|>`` and ``</s>`` (a relabelling of the vocabulary: the rest of the sequence is unchanged).
+So that the end tokens show up early in greedy output, rows of the embedding and of the head are
+swapped: two tokens that greedy decoding emits early after :data:`PROMPT` become ``<|end|>`` and
+``</s>`` (a relabelling of the vocabulary: the rest of the sequence is unchanged).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 PROMPT = "the quick brown fox"
-END_POSITIONS = (3, 6)  # where <|end|> and </s> appear in the greedy output after PROMPT
 
 
 def train_tokenizer(vocab_size: int = 700):
@@ -81,13 +80,37 @@ class Checkpoint:
     path: Path
     eos_id: int  # </s>: config.json
     end_id: int  # <|end|>: generation_config.json adds it
-    prompt_ids: tuple[int, ...]
+    prompt_ids: tuple[int, ...]  # PROMPT encoded (with <s>)
     vocab_size: int
+    end_at: int  # greedy output after PROMPT: the first <|end|> is at this position
+    eos_at: int  # ... and the first </s> here (later)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF greedy continuation by plain forward passes (the indexer tie-break aligned)."""
+    from _hf_oracle import hf_float64_patches
+
+    with torch.no_grad(), hf_float64_patches():
+        ids = torch.tensor([prompt])
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def _end_positions(greedy: list[int], avoid: set[int]) -> tuple[int, int] | None:
+    """Two positions (from the 3rd on) whose tokens are new there and distinct, or None."""
+    fresh = [p for p in range(2, len(greedy)) if greedy[p] not in greedy[:p] and greedy[p] not in avoid]
+    return (fresh[0], fresh[1]) if len(fresh) >= 2 else None
 
 
 def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = True) -> Checkpoint:
-    """Write the checkpoint into ``out`` (created) and describe it."""
-    from _hf_oracle import hf_float64_patches, random_hf_model, tiny_hf_config
+    """Write the checkpoint into ``out`` (created) and describe it.
+
+    ``tokenizers``' BPE trainer breaks ties between equally frequent merges differently from run to
+    run, so the vocabulary varies a little; the first model seed (from ``seed``) whose greedy output
+    has two fresh tokens to relabel as the end tokens is kept.
+    """
+    from _hf_oracle import random_hf_model, tiny_hf_config
     from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
@@ -99,19 +122,22 @@ def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = Tru
         n_routed_experts=4, n_group=1, kv_lora_rank=16, q_lora_rank=16, max_position_embeddings=256,
         eos_token_id=eos_id,
     )
-    model = random_hf_model(cfg, seed)
     prompt = backend.encode(PROMPT).ids
-    with torch.no_grad(), hf_float64_patches():
-        ids = torch.tensor([prompt])
-        for _ in range(max(END_POSITIONS) + 1):  # greedy, plain forward passes (no end tokens yet)
-            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    greedy = ids[0, len(prompt) :].tolist()
+    for model_seed in range(seed, seed + 50):
+        model = random_hf_model(cfg, model_seed)
+        positions = _end_positions(_greedy(model, prompt, 10), {eos_id, end_id, *prompt})
+        if positions is not None:
+            break
+    else:
+        raise AssertionError("no model seed gave a usable greedy output")
+    greedy = _greedy(model, prompt, 10)
     with torch.no_grad():
-        for position, special in zip(END_POSITIONS, (end_id, eos_id)):
+        for position, special in zip(positions, (end_id, eos_id)):
             token = greedy[position]
-            assert token not in (eos_id, end_id) and token not in prompt and greedy.count(token) == 1, greedy
             for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
                 weight[[token, special]] = weight[[special, token]]
+    relabelled = _greedy(model, prompt, 10)
+    assert (relabelled.index(end_id), relabelled.index(eos_id)) == positions, (greedy, relabelled)
     model.save_pretrained(out)
     (out / "generation_config.json").write_text(
         json.dumps({"eos_token_id": [eos_id, end_id], "pad_token_id": eos_id, "do_sample": False}, indent=2)
@@ -127,4 +153,4 @@ def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = Tru
     if with_chat_template:
         tok_config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(tok_config, indent=2))
-    return Checkpoint(out, eos_id, end_id, tuple(prompt), vocab)
+    return Checkpoint(out, eos_id, end_id, tuple(prompt), vocab, *positions)
