@@ -16,7 +16,8 @@ to both and the difference is the new text. A delta is emitted only when it is s
 
 * the window's text does not end in U+FFFD (a character cut between tokens waits for its last byte);
 * the last token is not a byte-fallback piece (``<0xE2>``: a run of them decodes as a whole, and a
-  run cut short turns *every* piece of it into U+FFFD, so none of it is final until the run ends);
+  run cut short turns *every* piece of it into U+FFFD, so none of it is final until the run ends;
+  special tokens, which decoding leaves out, do not end a run);
 * the window's text extends the context's text (otherwise nothing is emitted and the window grows).
 
 The context is never left with empty text (a decoder that strips a leading space would otherwise
@@ -44,6 +45,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self._byte_pieces = tokenizer.byte_piece_ids
+        self._special = tokenizer.special_ids
         self.ids: list[int] = []
         self.text = ""  # everything emitted so far
         self._prefix_offset = 0
@@ -54,7 +56,7 @@ class IncrementalDetokenizer:
     def push(self, ids: Iterable[int]) -> str:
         """Append ``ids``; returns the text they settle (possibly empty)."""
         self.ids.extend(ids)
-        if not self.ids or self.ids[-1] in self._byte_pieces:
+        if self._in_byte_run():
             return ""
         window = self.tokenizer.decode(self.ids[self._prefix_offset :])
         if window.endswith(REPLACEMENT) or len(window) <= len(self._prefix_text):
@@ -65,6 +67,12 @@ class IncrementalDetokenizer:
         self._advance(window)
         self.text += delta
         return delta
+
+    def _in_byte_run(self) -> bool:
+        """Whether the stream may still be inside a run of byte pieces: its last id that decodes
+        (special ids are left out, so they do not end a run) is a byte piece, or there is none."""
+        last = next((i for i in reversed(self.ids) if i not in self._special), None)
+        return last is None or last in self._byte_pieces
 
     def _advance(self, window: str) -> None:
         context = self.tokenizer.decode(self.ids[self._read_offset :])

@@ -66,6 +66,11 @@ class Tokenizer(Protocol):
         ...
 
     @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids that ``decode`` leaves out (so they do not end a run of byte pieces either)."""
+        ...
+
+    @property
     def chat_template(self) -> str | None: ...
 
     def encode(self, text: str) -> list[int]:
@@ -97,6 +102,10 @@ class ByteTokenizer:
     @property
     def byte_piece_ids(self) -> frozenset[int]:
         return frozenset()  # every id is one byte: only a cut character is held back (U+FFFD)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return frozenset({self.eos_token_id})
 
     @property
     def chat_template(self) -> str | None:
@@ -199,6 +208,7 @@ class HFTokenizer:
         self.special_tokens = dict(special_tokens or {})
         vocab = backend.get_vocab(with_added_tokens=True)
         self.byte_piece_ids = frozenset(i for token, i in vocab.items() if _BYTE_PIECE.match(token))
+        self.special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
         self.vocab_size = max(vocab.values(), default=-1) + 1
 
     @classmethod

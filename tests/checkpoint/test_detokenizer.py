@@ -113,3 +113,10 @@ def test_a_cut_character_at_the_end_is_flushed_as_replacement(byte_level_bpe):
     tokenizer = ByteTokenizer()
     assert stream(tokenizer, list("é".encode())[:1], [1]) == ["", "\ufffd"]
     assert "".join(stream(byte_level_bpe, ids, [1])) == "é"
+
+
+def test_a_special_token_does_not_end_a_run_of_byte_pieces(tokenizer):
+    """Decoding leaves special tokens out, so the pieces on both sides of one form a single run."""
+    nul, unk, cont = (tokenizer.backend.token_to_id(t) for t in ("<0x00>", "<unk>", "<0x80>"))
+    assert tokenizer.decode([nul, unk]) == "\x00" and tokenizer.decode([nul, unk, cont]) == "\ufffd\ufffd"
+    assert "".join(stream(tokenizer, [nul, unk, cont], [1])) == "\ufffd\ufffd"
