@@ -20,7 +20,7 @@ from pipeline.model.reference import (
     Sampling,
 )
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
-from pipeline.model.tokenizer import ByteTokenizer, StreamDecoder
+from pipeline.model.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, Tokenizer, load_tokenizer
 
 __all__ = [
     "AttentionBackend",
@@ -31,6 +31,7 @@ __all__ = [
     "DeepseekV32",
     "ForwardLayout",
     "Generation",
+    "HFTokenizer",
     "ModelConfig",
     "ModelConfigError",
     "MtpOutput",
@@ -40,8 +41,10 @@ __all__ = [
     "ResidentKV",
     "Sampling",
     "StreamDecoder",
+    "Tokenizer",
     "init_weights",
     "load_model",
+    "load_tokenizer",
     "resolve_model_dir",
     "save_model",
 ]

@@ -190,3 +190,17 @@ async def _const(value):
 def info_logs():
     configure_logging(level="info", stream=io.StringIO())  # capture_logs keeps the level filter
     return structlog.testing.capture_logs()
+
+
+def test_an_injected_model_with_the_checkpoints_tokenizer(checkpoint, runs, tokenizer):
+    from pipeline.model import load_model
+
+    model = load_model(checkpoint.path, dtype=torch.float64)
+
+    async def main():
+        async with Engine(EngineConfig(dtype="float64"), model=model, tokenizer=tokenizer) as engine:
+            assert engine.tokenizer is tokenizer
+            return await engine.generate_text("the quick brown fox", SamplingParams(max_new_tokens=NEW))
+
+    result = anyio.run(main)
+    assert result.token_ids == runs["text"].token_ids and result.text == runs["text"].text

@@ -116,3 +116,29 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(checkpoint):
         tokenizer_for_model(checkpoint.path, vocab_size=checkpoint.vocab_size - 1, eos_token_id=None)
     assert info.value.field == "model" and "vocab_size" in info.value.rule
     assert isinstance(tokenizer_for_model(None, vocab_size=300, eos_token_id=None), ByteTokenizer)
+
+
+def test_without_tokenizer_json_the_other_files_load_through_transformers(tmp_path):
+    """A GPT-2-style directory (vocab.json + merges.txt): AutoTokenizer builds it, offline."""
+    from _checkpoint import TEXT
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"],
+        show_progress=False,
+    )
+    tok.train_from_iterator([TEXT] * 4, trainer)
+    tok.model.save(str(tmp_path))
+    special = "<|endoftext|>"
+    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": special, "bos_token": special, "unk_token": special}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(tmp_path)
+    reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)
+    assert isinstance(tokenizer, HFTokenizer) and tokenizer.eos_token_ids == {0}
+    for text in TEXTS:
+        assert tokenizer.encode(text) == reference(text).input_ids
+        assert tokenizer.decode(tokenizer.encode(text)) == text
