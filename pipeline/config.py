@@ -6,6 +6,10 @@ speculative decoding, the context limit against the model's positions) are check
 ``check_against_model`` when the engine loads it. A violation raises ``ConfigError`` naming the
 field, the value and the rule.
 
+Two defaults come from the model: ``speculative="auto"`` (on exactly when it has an MTP layer) and
+``max_context_len=None`` (its positions, as far as the pools hold); ``resolve_for_model`` fills them
+in where the model is loaded.
+
 Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
 """
 

@@ -20,10 +20,10 @@ to both and the difference is the new text. A delta is emitted only when it is s
   special tokens, which decoding leaves out, do not end a run);
 * the window's text extends the context's text (otherwise nothing is emitted and the window grows).
 
-The context is never left with empty text (a decoder that strips a leading space would otherwise
-strip a space of the next delta). ``finish()`` flushes what is held back. The concatenation of the
-deltas is then ``decode(all ids)``; ``finish`` checks it and, should a tokenizer's decoder break the
-window rule, returns the full decode's remainder and logs ``detokenizer.mismatch``.
+The context is never left without text (a decoder that strips the leading space of a text could
+then strip one that belongs to the next delta). ``finish()`` flushes what is held back: the
+concatenation of the deltas is then ``decode(all ids)``. ``finish`` checks that (one full decode per
+stream); a tokenizer whose decoder broke the window rule would be logged as ``detokenizer.mismatch``.
 """
 
 from __future__ import annotations
