@@ -17,6 +17,7 @@ from pipeline.errors import ConfigError, HispecError, RequestError
 # subcommand -> (module, help); a bench target adds one more word: `hispec bench kernels ...`
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
+    "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
     "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a DeepSeek-V3.2-style model with HiSparse and MTP speculative decoding.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="print the traceback of an error too")
+    parser.add_argument("--version", action="version", version=f"hispec {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, text) in COMMANDS.items():
         sub.add_parser(name, help=text, add_help=False)
@@ -53,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, text) in BENCH_TARGETS.items():
         bench_sub.add_parser(name, help=text, add_help=False)
     return parser
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("hispec")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _dispatch(table: dict[str, tuple[str, str]], name: str, rest: list[str]) -> int:

@@ -7,6 +7,10 @@ loads it, and those that need the machine (device, memory) by ``pipeline.preflig
 ``check_engine_options`` checks the engine's keyword arguments. A violation raises ``ConfigError``
 naming the field, the value and the rule.
 
+Two defaults come from the model: ``speculative="auto"`` (on exactly when it has an MTP layer) and
+``max_context_len=None`` (its positions, as far as the pools hold); ``resolve_for_model`` fills them
+in where the model is loaded.
+
 Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
 """
 
@@ -14,10 +18,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Literal
 
 import attrs
+import structlog
 
 from pipeline.errors import ConfigError
+
+log = structlog.get_logger("hispec.config")
 
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -143,12 +151,14 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     page_size: int = 16
-    max_context_len: int = 4096
+    # None: the model's max_position_embeddings, lowered to what the pools hold (resolve_for_model)
+    max_context_len: int | None = None
     max_running_requests: int = 16
     # physical device KV slots (excluding the reserved sink page)
     device_pool_tokens: int = 16384
     hisparse: HiSparseConfig | None = attrs.field(factory=HiSparseConfig)
-    speculative: SpeculativeConfig | None = attrs.field(factory=SpeculativeConfig)
+    # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (resolve_for_model)
+    speculative: SpeculativeConfig | Literal["auto"] | None = "auto"
     seed: int = 0
 
     def __attrs_post_init__(self) -> None:
@@ -164,7 +174,8 @@ class EngineConfig:
             "float64 is for exactness checks on the CPU only",
         )
         _require_int("page_size", self.page_size, 1)
-        _require_int("max_context_len", self.max_context_len, 1)
+        if self.max_context_len is not None:
+            _require_int("max_context_len", self.max_context_len, 1)
         _require_int("max_running_requests", self.max_running_requests, 1)
         _require_int("device_pool_tokens", self.device_pool_tokens, 1)
         _require(
@@ -174,11 +185,17 @@ class EngineConfig:
             f"must be a multiple of page_size ({self.page_size})",
         )
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
-        if self.speculative is not None:
+        _require(
+            self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),
+            "speculative",
+            self.speculative,
+            "must be a SpeculativeConfig, 'auto' (on when the model has an MTP layer) or None",
+        )
+        if isinstance(self.speculative, SpeculativeConfig):
             self._check_speculative(self.speculative)
         if self.hisparse is not None:
             self._check_hisparse(self.hisparse)
-        else:
+        elif self.max_context_len is not None:  # None: checked once resolve_for_model has set it
             need = _round_up(self.max_context_len + self._draft_tokens(), self.page_size)
             _require(
                 self.device_pool_tokens >= need,
@@ -189,7 +206,16 @@ class EngineConfig:
             )
 
     def _draft_tokens(self) -> int:
-        return 0 if self.speculative is None else self.speculative.draft_tokens
+        spec = self.speculative
+        return spec.draft_tokens if isinstance(spec, SpeculativeConfig) else 0
+
+    def context_capacity(self) -> int:
+        """The longest max_context_len the pools of this config hold (the rules below, solved)."""
+        draft = self._draft_tokens()
+        if self.hisparse is None:
+            return self.device_pool_tokens - draft
+        logical = self.device_pool_tokens * self.hisparse.host_to_device_ratio
+        return min(self.device_pool_tokens, logical - draft)
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         _require(
@@ -231,6 +257,8 @@ class EngineConfig:
             self.device_pool_tokens,
             f"must hold one device buffer (device_buffer_size + page_size = {buffer_columns})",
         )
+        if self.max_context_len is None:  # checked once resolve_for_model has set it
+            return
         prompt = _round_up(self.max_context_len, page)
         _require(
             self.device_pool_tokens >= prompt,
@@ -296,14 +324,9 @@ def check_against_model(
             hs.device_buffer_size,
             f"must be >= the model's index_topk ({index_topk})",
         )
-    if config.speculative is not None:
-        _require(
-            has_mtp,
-            "speculative",
-            config.speculative,
-            "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1)",
-        )
-    if max_positions is not None:
+    if isinstance(config.speculative, SpeculativeConfig):
+        _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)
+    if max_positions is not None and config.max_context_len is not None:
         _require(
             config.max_context_len <= max_positions,
             "max_context_len",
@@ -346,3 +369,48 @@ def check_engine_options(
         where = str(path.parent)
         _require(path.parent.is_dir(), "trace_path", trace_path, f"its directory {where!r} does not exist")
     _require_int("queue_size", queue_size, 1)
+
+
+NO_MTP_RULE = (
+    "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1) and this one has "
+    "none: pass speculative=None (--no-spec on the command line), or keep the default 'auto'"
+)
+
+
+def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool = True) -> EngineConfig:
+    """``config`` with its model-dependent defaults filled in (call it where the model is loaded).
+
+    * ``speculative="auto"`` -> ``SpeculativeConfig()`` if the model has an MTP layer, else ``None``;
+      an explicit ``SpeculativeConfig`` for a model without one is a ``ConfigError`` naming
+      ``speculative``;
+    * ``max_context_len=None`` -> the model's ``max_position_embeddings``, lowered to what the pools
+      hold (``EngineConfig.context_capacity``).
+
+    Each choice is logged. ``model_cfg`` is the model's ``ModelConfig`` (``num_nextn_predict_layers``,
+    ``max_position_embeddings``).
+    """
+    has_mtp = model_cfg.num_nextn_predict_layers > 0
+    spec = config.speculative
+    if spec == "auto":
+        spec = SpeculativeConfig() if has_mtp else None
+        log_choices and log.info(
+            "config.speculative",
+            speculative="on" if has_mtp else "off",
+            reason="the model has an MTP layer" if has_mtp else "the model has no MTP layer",
+        )
+    elif spec is not None:
+        _require(has_mtp, "speculative", spec, NO_MTP_RULE)
+    changes: dict[str, Any] = {"speculative": spec}
+    if config.max_context_len is None:
+        positions = model_cfg.max_position_embeddings
+        capacity = attrs.evolve(config, speculative=spec).context_capacity()
+        context = min(positions, capacity)
+        log_choices and log.info(
+            "config.max_context_len",
+            max_context_len=context,
+            max_position_embeddings=positions,
+            pool_capacity=capacity,
+            lowered_to_fit_the_pools=context < positions,
+        )
+        changes["max_context_len"] = context
+    return attrs.evolve(config, **changes)

@@ -40,6 +40,7 @@ from statemachines.request import AbortRequested, Crashed
 if TYPE_CHECKING:
     from pipeline.executor import Executor
     from pipeline.model import DeepseekV32
+    from pipeline.model.tokenizer import Messages, Tokenizer
     from pipeline.request import Request
     from pipeline.sampling import SamplingParams
     from pipeline.stages.context import Registry, StageContext
@@ -54,7 +55,8 @@ _WIND_DOWN_S = 30.0
 class Engine:
     """Serves requests concurrently; use as ``async with Engine(config) as engine: ...``.
 
-    ``model`` replaces loading ``config.model`` (tests inject a random tiny model).
+    ``model`` replaces loading ``config.model`` (tests inject a random tiny model); ``tokenizer``
+    replaces the checkpoint's (with an injected model and none given: the byte-level tokenizer).
     ``max_prefill_tokens``: token budget of one prefill batch. ``max_undelivered_tokens``: park a
     request whose consumer is that many tokens behind (None: never; deltas coalesce instead).
     ``on_exit``: what leaving the block does to requests in flight, ``"abort"`` or ``"finish"``.
@@ -66,6 +68,7 @@ class Engine:
         config: EngineConfig,
         *,
         model: DeepseekV32 | None = None,
+        tokenizer: Tokenizer | None = None,
         max_prefill_tokens: int = 8192,
         max_undelivered_tokens: int | None = None,
         on_exit: Literal["abort", "finish"] = "abort",
@@ -82,6 +85,7 @@ class Engine:
         )
         self.config = config
         self._model = model
+        self._tokenizer = tokenizer
         self._max_prefill_tokens = max_prefill_tokens
         self._max_undelivered = max_undelivered_tokens
         self._on_exit = on_exit
@@ -100,6 +104,7 @@ class Engine:
         from pipeline.stages.wiring import build_pipeline
 
         self.executor = await anyio.to_thread.run_sync(self._build_executor)
+        self.config = self.executor.config  # resolved against the model (speculation, max_context_len)
         self.initial_pool_counts = self.executor.pool_counts()
         try:
             self._pipe = build_pipeline(
@@ -123,7 +128,7 @@ class Engine:
         from pipeline.preflight import preflight
 
         preflight(self.config, model=self._model)  # device, model, memory: before any allocation
-        return Executor(self.config, model=self._model, trace_path=self._trace_path)
+        return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
         self._running = False
@@ -222,6 +227,30 @@ class Engine:
                     pass
         return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics)
 
+    def chat(
+        self, messages: Messages, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """``generate`` on a conversation (``[{"role": ..., "content": ...}, ...]``) rendered by the
+        checkpoint's chat template with the generation prompt added; a checkpoint without a template
+        raises ``RequestError`` naming ``messages``."""
+        return self.generate(self.chat_prompt(messages), params, request_id=request_id)
+
+    async def chat_text(
+        self,
+        messages: Messages,
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateResult:
+        """``generate_text`` on a conversation (see ``chat``)."""
+        prompt = self.chat_prompt(messages)
+        return await self.generate_text(prompt, params, request_id=request_id, timeout=timeout)
+
+    def chat_prompt(self, messages: Messages) -> list[int]:
+        """The prompt ids of a conversation: ``apply_chat_template(messages, add_generation_prompt=True)``."""
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+
     def abort(self, request_id: str) -> bool:
         """Ask to abort a live request (in whatever state it is); False if none has this id.
 
@@ -277,7 +306,7 @@ class Engine:
         elif not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id", request_id, "must be a non-empty string")
         self._registry.check_new_id(request_id)
-        return Request(request_id, tuple(token_ids), params, ex.tokenizer, self.config.max_context_len)
+        return Request(request_id, tuple(token_ids), params, ex.tokenizer, ex.config.max_context_len)
 
     async def _stream(self, req: Request, *, whole: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit ``req`` and yield its deltas (``whole``: one delta, at the end)."""

@@ -32,7 +32,7 @@ import attrs
 import structlog
 import torch
 
-from pipeline.config import EngineConfig, check_against_model
+from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace
@@ -62,7 +62,7 @@ from pipeline.messages import (
 )
 from pipeline.model import DeepseekV32, load_model
 from pipeline.model.checkpoint import parse_dtype
-from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
 from pipeline.sampling import SamplingParams, make_generator, sample
 from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
@@ -117,6 +117,7 @@ class Executor:
         model: DeepseekV32 | None = None,
         trace_path: str | None = None,
         transfer: Callable[[str, torch.device], TransferStream] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(config.device)
@@ -125,6 +126,7 @@ class Executor:
             model if model is not None else load_model(config.model, dtype=self.dtype, device=self.device)
         )
         cfg = self.model.cfg
+        self.config = config = resolve_for_model(config, cfg)  # "auto" speculation, max_context_len=None
         if self.model.dtype != self.dtype:
             raise ConfigError("dtype", config.dtype, f"the model given is {self.model.dtype}: they must match")
         check_against_model(
@@ -134,7 +136,9 @@ class Executor:
             max_positions=cfg.max_position_embeddings,
         )
         self.plan = config.memory_plan(cfg.index_topk)
-        self.tokenizer = ByteTokenizer(eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else 256)
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for_model(
+            None if model is not None else config.model, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id
+        )
         memory_args = dict(
             plan=self.plan,
             num_layers=cfg.num_hidden_layers,
@@ -299,7 +303,8 @@ class Executor:
         """The first token certainly ends the request (the caller ends it at once): its prompt KV is
         not copied to host for nothing. A stop string is only known to the caller: it still copies."""
         limit = seq.params.max_new_tokens == 1 or len(seq.token_ids) + 1 >= self.config.max_context_len
-        return limit or (token == self.tokenizer.eos_token_id and not seq.params.ignore_eos)
+        ends = token in seq.params.stop_token_ids or (token in self.tokenizer.eos_token_ids and not seq.params.ignore_eos)
+        return limit or ends
 
     def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
         """``Admit`` then ``Prefill`` in one call (tests and benchmarks): the sequences that do not fit

@@ -1,6 +1,9 @@
 """``hispec generate``: run prompts through the engine, print the text and a lifecycle trace.
 
-Several prompts run concurrently. After the texts, one line per request shows the states it went
+Several prompts run concurrently; each text is streamed as it is produced (in the order of the
+prompts: a later prompt's text so far appears when the earlier ones end), or printed when its
+request ends with ``--no-stream``. ``-`` as a prompt reads it from stdin; ``--chat`` sends each
+prompt as a user message through the model's chat template. After the texts, one line per request shows the states it went
 through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
 speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
 ``hispec trace FILE``. Errors are reported by ``pipeline.cli`` (one line, exit status 2).
@@ -9,13 +12,17 @@ speculative figures. ``--log-json FILE`` also writes every log event as JSON lin
 from __future__ import annotations
 
 import argparse
+import math
+import sys
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import structlog
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
 
 LOOP_STATES = ("decode", "draft", "verify")
@@ -24,46 +31,64 @@ STEP_EVENTS = ("StepDone", "Verified", "Finished")  # each ends one decode step 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("prompts", nargs="+", help="one or more prompts (they run concurrently)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
-    p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
-    p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
-    p.add_argument("--num-steps", type=int, default=3, help="draft steps per speculative round")
-    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
-    p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
+    p.add_argument("prompts", nargs="+", help="one or more prompts (they run concurrently); '-' reads stdin")
+    p.add_argument("--no-stream", action="store_true", help="print each text when its request ends")
+    p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    add_engine_arguments(p, max_new_tokens=64)
     return p
 
 
-def model_positions(args: argparse.Namespace, model: Any) -> int | None:
-    if model is not None:
-        return model.cfg.max_position_embeddings
-    from pipeline.preflight import read_model_config
+def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
+    """The sampling and engine options ``generate`` and ``chat`` share."""
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="go on past the model's end tokens")
+    p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
+    p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
+    p.add_argument(
+        "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
+    )
+    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--max-context-len", type=int, default=None, help="default: the model's positions, as far as the pools hold"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
+    p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
 
-    return read_model_config(args.model).max_position_embeddings  # ConfigError naming `model`
 
-
-def engine_config(args: argparse.Namespace, max_positions: int | None) -> EngineConfig:
-    context = min(args.max_context_len, max_positions or args.max_context_len)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     page = 16
+    context = args.max_context_len
+    if args.no_spec:
+        speculative: SpeculativeConfig | str | None = None
+    else:  # "auto": on exactly when the model has an MTP layer
+        speculative = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
     return EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         page_size=page,
         max_context_len=context,
-        device_pool_tokens=max(16384, -(-context // page) * page),
+        device_pool_tokens=16384 if context is None else max(16384, -(-context // page) * page),
         hisparse=None if args.no_hisparse else HiSparseConfig(),
-        speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
+        speculative=speculative,
         seed=args.seed,
+    )
+
+
+def sampling_params(args: argparse.Namespace) -> Any:
+    from pipeline.sampling import SamplingParams
+
+    return SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
 
 
@@ -108,24 +133,51 @@ def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
 
 async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str, object]]:
     from pipeline.engine import Engine
-    from pipeline.sampling import SamplingParams
 
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
-    )
+    params = sampling_params(args)
     params.validate()  # a bad sampling flag is reported before the model loads
-    cfg = engine_config(args, model_positions(args, model))
     results: list[Any] = [None] * len(args.prompts)
-    async with Engine(cfg, model=model) as engine:
+    async with Engine(engine_config(args), model=model) as engine:
+        inputs = [engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
+        if args.no_stream:
 
-        async def one(i: int, prompt: str) -> None:
-            results[i] = await engine.generate_text(prompt, params, request_id=f"req-{i}")
+            async def one(i: int, prompt: str | list[int]) -> None:
+                results[i] = await engine.generate_text(prompt, params, request_id=f"req-{i}")
 
-        async with anyio.create_task_group() as tg:
-            for i, prompt in enumerate(args.prompts):
-                tg.start_soon(one, i, prompt)
+            async with anyio.create_task_group() as tg:
+                for i, prompt in enumerate(inputs):
+                    tg.start_soon(one, i, prompt)
+        else:
+            await stream(engine, args.prompts, inputs, params, results, chat=args.chat)
         stats = engine.stats()
     return results, stats
+
+
+async def stream(engine: Any, prompts: list[str], inputs: list[Any], params: Any, results: list[Any],
+                 *, chat: bool) -> None:
+    """Run every prompt at once; print their texts in order, each delta as soon as it is its turn."""
+    channels = [anyio.create_memory_object_stream(math.inf) for _ in inputs]
+
+    async def produce(i: int) -> None:
+        send = channels[i][0]
+        with send:
+            async for delta in engine.generate(inputs[i], params, request_id=f"req-{i}"):
+                send.send_nowait(delta)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(inputs)):
+            tg.start_soon(produce, i)
+        for i, (prompt, (_, receive)) in enumerate(zip(prompts, channels)):
+            print(f"--- req-{i} ---")
+            print("" if chat else prompt, end="", flush=True)
+            text, ids = [], []
+            with receive:
+                async for delta in receive:
+                    print(delta.text, end="", flush=True)
+                    text.append(delta.text)
+                    ids.extend(delta.token_ids)
+            results[i] = SimpleNamespace(text="".join(text), token_ids=tuple(ids), finish_reason=delta.finish_reason)
+            print(f"\n--- req-{i} ({delta.finish_reason}, {len(ids)} tokens) ---")
 
 
 def figures_line(stats: dict[str, object]) -> list[str]:
@@ -150,9 +202,18 @@ def figures_line(stats: dict[str, object]) -> list[str]:
     return lines
 
 
+def user_error(exc: BaseException) -> HispecError | None:
+    """The hispec error a command reports in one line (unwrapped from a task group's group), or None."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc if isinstance(exc, HispecError) else None
+
+
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     """Entry point of ``hispec generate``; ``model`` replaces loading ``--model`` (tests)."""
     args = build_parser().parse_args(argv)
+    if "-" in args.prompts:
+        args.prompts = [sys.stdin.read() if p == "-" else p for p in args.prompts]
     if args.threads > 0:
         import torch
 
@@ -166,9 +227,9 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         results, stats = anyio.run(run, args, model)
     finally:
         sink.close()
-    for i, (prompt, result) in enumerate(zip(args.prompts, results)):
+    for i, (prompt, result) in enumerate(zip(args.prompts, results) if args.no_stream else ()):
         print(f"--- req-{i} ({result.finish_reason}, {len(result.token_ids)} tokens) ---")
-        print(prompt + result.text)
+        print(("" if args.chat else prompt) + result.text)
     print("\nlifecycle (seconds since each request arrived):")
     arrivals = {r["request_id"]: record_time(r) for r in collector.records if r["event"] == SUBMITTED}
     for rid, events in by_request(collector.records).items():

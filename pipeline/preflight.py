@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pipeline.config import EngineConfig
+from pipeline.config import EngineConfig, resolve_for_model
 from pipeline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,7 +42,8 @@ def preflight(config: EngineConfig, *, model: Any = None) -> None:
         model_cfg = model.cfg
     else:
         model_cfg = read_model_config(config.model)
-    check_memory(config, model_cfg)
+    # the model's defaults ("auto" speculation, max_context_len=None) as the executor will resolve them
+    check_memory(resolve_for_model(config, model_cfg, log_choices=False), model_cfg)
 
 
 def check_device(config: EngineConfig) -> None:

@@ -12,8 +12,9 @@ import time
 import attrs
 import structlog
 
+from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.logs import info_enabled, request_context
-from pipeline.model.tokenizer import ByteTokenizer
+from pipeline.model.tokenizer import Tokenizer
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.metrics import SpecCounters
 from statemachines.request import TERMINAL, Crashed, Event, State, advance
@@ -80,7 +81,7 @@ class Request:
     request_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    tokenizer: ByteTokenizer
+    tokenizer: Tokenizer
     max_context_len: int
     state: State = State.QUEUED
     output_ids: list[int] = attrs.Factory(list)
@@ -88,10 +89,17 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None  # a crash's reason
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
-    _text: str = ""  # output text so far, stop strings cut away
+    _text: str = ""  # settled output text so far (incremental detokenizer), stop strings cut away
+    _detok: IncrementalDetokenizer = attrs.field(init=False)
+    _end_ids: frozenset[int] = attrs.field(init=False)  # ids that end the request (kept in output_ids, not in text)
+    _stopped: bool = attrs.field(init=False, default=False)  # a stop string matched: the text is final
 
     def __attrs_post_init__(self) -> None:
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
+        self._detok = IncrementalDetokenizer(self.tokenizer)
+        # as vLLM: ignore_eos ignores the model's end ids, never the request's own stop_token_ids
+        model_ends = frozenset() if self.params.ignore_eos else self.tokenizer.eos_token_ids
+        self._end_ids = model_ends | frozenset(self.params.stop_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -140,29 +148,47 @@ class Request:
         request (the tokens after it are dropped). The caller ends the request with the terminal
         event carrying that reason (``finish_reason`` is set there, not here)."""
         now = time.monotonic() if now is None else now
-        eos = self.tokenizer.eos_token_id
         for token in tokens:
             self.output_ids.append(token)
             self.metrics.num_generation_tokens += 1
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
-            if token == eos and not self.params.ignore_eos:
-                return "stop"
-            if self._hit_stop_string():
-                return "stop"
+            if token in self._end_ids:
+                return self._finish("stop")
+            if self._hit_stop_string(self._detok.push((token,))) or self._stop_in_pending():
+                return self._finish("stop")
             if len(self.output_ids) >= self.params.max_new_tokens:
-                return "length"
+                return self._finish("length")
             if len(self.prompt_ids) + len(self.output_ids) >= self.max_context_len:
-                return "length"
+                return self._finish("length")
         return None
 
-    def _hit_stop_string(self) -> bool:
-        self._text = self.tokenizer.decode(self.output_ids)
+    def _finish(self, reason: str) -> str:
+        if not self._stopped and self._hit_stop_string(self._detok.finish()):  # flush what was held back
+            reason = "stop"
+        return reason  # the terminal event carrying it sets finish_reason
+
+    def _stop_in_pending(self) -> bool:
+        """A stop string completed by text still held back (byte pieces): ending here keeps it there."""
         if not self.params.stop:
             return False
-        cut = [i for i in (self._text.find(s) for s in self.params.stop) if i >= 0]
+        pending = self._detok.pending()
+        return bool(pending) and any(s in self._text[-len(s) :] + pending for s in self.params.stop)
+
+    def _hit_stop_string(self, delta: str) -> bool:
+        """Add newly settled text; True (the text cut before it) when a stop string completes."""
+        if self._stopped or not delta:
+            return self._stopped
+        before = len(self._text)
+        self._text += delta
+        stop = self.params.stop
+        if not stop:
+            return False
+        start = max(0, before - max(len(s) for s in stop) + 1)  # a new match ends inside the delta
+        cut = [i for i in (self._text.find(s, start) for s in stop) if i >= 0]
         if not cut:
             return False
         self._text = self._text[: min(cut)]
+        self._stopped = True
         return True

@@ -56,7 +56,8 @@ class SamplingParams:
     top_k: int = 0  # 0 = no limit
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)  # end the request (not output)
     seed: int | None = None  # None: derived from the engine seed and the request id
-    ignore_eos: bool = False
+    ignore_eos: bool = False  # as vLLM: the model's end ids do not end the request; stop_token_ids still do
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_tuple)  # extra ids that end the request (kept in token_ids, not in text)
 
     def validate(self) -> None:
         """Raise ``RequestError`` naming the first bad field."""
@@ -76,6 +77,13 @@ class SamplingParams:
             "stop",
             self.stop,
             "must be a tuple or list of non-empty strings",
+        )
+        _check(
+            isinstance(self.stop_token_ids, tuple)
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be a tuple of token ids (ints >= 0)",
         )
         _check(self.seed is None or _is_int(self.seed), "seed", self.seed, "must be an integer or None")
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", self.ignore_eos, "must be True or False")

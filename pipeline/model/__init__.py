@@ -25,7 +25,7 @@ from pipeline.model.reference import (
 )
 from pipeline.model.registry import ARCHITECTURES
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
-from pipeline.model.tokenizer import ByteTokenizer, StreamDecoder
+from pipeline.model.tokenizer import ByteTokenizer, HFTokenizer, StreamDecoder, Tokenizer, load_tokenizer
 from pipeline.model.weights import CheckpointError
 
 __all__ = [
@@ -38,6 +38,7 @@ __all__ = [
     "DeepseekV32",
     "ForwardLayout",
     "Generation",
+    "HFTokenizer",
     "ModelConfig",
     "ModelConfigError",
     "ModelNotFoundError",
@@ -48,8 +49,10 @@ __all__ = [
     "ResidentKV",
     "Sampling",
     "StreamDecoder",
+    "Tokenizer",
     "init_weights",
     "load_model",
+    "load_tokenizer",
     "resolve_model_dir",
     "save_model",
 ]

@@ -15,7 +15,6 @@ up. That is backpressure on that request alone.
 
 from __future__ import annotations
 
-import codecs
 from collections.abc import Callable
 
 import anyio
@@ -25,12 +24,6 @@ from pipeline.errors import RequestFailed
 from pipeline.messages import RequestOutput
 from pipeline.request import Request
 from statemachines.request import State
-
-
-def complete_text(output_ids: list[int]) -> str:
-    """Text of the complete UTF-8 characters (a trailing partial character is left out)."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    return decoder.decode(bytes(i for i in output_ids if 0 <= i < 256), final=False)
 
 
 @attrs.define(eq=False)
@@ -90,9 +83,9 @@ class OutputBuffer:
         )
 
     def _settled_text(self) -> str:
-        """Text that can no longer change: complete characters, minus a tail that could still
-        grow into a stop string (that tail is cut if the stop string completes)."""
-        text = complete_text(self.request.output_ids)
+        """Text that can no longer change: the request's settled text (its incremental detokenizer's),
+        minus a tail that could still grow into a stop string (that tail is cut if the stop string completes)."""
+        text = self.request.text
         stop = self.request.params.stop
         hold = max((len(s) for s in stop), default=1) - 1
         return text[: len(text) - hold] if hold > 0 else text

@@ -194,13 +194,18 @@ RULES = [
 ]
 
 
+# the defaults a model resolves (the bundled model's 4096 positions, its MTP layer): the rules on the
+# context length and the draft tokens apply to a config that has them
+RESOLVED = dict(max_context_len=4096, speculative=SP())
+
+
 @pytest.mark.parametrize(
     ("field", "good", "bad", "rule"), RULES, ids=[f"{i}-{r[0]}" for i, r in enumerate(RULES)]
 )
 def test_rule_boundary(field, good, bad, rule):
-    EngineConfig(**good())
+    EngineConfig(**{**RESOLVED, **good()})
     with pytest.raises(ConfigError) as info:
-        EngineConfig(**bad())
+        EngineConfig(**{**RESOLVED, **bad()})
     assert info.value.field == field
     assert rule in info.value.rule, info.value.rule
     assert str(info.value).startswith(f"{field}=")
@@ -234,14 +239,14 @@ MODEL_RULES = [
         "speculative",
         dict(has_mtp=True),
         dict(has_mtp=False),
-        EngineConfig(),
+        EngineConfig(speculative=SP()),
         "needs a model with an MTP layer",
     ),
     (
         "max_context_len",
         dict(max_positions=4096),
         dict(max_positions=4095),
-        EngineConfig(),
+        EngineConfig(max_context_len=4096),
         "must be <= the model's max_position_embeddings (4095)",
     ),
 ]

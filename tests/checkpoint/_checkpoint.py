@@ -1,0 +1,156 @@
+"""A user's checkpoint built offline: a random HF ``DeepseekV32ForCausalLM`` with a BPE tokenizer
+trained here on a few KB of text.
+
+The tokenizer is SentencePiece-style (spaces as ``▁``, pieces within words, a decoder that strips
+the text's first space), with byte fallback (``<0x00>``..``<0xFF>``: characters outside its small alphabet, capitals
+and most non-ASCII among them, are spelt as byte pieces), special tokens ``<s>`` (prepended to every
+text), ``</s>``, ``<|user|>``, ``<|assistant|>``, ``<|end|>``, and a chat template in
+``tokenizer_config.json``. ``config.json`` ends generation with ``</s>``; ``generation_config.json``
+adds ``<|end|>``. The model has no MTP layer.
+
+So that the end tokens show up early in greedy output, rows of the embedding and of the head are
+swapped: two tokens that greedy decoding emits early after :data:`PROMPT` become ``<|end|>`` and
+``</s>`` (a relabelling of the vocabulary: the rest of the sequence is unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import attrs
+import torch
+
+TEXT = """\
+The quick brown fox jumps over the lazy dog. A serving engine reads a checkpoint directory: its
+configuration, its weights, its tokenizer and its chat template. Tokens are decoded as they come,
+so a reader sees the text grow word by word; a stop string may span two tokens, and an end token
+finishes the answer. Sparse attention keeps a few hot rows of the cache on the device and the
+rest on the host; speculative decoding drafts tokens and verifies them in one pass.
+café, naïve, façade, résumé; €5, £3, ¥100; Ελληνικά, русский, 日本語, 中文, 한국어; emoji: 🙂🚀.
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+"""
+SPECIALS = ("<unk>", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|end|>")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ m['content'] }}\n"
+    "{% else %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+PROMPT = "the quick brown fox"
+
+
+def train_tokenizer(vocab_size: int = 700):
+    """The BPE (ids: specials, then the 256 byte pieces, then the learned pieces)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    def fresh() -> Tokenizer:
+        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # pieces never span words
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+        return tok
+
+    tok = fresh()
+    corpus = [TEXT * 4] + [line for line in TEXT.splitlines() if line]
+    tok.train_from_iterator(
+        corpus,
+        trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), limit_alphabet=40,
+                            show_progress=False),
+    )
+    spec = json.loads(tok.to_str())
+    learned = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
+    pieces = list(SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
+    pieces += [t for t, _ in learned if t not in pieces]
+    spec["model"]["vocab"] = {t: i for i, t in enumerate(pieces)}
+    for added in spec["added_tokens"]:
+        added["id"] = spec["model"]["vocab"][added["content"]]
+    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok
+
+
+@attrs.frozen
+class Checkpoint:
+    path: Path
+    eos_id: int  # </s>: config.json
+    end_id: int  # <|end|>: generation_config.json adds it
+    prompt_ids: tuple[int, ...]  # PROMPT encoded (with <s>)
+    vocab_size: int
+    end_at: int  # greedy output after PROMPT: the first <|end|> is at this position
+    eos_at: int  # ... and the first </s> here (later)
+
+
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF greedy continuation by plain forward passes (the indexer tie-break aligned)."""
+    from _hf_oracle import hf_float64_patches
+
+    with torch.no_grad(), hf_float64_patches():
+        ids = torch.tensor([prompt])
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def _end_positions(greedy: list[int], avoid: set[int]) -> tuple[int, int] | None:
+    """Two positions (from the 3rd on) whose tokens are new there and distinct, or None."""
+    fresh = [p for p in range(2, len(greedy)) if greedy[p] not in greedy[:p] and greedy[p] not in avoid]
+    return (fresh[0], fresh[1]) if len(fresh) >= 2 else None
+
+
+def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = True) -> Checkpoint:
+    """Write the checkpoint into ``out`` (created) and describe it.
+
+    ``tokenizers``' BPE trainer breaks ties between equally frequent merges differently from run to
+    run, so the vocabulary varies a little; the first model seed (from ``seed``) whose greedy output
+    has two fresh tokens to relabel as the end tokens is kept.
+    """
+    from _hf_oracle import random_hf_model, tiny_hf_config
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    backend = train_tokenizer()
+    vocab = backend.get_vocab_size()
+    eos_id, end_id = backend.token_to_id("</s>"), backend.token_to_id("<|end|>")
+    cfg = tiny_hf_config(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        n_routed_experts=4, n_group=1, kv_lora_rank=16, q_lora_rank=16, max_position_embeddings=256,
+        eos_token_id=eos_id,
+    )
+    prompt = backend.encode(PROMPT).ids
+    for model_seed in range(seed, seed + 50):
+        model = random_hf_model(cfg, model_seed)
+        positions = _end_positions(_greedy(model, prompt, 10), {eos_id, end_id, *prompt})
+        if positions is not None:
+            break
+    else:
+        raise AssertionError("no model seed gave a usable greedy output")
+    greedy = _greedy(model, prompt, 10)
+    with torch.no_grad():
+        for position, special in zip(positions, (end_id, eos_id)):
+            token = greedy[position]
+            for weight in (model.model.embed_tokens.weight, model.lm_head.weight):
+                weight[[token, special]] = weight[[special, token]]
+    relabelled = _greedy(model, prompt, 10)
+    assert (relabelled.index(end_id), relabelled.index(eos_id)) == positions, (greedy, relabelled)
+    model.save_pretrained(out)
+    (out / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": [eos_id, end_id], "pad_token_id": eos_id, "do_sample": False}, indent=2)
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    tok_config = json.loads(config_path.read_text())
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    if with_chat_template:
+        tok_config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(tok_config, indent=2))
+    return Checkpoint(out, eos_id, end_id, tuple(prompt), vocab, *positions)
