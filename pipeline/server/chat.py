@@ -1,7 +1,7 @@
 """A conversation -> the prompt the model continues.
 
-``render_chat`` uses the tokenizer's chat template when it has one (an HF tokenizer's
-``apply_chat_template``, with the generation prompt appended). The bundled byte-level tokenizer has
+``render_chat`` uses the checkpoint's chat template when it has one (``Engine.chat_prompt``, with the
+generation prompt appended, exactly what ``Engine.chat`` sends). The bundled byte-level tokenizer has
 none: the conversation is then written as one ``role: content`` line per message, followed by
 ``assistant: `` for the model to continue::
 
@@ -12,7 +12,7 @@ none: the conversation is then written as one ``role: content`` line per message
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from pipeline.server.protocol import ChatMessage
@@ -27,13 +27,9 @@ def plain_template(messages: Sequence[ChatMessage]) -> str:
 
 
 def render_chat(engine: Any, messages: Sequence[ChatMessage]) -> list[int]:
-    """The prompt token ids for ``messages``, through the checkpoint's chat template if it has one."""
-    tokenizer = engine.tokenizer
-    apply = getattr(tokenizer, "apply_chat_template", None)
-    if apply is None:
-        return list(tokenizer.encode(plain_template(messages)))
+    """The prompt token ids for ``messages``: ``engine.chat_prompt`` (the checkpoint's chat template,
+    generation prompt added) when the checkpoint has a template, else the plain fallback."""
+    if getattr(engine.tokenizer, "chat_template", None) is None:
+        return list(engine.tokenizer.encode(plain_template(messages)))
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
-    rendered = apply(conversation, add_generation_prompt=True, tokenize=True)
-    if isinstance(rendered, Mapping):  # tokenizers that return an encoding (input_ids, attention_mask)
-        rendered = rendered["input_ids"]
-    return [int(t) for t in rendered]
+    return [int(t) for t in engine.chat_prompt(conversation)]

@@ -1,4 +1,5 @@
-"""``render_chat``: the tokenizer's chat template when it has one, else the plain fallback."""
+"""``render_chat``: the checkpoint's chat template (through ``Engine.chat_prompt``) when it has one, else
+the plain fallback."""
 
 from __future__ import annotations
 
@@ -19,14 +20,16 @@ def test_plain_template_without_a_chat_template():
     assert bytes(ids).decode() == "system: Be brief.\nuser: Sort this.\nassistant: "
 
 
-def test_the_tokenizers_chat_template_with_the_generation_prompt(tmp_path):
-    from transformers import PreTrainedTokenizerFast
+def test_a_checkpoint_template_goes_through_engine_chat_prompt():
+    """With a template, the server sends exactly what ``Engine.chat`` would: ``engine.chat_prompt`` of
+    the conversation as role/content mappings (its ids equal ``apply_chat_template(...,
+    add_generation_prompt=True)``, checked in tests/checkpoint)."""
+    seen = []
 
-    ByteTokenizer().write_hf_files(tmp_path)  # an HF tokenizer whose ids are the bytes
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
-    tokenizer.chat_template = (
-        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}[assistant]{% endif %}"
-    )
-    ids = render_chat(SimpleNamespace(tokenizer=tokenizer), MESSAGES)
-    assert bytes(ids).decode() == "[system]Be brief.[user]Sort this.[assistant]"
+    def chat_prompt(conversation):
+        seen.append(conversation)
+        return [7, 8, 9]
+
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ messages }}"), chat_prompt=chat_prompt)
+    assert render_chat(engine, MESSAGES) == [7, 8, 9]
+    assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort this."}]]
