@@ -160,6 +160,9 @@ class EngineConfig:
     # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (resolve_for_model)
     speculative: SpeculativeConfig | Literal["auto"] | None = "auto"
     seed: int = 0
+    # torch intra-op threads the executor runs with (None: leave torch's setting). On a shared or
+    # small machine an oversubscribed CPU runs many times slower: 1 is best for small models.
+    num_threads: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _require(
@@ -185,6 +188,8 @@ class EngineConfig:
             f"must be a multiple of page_size ({self.page_size})",
         )
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
+        if self.num_threads is not None:
+            _require_int("num_threads", self.num_threads, 1)
         _require(
             self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),
             "speculative",

@@ -120,6 +120,8 @@ class Executor:
         tokenizer: Tokenizer | None = None,
     ) -> None:
         self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-thread setting
         self.device = torch.device(config.device)
         self.dtype = parse_dtype(config.dtype)
         self.model = (

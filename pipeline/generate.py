@@ -170,14 +170,16 @@ async def stream(engine: Any, prompts: list[str], inputs: list[Any], params: Any
         for i, (prompt, (_, receive)) in enumerate(zip(prompts, channels)):
             print(f"--- req-{i} ---")
             print("" if chat else prompt, end="", flush=True)
-            text, ids = [], []
+            text, ids, last = [], [], None
             with receive:
-                async for delta in receive:
-                    print(delta.text, end="", flush=True)
-                    text.append(delta.text)
-                    ids.extend(delta.token_ids)
-            results[i] = SimpleNamespace(text="".join(text), token_ids=tuple(ids), finish_reason=delta.finish_reason)
-            print(f"\n--- req-{i} ({delta.finish_reason}, {len(ids)} tokens) ---")
+                async for last in receive:
+                    print(last.text, end="", flush=True)
+                    text.append(last.text)
+                    ids.extend(last.token_ids)
+            if last is None:  # its request was refused: the producer's error ends the task group
+                continue
+            results[i] = SimpleNamespace(text="".join(text), token_ids=tuple(ids), finish_reason=last.finish_reason)
+            print(f"\n--- req-{i} ({last.finish_reason}, {len(ids)} tokens) ---")
 
 
 def figures_line(stats: dict[str, object]) -> list[str]:

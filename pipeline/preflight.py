@@ -95,6 +95,8 @@ def read_model_config(name: str) -> ModelConfig:
             raise ConfigError("model", name, "has no config.json: not an HF-format model directory")
     try:
         return ModelConfig.from_dir(name)
+    except ConfigError:
+        raise  # already names the model and the problem
     except (
         OSError,
         ValueError,

@@ -7,12 +7,19 @@ import pytest
 
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
+from statemachines.request import Admitted, Finished, JoinedBatch, PrefillDone, StagingDone
 
 
 def run(tokenizer, tokens, **params) -> Request:
+    """Commit ``tokens`` one per step, as plain decoding does, until one ends the request; it then
+    ends with the terminal event carrying the reason (which sets ``finish_reason``)."""
     req = Request("r", (1,), SamplingParams(**{"max_new_tokens": 64, **params}), tokenizer, 1024)
-    for token in tokens:  # one per step, as plain decoding commits them
-        if req.append([token]) is not None:
+    for event in (Admitted(), PrefillDone(), StagingDone(), JoinedBatch()):
+        req.apply(event)
+    for token in tokens:
+        reason = req.append([token])
+        if reason is not None:
+            req.apply(Finished(reason))
             break
     return req
 
