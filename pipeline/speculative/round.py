@@ -24,6 +24,7 @@ from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_
 
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
+    from pipeline.model.model import DeepseekV32
     from pipeline.speculative.draft_state import DraftState
 
 
@@ -47,7 +48,7 @@ class VerifyRound:
     failed: dict[str, str]  # why a request cannot go on (finalize rolled back, or its own error)
 
 
-def draft(model, memory: KVMemory, seqs: Sequence, num_steps: int) -> None:
+def draft(model: DeepseekV32, memory: KVMemory, seqs: Sequence, num_steps: int) -> None:
     """Extend each request's one proposal to ``num_steps`` chained proposals (its ``draft`` state)."""
     states = draft_chain(
         model,
@@ -63,7 +64,7 @@ def draft(model, memory: KVMemory, seqs: Sequence, num_steps: int) -> None:
 
 
 def verify(
-    model,
+    model: DeepseekV32,
     memory: KVMemory,
     seqs: Sequence,
     draft_tokens: int,

@@ -16,7 +16,7 @@ Positions (``n`` committed positions, the bonus token sits at position ``n``)::
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -24,6 +24,10 @@ import torch
 from pipeline.sampling import SamplingParams, probabilities
 from pipeline.speculative.acceptance import greedy_accept, rejection_accept
 from pipeline.speculative.draft_state import DraftBatch, DraftState
+
+if TYPE_CHECKING:
+    from pipeline.memory.interface import KVMemory
+    from pipeline.model.model import DeepseekV32
 
 
 @attrs.frozen(eq=False)
@@ -53,7 +57,7 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
-def draft_extend(model: Any, memory: Any, inputs: list[ExtendInput]) -> list[DraftState]:
+def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState]:
     """MTP rows over each request's new positions; one flat forward for the batch."""
     dev = model.device
     rows = torch.cat([torch.full((len(x.next_ids),), x.row, dtype=torch.int64) for x in inputs])
@@ -74,8 +78,8 @@ def draft_extend(model: Any, memory: Any, inputs: list[ExtendInput]) -> list[Dra
 
 
 def draft_chain(
-    model: Any,
-    memory: Any,
+    model: DeepseekV32,
+    memory: KVMemory,
     rows: list[int],
     states: list[DraftState],
     params: list[SamplingParams],

@@ -200,6 +200,7 @@ async def test_small_pools_with_speculation_always_drain(tiny_model, workload):
             with anyio.CancelScope() as scope:
                 async with engine.generate(prompts([n])[0], params, request_id=rid) as stream:
                     async for delta in stream:
+                        engine._pipe.check_integrity()  # every live request held by its owner (I11)
                         if delta.token_ids and how == "abort":
                             engine.abort(rid)
                         elif delta.token_ids and how == "cancel":

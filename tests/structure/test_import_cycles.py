@@ -92,3 +92,15 @@ def test_no_import_cycles():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_match_ends_with_a_wildcard_that_raises():
+    """A ``match`` on messages or commands never drops an unknown one silently."""
+    for name, path in project_modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Match):
+                continue
+            last = node.cases[-1]
+            wildcard = isinstance(last.pattern, ast.MatchAs) and last.pattern.pattern is None and last.guard is None
+            raises = any(isinstance(n, ast.Raise) for stmt in last.body for n in ast.walk(stmt))
+            assert wildcard and raises, f"{name}:{node.lineno}: match without a raising `case _:`"
