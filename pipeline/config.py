@@ -82,10 +82,32 @@ class SpeculativeConfig:
     eagle_topk: int = 1
     # D, the tokens verified per round (the bonus token first); None = num_steps + 1
     num_draft_tokens: int | None = None
+    # Adaptive speculation: a round is run only while it pays; otherwise the step decodes plainly
+    # (one token per request), with the same output (greedy identical, sampling distribution kept).
+    # Speculate while the batch stepped together has at most this many requests (None: any size):
+    # a verify multiplies the tokens of a forward by D, which stops being free once the forward is
+    # compute-bound (vLLM's disable_by_batch_size).
+    max_batch_size: int | None = 8
+    # ... and while the measured accept length (tokens per round, bonus included; a moving average
+    # over rounds) is at least this (None: ignore acceptance). Below it, a probe round runs every
+    # ``probe_every`` plain steps to measure again.
+    min_accept_length: float | None = 1.5
+    probe_every: int = 16
 
     def __attrs_post_init__(self) -> None:
         _require_int("speculative.num_steps", self.num_steps, 1)
         _require_int("speculative.eagle_topk", self.eagle_topk, 1)
+        if self.max_batch_size is not None:
+            _require_int("speculative.max_batch_size", self.max_batch_size, 1)
+        if self.min_accept_length is not None:
+            value = self.min_accept_length
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 1 <= value <= self.num_steps + 1,
+                "speculative.min_accept_length",
+                value,
+                f"must be a number in [1, num_steps + 1 = {self.num_steps + 1}] or None",
+            )
+        _require_int("speculative.probe_every", self.probe_every, 1)
         if self.num_draft_tokens is not None:
             _require_int("speculative.num_draft_tokens", self.num_draft_tokens, 2)
             if self.eagle_topk == 1:

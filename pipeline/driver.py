@@ -14,17 +14,26 @@ import itertools
 from pipeline.executor import Executor
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Handoff, Scheduler, Turn, end
+from pipeline.scheduler import Handoff, Scheduler, SpecPolicy, Turn, end
 from statemachines.request import AbortRequested, State
 
 
 class SyncDriver:
     """Runs requests to completion on one executor; ``check`` verifies every invariant each step."""
 
-    def __init__(self, executor: Executor, *, max_prefill_tokens: int = 8192, check: bool = False) -> None:
+    def __init__(
+        self,
+        executor: Executor,
+        *,
+        max_prefill_tokens: int = 8192,
+        check: bool = False,
+        spec_policy: SpecPolicy | None = None,
+    ) -> None:
+        """``spec_policy`` replaces the adaptive rule of the executor's ``SpeculativeConfig`` (tests)."""
         self.executor = executor
         self.check = check
-        self.core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps)
+        policy = spec_policy if spec_policy is not None else spec_policy_of(executor)
+        self.core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps, policy=policy)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -115,3 +124,9 @@ class SyncDriver:
         live = [r for r in self.requests.values() if not r.is_finished]
         self.core.check_integrity(live)
         self.executor.check_integrity(states={r.request_id: r.state for r in live})
+
+
+def spec_policy_of(executor: Executor) -> SpecPolicy:
+    """The adaptive-speculation rule of the executor's configuration (inert without speculation)."""
+    spec = executor.config.speculative
+    return SpecPolicy.from_config(spec) if executor.speculative else SpecPolicy()

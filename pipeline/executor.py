@@ -96,6 +96,9 @@ class Sequence:
     prefill: PrefillSlots | None = None  # the prompt's locations and dense slots, until the prefill ran
     plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
+    # speculative mode, plain steps since the last draft state: (position, target hidden there, the
+    # token after it); the next round's draft extend catches the MTP layer up over them first
+    behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
 
     @property
     def next_token(self) -> int:
@@ -363,13 +366,17 @@ class Executor:
         ran, failed = self.isolate(seqs, self._decode_forward, "decode")
         out: dict[str, tuple[int, ...]] = {}
         if ran:
-            self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, _) in ran]))
-        for seq, (_, logits) in ran:
+            self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
+        for seq, (_, logits, hidden) in ran:
+            position = self.memory.length(seq.row) - 1  # of the token this step computed
             try:
                 seq.plain_next = sample(logits, seq.params, seq.generator)
             except Exception as exc:  # this request's sampling, this request's failure
                 failed[seq.request_id] = _reason(exc)
                 continue
+            if self.speculative:  # a plain step of a speculative request (adaptive speculation)
+                seq.draft = None
+                seq.behind.append((position, hidden.clone(), seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
         return StepResult(out, refused, failed=failed)
 
@@ -383,8 +390,9 @@ class Executor:
         backend = self.memory.backend(
             rows, positions, targets.locs, targets.slots, steps=1, trace=self.trace, labels=self._labels()
         )
-        logits = self.model.logits(self.model(ids, positions, backend))  # [B, V]
-        return [(s, (targets.slots[i : i + 1], logits[i])) for i, s in enumerate(seqs)]
+        hidden = self.model(ids, positions, backend)  # [B, D]
+        logits = self.model.logits(hidden)  # [B, V]
+        return [(s, (targets.slots[i : i + 1], logits[i], hidden[i])) for i, s in enumerate(seqs)]
 
     # --- a speculative round ------------------------------------------------------------------------
 
@@ -395,11 +403,26 @@ class Executor:
         seqs = [self.seqs[rid] for rid in request_ids]
 
         def chain(group: list[Sequence]) -> list[Sequence]:
+            self._catch_up([s for s in group if s.behind])
             spec_round.draft(self.model, self.memory, group, self.num_steps)
             return group
 
         _, failed = self.isolate(seqs, chain, "draft")
         return StepResult({}, failed=failed)
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Requests that decoded plainly since their last round: the MTP layer's draft extend over
+        those positions (their target hidden states and next tokens), leaving a fresh draft state."""
+        if not seqs:
+            return
+        inputs = []
+        for seq in seqs:
+            start = seq.behind[0][0]
+            hidden = torch.stack([h for _, h, _ in seq.behind])
+            next_ids = tuple(t for *_, t in seq.behind)
+            inputs.append(ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator))
+        for seq, state in zip(seqs, draft_extend(self.model, self.memory, inputs)):
+            seq.draft, seq.behind = state, []
 
     @torch.inference_mode()
     def verify(self, request_ids: list[str]) -> StepResult:

@@ -325,10 +325,54 @@ class StagingPart:
 
 
 @attrs.define(eq=False)
+class SpecPolicy:
+    """Whether the next step of a speculative batch is a round or a plain step (adaptive speculation).
+
+    A round pays while its forwards stay cheap (a small batch: verifying D tokens per request costs
+    about one forward only while the forward is not compute-bound) and while drafts are accepted
+    (the measured accept length, a moving average over rounds). When acceptance turns speculation
+    off, a probe round every ``probe_every`` plain steps measures it again. Either choice leaves the
+    output unchanged: the executor keeps each request's MTP state current across plain steps.
+    """
+
+    max_batch_size: int | None = None  # speculate only while the batch has at most this many requests
+    min_accept_length: float | None = None  # ... and the measured accept length is at least this
+    probe_every: int = 16
+    accept_length: float | None = None  # the moving average (None: nothing measured yet)
+    plain_steps: int = 0  # plain steps since the last round
+    weight: float = 0.2  # of the newest round in the moving average
+
+    @classmethod
+    def from_config(cls, spec) -> SpecPolicy:
+        return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every)
+
+    def speculate(self, batch_size: int) -> bool:
+        if self.max_batch_size is not None and batch_size > self.max_batch_size:
+            return False
+        low = self.min_accept_length is not None and self.accept_length is not None
+        if low and self.accept_length < self.min_accept_length:
+            return self.plain_steps >= self.probe_every
+        return True
+
+    def record_round(self, accept_lengths: list[int]) -> None:
+        """Tokens each request committed in one round (accepted drafts + 1)."""
+        self.plain_steps = 0
+        if not accept_lengths:
+            return
+        mean = sum(accept_lengths) / len(accept_lengths)
+        old = self.accept_length
+        self.accept_length = mean if old is None else (1 - self.weight) * old + self.weight * mean
+
+    def record_plain_step(self) -> None:
+        self.plain_steps += 1
+
+
+@attrs.define(eq=False)
 class DecodePart:
     """The running batch, stepped back to back (continuous batching).
 
-    A plain step: ``Decode`` -> ``StepDone`` or ``Finished``. A speculative round, in this order:
+    A plain step: ``Decode`` -> ``StepDone`` or ``Finished``. In speculative mode each turn is a
+    round or (when ``policy`` says a round would not pay) a plain step. A round, in this order:
     ``Reserve`` (room for D positions; the refused are retracted while still in DECODE) ->
     ``DraftStarted`` -> ``Draft`` -> ``DraftDone`` -> [pending aborts] -> ``Verify`` -> ``Verified`` or
     ``Finished``. A request the executor cannot grow is retracted; one it failed ends FAILED.
@@ -336,6 +380,7 @@ class DecodePart:
 
     aborts: AbortBook
     num_steps: int  # draft tokens per speculative round; 0 = plain decoding
+    policy: SpecPolicy = attrs.Factory(SpecPolicy)  # speculative mode: round or plain step, per turn
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
 
@@ -366,7 +411,12 @@ class DecodePart:
         reqs = [r for r in (runnable if runnable is not None else self.members.values()) if not r.is_finished]
         if not reqs:
             return done
-        step = self._round(reqs) if self.speculative else self._step(reqs)
+        if self.speculative and self.policy.speculate(len(reqs)):
+            step = self._round(reqs)
+        else:
+            if self.speculative:
+                self.policy.record_plain_step()
+            step = self._step(reqs)
         return done.merge((yield from step))
 
     def _step(self, reqs: list[Request]) -> Turn:
@@ -419,6 +469,8 @@ class DecodePart:
         """Append each request's committed tokens and apply ``StepDone`` / ``Verified``; end the ones
         that finished or failed."""
         figures = figures_of(outcome, batch_size)
+        if verified:
+            self.policy.record_round([len(tokens) for tokens in result.tokens.values()])
         ending: list[tuple[Request, Event]] = []
         notify: list[Request] = []
         for rid, tokens in result.tokens.items():
@@ -467,13 +519,13 @@ class Scheduler:
     aborts: AbortBook
 
     @classmethod
-    def build(cls, *, max_prefill_tokens: int, num_steps: int) -> Scheduler:
+    def build(cls, *, max_prefill_tokens: int, num_steps: int, policy: SpecPolicy | None = None) -> Scheduler:
         aborts = AbortBook()
         return cls(
             admission=AdmissionPart(max_prefill_tokens, aborts),
             prefill=PrefillPart(aborts),
             staging=StagingPart(aborts),
-            decode=DecodePart(aborts, num_steps),
+            decode=DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy()),
             aborts=aborts,
         )
 

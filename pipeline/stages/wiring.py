@@ -26,6 +26,7 @@ import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
 from pipeline.errors import EngineClosed
+from pipeline.driver import spec_policy_of
 from pipeline.executor import Executor
 from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request
@@ -145,7 +146,9 @@ def build_pipeline(
     executor_end, executor_inbox = anyio.create_memory_object_stream[Envelope](8)
 
     bells = Bells({"admission": admission_end.clone(), "staging": staging_end.clone(), "decode": decode_end.clone()})
-    core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps)
+    core = Scheduler.build(
+        max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps, policy=spec_policy_of(executor)
+    )
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens
     )

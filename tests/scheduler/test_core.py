@@ -27,7 +27,15 @@ from pipeline.messages import (
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import AbortBook, AdmissionPart, DecodePart, PrefillPart, Scheduler, StagingPart
+from pipeline.scheduler import (
+    AbortBook,
+    AdmissionPart,
+    DecodePart,
+    PrefillPart,
+    Scheduler,
+    SpecPolicy,
+    StagingPart,
+)
 from statemachines.request import (
     AbortRequested,
     Admitted,
@@ -326,3 +334,39 @@ def test_abort_event_sets_the_finish_reason_once():
     req = request("r")
     req.apply(AbortRequested())
     assert req.finish_reason == "abort" and req.metrics.finished_time is not None
+
+
+# --- adaptive speculation ------------------------------------------------------------------------------
+
+
+def test_spec_policy_batch_size_rule():
+    policy = SpecPolicy(max_batch_size=8)
+    assert policy.speculate(1) and policy.speculate(8) and not policy.speculate(9)
+    assert SpecPolicy().speculate(1000)  # no limit
+
+
+def test_spec_policy_acceptance_rule_with_probes():
+    policy = SpecPolicy(min_accept_length=1.5, probe_every=3)
+    assert policy.speculate(4)  # nothing measured yet
+    policy.record_round([1, 1, 1, 2])  # mean 1.25
+    assert policy.accept_length == 1.25 and not policy.speculate(4)
+    for _ in range(3):
+        policy.record_plain_step()
+    assert policy.speculate(4)  # a probe round after probe_every plain steps
+    for _ in range(10):
+        policy.record_round([4, 4])  # drafts accepted again: the average climbs back
+    assert policy.accept_length > 1.5 and policy.speculate(4)
+
+
+def test_decode_part_takes_a_plain_step_when_the_policy_says_so():
+    aborts = AbortBook()
+    part = DecodePart(aborts, 2, SpecPolicy(max_batch_size=1))
+    reqs = [in_state(rid, State.READY, ignore_eos=True) for rid in "ab"]
+    part.accept(reqs)
+    script = Script(part.turn(), {Decode: StepResult({"a": (5,), "b": (6,)})})
+    script.run()
+    assert script.kinds() == ["Decode"]  # two requests > max_batch_size 1: no round
+    script = Script(part.turn([reqs[0]]), {Reserve: RoomResult(("a",), ()), Draft: StepResult({}),
+                                          Verify: StepResult({"a": (7, 8)}, accepted={"a": 1})})
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"] and part.policy.accept_length == 2

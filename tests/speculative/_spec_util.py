@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import structlog
 
 from pipeline.logs import configure_logging
+from pipeline.scheduler import SpecPolicy
 
 
 @contextlib.contextmanager
@@ -50,3 +51,18 @@ def oracle_drafter(monkeypatch, executor, truth: dict[str, list[int]]) -> None:
         return out
 
     monkeypatch.setattr(round_module, "draft_chain", chain)
+
+
+class RandomSwitch(SpecPolicy):
+    """Adaptive speculation forced at random: each turn is a round or a plain step by a coin."""
+
+    def __init__(self, seed: int, p_round: float = 0.5) -> None:
+        super().__init__()
+        self._coin = random.Random(seed)
+        self._p = p_round
+        self.rounds = self.plain = 0
+
+    def speculate(self, batch_size: int) -> bool:
+        go = self._coin.random() < self._p
+        self.rounds, self.plain = self.rounds + go, self.plain + (not go)
+        return go

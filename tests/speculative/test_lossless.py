@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _spec_util import oracle_drafter, quiet_logs
+from _spec_util import RandomSwitch, oracle_drafter, quiet_logs
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
@@ -34,7 +34,7 @@ def config(hisparse: bool, num_steps: int | None) -> EngineConfig:
         max_running_requests=8,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, min_accept_length=None) if num_steps else None,
     )
 
 
@@ -97,3 +97,43 @@ def test_batch_sizes_with_the_random_mtp_head(batch):
         plain, _ = generate(model, config(hisparse, None), prompts)
         spec, _ = generate(model, config(hisparse, 3), prompts)
         assert [r.output_ids for r in spec] == [r.output_ids for r in plain]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_greedy_output_unchanged_while_switching_between_rounds_and_plain_steps(
+    tiny_model, monkeypatch, hisparse, batch
+):
+    """Adaptive speculation forced at random (each turn a round or a plain step, by a coin): greedy
+    tokens equal plain decoding's; the MTP layer is caught up over plainly decoded positions."""
+    prompts = make_prompts(batch, seed=40 + batch)
+    plain, _ = generate(tiny_model, config(hisparse, None), prompts)
+    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+    executor = Executor(config(hisparse, 3), model=tiny_model)
+    oracle_drafter(monkeypatch, executor, truth)
+    policy = RandomSwitch(seed=batch)
+    driver = SyncDriver(executor, check=True, spec_policy=policy)
+    with quiet_logs():
+        reqs = driver.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert policy.rounds > 0 and policy.plain > 0
+    assert executor.spec_counters.accepted_drafts > 0
+    executor.close()
+
+
+def test_default_adaptive_rule_decodes_plainly_above_its_batch_size(tiny_model):
+    """The default ``SpeculativeConfig``: past ``max_batch_size`` requests a step is a plain one."""
+    prompts = make_prompts(8, seed=3)
+    cfg = EngineConfig(
+        dtype="float64", page_size=PAGE, max_context_len=320, max_running_requests=8, device_pool_tokens=1024,
+        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
+        speculative=SpeculativeConfig(num_steps=3, max_batch_size=4),
+    )
+    plain, _ = generate(tiny_model, config(True, None), prompts)
+    executor = Executor(cfg, model=tiny_model)
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        reqs = driver.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert executor.spec_counters.verify_rounds == 0  # 8 requests stepped together: never a round
+    executor.close()

@@ -24,7 +24,7 @@ from functools import cache
 
 import pytest
 import torch
-from _spec_util import quiet_logs
+from _spec_util import RandomSwitch, quiet_logs
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
@@ -98,7 +98,8 @@ def run_case(name: str) -> dict[str, object]:
     model = sharp_model(case["echo"])
     params = case["params"]
     out = {}
-    for mode, spec in (("plain", None), ("spec", SpeculativeConfig(num_steps=2))):
+    always = SpeculativeConfig(num_steps=2, max_batch_size=None, min_accept_length=None)
+    for mode, spec in (("plain", None), ("spec", always), ("switch", always)):
         cfg = EngineConfig(
             dtype="float64",
             page_size=4,
@@ -111,7 +112,10 @@ def run_case(name: str) -> dict[str, object]:
             speculative=spec,
         )
         executor = Executor(cfg, model=model)
-        driver = SyncDriver(executor)
+        # "switch": adaptive speculation forced at random, rounds and plain steps mixed
+        policy = RandomSwitch(seed=5) if mode == "switch" else None
+        driver = SyncDriver(executor, spec_policy=policy)
+        out[mode + "_policy"] = policy
         reqs = [
             driver.submit(case["prompt"], SamplingParams(max_new_tokens=3, seed=i, ignore_eos=True, **params))
             for i in range(N)
@@ -130,13 +134,21 @@ def samples(request):
     return run_case(request.param)
 
 
+@pytest.mark.parametrize("mode", ["spec", "switch"])
 @pytest.mark.parametrize("index", [1, 2])
-def test_sampled_token_distribution_matches_plain_sampling(samples, index):
-    spec = Counter(t[index] for t in samples["spec"])
+def test_sampled_token_distribution_matches_plain_sampling(samples, index, mode):
+    """``switch``: the same with each step a round or a plain step at random (adaptive speculation)."""
+    spec = Counter(t[index] for t in samples[mode])
     plain = Counter(t[index] for t in samples["plain"])
     stat, df = homogeneity(spec, plain)
     assert df >= 3, "the test needs several outcomes to mean anything"
     assert stat < chi2_critical(df), f"chi-square {stat:.1f} with {df} df rejects at 0.001"
+
+
+def test_switching_really_mixed_rounds_and_plain_steps(samples):
+    policy = samples["switch_policy"]
+    assert policy.rounds > 0 and policy.plain > 0
+    assert samples["switch_executor"].spec_counters.verify_rounds > 0
 
 
 def test_speculation_really_accepted_and_rejected_drafts(samples):
