@@ -89,9 +89,11 @@ class SpeculativeConfig:
     # compute-bound (vLLM's disable_by_batch_size).
     max_batch_size: int | None = 8
     # ... and while the measured accept length (tokens per round, bonus included; a moving average
-    # over rounds) is at least this (None: ignore acceptance). Below it, a probe round runs every
-    # ``probe_every`` plain steps to measure again.
-    min_accept_length: float | None = 1.5
+    # over rounds, engine-wide) is at least this (None, the default: ignore acceptance). Below it, a
+    # probe round runs every ``probe_every`` plain steps to measure again. Off by default because
+    # it makes a seeded sampled request's tokens depend on what ran before it (the distribution is
+    # the same either way); the batch-size rule keeps a request served alone reproducible.
+    min_accept_length: float | None = None
     probe_every: int = 16
 
     def __attrs_post_init__(self) -> None:
