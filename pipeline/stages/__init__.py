@@ -7,7 +7,7 @@ hand-offs to the next stage. No stage decides anything itself, and none calls in
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -23,6 +23,21 @@ def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
             yield inbox.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
             return
+
+
+async def absorb(
+    inbox: MemoryObjectReceiveStream, accept: Callable[[object], None], has_work: Callable[[], bool]
+) -> bool:
+    """A stage's wait: with nothing to do, wait for one message; then take every message already
+    waiting. False once the inbox has ended (the stage ends)."""
+    if not has_work():
+        try:
+            accept(await inbox.receive())
+        except anyio.EndOfStream:
+            return False
+    for message in drain(inbox):
+        accept(message)
+    return True
 
 
 async def drive(turn: Turn, client: ExecutorClient) -> Handoff:

@@ -18,7 +18,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pipeline.messages import PrefillBatch, Requeue, StageMessage, Submit, Wake
 from pipeline.scheduler import AdmissionPart, end
-from pipeline.stages import drain, drive
+from pipeline.stages import absorb, drive
 from pipeline.stages.context import StageContext
 from pipeline.stages.executor_actor import ExecutorClient
 from statemachines.request import AbortRequested
@@ -45,14 +45,7 @@ class AdmissionStage:
 
     async def run(self) -> None:
         async with self._inbox, self._prefill_out, self._client:
-            while True:
-                if not self._has_work():
-                    try:
-                        self._accept(await self._inbox.receive())
-                    except anyio.EndOfStream:
-                        break
-                for message in drain(self._inbox):
-                    self._accept(message)
+            while await absorb(self._inbox, self._accept, self._has_work):
                 handoff = await drive(self.part.turn(), self._client)
                 self.ctx.settle(handoff)
                 if handoff.onward:

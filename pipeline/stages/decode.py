@@ -11,13 +11,12 @@ stays in the batch with its memory but is left out of steps until its consumer r
 
 from __future__ import annotations
 
-import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.messages import Ready, Requeue, StageMessage, Wake
 from pipeline.request import Request
 from pipeline.scheduler import DecodePart
-from pipeline.stages import drain, drive
+from pipeline.stages import absorb, drive
 from pipeline.stages.context import StageContext
 from pipeline.stages.executor_actor import ExecutorClient
 
@@ -41,14 +40,7 @@ class DecodeStage:
 
     async def run(self) -> None:
         async with self._inbox, self._client:
-            while True:
-                if not self._has_work():
-                    try:
-                        self._accept(await self._inbox.receive())
-                    except anyio.EndOfStream:
-                        break
-                for message in drain(self._inbox):
-                    self._accept(message)
+            while await absorb(self._inbox, self._accept, self._has_work):
                 if not self._has_work():
                     continue
                 handoff = await drive(self.part.turn(self._runnable()), self._client)

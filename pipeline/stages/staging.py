@@ -8,12 +8,11 @@ command); when the device has nothing else to do, the poll waits for the copies 
 
 from __future__ import annotations
 
-import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.messages import Ready, Staged, StageMessage, Wake
 from pipeline.scheduler import StagingPart
-from pipeline.stages import drain, drive
+from pipeline.stages import absorb, drive
 from pipeline.stages.context import StageContext
 from pipeline.stages.executor_actor import ExecutorClient
 
@@ -37,20 +36,16 @@ class StagingStage:
 
     async def run(self) -> None:
         async with self._inbox, self._decode_out, self._client:
-            while True:
-                if not self.part.owned or self.part.waiting_for_memory:
-                    try:
-                        self._accept(await self._inbox.receive())
-                    except anyio.EndOfStream:
-                        break
-                for message in drain(self._inbox):
-                    self._accept(message)
+            while await absorb(self._inbox, self._accept, self._has_work):
                 handoff = await drive(self.part.turn(), self._client)
                 self.ctx.settle(handoff)
                 if handoff.onward:
                     await self._decode_out.send(Ready(tuple(handoff.onward)))
                 if self.part.waiting_for_memory:
                     self.ctx.bells.want(self.name)
+
+    def _has_work(self) -> bool:
+        return bool(self.part.owned) and not self.part.waiting_for_memory
 
     def _accept(self, message: StageMessage) -> None:
         match message:

@@ -25,8 +25,8 @@ import anyio
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
-from pipeline.errors import EngineClosed
 from pipeline.driver import spec_policy_of
+from pipeline.errors import EngineClosed
 from pipeline.executor import Executor
 from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request
