@@ -422,11 +422,9 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
     spec = config.speculative
     if spec == "auto":
         spec = SpeculativeConfig() if has_mtp else None
-        log_choices and log.info(
-            "config.speculative",
-            speculative="on" if has_mtp else "off",
-            reason="the model has an MTP layer" if has_mtp else "the model has no MTP layer",
-        )
+        if log_choices:
+            reason = "the model has an MTP layer" if has_mtp else "the model has no MTP layer"
+            log.info("config.speculative", speculative="on" if has_mtp else "off", reason=reason)
     elif spec is not None:
         _require(has_mtp, "speculative", spec, NO_MTP_RULE)
     changes: dict[str, Any] = {"speculative": spec}
@@ -434,12 +432,13 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
         positions = model_cfg.max_position_embeddings
         capacity = attrs.evolve(config, speculative=spec).context_capacity()
         context = min(positions, capacity)
-        log_choices and log.info(
-            "config.max_context_len",
-            max_context_len=context,
-            max_position_embeddings=positions,
-            pool_capacity=capacity,
-            lowered_to_fit_the_pools=context < positions,
-        )
+        if log_choices:
+            log.info(
+                "config.max_context_len",
+                max_context_len=context,
+                max_position_embeddings=positions,
+                pool_capacity=capacity,
+                lowered_to_fit_the_pools=context < positions,
+            )
         changes["max_context_len"] = context
     return attrs.evolve(config, **changes)
