@@ -35,6 +35,9 @@ class SwapInMemory(Protocol):
     @property
     def req_to_token(self) -> torch.Tensor: ...
 
+    @property
+    def req_to_token_device(self) -> torch.Tensor: ...  # the same table, where the kernels run
+
     def swap_in(
         self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
     ) -> SwapInResult: ...
@@ -70,7 +73,7 @@ class HiSparseBackend:
             inputs.index_q,
             inputs.index_w,
             keys,
-            self.coord.req_to_token.to(keys.device),
+            self.coord.req_to_token_device,
             self.req_rows,
             self.positions + 1,
             inputs.top_k,
@@ -86,7 +89,7 @@ class HiSparseBackend:
             phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
             self.trace.record(layer, phase, self._trace_labels(), self.positions, top)
         if self.steps == 0:
-            locs = self.coord.req_to_token[self.req_rows[:, None], top.long().clamp(min=0)]
+            locs = self.coord.req_to_token_device[self.req_rows[:, None], top.long().clamp(min=0)]
             slots = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
             return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
         return self._attend_swapped(inputs, layer, kv, top)

@@ -129,6 +129,14 @@ class HiSparseCoordinator:
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
         self.verify = VerifyBuffers(self)
+        self.mirror_tables()
+
+    def mirror_tables(self, *, separate: bool = False) -> None:
+        """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row
+        as the tables change (never copied whole per forward). On a CPU they are the tables
+        themselves unless ``separate`` (tests: then a missed update shows)."""
+        self.alloc.req_to_token.mirror_on(self.device, separate=separate)
+        self.host.map.mirror_on(self.device, separate=separate)
 
     # --- admission and prefill ------------------------------------------------------------------
 
@@ -139,6 +147,20 @@ class HiSparseCoordinator:
     @property
     def req_to_token(self) -> torch.Tensor:
         return self.alloc.req_to_token.table
+
+    @property
+    def req_to_token_device(self) -> torch.Tensor:
+        """``req_to_token`` on the device (its mirror)."""
+        mirror = self.alloc.req_to_token.mirror
+        assert mirror is not None
+        return mirror.tensor
+
+    @property
+    def req_to_host_device(self) -> torch.Tensor:
+        """``req_to_host`` on the device (its mirror)."""
+        mirror = self.host.map.mirror
+        assert mirror is not None
+        return mirror.tensor
 
     def length(self, row: int) -> int:
         return self._mem[row].length
@@ -379,7 +401,7 @@ class HiSparseCoordinator:
             self.buffers.tokens[layer],
             self.buffers.locs,
             self.buffers.lru[layer],
-            self.host.req_to_host.to(self.device) if self.device.type != "cpu" else self.host.req_to_host,
+            self.req_to_host_device,
             self.host.kv[layer],
             self.device_kv[layer],
             hot=self.hot,
