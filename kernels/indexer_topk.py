@@ -272,6 +272,7 @@ def indexer_topk(
     impl: str = "auto",
     max_seq_len: int | None = None,
     validate: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
     """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"``.
 
@@ -280,8 +281,11 @@ def indexer_topk(
     ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
     of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
     next row's entries silently.
+    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
+    themselves (the engine's attention backends), where the checks are per-call overhead only.
     """
-    check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
+    if check:
+        check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
     if max_seq_len is not None and max_seq_len > req_to_token.shape[1]:
         raise ValueError(f"max_seq_len={max_seq_len} exceeds req_to_token's {req_to_token.shape[1]} positions")
     if validate:

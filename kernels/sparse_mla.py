@@ -70,14 +70,18 @@ def sparse_mla(
     *,
     impl: str = "auto",
     validate: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, H, C] in q_latent.dtype
     """Sparse MLA over the rows named by ``slots``; ``impl`` in ``"auto"|"torch"|"triton"``.
 
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
     ``validate=True`` checks that every slot is -1 or a row of ``kv`` (synchronises on CUDA); the
     kernel itself cannot notice an out-of-range slot.
+    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
+    themselves (the engine's attention backends), where the checks are per-call overhead only.
     """
-    check_sparse_mla_args(q_latent, q_rope, kv, slots)
+    if check:
+        check_sparse_mla_args(q_latent, q_rope, kv, slots)
     if validate:
         check_index_range("slots", slots, kv.shape[0], allow_negative=True)
     fits = (q_latent.dtype != torch.float64 and kv.dtype != torch.float64

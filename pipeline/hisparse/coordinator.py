@@ -277,27 +277,34 @@ class HiSparseCoordinator:
         host = self.host.pages_needed(row, end)
         return logical, physical, host
 
-    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+    def _room(self, row: int, new_tokens: int, speculative: bool) -> tuple[int, int, int] | None:
+        """``decode_needs`` when every pool can give them, else None (changes nothing)."""
         if self._mem[row].length + new_tokens > self.plan.max_request_len:
-            return False
-        logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
-        return (
+            return None
+        needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        logical, physical, host = needs
+        fits = (
             self.alloc.logical.can_allocate(logical)
             and self.alloc.physical.can_allocate(physical)
             and self.host.allocator.can_allocate(host)
         )
+        return needs if fits else None
+
+    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        return self._room(row, new_tokens, speculative) is not None
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
         """Locations for the next ``new_tokens`` positions and a buffer wide enough for them.
 
-        Raises ``OutOfMemory`` before changing anything when a pool is short.
+        Raises ``OutOfMemory`` before changing anything when a pool is short. Computes the needs
+        once; a row that already has the room (a second call in the same step) changes nothing.
         """
-        if not self.can_decode(row, new_tokens=new_tokens, speculative=speculative):
+        needs = self._room(row, new_tokens, speculative)
+        if needs is None:
             raise OutOfMemory("hisparse decode", new_tokens, self.free_pages())
-        mem = self._mem[row]
-        end = mem.length + new_tokens
-        self.alloc.extend(row, end)
-        _, physical, _ = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        logical, physical, _ = needs
+        if logical:
+            self.alloc.extend(row, self._mem[row].length + new_tokens)
         if physical:
             self.buffers.grow(row, self.alloc.alloc_physical(row, physical))
 
@@ -405,6 +412,7 @@ class HiSparseCoordinator:
             self.host.kv[layer],
             self.device_kv[layer],
             hot=self.hot,
+            check=False,  # the coordinator built every argument
         )
         self.counters.add_swap_in(layer, result)
         if self.counters.last_unrecoverable:
