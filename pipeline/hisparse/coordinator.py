@@ -314,7 +314,7 @@ class HiSparseCoordinator:
         While short the token goes to its identity column; once long it replaces the newest column,
         after the backup that reads the previous newest token has completed.
         """
-        locs, slots = [], []
+        positions, cols = [], []
         for row in rows:
             self.ensure_capacity(row, new_tokens=1, speculative=False)
             mem = self._mem[row]
@@ -324,12 +324,14 @@ class HiSparseCoordinator:
                 mem.backup.wait()  # the previous newest token's copy reads this column
                 self._forget_newest(row)
                 self.buffers.tokens[:, row, col] = pos
-            loc = self.req_to_token[row, pos]
-            slot = self.buffers.locs[row, col]
-            self.alloc.bind(loc.reshape(1), slot.reshape(1).cpu())
-            locs.append(loc)
-            slots.append(slot)
-        return WriteTargets(torch.stack(locs).to(self.device), torch.stack(slots).to(self.device))
+            positions.append(pos)
+            cols.append(col)
+        # one lookup and one bind for the whole step (the rows' locations are disjoint)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
+        slots = self.buffers.locs[row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)]
+        self.alloc.bind(locs, slots.cpu())
+        return WriteTargets(locs.to(self.device), slots)
 
     def _forget_newest(self, row: int) -> None:
         """The newest column is about to be overwritten: its token keeps only its host copy."""
@@ -343,19 +345,16 @@ class HiSparseCoordinator:
         One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
         """
         num_new = num_new or [1] * len(rows)
-        host_slots, dev_slots = [], []
-        start = 0
+        host_slots = []
         for row, count in zip(rows, num_new):
             mem = self._mem[row]
             positions = torch.arange(mem.length, mem.length + count)
             self.host.reserve(row, mem.length + count)
             host_slots.append(self.host.record(row, positions))
-            dev_slots.append(slots[start : start + count].cpu())
-            start += count
             mem.length += count
-        handle = self._backup_stream.copy_rows(
-            self.host.kv, torch.cat(host_slots), self.device_kv, torch.cat(dev_slots).to(self.device)
-        )
+        # a copy of its own: the backup may run after the caller has reused ``slots``
+        dev_slots = slots[: sum(num_new)].to(self.device, copy=True)
+        handle = self._backup_stream.copy_rows(self.host.kv, torch.cat(host_slots), self.device_kv, dev_slots)
         self.counters.add_backup(sum(num_new) * self.host.row_bytes)
         for row in rows:
             self._mem[row].backup = handle
