@@ -492,6 +492,10 @@ class HiSparseCoordinator:
         self.rows.check_integrity()
         self.alloc.check_integrity()
         self.host.check_integrity()
+        for name, table in (("req_to_token", self.alloc.req_to_token), ("req_to_host", self.host.map)):
+            assert table.mirror is not None and torch.equal(table.mirror.tensor.cpu(), table.table), (
+                f"{name}: the device mirror disagrees with the table"
+            )
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
         staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
