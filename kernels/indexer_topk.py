@@ -163,10 +163,15 @@ def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, t
     once, its queries padded to the most any request has, one batched matmul per chunk of requests.
 
         queries [G, Tq, Hi, Di] x keys [G, L, Di] -> dots [G, Tq * Hi, L] -> scores [G * Tq, L]
+
+    One query per request (a decode step) needs no regrouping: the queries are the groups.
     """
     dev, dt = index_q.device, score_dtype(index_q.dtype)
     num_tokens, heads, dim = index_q.shape
     rows, group, counts = torch.unique(req_rows, return_inverse=True, return_counts=True)
+    if rows.numel() == num_tokens:
+        q, w, lens = index_q.to(dt)[:, None], index_w.to(dt)[:, None], seq_lens[:, None]
+        return _groups_topk(q, w, lens, index_k, req_to_token, req_rows, top_k, scale)[:, 0]
     by_group = torch.sort(group, stable=True).indices
     slot = torch.empty_like(group)
     slot[by_group] = torch.arange(num_tokens, device=dev) - (torch.cumsum(counts, 0) - counts)[group[by_group]]
@@ -177,6 +182,14 @@ def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, t
     w[group, slot] = index_w.to(dt)
     lens = seq_lens.new_zeros(num_groups, width)  # padding queries see nothing
     lens[group, slot] = seq_lens
+    return _groups_topk(q, w, lens, index_k, req_to_token, rows, top_k, scale)[group, slot]
+
+
+def _groups_topk(q, w, lens, index_k, req_to_token, rows, top_k, scale) -> torch.Tensor:
+    """``[G, Tq, top_k]``: queries ``q [G, Tq, Hi, Di]`` (weights ``w [G, Tq, Hi]``, visible lengths
+    ``lens [G, Tq]``, 0 = padding) of request rows ``rows [G]``, in chunks of requests."""
+    dev = q.device
+    num_groups, width, heads, dim = q.shape
     max_len = int(lens.max())
     seen = lens.amax(dim=1)  # [G] positions any query of the request sees: the keys it may read
     pos = torch.arange(max_len, device=dev)
@@ -186,13 +199,13 @@ def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, t
         sl = slice(g0, g0 + step)
         locs = torch.where(pos < seen[sl, None], req_to_token[rows[sl], :max_len], 0)  # [g, L]
         g = locs.shape[0]
-        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(dt)  # [g, L, Di]
-        dots = torch.bmm(q[sl].view(g, width * heads, dim), keys.transpose(1, 2))  # [g, Tq * Hi, L]
+        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(q.dtype)  # [g, L, Di]
+        dots = torch.bmm(q[sl].reshape(g, width * heads, dim), keys.transpose(1, 2))  # [g, Tq * Hi, L]
         dots = dots.view(g * width, heads, max_len).mul_(scale).relu_()
         scores = torch.bmm(w[sl].reshape(g * width, 1, heads), dots)[:, 0]  # [g * Tq, L]
         scores = scores.masked_fill(pos >= lens[sl].reshape(-1, 1), float("-inf"))
         out[sl] = topk_positions(scores, top_k).view(g, width, top_k)
-    return out[group, slot]
+    return out
 
 
 def indexer_topk_reference(
@@ -272,6 +285,7 @@ def indexer_topk(
     impl: str = "auto",
     max_seq_len: int | None = None,
     validate: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
     """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"``.
 
@@ -280,8 +294,11 @@ def indexer_topk(
     ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
     of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
     next row's entries silently.
+    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
+    themselves (the engine's attention backends), where the checks are per-call overhead only.
     """
-    check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
+    if check:
+        check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
     if max_seq_len is not None and max_seq_len > req_to_token.shape[1]:
         raise ValueError(f"max_seq_len={max_seq_len} exceeds req_to_token's {req_to_token.shape[1]} positions")
     if validate:

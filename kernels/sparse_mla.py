@@ -34,20 +34,27 @@ def sparse_mla_reference(
     slots: torch.Tensor,  # [T, K] rows to attend, -1 = masked
     scale: float,
 ) -> torch.Tensor:  # [T, H, C]
-    """Plain torch reference; a query with no valid slot yields zeros."""
+    """Plain torch reference; a query with no valid slot yields zeros.
+
+    The rows are gathered once per chunk; the logits are one batched matmul of ``[q_latent | q_rope]``
+    against the whole rows, the output one against their latent part.
+    """
     c = q_latent.shape[-1]
     dt = score_dtype(q_latent.dtype)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)
-    chunk = max(1, _GATHER_BUDGET // max(1, slots.shape[-1] * kv.shape[-1]))
+    k = slots.shape[-1]
+    chunk = max(1, _GATHER_BUDGET // max(1, k * kv.shape[-1]))
     for t0 in range(0, q_latent.shape[0], chunk):
         sl = slice(t0, t0 + chunk)
-        valid = slots[sl] >= 0  # [t, K]
-        rows = kv[slots[sl].clamp(min=0).long()].to(dt)  # [t, K, C + R]
-        logits = torch.einsum("thc,tkc->thk", q_latent[sl].to(dt), rows[..., :c])
-        logits = logits + torch.einsum("thr,tkr->thk", q_rope[sl].to(dt), rows[..., c:])
-        logits = (logits * scale).masked_fill(~valid[:, None, :], float("-inf"))
-        probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)  # all-masked rows
-        out[sl] = torch.einsum("thk,tkc->thc", probs, rows[..., :c]).to(out.dtype)
+        chunk_slots = slots[sl]
+        valid = chunk_slots >= 0  # [t, K]
+        flat = chunk_slots.clamp(min=0).reshape(-1).long()
+        rows = kv.index_select(0, flat).view(chunk_slots.shape[0], k, kv.shape[-1]).to(dt)  # [t, K, C + R]
+        q = torch.cat([q_latent[sl], q_rope[sl]], dim=-1).to(dt)  # [t, H, C + R]
+        logits = torch.bmm(q, rows.transpose(1, 2))  # [t, H, K]
+        logits = (logits * scale).masked_fill_(~valid[:, None, :], float("-inf"))
+        probs = torch.nan_to_num_(torch.softmax(logits, dim=-1), nan=0.0)  # all-masked rows
+        out[sl] = torch.bmm(probs, rows[..., :c]).to(out.dtype)
     return out
 
 
@@ -70,14 +77,18 @@ def sparse_mla(
     *,
     impl: str = "auto",
     validate: bool = False,
+    check: bool = True,
 ) -> torch.Tensor:  # [T, H, C] in q_latent.dtype
     """Sparse MLA over the rows named by ``slots``; ``impl`` in ``"auto"|"torch"|"triton"``.
 
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
     ``validate=True`` checks that every slot is -1 or a row of ``kv`` (synchronises on CUDA); the
     kernel itself cannot notice an out-of-range slot.
+    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
+    themselves (the engine's attention backends), where the checks are per-call overhead only.
     """
-    check_sparse_mla_args(q_latent, q_rope, kv, slots)
+    if check:
+        check_sparse_mla_args(q_latent, q_rope, kv, slots)
     if validate:
         check_index_range("slots", slots, kv.shape[0], allow_negative=True)
     fits = (q_latent.dtype != torch.float64 and kv.dtype != torch.float64

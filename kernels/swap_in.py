@@ -153,6 +153,7 @@ def swap_in(
     *,
     impl: str = "auto",
     validate: bool = False,
+    check: bool = True,
 ) -> SwapInResult:
     """Resolve top-k positions to device slots for one layer (contract: module docstring).
 
@@ -161,10 +162,13 @@ def swap_in(
     ``TRITON_MAX_*``, else torch; on CPU, ``cpu_impl``: Python for at most ``PYTHON_MAX_REQS``
     requests and ``PYTHON_MAX_ENTRIES`` top-k entries, numpy otherwise). ``host_kv`` may live on
     another device (pinned host memory); the row copies then go through torch.
+    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
+    themselves (the engine's attention backends), where the checks are per-call overhead only.
     """
-    check_swap_in_args(
-        top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
-    )
+    if check:
+        check_swap_in_args(
+            top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
+        )
     if validate:
         check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv)
     fits = (

@@ -29,6 +29,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
     "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
     "peer": ("pipeline.benchmarks.peer", "the engine beside HF transformers generate on the same weights"),
+    "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
 }

@@ -11,6 +11,8 @@ resident (docs/invariants.md):
   rows are written by the forward, by swap-in loads and by device-to-device moves, none of which is
   a transfer the test holds back, so a load that read a host copy too early shows up here;
 * whenever no copy is in flight, every committed position's host copy equals the shadow's KV;
+* after every rule, the device mirrors of ``req_to_token`` and ``req_to_host`` (kept as distinct
+  tensors here, updated row by row as the tables change) equal a fresh copy of the tables;
 * item 9 per request: ending a request raises every pool's free count by exactly what that request
   owned (its row, and its logical, physical and host pages), and once no request is live every pool
   is back at its initial free count.
@@ -41,6 +43,7 @@ class ShadowedMachine(RuleBasedStateMachine):
         super().__init__()
         self.streams = ManualStreams()
         self.executor = Executor(self.config, model=self.model, transfer=self.streams)
+        self.executor.memory.mirror_tables(separate=True)  # a missed mirror update shows
         self.shadow = Executor(self.shadow_config, model=self.model)
         self.initial = self.executor.pool_counts()
         self.phase: dict[str, str] = {}  # request id -> phase, in admission order
@@ -96,6 +99,17 @@ class ShadowedMachine(RuleBasedStateMachine):
         self.check_device_kv()
         if all(s.done == s.issued for s in self.streams.streams.values()):
             self.check_host_kv()
+
+    @invariant()
+    def mirrors_match_tables(self) -> None:
+        coord = self.executor.memory
+        tables = {
+            "req_to_token": (coord.req_to_token_device, coord.req_to_token),
+            "req_to_host": (coord.req_to_host_device, coord.host.req_to_host),
+        }
+        for name, (mirror, table) in tables.items():
+            assert mirror is not table, f"{name}: the mirror should be a distinct tensor in this test"
+            assert torch.equal(mirror, table.to(mirror.device)), f"{name}: the device mirror missed an update"
 
     def check_kv_against_shadow(self) -> None:
         """Host copies and device rows (the host copies only once every copy has landed)."""

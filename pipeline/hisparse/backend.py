@@ -35,6 +35,9 @@ class SwapInMemory(Protocol):
     @property
     def req_to_token(self) -> torch.Tensor: ...
 
+    @property
+    def req_to_token_device(self) -> torch.Tensor: ...  # the same table, where the kernels run
+
     def swap_in(
         self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
     ) -> SwapInResult: ...
@@ -70,11 +73,12 @@ class HiSparseBackend:
             inputs.index_q,
             inputs.index_w,
             keys,
-            self.coord.req_to_token.to(keys.device),
+            self.coord.req_to_token_device,
             self.req_rows,
             self.positions + 1,
             inputs.top_k,
             inputs.index_scale,
+            check=False,
         )  # [T, K] int32 positions
         self.last_topk = top
         return self._attend_selected(inputs, layer, kv, top)
@@ -86,9 +90,9 @@ class HiSparseBackend:
             phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
             self.trace.record(layer, phase, self._trace_labels(), self.positions, top)
         if self.steps == 0:
-            locs = self.coord.req_to_token[self.req_rows[:, None], top.long().clamp(min=0)]
+            locs = self.coord.req_to_token_device[self.req_rows[:, None], top.long().clamp(min=0)]
             slots = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
-            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
         return self._attend_swapped(inputs, layer, kv, top)
 
     def _attend_swapped(
@@ -102,7 +106,7 @@ class HiSparseBackend:
         result = self.coord.swap_in(layer, top3, seq_lens, rows)
         if bool((result.steps_done == steps).all()):  # the common case: one call resolved every step
             slots = result.slots.reshape(batch * steps, -1)
-            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
         # Resolve the rest in rounds; attention for the steps resolved so far runs before the next
         # round may evict their columns.
         out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
@@ -112,7 +116,7 @@ class HiSparseBackend:
             done_now = pending & (step_ids < result.steps_done[:, None])
             idx = torch.nonzero(done_now.reshape(-1)).reshape(-1)  # flat token indices resolved now
             slots = result.slots.reshape(batch * steps, -1)[idx]
-            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale)
+            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False)
             pending &= ~done_now
             if not bool(pending.any()):
                 return out

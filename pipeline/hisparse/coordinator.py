@@ -129,6 +129,14 @@ class HiSparseCoordinator:
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
         self.verify = VerifyBuffers(self)
+        self.mirror_tables()
+
+    def mirror_tables(self, *, separate: bool = False) -> None:
+        """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row
+        as the tables change (never copied whole per forward). On a CPU they are the tables
+        themselves unless ``separate`` (tests: then a missed update shows)."""
+        self.alloc.req_to_token.mirror_on(self.device, separate=separate)
+        self.host.map.mirror_on(self.device, separate=separate)
 
     # --- admission and prefill ------------------------------------------------------------------
 
@@ -139,6 +147,20 @@ class HiSparseCoordinator:
     @property
     def req_to_token(self) -> torch.Tensor:
         return self.alloc.req_to_token.table
+
+    @property
+    def req_to_token_device(self) -> torch.Tensor:
+        """``req_to_token`` on the device (its mirror)."""
+        mirror = self.alloc.req_to_token.mirror
+        assert mirror is not None
+        return mirror.tensor
+
+    @property
+    def req_to_host_device(self) -> torch.Tensor:
+        """``req_to_host`` on the device (its mirror)."""
+        mirror = self.host.map.mirror
+        assert mirror is not None
+        return mirror.tensor
 
     def length(self, row: int) -> int:
         return self._mem[row].length
@@ -255,27 +277,34 @@ class HiSparseCoordinator:
         host = self.host.pages_needed(row, end)
         return logical, physical, host
 
-    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+    def _room(self, row: int, new_tokens: int, speculative: bool) -> tuple[int, int, int] | None:
+        """``decode_needs`` when every pool can give them, else None (changes nothing)."""
         if self._mem[row].length + new_tokens > self.plan.max_request_len:
-            return False
-        logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
-        return (
+            return None
+        needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        logical, physical, host = needs
+        fits = (
             self.alloc.logical.can_allocate(logical)
             and self.alloc.physical.can_allocate(physical)
             and self.host.allocator.can_allocate(host)
         )
+        return needs if fits else None
+
+    def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
+        return self._room(row, new_tokens, speculative) is not None
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
         """Locations for the next ``new_tokens`` positions and a buffer wide enough for them.
 
-        Raises ``OutOfMemory`` before changing anything when a pool is short.
+        Raises ``OutOfMemory`` before changing anything when a pool is short. Computes the needs
+        once; a row that already has the room (a second call in the same step) changes nothing.
         """
-        if not self.can_decode(row, new_tokens=new_tokens, speculative=speculative):
+        needs = self._room(row, new_tokens, speculative)
+        if needs is None:
             raise OutOfMemory("hisparse decode", new_tokens, self.free_pages())
-        mem = self._mem[row]
-        end = mem.length + new_tokens
-        self.alloc.extend(row, end)
-        _, physical, _ = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        logical, physical, _ = needs
+        if logical:
+            self.alloc.extend(row, self._mem[row].length + new_tokens)
         if physical:
             self.buffers.grow(row, self.alloc.alloc_physical(row, physical))
 
@@ -285,7 +314,7 @@ class HiSparseCoordinator:
         While short the token goes to its identity column; once long it replaces the newest column,
         after the backup that reads the previous newest token has completed.
         """
-        locs, slots = [], []
+        positions, cols = [], []
         for row in rows:
             self.ensure_capacity(row, new_tokens=1, speculative=False)
             mem = self._mem[row]
@@ -295,12 +324,14 @@ class HiSparseCoordinator:
                 mem.backup.wait()  # the previous newest token's copy reads this column
                 self._forget_newest(row)
                 self.buffers.tokens[:, row, col] = pos
-            loc = self.req_to_token[row, pos]
-            slot = self.buffers.locs[row, col]
-            self.alloc.bind(loc.reshape(1), slot.reshape(1).cpu())
-            locs.append(loc)
-            slots.append(slot)
-        return WriteTargets(torch.stack(locs).to(self.device), torch.stack(slots).to(self.device))
+            positions.append(pos)
+            cols.append(col)
+        # one lookup and one bind for the whole step (the rows' locations are disjoint)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
+        slots = self.buffers.locs[row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)]
+        self.alloc.bind(locs, slots.cpu())
+        return WriteTargets(locs.to(self.device), slots)
 
     def _forget_newest(self, row: int) -> None:
         """The newest column is about to be overwritten: its token keeps only its host copy."""
@@ -314,19 +345,16 @@ class HiSparseCoordinator:
         One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
         """
         num_new = num_new or [1] * len(rows)
-        host_slots, dev_slots = [], []
-        start = 0
+        host_slots = []
         for row, count in zip(rows, num_new):
             mem = self._mem[row]
             positions = torch.arange(mem.length, mem.length + count)
             self.host.reserve(row, mem.length + count)
             host_slots.append(self.host.record(row, positions))
-            dev_slots.append(slots[start : start + count].cpu())
-            start += count
             mem.length += count
-        handle = self._backup_stream.copy_rows(
-            self.host.kv, torch.cat(host_slots), self.device_kv, torch.cat(dev_slots).to(self.device)
-        )
+        # a copy of its own: the backup may run after the caller has reused ``slots``
+        dev_slots = slots[: sum(num_new)].to(self.device, copy=True)
+        handle = self._backup_stream.copy_rows(self.host.kv, torch.cat(host_slots), self.device_kv, dev_slots)
         self.counters.add_backup(sum(num_new) * self.host.row_bytes)
         for row in rows:
             self._mem[row].backup = handle
@@ -379,10 +407,11 @@ class HiSparseCoordinator:
             self.buffers.tokens[layer],
             self.buffers.locs,
             self.buffers.lru[layer],
-            self.host.req_to_host.to(self.device) if self.device.type != "cpu" else self.host.req_to_host,
+            self.req_to_host_device,
             self.host.kv[layer],
             self.device_kv[layer],
             hot=self.hot,
+            check=False,  # the coordinator built every argument
         )
         self.counters.add_swap_in(layer, result)
         if self.counters.last_unrecoverable:
@@ -463,6 +492,10 @@ class HiSparseCoordinator:
         self.rows.check_integrity()
         self.alloc.check_integrity()
         self.host.check_integrity()
+        for name, table in (("req_to_token", self.alloc.req_to_token), ("req_to_host", self.host.map)):
+            assert table.mirror is not None and torch.equal(table.mirror.tensor.cpu(), table.table), (
+                f"{name}: the device mirror disagrees with the table"
+            )
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
         staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"

@@ -184,6 +184,47 @@ def round_up(n: int, multiple: int) -> int:
 
 
 @attrs.define(eq=False)
+class TableMirror:
+    """A copy of a ``PagedTable``'s table where the kernels read it (the compute device).
+
+    The table changes row by row (a row covers more pages, records positions, is released), and so
+    does the mirror: the owner applies each change to both, so no step copies the whole table. On a
+    CPU the mirror is the table itself unless ``separate`` (tests: a distinct tensor shows a missed
+    update).
+    """
+
+    host: torch.Tensor  # the table of record
+    device: torch.device
+    separate: bool = False
+    tensor: torch.Tensor = attrs.field(init=False)  # what the kernels read
+
+    def __attrs_post_init__(self) -> None:
+        self.refresh()
+
+    @property
+    def shared(self) -> bool:
+        """True when the mirror is the table itself (nothing to update)."""
+        return self.tensor is self.host
+
+    def refresh(self) -> None:
+        """Rebuild the whole mirror from the table (at creation and after a restore)."""
+        if self.device.type == "cpu" and not self.separate:
+            self.tensor = self.host
+        else:
+            self.tensor = self.host.to(self.device, copy=True)
+
+    def write(self, row: int, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+        if not self.shared:
+            if isinstance(index, torch.Tensor):
+                index = index.to(self.device)
+            self.tensor[row, index] = values.to(self.device)
+
+    def fill_row(self, row: int, value: int) -> None:
+        if not self.shared:
+            self.tensor[row].fill_(value)
+
+
+@attrs.define(eq=False)
 class PagedTable:
     """(request row, position) -> slot, through pages of ``allocator`` owned by that row.
 
@@ -200,10 +241,16 @@ class PagedTable:
     fill_on_cover: bool
     table: torch.Tensor = attrs.field(init=False)  # [num_rows, max_len] int64
     _pages: list[list[int]] = attrs.field(init=False)  # per row, in position order
+    mirror: TableMirror | None = attrs.field(init=False, default=None)  # kept equal to ``table``
 
     def __attrs_post_init__(self) -> None:
         self.table = torch.full((self.num_rows, self.max_len), self.empty, dtype=torch.int64)
         self._pages = [[] for _ in range(self.num_rows)]
+
+    def mirror_on(self, device: torch.device, *, separate: bool = False) -> TableMirror:
+        """Keep a copy of the table on ``device`` from now on, updated with every change."""
+        self.mirror = TableMirror(self.table, device, separate=separate)
+        return self.mirror
 
     @property
     def page_size(self) -> int:
@@ -237,6 +284,8 @@ class PagedTable:
             slots = page_slots(new, self.page_size)
             end = min(start + slots.numel(), self.max_len)
             self.table[row, start:end] = slots[: end - start]
+            if self.mirror is not None:
+                self.mirror.write(row, slice(start, end), slots[: end - start])
         return new
 
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
@@ -251,6 +300,8 @@ class PagedTable:
         """Record the slots of covered ``positions`` in the table; returns them."""
         slots = self.slots(row, positions)
         self.table[row, positions] = slots
+        if self.mirror is not None:
+            self.mirror.write(row, positions, slots)
         return slots
 
     def release(self, row: int) -> list[int]:
@@ -259,12 +310,16 @@ class PagedTable:
         self.allocator.free(pages, owner=row)
         self._pages[row] = []
         self.table[row].fill_(self.empty)
+        if self.mirror is not None:
+            self.mirror.fill_row(row, self.empty)
         return pages
 
     def restore(self, table: torch.Tensor, pages: tuple[tuple[int, ...], ...]) -> None:
         """Put back a table and page lists saved earlier (the allocator is restored by its owner)."""
         self.table.copy_(table)
         self._pages = [list(row_pages) for row_pages in pages]
+        if self.mirror is not None:
+            self.mirror.refresh()
 
     def check_integrity(self) -> None:
         """Each row's pages are owned by that row; recorded slots lie in the row's pages."""

@@ -101,7 +101,7 @@ class ResidentBackend:
         if inputs.index_k is not None:
             keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
         slots = self.select_slots(inputs, keys)  # [T, K]
-        return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale)
+        return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
 
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
@@ -120,6 +120,7 @@ class ResidentBackend:
             layout.positions + 1,
             inputs.top_k,
             inputs.index_scale,
+            check=False,
         )  # [T, K] int32, -1 padded
         self.last_topk = positions
         return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)

@@ -56,6 +56,7 @@ class ExecutorMachine(ShadowedMachine):
             shadow = self.shadow.decode(list(result.tokens))
             assert shadow.tokens == result.tokens, "HiSparse changed the answer"
             self.check_device_kv()
+            self.mirrors_match_tables()
 
 
 TestExecutorMachine = ExecutorMachine.TestCase

@@ -3,7 +3,9 @@
 A hypothesis ``RuleBasedStateMachine`` interleaves prefill allocations, staging copies, device-buffer
 allocations, decode allocations (with buffer growth), finishes, aborts (in every phase), bad frees
 and over-capacity requests across many requests. After every rule every ``check_integrity()`` runs,
-and the test's own model of who owns what must agree with the allocators. When every request has
+the test's own model of who owns what must agree with the allocators, and the mirrors of
+``req_to_token`` and ``req_to_host`` (distinct tensors here) equal the tables: every change, a
+rolled-back transaction included, reached them. When every request has
 ended, every pool is back at its initial free count.
 """
 
@@ -48,6 +50,10 @@ class MemoryMachine(RuleBasedStateMachine):
         self.host = HostPool(
             num_layers=2, host_tokens=96, row_dim=3, page_size=PAGE, num_rows=ROWS, max_len=MAX_LEN
         )
+        self.mirrors = {
+            "req_to_token": self.alloc.req_to_token.mirror_on(torch.device("cpu"), separate=True),
+            "req_to_host": self.host.map.mirror_on(torch.device("cpu"), separate=True),
+        }
         self.reqs: dict[int, Req] = {}
         self.initial = self._free_counts()
 
@@ -227,6 +233,12 @@ class MemoryMachine(RuleBasedStateMachine):
                 "a committed token has no copy"
             )
         assert self.alloc.physical.owners() == sorted(r for r, q in self.reqs.items() if q.physical_pages)
+
+    @invariant()
+    def mirrors_match_tables(self) -> None:
+        for name, mirror in self.mirrors.items():
+            assert mirror.tensor is not mirror.host, f"{name}: the mirror should be a distinct tensor"
+            assert torch.equal(mirror.tensor, mirror.host), f"{name}: the mirror missed an update"
 
     def teardown(self) -> None:
         for row in list(self.reqs):
