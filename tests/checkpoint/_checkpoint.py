@@ -15,6 +15,7 @@ swapped: two tokens that greedy decoding emits early after :data:`PROMPT` become
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -44,33 +45,59 @@ PROMPT = "the quick brown fox"
 
 
 def train_tokenizer(vocab_size: int = 700):
-    """The BPE (ids: specials, then the 256 byte pieces, then the learned pieces)."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    """The BPE (ids: specials, then the 256 byte pieces, then the alphabet and the learned pieces).
 
-    def fresh() -> Tokenizer:
-        tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # pieces never span words
-        tok.decoder = decoders.Sequence(
-            [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-        )
-        return tok
+    Trained here by a small BPE trainer of our own: ``tokenizers``' trainer breaks ties between
+    equally frequent merges differently from run to run, and the tests name pieces; this one breaks
+    them by the pair itself (highest count, then the lowest pair), so every run learns the same
+    vocabulary. The alphabet is the 40 most frequent characters (the rest are spelt in bytes)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    tok = fresh()
-    corpus = [TEXT * 4] + [line for line in TEXT.splitlines() if line]
-    tok.train_from_iterator(
-        corpus,
-        trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIALS), limit_alphabet=40,
-                            show_progress=False),
+    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    pre_tokenizer = pre_tokenizers.Split("▁", behavior="merged_with_next")  # pieces never span words
+    words: dict[str, int] = {}
+    for text in [TEXT * 4] + [line for line in TEXT.splitlines() if line]:
+        for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)):
+            words[word] = words.get(word, 0) + 1
+    chars: dict[str, int] = {}
+    for word, count in words.items():
+        for ch in word:
+            chars[ch] = chars.get(ch, 0) + count
+    alphabet = sorted(sorted(chars), key=lambda ch: -chars[ch])[:40]
+    pieces = [*SPECIALS, *(f"<0x{b:02X}>" for b in range(256)), *sorted(alphabet)]
+    known = set(alphabet)
+    # each word as a list of symbols; a character outside the alphabet is a barrier (byte fallback)
+    spelt = {word: [ch if ch in known else None for ch in word] for word in words}
+    merges: list[tuple[str, str]] = []
+    while len(pieces) < vocab_size:
+        pairs: dict[tuple[str, str], int] = {}
+        for word, symbols in spelt.items():
+            for a, b in itertools.pairwise(symbols):
+                if a is not None and b is not None:
+                    pairs[(a, b)] = pairs.get((a, b), 0) + words[word]
+        if not pairs:
+            break
+        best = min(pairs, key=lambda pair: (-pairs[pair], pair))
+        merges.append(best)
+        pieces.append(best[0] + best[1])
+        for word, symbols in spelt.items():
+            out, i = [], 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(best[0] + best[1])
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            spelt[word] = out
+    vocab = {piece: i for i, piece in enumerate(pieces)}
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    spec = json.loads(tok.to_str())
-    learned = sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])
-    pieces = list(SPECIALS) + [f"<0x{b:02X}>" for b in range(256)]
-    pieces += [t for t, _ in learned if t not in pieces]
-    spec["model"]["vocab"] = {t: i for i, t in enumerate(pieces)}
-    for added in spec["added_tokens"]:
-        added["id"] = spec["model"]["vocab"][added["content"]]
-    tok = Tokenizer.from_str(json.dumps(spec))
+    tok.add_special_tokens(list(SPECIALS))
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tok
 
@@ -106,9 +133,8 @@ def _end_positions(greedy: list[int], avoid: set[int]) -> tuple[int, int] | None
 def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = True) -> Checkpoint:
     """Write the checkpoint into ``out`` (created) and describe it.
 
-    ``tokenizers``' BPE trainer breaks ties between equally frequent merges differently from run to
-    run, so the vocabulary varies a little; the first model seed (from ``seed``) whose greedy output
-    has two fresh tokens to relabel as the end tokens is kept.
+    The first model seed (from ``seed``) whose greedy output has two fresh tokens to relabel as the
+    end tokens is kept.
     """
     from _hf_oracle import random_hf_model, tiny_hf_config
     from transformers import PreTrainedTokenizerFast
