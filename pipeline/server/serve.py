@@ -130,7 +130,7 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="h11",
+            http="httptools",
             ws="none",
             timeout_graceful_shutdown=None,
         )
@@ -226,6 +226,9 @@ async def _serve(args: argparse.Namespace, model: Any) -> int:
     return 0 if server.pools_restored else 1
 
 
+SWITCH_INTERVAL_S = 0.001
+
+
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     """Entry point of ``hispec serve``; ``model`` replaces loading ``--model`` (tests)."""
     args = build_parser().parse_args(argv)
@@ -233,6 +236,9 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    # The event loop (HTTP, SSE) and the executor's worker thread share the GIL; a shorter switch
+    # interval than the default 5 ms lets the loop answer while the executor runs Python code.
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     level = "info" if args.log_json or args.verbose else "warning"
     sink = configure_logging(json=args.log_json or False, level=level)
     try:
