@@ -25,18 +25,6 @@ from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
     from pipeline.model.model import DeepseekV32
-    from pipeline.speculative.draft_state import DraftState
-
-
-@attrs.define(eq=False)
-class SpecSequence:
-    """What a round needs of one request (the executor's per-request record satisfies it)."""
-
-    request_id: str
-    row: int
-    params: object
-    generator: torch.Generator | None
-    draft: DraftState | None
 
 
 @attrs.frozen
