@@ -532,7 +532,9 @@ class Scheduler:
     def containers(self) -> dict[str, list[Request]]:
         return {
             "admission": list(self.admission.queue),
-            "prefill": list(self.prefill.batch),
+            # the batch of a prefill turn: requests it moved on (STAGING) or ended while it waits for
+            # a later command are on their way out, not held (the rest of the turn hands them off)
+            "prefill": [r for r in self.prefill.batch if r.state is State.PREFILL],
             "staging": list(self.staging.owned.values()),
             "decode": list(self.decode.members.values()),
         }
