@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.logs import configure_logging
 from pipeline.model.corpus import build_corpus
 
@@ -81,3 +82,25 @@ def table(headers: list[str], rows: list[list[object]]) -> str:
     lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
     lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def batch_config(
+    args: argparse.Namespace, *, requests: int, prompt_len: int, hisparse: bool, num_steps: int | None
+) -> EngineConfig:
+    """The engine configuration of a batch benchmark: pages of 16, room for ``requests`` requests of
+    ``prompt_len + args.new_tokens`` tokens, HOT ``args.hot`` (``hisparse``), ``num_steps`` draft
+    steps (None: plain decoding)."""
+    page = 16
+    context = prompt_len + args.new_tokens + page
+    per_request = -(-(context + 2 * page) // page) * page
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        page_size=page,
+        max_context_len=context,
+        max_running_requests=requests,
+        device_pool_tokens=max(per_request * requests, args.hot + page),
+        hisparse=HiSparseConfig(device_buffer_size=args.hot) if hisparse else None,
+        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        seed=args.seed,
+    )

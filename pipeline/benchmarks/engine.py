@@ -23,8 +23,8 @@ import time
 
 import anyio
 
-from pipeline.benchmarks.common import machine, table, write_json
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.benchmarks.common import batch_config, machine, table, write_json
+from pipeline.config import EngineConfig
 from pipeline.logs import configure_logging
 
 
@@ -84,19 +84,12 @@ def prompts_for(args: argparse.Namespace, count: int) -> list[list[int]]:
 
 
 def engine_config(args: argparse.Namespace, concurrency: int) -> EngineConfig:
-    page = 16
-    context = args.prompt_len + args.new_tokens + page
-    per_request = -(-(context + 2 * page) // page) * page
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        page_size=page,
-        max_context_len=context,
-        max_running_requests=concurrency,
-        device_pool_tokens=max(per_request * concurrency, args.hot + page),
-        hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
-        speculative=None if args.no_spec else SpeculativeConfig(num_steps=3),
-        seed=args.seed,
+    return batch_config(
+        args,
+        requests=concurrency,
+        prompt_len=args.prompt_len,
+        hisparse=not args.no_hisparse,
+        num_steps=None if args.no_spec else 3,
     )
 
 

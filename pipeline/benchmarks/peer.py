@@ -26,8 +26,8 @@ import time
 import anyio
 import torch
 
-from pipeline.benchmarks.common import held_out_prompts, machine, table, write_json
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.benchmarks.common import batch_config, held_out_prompts, machine, table, write_json
+from pipeline.config import EngineConfig
 from pipeline.logs import configure_logging
 
 CONFIGS = ("hf", "plain", "spec")
@@ -53,19 +53,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace, batch: int, prompt_len: int, spec: bool) -> EngineConfig:
-    page = 16
-    context = prompt_len + args.new_tokens + page
-    per_request = -(-(context + 2 * page) // page) * page
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        page_size=page,
-        max_context_len=context,
-        max_running_requests=batch,
-        device_pool_tokens=max(per_request * batch, args.hot + page),
-        hisparse=HiSparseConfig(device_buffer_size=args.hot),
-        speculative=SpeculativeConfig(num_steps=args.spec_steps) if spec else None,
-        seed=args.seed,
+    return batch_config(
+        args, requests=batch, prompt_len=prompt_len, hisparse=True, num_steps=args.spec_steps if spec else None
     )
 
 
