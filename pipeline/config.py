@@ -27,6 +27,7 @@ from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
 
+DEFAULT_CHUNK = 512  # chunked_prefill_tokens
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -147,6 +148,16 @@ class MemoryPlan:
     max_running_requests: int
     draft_tokens: int  # D, 0 without speculation
     hisparse: bool
+    # tokens of one request one prefill forward computes at most (chunked prefill; max_context_len
+    # when prompts are prefilled whole)
+    prefill_chunk: int = 0
+
+    def chunk_area(self, num_tokens: int) -> int:
+        """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
+        prefilled (whole pages). A chunk's positions past HOT go first to the buffer's newest column
+        and draft zone (idle until decode), then to these rows."""
+        beyond = min(self.prefill_chunk or num_tokens, num_tokens - self.hot)
+        return max(0, _round_up(beyond, self.page_size) - self.page_size) if beyond > 0 else 0
 
     @property
     def device_pages(self) -> int:
@@ -180,6 +191,11 @@ class EngineConfig:
     max_running_requests: int = 16
     # physical device KV slots (excluding the reserved sink page)
     device_pool_tokens: int = 16384
+    # chunked prefill: a prompt longer than this is prefilled this many tokens per forward, and one
+    # prefill forward carries at most this many tokens (vLLM's max_num_batched_tokens for prefill);
+    # None prefills every prompt whole. With HiSparse a request holds at most this chunk plus its
+    # buffer in device rows while it is prefilled, whatever its length.
+    chunked_prefill_tokens: int | None = DEFAULT_CHUNK
     hisparse: HiSparseConfig | None = attrs.field(factory=HiSparseConfig)
     # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (resolve_for_model)
     speculative: SpeculativeConfig | Literal["auto"] | None = "auto"
@@ -212,6 +228,8 @@ class EngineConfig:
             f"must be a multiple of page_size ({self.page_size})",
         )
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
+        if self.chunked_prefill_tokens is not None:
+            _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
         _require(
@@ -244,7 +262,9 @@ class EngineConfig:
         if self.hisparse is None:
             return self.device_pool_tokens - draft
         logical = self.device_pool_tokens * self.hisparse.host_to_device_ratio
-        return min(self.device_pool_tokens, logical - draft)
+        if self.chunked_prefill_tokens is None:  # a whole prompt is prefilled in device rows
+            return min(self.device_pool_tokens, logical - draft)
+        return logical - draft
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         _require(
@@ -288,12 +308,21 @@ class EngineConfig:
         )
         if self.max_context_len is None:  # checked once resolve_for_model has set it
             return
-        prompt = _round_up(self.max_context_len, page)
+        hot = hs.device_buffer_size
+        chunk = self.max_context_len if self.chunked_prefill_tokens is None else self.chunked_prefill_tokens
+        beyond = min(chunk, self.max_context_len - hot)  # a chunk's rows past HOT: newest, draft zone, more
+        prefill = max(buffer_columns, hot + _round_up(beyond, page))
+        what = (
+            "a prompt of max_context_len is prefilled whole"
+            if self.chunked_prefill_tokens is None or chunk >= self.max_context_len
+            else f"a prompt is prefilled in chunks of chunked_prefill_tokens ({chunk})"
+        )
         _require(
-            self.device_pool_tokens >= prompt,
+            self.device_pool_tokens >= prefill,
             "device_pool_tokens",
             self.device_pool_tokens,
-            f"a prefill is dense in the device pool: must hold a prompt of max_context_len ({prompt})",
+            f"{what}: the device pool must hold one request's hot region and the chunk's rows past "
+            f"it ({prefill}); lower chunked_prefill_tokens or raise device_pool_tokens",
         )
         logical = self.device_pool_tokens * hs.host_to_device_ratio
         need = _round_up(self.max_context_len + draft, page)
@@ -325,6 +354,7 @@ class EngineConfig:
             max_running_requests=self.max_running_requests,
             draft_tokens=self._draft_tokens(),
             hisparse=hs is not None,
+            prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
         )
 
 
@@ -362,6 +392,13 @@ def check_against_model(
             config.max_context_len,
             f"must be <= the model's max_position_embeddings ({max_positions})",
         )
+
+
+def _prefill_chunk(chunk: int | None, max_context_len: int | None) -> int:
+    """Tokens of one request one prefill forward computes at most (0 while the context is unknown)."""
+    if max_context_len is None:
+        return chunk or 0
+    return max_context_len if chunk is None else min(chunk, max_context_len)
 
 
 ON_EXIT = ("abort", "finish")

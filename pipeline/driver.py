@@ -1,7 +1,7 @@
 """The synchronous driver: the scheduling core's turns in a plain loop, no asyncio.
 
-Each iteration runs one turn of every part of the core in pipeline order (admission, prefill,
-staging, decode), executing their commands directly on the executor, and passes each turn's hand-off
+Each iteration runs one turn of every part of the core in pipeline order (admission, prefill: one
+forward, a chunk of each head prompt; staging, decode), executing their commands directly on the executor, and passes each turn's hand-off
 to the next part. Staging copies are waited for before staging's turn, so which requests join which
 step does not depend on copy timing (the async engine overlaps them instead). It is the oracle and
 the baseline of the async engine, and what many tests drive directly.
@@ -33,7 +33,12 @@ class SyncDriver:
         self.executor = executor
         self.check = check
         policy = spec_policy if spec_policy is not None else spec_policy_of(executor)
-        self.core = Scheduler.build(max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps, policy=policy)
+        self.core = Scheduler.build(
+            max_prefill_tokens=max_prefill_tokens,
+            num_steps=executor.num_steps,
+            policy=policy,
+            chunk_tokens=executor.config.chunked_prefill_tokens,
+        )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -74,6 +79,7 @@ class SyncDriver:
             return
         core = self.core
         core.admission.remove({request_id})
+        core.prefill.remove(request_id)
         core.staging.owned.pop(request_id, None)
         core.decode.members.pop(request_id, None)
         self._drive(end([(req, AbortRequested())], "driver"))
@@ -87,6 +93,8 @@ class SyncDriver:
         """One scheduler iteration; False once nothing is left to do."""
         core = self.core
         self._route(self._drive(core.admission.turn()), "admission")
+        if len(core.prefill):  # one prefill forward: a chunk of each head prompt
+            self._route(self._drive(core.prefill.turn()), "prefill")
         self.executor.wait_staging()
         self._route(self._drive(core.staging.turn()), "staging")
         if len(core.decode):
@@ -112,7 +120,7 @@ class SyncDriver:
         if not handoff.onward:
             return
         if part == "admission":
-            self._route(self._drive(core.prefill.turn(handoff.onward)), "prefill")
+            core.prefill.accept(handoff.onward)
         elif part == "prefill":
             core.staging.accept(handoff.onward)
         elif part == "staging":

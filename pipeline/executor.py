@@ -32,6 +32,7 @@ import attrs
 import structlog
 import torch
 
+from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
@@ -39,7 +40,6 @@ from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import TransferStream
 from pipeline.memory.interface import KVMemory, Residency
 from pipeline.memory.resident import ResidentMemory
-from pipeline.memory.targets import PrefillSlots
 from pipeline.messages import (
     NO_FIGURES,
     Admit,
@@ -51,6 +51,7 @@ from pipeline.messages import (
     NewSequence,
     Outcome,
     Prefill,
+    PrefillChunk,
     PrefillResult,
     ReadyResult,
     Release,
@@ -93,7 +94,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: tuple[int, ...] = ()  # what the prefill runs (prompt, plus output after a retraction)
-    prefill: PrefillSlots | None = None  # the prompt's locations and dense slots, until the prefill ran
+    prefilled: int = 0  # positions of token_ids computed so far (chunked prefill)
     plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
     # speculative mode, plain steps since the last draft state: (position, target hidden there, the
@@ -162,6 +163,7 @@ class Executor:
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
+        self.prefill_counters = PrefillCounters()
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
         # generators of retracted requests, kept for their re-admission
@@ -198,8 +200,8 @@ class Executor:
             case Admit(sequences=sequences):
                 result = self.admit(sequences)
                 return result, bool(result.admitted)
-            case Prefill(request_ids=ids):
-                return self.prefill_admitted(list(ids)), True
+            case Prefill(chunks=chunks):
+                return self.prefill_chunks(chunks), True
             case CollectReady(request_ids=ids):
                 if idle:
                     self.wait_staging()
@@ -243,61 +245,88 @@ class Executor:
                 raise ValueError(f"request {seq.request_id!r} is already admitted")
             if not self.can_admit(len(seq.token_ids)):
                 break
-            got = self.memory.admit(len(seq.token_ids), speculative=self.speculative)
-            self._register(seq, got)
+            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative)
+            self._register(seq, row)
             admitted.append(seq.request_id)
         return AdmitResult(tuple(admitted))
 
     @torch.inference_mode()
-    def prefill_admitted(self, request_ids: list[str]) -> PrefillResult:
-        """Run the admitted prompts in one forward (a failing forward is bisected), sample each
-        first token, draft-extend (speculative), start staging."""
-        seqs = [self.seqs[rid] for rid in request_ids]
-        ran, failed = self.isolate(seqs, self._prefill_forward, "prefill")
+    def prefill_chunks(self, chunks: Seq[PrefillChunk]) -> PrefillResult:
+        """One forward over a chunk of each request's prompt (a failing forward is bisected). A
+        request whose chunk ends its prompt samples its first token, draft-extends (speculative; the
+        MTP rows of earlier chunks are written with their chunk) and starts staging."""
+        items = []
+        for chunk in chunks:
+            seq = self.seqs[chunk.request_id]
+            if chunk.start != seq.prefilled or not chunk.start < chunk.end <= len(seq.token_ids):
+                raise ValueError(
+                    f"request {chunk.request_id!r}: chunk [{chunk.start}, {chunk.end}) does not continue its "
+                    f"prefill ({seq.prefilled} of {len(seq.token_ids)} positions computed)"
+                )
+            items.append((seq, chunk.start, chunk.end))
+        before = self._swap_totals()
+        ran, failed = self.isolate(items, self._prefill_forward, "prefill")
+        self.prefill_counters.record(items, self._swap_totals(), before)
         first: dict[str, int] = {}
         extend: list[tuple[Sequence, ExtendInput]] = []
-        for seq, hidden, logits in ran:
+        for (seq, start, end), hidden, logits in ran:
+            final = end == len(seq.token_ids)
             try:
+                self.memory.commit_prefill(seq.row, start, end, final=final)
+                seq.prefilled = end
+                if not final:
+                    if self.speculative:  # the chunk's MTP rows; the next id of its last is the prompt's
+                        next_ids = seq.token_ids[start + 1 : end + 1]
+                        extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, None, False)))
+                    continue
                 token = sample(logits, seq.params, seq.generator)
-            except Exception as exc:  # this request's sampling, this request's failure
+            except Exception as exc:  # this request's commit or sampling, this request's failure
                 failed[seq.request_id] = _reason(exc)
                 continue
             first[seq.request_id] = token
             if self.speculative:
-                next_ids = (*seq.token_ids[1:], token)
-                extend.append((seq, ExtendInput(seq.row, 0, next_ids, hidden, seq.params, seq.generator)))
+                next_ids = (*seq.token_ids[start + 1 :], token)
+                extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
             else:
                 seq.plain_next = token
         if extend:
             extended, errors = self.isolate(extend, self._extend, "draft extend")
             for seq, state in extended:
-                seq.draft = state
+                if state is not None:
+                    seq.draft = state
             failed.update(errors)
             for rid in errors:
                 first.pop(rid, None)
-        for rid in request_ids:
+        for rid, token in first.items():
             seq = self.seqs[rid]
-            seq.prefill = None
-            if rid in first and not self._ends_at_first(seq, first[rid]):
+            if not self._ends_at_first(seq, token):
                 self.memory.start_staging(seq.row, len(seq.token_ids))
         return PrefillResult(first, failed)
 
-    def _prefill_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, torch.Tensor, torch.Tensor]]:
+    def _prefill_forward(
+        self, items: list[tuple[Sequence, int, int]]
+    ) -> list[tuple[tuple[Sequence, int, int], torch.Tensor | None, torch.Tensor]]:
         dev = self.device
-        ids = torch.tensor([t for s in seqs for t in s.token_ids], device=dev)
-        positions = torch.cat([torch.arange(len(s.token_ids), device=dev) for s in seqs])
-        rows = torch.cat([torch.full((len(s.token_ids),), s.row, device=dev) for s in seqs])
-        locs = torch.cat([s.prefill.locs for s in seqs]).to(dev)
-        slots = torch.cat([s.prefill.slots for s in seqs]).to(dev)
-        backend = self.memory.backend(rows, positions, locs, slots, trace=self.trace, labels=self._labels())
+        targets = [self.memory.prefill_targets(seq.row, start, end) for seq, start, end in items]
+        ids = torch.tensor([t for seq, start, end in items for t in seq.token_ids[start:end]], device=dev)
+        positions = torch.cat([torch.arange(start, end, device=dev) for _, start, end in items])
+        rows = torch.cat([torch.full((end - start,), seq.row, device=dev) for seq, start, end in items])
+        starts = torch.cat([torch.full((end - start,), start, device=dev) for _, start, end in items])
+        locs = torch.cat([t.locs for t in targets])
+        slots = torch.cat([t.slots for t in targets])
+        backend = self.memory.backend(
+            rows, positions, locs, slots, chunk_starts=starts, trace=self.trace, labels=self._labels()
+        )
         hidden = self.model(ids, positions, backend)  # [T, D]
-        lens = [len(s.token_ids) for s in seqs]
+        lens = [end - start for _, start, end in items]
         ends = torch.cumsum(torch.tensor(lens), 0) - 1
         logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
-        out, start = [], 0
-        for i, (seq, n) in enumerate(zip(seqs, lens)):
-            out.append((seq, hidden[start : start + n].clone(), logits[i]))  # own copies: no batch retained
-            start += n
+        out, at = [], 0
+        for i, (item, n) in enumerate(zip(items, lens)):
+            # own copies (the draft extend's input): no batch retained
+            own = hidden[at : at + n].clone() if self.speculative else None
+            out.append((item, own, logits[i]))
+            at += n
         return out
 
     def _extend(self, items: list[tuple[Sequence, ExtendInput]]) -> list[tuple[Sequence, DraftState]]:
@@ -312,12 +341,24 @@ class Executor:
         return limit or ends
 
     def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
-        """``Admit`` then ``Prefill`` in one call (tests and benchmarks): the sequences that do not fit
-        are left out of the result (neither in ``first_tokens`` nor in ``failed``)."""
-        admitted = self.admit(sequences).admitted
-        if not admitted:
-            return PrefillResult({})
-        return self.prefill_admitted(list(admitted))
+        """``Admit`` then every ``Prefill`` forward their prompts take, in chunks of the config's
+        ``chunked_prefill_tokens`` (tests and benchmarks): the sequences that do not fit are left out
+        of the result (neither in ``first_tokens`` nor in ``failed``)."""
+        admitted = list(self.admit(sequences).admitted)
+        first: dict[str, int] = {}
+        failed: dict[str, str] = {}
+        while True:
+            pending = [
+                (rid, self.seqs[rid].prefilled, len(self.seqs[rid].token_ids))
+                for rid in admitted
+                if rid not in failed and rid in self.seqs
+            ]
+            chunks = plan_chunks(pending, self.config.chunked_prefill_tokens)
+            if not chunks:
+                return PrefillResult(first, failed)
+            result = self.prefill_chunks(chunks)
+            first.update(result.first_tokens)
+            failed.update(result.failed)
 
     def collect_ready(self, request_ids: list[str] | None = None) -> list[str]:
         """Requests (of ``request_ids``; all when None) whose prompt KV reached host and that now own
@@ -325,7 +366,8 @@ class Executor:
         rows = None if request_ids is None else [self.seqs[rid].row for rid in request_ids if rid in self.seqs]
         for rid in request_ids or []:
             seq = self.seqs.get(rid)
-            if seq is not None and seq.prefill is None and self.memory.residency(seq.row) is Residency.PREFILL:
+            computed = seq is not None and seq.prefilled == len(seq.token_ids)
+            if computed and self.memory.residency(seq.row) is Residency.PREFILL:
                 # its first token looked final, so staging was skipped; it goes on after all
                 self.memory.start_staging(seq.row, len(seq.token_ids))
         ready = self.memory.collect_ready(rows, speculative=self.speculative)
@@ -529,6 +571,7 @@ class Executor:
             "pools": self.memory.pools(),
             "hisparse": self.memory.counters_dict(),
             "speculative": None if self.spec_counters is None else self.spec_counters.as_dict(),
+            "prefill": self.prefill_counters.as_dict(),
             "live_requests": len(self.seqs),
             "staging_requests": len(self.memory.staging_rows()),
         }
@@ -539,13 +582,13 @@ class Executor:
 
     # --- helpers ----------------------------------------------------------------------------------
 
-    def _register(self, seq: NewSequence, got: PrefillSlots) -> None:
+    def _register(self, seq: NewSequence, row: int) -> None:
         if seq.request_id in self._sampling_state:
             gen = self._sampling_state.pop(seq.request_id)
         else:
             gen = make_generator(seq.params, self.config.seed, seq.request_id)
-        self.seqs[seq.request_id] = Sequence(seq.request_id, got.row, seq.params, gen, tuple(seq.token_ids), got)
-        self._by_row[got.row] = seq.request_id
+        self.seqs[seq.request_id] = Sequence(seq.request_id, row, seq.params, gen, tuple(seq.token_ids))
+        self._by_row[row] = seq.request_id
 
     def _labels(self) -> dict[int, str] | None:
         return dict(self._by_row) if self.trace is not None else None

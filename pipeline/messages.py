@@ -52,10 +52,24 @@ class Admit:
 
 
 @attrs.frozen
-class Prefill:
-    """Run the prompts of admitted requests in one forward, sample each first token, start staging."""
+class PrefillChunk:
+    """Positions ``[start, end)`` of an admitted request's prompt (``start``: what is computed)."""
 
-    request_ids: tuple[str, ...]  # admitted, in queue order
+    request_id: str
+    start: int
+    end: int
+
+
+@attrs.frozen
+class Prefill:
+    """One prefill forward over a chunk of each request's prompt. A request whose chunk ends its
+    prompt samples its first token and starts staging; the others stay in prefill."""
+
+    chunks: tuple[PrefillChunk, ...]  # admitted requests, in queue order
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(c.request_id for c in self.chunks)
 
 
 @attrs.frozen
@@ -119,7 +133,7 @@ class AdmitResult:
 
 @attrs.frozen
 class PrefillResult:
-    first_tokens: dict[str, int]  # request id -> the token sampled after its prompt
+    first_tokens: dict[str, int]  # request id -> the token sampled after its prompt (its last chunk ran)
     failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue (others unaffected)
 
 

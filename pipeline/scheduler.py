@@ -40,6 +40,7 @@ from collections.abc import Generator, Iterable, Iterator
 
 import attrs
 
+from pipeline.chunking import plan_chunks
 from pipeline.messages import (
     Admit,
     AdmitResult,
@@ -62,6 +63,7 @@ from pipeline.request import Request
 from statemachines.request import (
     AbortRequested,
     Admitted,
+    ChunkDone,
     Crashed,
     DraftDone,
     DraftStarted,
@@ -122,6 +124,7 @@ def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
         "batch_size": batch_size,
         "step_hits": outcome.figures.hits,
         "step_misses": outcome.figures.misses,
+        "step_h2d_bytes": outcome.figures.h2d_bytes,
         "device_ms": round(outcome.seconds * 1e3, 3),
     }
 
@@ -238,49 +241,76 @@ class AdmissionPart:
 
 @attrs.define(eq=False)
 class PrefillPart:
-    """Runs one admitted batch: the forward, the first tokens, the start of staging.
+    """The admitted requests whose prompts are being computed (PREFILL), in admission order.
 
-    Each request then ends (its first token ends it: ``FinishedAtPrefill``; an abort arrived:
-    ``AbortRequested``; the executor failed it: ``Crashed``) or goes on to staging (``PrefillDone``).
+    A turn is one prefill forward: the head requests get a chunk each within the token budget
+    (``pipeline.chunking.plan_chunks``; a prompt longer than the budget takes several turns, and
+    another part's commands run between them, so a long prompt never holds up decoding for long).
+    After the forward each request whose chunk does not end its prompt logs ``ChunkDone`` and stays;
+    the others end (their first token ends them: ``FinishedAtPrefill``; an abort arrived:
+    ``AbortRequested``; the executor failed them: ``Crashed``) or go on to staging (``PrefillDone``).
     """
 
     aborts: AbortBook
+    chunk_tokens: int | None = None  # a forward's token budget (None: whole prompts)
     name: str = "prefill"
-    batch: list[Request] = attrs.Factory(list)  # the batch being prefilled (during a turn)
+    owned: dict[str, Request] = attrs.field(factory=dict)  # admission order
+    progress: dict[str, int] = attrs.field(factory=dict)  # request id -> prompt positions computed
 
-    def turn(self, reqs: list[Request]) -> Turn:
-        self.batch = list(reqs)
-        try:
-            done = yield from take_aborts(reqs, self.aborts, self.name)
-            reqs = [r for r in reqs if not r.is_finished]
-            if not reqs:
-                return done
-            outcome = yield Prefill(tuple(r.request_id for r in reqs))
-            if outcome.error is not None:
-                return done.merge((yield from fail(reqs, outcome.error, self.name)))
-            result: PrefillResult = outcome.result
-            ending: list[tuple[Request, Event]] = []
-            staged: list[Request] = []
-            figures = figures_of(outcome, len(reqs))
-            for req in reqs:
-                if req.request_id in result.failed:
-                    ending.append((req, Crashed(result.failed[req.request_id])))
-                    continue
-                prompt_len = len(req.known_tokens())
-                reason = req.append((result.first_tokens[req.request_id],))
-                if reason is not None:
-                    ending.append((req, FinishedAtPrefill(reason)))
-                elif req.request_id in self.aborts.pending:
-                    ending.append((req, AbortRequested()))
-                else:
-                    req.apply(PrefillDone(), self.name, prefill_tokens=prompt_len, **figures)
-                    staged.append(req)
-            done.merge((yield from end(ending, self.name)))
-            done.onward.extend(staged)
-            done.notify.extend(r for r in reqs if r.output_ids)
+    def __len__(self) -> int:
+        return len(self.owned)
+
+    def accept(self, reqs: Iterable[Request]) -> None:
+        for req in reqs:
+            self.owned[req.request_id] = req
+            self.progress[req.request_id] = 0
+
+    def remove(self, request_id: str) -> None:
+        self.owned.pop(request_id, None)
+        self.progress.pop(request_id, None)
+
+    def turn(self) -> Turn:
+        aborted = self.aborts.among(self.owned.values())
+        for req in aborted:
+            self.remove(req.request_id)
+        done = yield from end([(r, AbortRequested()) for r in aborted], self.name)
+        pending = ((rid, self.progress[rid], len(r.known_tokens())) for rid, r in self.owned.items())
+        chunks = plan_chunks(pending, self.chunk_tokens)
+        if not chunks:
             return done
-        finally:
-            self.batch = []
+        reqs = [self.owned[c.request_id] for c in chunks]
+        outcome = yield Prefill(chunks)
+        if outcome.error is not None:
+            for req in reqs:
+                self.remove(req.request_id)
+            return done.merge((yield from fail(reqs, outcome.error, self.name)))
+        result: PrefillResult = outcome.result
+        ending: list[tuple[Request, Event]] = []
+        staged: list[Request] = []
+        figures = figures_of(outcome, len(reqs))
+        for chunk, req in zip(chunks, reqs):
+            rid = req.request_id
+            prompt_len = len(req.known_tokens())
+            if rid not in result.failed and chunk.end < prompt_len:
+                self.progress[rid] = chunk.end
+                req.apply(ChunkDone(chunk.start, chunk.end), self.name, **figures)
+                continue
+            self.remove(rid)
+            if rid in result.failed:
+                ending.append((req, Crashed(result.failed[rid])))
+                continue
+            reason = req.append((result.first_tokens[rid],))
+            if reason is not None:
+                ending.append((req, FinishedAtPrefill(reason)))
+            elif rid in self.aborts.pending:
+                ending.append((req, AbortRequested()))
+            else:
+                req.apply(PrefillDone(), self.name, prefill_tokens=prompt_len, **figures)
+                staged.append(req)
+        done.merge((yield from end(ending, self.name)))
+        done.onward.extend(staged)
+        done.notify.extend(r for r in reqs if r.output_ids and r.request_id not in self.owned)
+        return done
 
 
 # --- staging -----------------------------------------------------------------------------------------
@@ -519,11 +549,18 @@ class Scheduler:
     aborts: AbortBook
 
     @classmethod
-    def build(cls, *, max_prefill_tokens: int, num_steps: int, policy: SpecPolicy | None = None) -> Scheduler:
+    def build(
+        cls,
+        *,
+        max_prefill_tokens: int,
+        num_steps: int,
+        policy: SpecPolicy | None = None,
+        chunk_tokens: int | None = None,
+    ) -> Scheduler:
         aborts = AbortBook()
         return cls(
             admission=AdmissionPart(max_prefill_tokens, aborts),
-            prefill=PrefillPart(aborts),
+            prefill=PrefillPart(aborts, chunk_tokens),
             staging=StagingPart(aborts),
             decode=DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy()),
             aborts=aborts,
@@ -532,9 +569,9 @@ class Scheduler:
     def containers(self) -> dict[str, list[Request]]:
         return {
             "admission": list(self.admission.queue),
-            # the batch of a prefill turn: requests it moved on (STAGING) or ended while it waits for
-            # a later command are on their way out, not held (the rest of the turn hands them off)
-            "prefill": [r for r in self.prefill.batch if r.state is State.PREFILL],
+            # a prefill turn drops the requests it moves on (STAGING) or ends before it waits for a
+            # later command: they are on their way out, not held (the rest of the turn hands them off)
+            "prefill": list(self.prefill.owned.values()),
             "staging": list(self.staging.owned.values()),
             "decode": list(self.decode.members.values()),
         }

@@ -1,7 +1,8 @@
 """The lifecycle of one request: one enum, one transition table, one function.
 
-Theory of operation. A request is accepted into QUEUED, admitted into a prefill batch, then waits in
-STAGING while its prompt KV is copied to the host pool. Once the copy lands it is READY (it owns a
+Theory of operation. A request is accepted into QUEUED, admitted into a prefill batch, and its prompt
+is computed in PREFILL, chunk by chunk (PREFILL -> PREFILL per chunk when the prompt is longer than
+one chunk; a short prompt is one chunk). It then waits in STAGING while its prompt KV is copied to the host pool. Once the copy lands it is READY (it owns a
 device buffer) and joins the running batch in DECODE. Plain decoding loops DECODE -> DECODE one token
 per step; speculative decoding loops DECODE -> DRAFT -> VERIFY -> DECODE, several tokens per round.
 It ends in exactly one terminal state: FINISHED (EOS, stop string, length), ABORTED (the caller gave
@@ -49,6 +50,14 @@ class Event:
 @attrs.frozen
 class Admitted(Event):
     """Taken into a prefill batch."""
+
+
+@attrs.frozen
+class ChunkDone(Event):
+    """One chunk of a long prompt computed (its KV on its way to host); more chunks follow."""
+
+    start: int = 0  # first position of the chunk
+    end: int = 0  # one past its last
 
 
 @attrs.frozen
@@ -131,6 +140,7 @@ TRANSITIONS: dict[tuple[State, type[Event]], State] = {
     (S.QUEUED, Admitted): S.PREFILL,
     (S.QUEUED, AbortRequested): S.ABORTED,
     (S.QUEUED, Crashed): S.FAILED,
+    (S.PREFILL, ChunkDone): S.PREFILL,
     (S.PREFILL, PrefillDone): S.STAGING,
     (S.PREFILL, FinishedAtPrefill): S.FINISHED,
     (S.PREFILL, Retracted): S.QUEUED,
@@ -160,6 +170,7 @@ TRANSITIONS: dict[tuple[State, type[Event]], State] = {
 
 EVENT_TYPES: tuple[type[Event], ...] = (
     Admitted,
+    ChunkDone,
     PrefillDone,
     FinishedAtPrefill,
     StagingDone,

@@ -3,7 +3,10 @@
 Per layer it stores the new tokens' rows, runs the indexer over each token's visible positions, and
 attends over the selected rows:
 
-* **prefill** (dense in device): a position's row is found through ``logical_to_physical``;
+* **prefill** (one chunk of each prompt, ``chunk_starts``): a position of the chunk itself is found
+  through ``logical_to_physical`` (its rows were just written); an earlier position, when the chunk
+  does not start the prompt, goes through the coordinator's swap-in exactly as in decode (in place
+  when its buffer holds it, else loaded from host), one step per query token;
 * **decode / verify**: the tokens are request-major, ``steps`` per request (1 for decode, D for a
   verify); their top-k sets go through the coordinator's swap-in, which returns device slots,
   loading misses from host. A verify whose steps do not all fit the hot region in one call is
@@ -13,6 +16,8 @@ attends over the selected rows:
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import attrs
@@ -53,6 +58,9 @@ class HiSparseBackend:
     write_locs: torch.Tensor  # [T] int64 logical location (indexer key)
     write_slots: torch.Tensor  # [T] int64 device slot (MLA row)
     steps: int = 0  # 0 = prefill; else tokens per request, request-major
+    # prefill: [T] int64 the first position of each token's chunk (None: every chunk starts at 0);
+    # the tokens of one request are contiguous
+    chunk_starts: torch.Tensor | None = None
     trace: TopKTrace | None = None
     labels: dict[int, str] | None = None  # request id of each request row, for the trace
     # [T, K] int32 the last full layer's top-k of this forward; a shared layer (``reuse_topk``)
@@ -90,10 +98,36 @@ class HiSparseBackend:
             phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
             self.trace.record(layer, phase, self._trace_labels(), self.positions, top)
         if self.steps == 0:
-            locs = self.coord.req_to_token_device[self.req_rows[:, None], top.long().clamp(min=0)]
-            slots = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
-            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
+            return self._attend_prefill(inputs, layer, kv, top)
         return self._attend_swapped(inputs, layer, kv, top)
+
+    def _attend_prefill(
+        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
+    ) -> torch.Tensor:
+        locs = self.coord.req_to_token_device[self.req_rows[:, None], top.long().clamp(min=0)]
+        dense = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
+        starts = self.chunk_starts
+        if starts is None or not bool((starts > 0).any()):  # every chunk starts its prompt
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, dense, inputs.attn_scale, check=False)
+        out = torch.empty_like(inputs.q_latent)
+        own = (top < 0) | (top.long() >= starts[:, None])  # -1 padding or a position of the chunk
+        for a, b in _groups(self.req_rows):
+            start = int(starts[a])
+            if start == 0:
+                out[a:b] = sparse_mla(
+                    inputs.q_latent[a:b], inputs.q_rope[a:b], kv, dense[a:b], inputs.attn_scale, check=False
+                )
+                continue
+            past = torch.where(own[a:b], -1, top[a:b])[None]  # [1, S, K] the earlier positions
+            seq_lens = torch.full((1, b - a), start, dtype=torch.int64, device=top.device)
+            rows = self.req_rows[a : a + 1].contiguous()
+            for idx, slots in self._swap_rounds(layer, past, seq_lens, rows):
+                tok = idx + a
+                chosen = torch.where(own[tok], dense[tok], slots.long())
+                out[tok] = sparse_mla(
+                    inputs.q_latent[tok], inputs.q_rope[tok], kv, chosen, inputs.attn_scale, check=False
+                )
+        return out
 
     def _attend_swapped(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
@@ -103,25 +137,47 @@ class HiSparseBackend:
         rows = self.req_rows.reshape(batch, steps)[:, 0].contiguous()
         top3 = top.reshape(batch, steps, -1)  # [B, S, K]
         seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
+        out: torch.Tensor | None = None
+        for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows):
+            if out is None and idx.numel() == top.shape[0]:  # the common case: one call resolved all
+                return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
+            if out is None:
+                out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
+            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False)
+        assert out is not None
+        return out
+
+    def _swap_rounds(
+        self, layer: int, top3: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Swap-in of ``top3 [B, S, K]``, in as many calls as the hot region needs: yields (flat
+        indices of the steps resolved by one call, their slots ``[n, K]``). The caller attends over
+        them before resuming, because the next call may evict their columns."""
+        batch, steps = top3.shape[:2]
         result = self.coord.swap_in(layer, top3, seq_lens, rows)
-        if bool((result.steps_done == steps).all()):  # the common case: one call resolved every step
-            slots = result.slots.reshape(batch * steps, -1)
-            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
-        # Resolve the rest in rounds; attention for the steps resolved so far runs before the next
-        # round may evict their columns.
-        out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
-        pending = torch.ones(batch, steps, dtype=torch.bool, device=top.device)
-        step_ids = torch.arange(steps, device=top.device)[None, :]
+        flat = result.slots.reshape(batch * steps, -1)
+        if bool((result.steps_done == steps).all()):
+            yield torch.arange(batch * steps, device=top3.device), flat
+            return
+        pending = torch.ones(batch, steps, dtype=torch.bool, device=top3.device)
+        step_ids = torch.arange(steps, device=top3.device)[None, :]
         while True:
             done_now = pending & (step_ids < result.steps_done[:, None])
-            idx = torch.nonzero(done_now.reshape(-1)).reshape(-1)  # flat token indices resolved now
-            slots = result.slots.reshape(batch * steps, -1)[idx]
-            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False)
+            idx = torch.nonzero(done_now.reshape(-1)).reshape(-1)
+            yield idx, result.slots.reshape(batch * steps, -1)[idx]
             pending &= ~done_now
             if not bool(pending.any()):
-                return out
+                return
             result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows)
 
     def _trace_labels(self) -> list[str]:
         labels = self.labels or {}
         return [labels.get(row, str(row)) for row in self.req_rows.tolist()]
+
+
+def _groups(req_rows: torch.Tensor) -> list[tuple[int, int]]:
+    """``[a, b)`` token ranges of the requests of a flat prefill batch (their tokens are contiguous)."""
+    key = req_rows.cpu()
+    change = torch.nonzero(key[1:] != key[:-1]).reshape(-1) + 1
+    bounds = [0, *change.tolist(), key.numel()]
+    return list(itertools.pairwise(bounds))

@@ -4,12 +4,17 @@ It owns the device KV pool (MLA rows by physical slot), the indexer key pool (by
 always on the device), the host pool, the per-request device buffers, and two transfer streams
 (staging copies and decode backups). Its verbs, in the order a request meets them:
 
-    admit -> start_staging -> collect_ready -> (prepare_decode -> forward -> commit_decode)* -> release
+    admit -> (prefill_targets -> forward -> commit_prefill)+ -> start_staging -> collect_ready
+          -> (prepare_decode -> forward -> commit_decode)* -> release
 
-* ``admit``: a row, and prompt locations bound 1:1 to device slots (a prefill is dense in device).
-* ``start_staging``: the prompt KV goes to host asynchronously; the request waits in a FIFO queue.
-* ``collect_ready``: pops requests whose copy landed, in FIFO order, and gives each its device
-  buffer, reusing its prefill slots for the first positions and freeing the rest.
+* ``admit``: a row, locations and host pages for the whole prompt, the device buffer, and the
+  device rows of one prefill chunk.
+* ``prefill_targets`` / ``commit_prefill``: a prompt is prefilled in chunks (one chunk when it is
+  short). Positions below HOT go to their identity columns, later ones to the chunk rows; a finished
+  chunk is copied to host, and the next chunk reads it through swap-in, as decode does.
+* ``start_staging``: the last chunk goes to host asynchronously; the request waits in a FIFO queue.
+* ``collect_ready``: pops requests whose copy landed, in FIFO order; each gives back its chunk rows
+  and decodes through its buffer.
 * ``prepare_decode`` / ``commit_decode``: where the next token's KV is written (its identity column
   while short, the newest column once long), and the backup of every committed token to host.
 * ``release``: every resource the row owns goes back exactly once, in any state.
@@ -34,9 +39,9 @@ from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStream, make_transfer_stream
 from pipeline.hisparse.verify import VerifyBuffers
-from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows
+from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory.interface import Residency
-from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
+from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
 
 log = structlog.get_logger(__name__)
@@ -48,9 +53,8 @@ class RowMemory:
 
     length: int  # committed positions (their KV exists)
     residency: Residency
-    prefill_pages: list[int] = attrs.Factory(list)  # physical pages while the prompt is dense in device
-    prefill_locs: torch.Tensor | None = None  # [n] the prompt's locations
-    staging: TransferHandle | None = None  # the prompt's copy to host
+    chunk_pages: list[int] = attrs.Factory(list)  # device rows of a chunk's positions past HOT (prefill)
+    staging: TransferHandle = attrs.Factory(DoneHandle)  # the newest copy of prompt positions to host
     backup: TransferHandle = attrs.Factory(DoneHandle)  # the newest backup issued for this row
 
 
@@ -169,48 +173,88 @@ class HiSparseCoordinator:
         return sorted(self._mem)
 
     def _admission_pages(self, num_tokens: int, speculative: bool) -> tuple[int, int]:
-        """(prompt pages, extra device pages): a prompt is dense in device, and the row also holds,
-        from admission on, the rest of the device buffer it gets when staging ends (so that staging
-        never waits for memory: the progress guarantee of ``docs/invariants.md``)."""
+        """(buffer pages, chunk pages) a prompt holds from admission on: its device buffer (whose
+        identity columns receive the positions below HOT, and whose newest column and draft zone the
+        first of a chunk's positions past HOT) and the rows of the rest of a chunk. Holding the buffer from admission means staging never waits for memory (the
+        progress guarantee of ``docs/invariants.md``)."""
         page = self.plan.page_size
-        pages = -(-num_tokens // page)
         buffer_pages = self.buffers.capacity_for(num_tokens, speculative=speculative) // page
-        return pages, max(0, buffer_pages - pages)
+        return buffer_pages, self.plan.chunk_area(num_tokens) // page
 
     def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
-        """Room for a prompt: a row, dense device slots (and its future buffer), locations and its
-        host copy."""
+        """Room for a prompt: a row, its buffer and chunk rows, locations and its host copy."""
         if not self.rows.can_allocate():
             return False
-        pages, extra = self._admission_pages(num_tokens, speculative)
+        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+        pages = -(-num_tokens // self.plan.page_size)
         return (
-            self.alloc.physical.can_allocate(pages + extra)
+            self.alloc.physical.can_allocate(buffer_pages + chunk_pages)
             and self.alloc.logical.can_allocate(pages)
             and self.host.allocator.can_allocate(pages)
         )
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
-        """A row and its prompt's locations and slots; raises ``OutOfMemory`` (nothing changed)."""
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
+        """A row holding everything its prompt needs to reach decode (locations and host pages for
+        every position, the device buffer, one chunk's rows); raises ``OutOfMemory`` (nothing
+        changed)."""
         if not self.can_admit(num_tokens, speculative=speculative):
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
         row = self.rows.allocate()
-        _, extra = self._admission_pages(num_tokens, speculative)
-        got = self.alloc.alloc_prefill(row, num_tokens, extra_pages=extra)
-        self._mem[row] = RowMemory(
-            length=0, residency=Residency.PREFILL, prefill_pages=got.physical_pages, prefill_locs=got.locs
-        )
-        return PrefillSlots(row, got.locs.to(self.device), got.slots.to(self.device))
+        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+        self.alloc.extend(row, num_tokens)
+        self.host.reserve(row, num_tokens)
+        self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
+        chunk = self.alloc.alloc_physical(row, chunk_pages) if chunk_pages else []
+        self._mem[row] = RowMemory(length=0, residency=Residency.PREFILL, chunk_pages=chunk)
+        return row
+
+    def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
+        """Where positions ``[start, end)`` of a prefilling row write (idempotent until
+        ``commit_prefill``): a position below HOT to its identity column, one past HOT to the chunk
+        rows. Waits for the previous chunk's copy to host (it reads the chunk rows this chunk
+        overwrites, and this chunk's swap-in reads it); an earlier position keeps no device mapping:
+        the forward reads it through swap-in, as decode does."""
+        mem = self._mem[row]
+        assert mem.residency is Residency.PREFILL and start == mem.length, (row, start, mem.length)
+        mem.staging.wait()  # raises if that copy failed: this row's forward fails alone
+        locs = self.req_to_token[row, :end]
+        self.alloc.clear(locs[:start])
+        positions = torch.arange(start, end)
+        hot = self.hot
+        below = positions < hot
+        # past HOT: the newest column and draft zone (empty until decode), then the chunk rows
+        area = torch.cat([self.buffers.locs[row, hot:].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)])
+        slots = torch.empty(end - start, dtype=torch.int64)
+        slots[below] = self.buffers.locs[row, positions[below].to(self.device)].cpu()
+        slots[~below] = area[positions[~below] - max(start, hot)]
+        self.alloc.bind(locs[start:], slots)
+        return WriteTargets(locs[start:].to(self.device), slots.to(self.device))
+
+    def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:
+        """The forward computed positions ``[start, end)``. A chunk that is not the prompt's last is
+        copied to host now (the next chunk reads it from there); the last one is copied by
+        ``start_staging``."""
+        mem = self._mem[row]
+        mem.length = end
+        if not final:
+            mem.staging = self._copy_prompt(row, start, end)
+
+    def _copy_prompt(self, row: int, start: int, end: int) -> TransferHandle:
+        """Issue the copy of prompt positions ``[start, end)`` (still mapped to their slots) to host."""
+        positions = torch.arange(start, end)
+        host_slots = self.host.record(row, positions)
+        dev_slots = self.alloc.lookup(self.req_to_token[row, start:end]).to(self.device)
+        self.counters.add_backup((end - start) * self.host.row_bytes)
+        return self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
 
     def start_staging(self, row: int, length: int) -> None:
-        """The prompt's KV is computed: copy it to host (all layers) and queue the row."""
+        """The prompt's KV is computed: copy what is not on host yet (the last chunk) and queue
+        the row."""
         mem = self._mem[row]
-        positions = torch.arange(length)
-        self.host.reserve(row, length)
-        host_slots = self.host.record(row, positions)
-        dev_slots = self.alloc.lookup(mem.prefill_locs[:length]).to(self.device)
-        mem.staging = self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
-        self.counters.add_backup(length * self.host.row_bytes)
-        mem.length, mem.residency = length, Residency.STAGING
+        assert mem.length == length, (row, mem.length, length)
+        copied = int((self.host.req_to_host[row, :length] >= 0).sum())
+        mem.staging = self._copy_prompt(row, copied, length)
+        mem.residency = Residency.STAGING
         self._staging.append(row)
 
     def staging_rows(self) -> list[int]:
@@ -221,12 +265,12 @@ class HiSparseCoordinator:
         self._staging_stream.synchronize()
 
     def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
-        """Pop staged rows (of ``rows``; all when None) whose copy has landed, in FIFO order, and give
-        each its device buffer (from the pages it holds since admission).
+        """Pop staged rows (of ``rows``; all when None) whose copy has landed, in FIFO order: each
+        gives back its chunk rows and decodes through the buffer it holds since admission.
 
         Stops at the first row whose copy is still in flight (copies land in issue order). A row
-        whose copy failed is skipped and reported by ``take_staging_failures`` (the caller releases it). A row whose buffer would not fit (it cannot happen when it was
-        admitted with the same ``speculative``) stays at the head of the queue.
+        whose copy failed is skipped and reported by ``take_staging_failures`` (the caller releases
+        it).
         """
         wanted = None if rows is None else set(rows)
         ready: list[int] = []
@@ -234,7 +278,6 @@ class HiSparseCoordinator:
             if wanted is not None and row not in wanted:
                 continue
             mem = self._mem[row]
-            assert mem.staging is not None
             try:
                 landed = mem.staging.query()
             except Exception as exc:  # this row's copy failed: this row fails alone
@@ -242,14 +285,11 @@ class HiSparseCoordinator:
                 continue
             if not landed:
                 break
-            need = self.buffers.capacity_for(mem.length, speculative=speculative)
-            short = need // self.plan.page_size - len(mem.prefill_pages)
-            if short > 0 and not self.alloc.physical.can_allocate(short):
-                break
-            pages = self.alloc.alloc_device_buffer(row, mem.prefill_pages, mem.prefill_locs, need)
-            self.buffers.assign(row, pages)
+            self.alloc.clear(self.req_to_token[row, : mem.length])  # decode reads through the buffer
+            if mem.chunk_pages:
+                self.alloc.free_physical(row, mem.chunk_pages)
             self._staging.remove(row)
-            mem.residency, mem.staging, mem.prefill_pages, mem.prefill_locs = Residency.RESIDENT, None, [], None
+            mem.residency, mem.staging, mem.chunk_pages = Residency.RESIDENT, DoneHandle(), []
             ready.append(row)
         return ready
 
@@ -370,11 +410,15 @@ class HiSparseCoordinator:
         slots: torch.Tensor,
         *,
         steps: int = 0,
+        chunk_starts: torch.Tensor | None = None,
         trace: TopKTrace | None = None,
         labels: dict[int, str] | None = None,
     ) -> HiSparseBackend:
-        """The attention backend of one forward: ``steps`` = 0 for a prefill, else tokens per row."""
-        return HiSparseBackend(self, rows, positions, locs, slots, steps=steps, trace=trace, labels=labels)
+        """The attention backend of one forward: ``steps`` = 0 for a prefill (``chunk_starts``: the
+        first position of each token's chunk), else tokens per row."""
+        return HiSparseBackend(
+            self, rows, positions, locs, slots, steps=steps, chunk_starts=chunk_starts, trace=trace, labels=labels
+        )
 
     def draft_backend(
         self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor
@@ -437,14 +481,13 @@ class HiSparseCoordinator:
         """Return everything ``row`` owns, in any phase; waits for copies that touch its slots."""
         mem = self._mem.pop(row)
         if mem.residency is Residency.STAGING:
-            assert mem.staging is not None
             self._staging.remove(row)
-            _wait_logged(mem.staging, row, "staging")
+        _wait_logged(mem.staging, row, "staging")
         _wait_logged(mem.backup, row, "backup")
         covered = self.alloc.req_to_token.covered_len(row)
         self.alloc.clear(self.req_to_token[row, :covered])
-        if mem.prefill_pages:
-            self.alloc.free_physical(row, mem.prefill_pages)
+        if mem.chunk_pages:
+            self.alloc.free_physical(row, mem.chunk_pages)
         self.alloc.free_physical(row, self.buffers.reset(row))
         self.alloc.release_locations(row)
         self.host.release(row)
@@ -484,7 +527,7 @@ class HiSparseCoordinator:
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (buffer or dense prompt), all layers."""
         mem = self._mem[row]
-        pages = len(mem.prefill_pages) + len(self.buffers.pages(row))
+        pages = len(mem.chunk_pages) + len(self.buffers.pages(row))
         return pages * self.plan.page_size * self.num_layers * self.row_dim * self.device_kv.element_size()
 
     def check_integrity(self, *, data: bool = True) -> None:
@@ -501,10 +544,10 @@ class HiSparseCoordinator:
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
         for row, mem in self._mem.items():
             owned = self.alloc.physical.pages_of(row)
-            expect = set(mem.prefill_pages) | set(self.buffers.pages(row))
+            expect = set(mem.chunk_pages) | set(self.buffers.pages(row))
             assert owned == expect, f"row {row}: owns pages {sorted(owned)}, accounts for {sorted(expect)}"
-            assert not (mem.prefill_pages and self.buffers.pages(row)), (
-                f"row {row}: prompt and buffer at once"
+            assert not (mem.chunk_pages and mem.residency is Residency.RESIDENT), (
+                f"row {row}: decodes and still holds chunk rows"
             )
             if mem.residency is not Residency.RESIDENT:
                 continue

@@ -5,8 +5,9 @@ Two implementations satisfy it: ``ResidentMemory`` (every token's KV on the devi
 known to the memory by its *row* (``0..max_running_requests-1``), handed out by ``admit`` and given
 back by ``release``; every other verb takes rows.
 
-A row's residency moves ``PREFILL -> STAGING -> RESIDENT`` (``Residency``): dense prompt slots while
-prefilling, the prompt's copy to host in flight, then its decode-time layout. Indices a verb returns
+A row's residency moves ``PREFILL -> STAGING -> RESIDENT`` (``Residency``): the prompt computed chunk
+by chunk (one chunk when it is short), the last chunk's copy to host in flight, then its decode-time
+layout. Indices a verb returns
 (locations, slots) stay valid until the next verb that changes the same row's layout, unless the
 verb's docstring says otherwise.
 """
@@ -19,14 +20,14 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
+    from pipeline.memory.targets import VerifyLayout, WriteTargets
     from pipeline.model.attention_api import AttentionBackend
 
 
 class Residency(enum.Enum):
     """Where a live row's KV is (one fact; ``check_integrity`` compares it with the request's state)."""
 
-    PREFILL = "prefill"  # admitted: dense device slots for the prompt, the forward has not run yet
+    PREFILL = "prefill"  # admitted: the prompt is being computed, chunk by chunk
     STAGING = "staging"  # prompt KV computed; its copy to host is in flight
     RESIDENT = "resident"  # decode layout: the device buffer (HiSparse) or the resident pool
 
@@ -45,15 +46,25 @@ class KVMemory(Protocol):
         """Whether ``admit`` would succeed now (changes nothing)."""
         ...
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
-        """A free row and everything its prompt needs to reach decode: locations and device slots for
-        the prompt (dense), its host copy, and the pages of the device buffer it gets when staging
-        ends, so that ``collect_ready`` never waits for memory. Raises ``OutOfMemory`` and changes
-        nothing when a pool is short. The slots stay valid until ``collect_ready`` returns the row."""
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
+        """A free row holding everything its prompt needs to reach decode: locations for every
+        position, its host copy, the device rows of one prefill chunk and (HiSparse) the device
+        buffer it decodes through, so that neither a later chunk nor ``collect_ready`` waits for
+        memory. Raises ``OutOfMemory`` and changes nothing when a pool is short."""
+        ...
+
+    def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
+        """Where prompt positions ``[start, end)`` write (``start`` = the positions computed so far);
+        idempotent until ``commit_prefill``. May wait for the previous chunk's copy to host."""
+        ...
+
+    def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:
+        """The forward computed positions ``[start, end)`` (``final``: the prompt's last chunk)."""
         ...
 
     def start_staging(self, row: int, length: int) -> None:
-        """The prompt's ``length`` positions are computed: copy them to host; the row is STAGING."""
+        """The prompt's ``length`` positions are computed: copy to host what is not there yet; the
+        row is STAGING."""
         ...
 
     def staging_rows(self) -> list[int]:
@@ -107,10 +118,12 @@ class KVMemory(Protocol):
         slots: torch.Tensor,
         *,
         steps: int = 0,
+        chunk_starts: torch.Tensor | None = None,
         trace: object = None,
         labels: dict[int, str] | None = None,
     ) -> AttentionBackend:
-        """The attention backend of one target forward (``steps``: 0 = prefill, else tokens per row)."""
+        """The attention backend of one target forward (``steps``: 0 = prefill, whose tokens are
+        chunks starting at ``chunk_starts`` [T]; else tokens per row)."""
         ...
 
     def draft_backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> AttentionBackend:

@@ -16,7 +16,7 @@ from pipeline.config import MemoryPlan
 from pipeline.memory.interface import Residency
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.req_to_token import RequestRows, token_table
-from pipeline.memory.targets import PrefillSlots, VerifyLayout, WriteTargets
+from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
 
@@ -64,21 +64,30 @@ class ResidentMemory:
     def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
         return self.rows.can_allocate() and self.allocator.can_allocate(-(-num_tokens // self.plan.page_size))
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> PrefillSlots:
+    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
         if not self.can_admit(num_tokens):
             raise OutOfMemory(
                 "kv admission", -(-num_tokens // self.plan.page_size), self.allocator.num_free_pages
             )
         row = self.rows.allocate()
         self._table.cover(row, num_tokens)
+        self.store.req_to_token[row] = self._table.table[row].to(self.device)
         self._length[row] = 0
         self._residency[row] = Residency.PREFILL
-        locs = self._table.table[row, :num_tokens].to(self.device)
-        return PrefillSlots(row, locs, locs)
+        return row
+
+    def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
+        """The locations of positions ``[start, end)``: every position is resident, so a later chunk
+        reads the earlier ones in place."""
+        locs = self._table.table[row, start:end].to(self.device)
+        return WriteTargets(locs, locs)
+
+    def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:
+        self._length[row] = end
 
     def start_staging(self, row: int, length: int) -> None:
         """Nothing to copy: the request is ready at once (still in FIFO order)."""
-        self._length[row] = length
+        assert self._length[row] == length, (row, self._length[row], length)
         self._residency[row] = Residency.STAGING
         self._ready.append(row)
 
@@ -133,6 +142,7 @@ class ResidentMemory:
         slots: torch.Tensor,
         *,
         steps: int = 0,
+        chunk_starts: torch.Tensor | None = None,
         trace: object = None,
         labels: dict[int, str] | None = None,
     ) -> ResidentBackend:

@@ -7,15 +7,6 @@ import torch
 
 
 @attrs.frozen
-class PrefillSlots:
-    """A prompt's memory: its request row, its locations and the slots its MLA rows go to."""
-
-    row: int
-    locs: torch.Tensor  # [n] int64 logical location per prompt position (indexer keys)
-    slots: torch.Tensor  # [n] int64 device slot per prompt position (MLA rows)
-
-
-@attrs.frozen
 class WriteTargets:
     """Where the tokens of one decode/verify forward write their rows."""
 

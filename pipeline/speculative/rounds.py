@@ -40,6 +40,9 @@ class ExtendInput:
     hidden: torch.Tensor  # [m, D] target hidden states at those positions
     params: SamplingParams
     generator: torch.Generator | None
+    # False for a prompt chunk that is not the prompt's last: only the MTP rows are written (the next
+    # id of its last position is the next chunk's first token; nothing is proposed or sampled)
+    propose: bool = True
 
 
 @attrs.frozen
@@ -57,8 +60,9 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
-def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState]:
-    """MTP rows over each request's new positions; one flat forward for the batch."""
+def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState | None]:
+    """MTP rows over each request's new positions; one flat forward for the batch. Each input that
+    ``propose``s gets its draft state; the others None."""
     dev = model.device
     rows = torch.cat([torch.full((len(x.next_ids),), x.row, dtype=torch.int64) for x in inputs])
     positions = torch.cat([torch.arange(x.start, x.start + len(x.next_ids)) for x in inputs])
@@ -70,6 +74,9 @@ def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]
     ends = torch.cumsum(torch.tensor([len(x.next_ids) for x in inputs]), 0) - 1
     states = []
     for x, end in zip(inputs, ends.tolist()):
+        if not x.propose:
+            states.append(None)
+            continue
         token, q = propose(out.logits[end], x.params, x.generator)
         # a copy: a view would keep the whole batch's hidden states alive as long as this request
         hidden = out.hidden[end].clone()

@@ -1,7 +1,9 @@
 """Prefill: the actor around the core's ``PrefillPart``; owns requests in PREFILL.
 
-For each admitted batch it runs one turn (the forward, the first tokens, the start of staging) and
-hands the requests that go on to the staging stage.
+Admitted batches join its part; while the part holds requests it runs one turn after another (one
+prefill forward each: a chunk of each head prompt) and hands the requests whose prompt is done to
+the staging stage. Each turn is one executor command, so the decode stage's commands run between
+the chunks of a long prompt.
 """
 
 from __future__ import annotations
@@ -9,10 +11,11 @@ from __future__ import annotations
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.messages import PrefillBatch, Staged
-from pipeline.scheduler import PrefillPart
-from pipeline.stages import drive
+from pipeline.scheduler import PrefillPart, end
+from pipeline.stages import absorb, drive
 from pipeline.stages.context import StageContext
 from pipeline.stages.executor_actor import ExecutorClient
+from statemachines.request import AbortRequested
 
 
 class PrefillStage:
@@ -34,12 +37,20 @@ class PrefillStage:
 
     async def run(self) -> None:
         async with self._inbox, self._staging_out, self._client:
-            async for batch in self._inbox:
-                match batch:
-                    case PrefillBatch(requests=reqs):
-                        handoff = await drive(self.part.turn(list(reqs)), self._client)
-                    case _:
-                        raise TypeError(f"prefill cannot take {batch!r}")
+            while await absorb(self._inbox, self._accept, lambda: len(self.part) > 0):
+                handoff = await drive(self.part.turn(), self._client)
                 self.ctx.settle(handoff)
                 if handoff.onward:
                     await self._staging_out.send(Staged(tuple(handoff.onward)))
+            # the engine closes its ends only once nothing is live; anything left is aborted
+            leftover = list(self.part.owned.values())
+            for req in leftover:
+                self.part.remove(req.request_id)
+            self.ctx.settle(await drive(end([(r, AbortRequested()) for r in leftover], self.name), self._client))
+
+    def _accept(self, message: PrefillBatch) -> None:
+        match message:
+            case PrefillBatch(requests=reqs):
+                self.part.accept(reqs)
+            case _:
+                raise TypeError(f"prefill cannot take {message!r}")

@@ -147,7 +147,10 @@ def build_pipeline(
 
     bells = Bells({"admission": admission_end.clone(), "staging": staging_end.clone(), "decode": decode_end.clone()})
     core = Scheduler.build(
-        max_prefill_tokens=max_prefill_tokens, num_steps=executor.num_steps, policy=spec_policy_of(executor)
+        max_prefill_tokens=max_prefill_tokens,
+        num_steps=executor.num_steps,
+        policy=spec_policy_of(executor),
+        chunk_tokens=executor.config.chunked_prefill_tokens,
     )
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens

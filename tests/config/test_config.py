@@ -170,12 +170,20 @@ RULES = [
         lambda: dict(max_context_len=64, device_pool_tokens=128, hisparse=HS(host_to_device_ratio=1)),
         "must hold one device buffer",
     ),
-    # a prefill is dense in the device pool: S >= roundup(max_context_len, P)
+    # a prompt prefilled whole: S >= roundup(max_context_len, P) (its positions past HOT use the
+    # buffer's newest column and draft zone first)
     (
         "device_pool_tokens",
-        lambda: dict(max_context_len=1024, device_pool_tokens=1024),
-        lambda: dict(max_context_len=1025, device_pool_tokens=1024),
-        "a prefill is dense in the device pool",
+        lambda: dict(max_context_len=1024, device_pool_tokens=1024, chunked_prefill_tokens=None),
+        lambda: dict(max_context_len=1025, device_pool_tokens=1024, chunked_prefill_tokens=None),
+        "a prompt of max_context_len is prefilled whole",
+    ),
+    # chunked: S >= HOT + roundup(chunk, P), whatever the context length
+    (
+        "device_pool_tokens",
+        lambda: dict(max_context_len=4096, device_pool_tokens=640, hisparse=HS(host_to_device_ratio=8)),
+        lambda: dict(max_context_len=4096, device_pool_tokens=624, hisparse=HS(host_to_device_ratio=8)),
+        "a prompt is prefilled in chunks of chunked_prefill_tokens (512)",
     ),
     # logical / host pools hold one request of max_context_len plus the draft tokens
     (
@@ -289,6 +297,7 @@ configs = st.builds(
     max_context_len=st.integers(1, 5000),
     max_running_requests=st.integers(1, 64),
     device_pool_tokens=st.integers(1, 40).map(lambda n: n * 256),
+    chunked_prefill_tokens=st.none() | st.integers(1, 3000),
     hisparse=st.none()
     | st.builds(
         HS,
@@ -323,7 +332,8 @@ def test_every_accepted_config_satisfies_the_memory_layers_assumptions(data, top
         assert plan.hot % p == 0 and plan.hot >= plan.top_k, "swap-in always has evictable columns"
         assert plan.buffer_columns == plan.hot + p
         assert plan.device_tokens >= plan.buffer_columns, "one device buffer fits"
-        assert plan.device_tokens >= -(-plan.max_context_len // p) * p, "one prefill fits"
+        beyond = min(plan.prefill_chunk, plan.max_context_len - plan.hot)  # a chunk's rows past HOT
+        assert plan.device_tokens >= plan.hot + -(-beyond // p) * p, "one prefill chunk fits"
         assert plan.host_tokens >= need, "one request's host copy fits"
         assert plan.draft_tokens <= p - 1, "verify tokens fit the draft zone"
     else:
@@ -382,6 +392,7 @@ def small_configs(draw):
     else:
         page = draw(st.integers(1, 9))
     max_ctx = draw(st.integers(1, 48))
+    chunk = draw(st.none() | st.integers(1, 20))
     if hisparse:
         hot = page * draw(st.integers(1, 4))
         top_k = draw(st.integers(1, hot))
@@ -390,7 +401,8 @@ def small_configs(draw):
             host_to_device_ratio=draw(st.sampled_from([1, 1, 2, 3])),
             top_k=draw(st.sampled_from([None, top_k])),
         )
-        least = max(hot + page, round_up(max_ctx, page))
+        beyond = min(chunk or max_ctx, max_ctx - hot)  # a chunk's rows past the hot region
+        least = max(hot + page, hot + round_up(beyond, page))
     else:
         hs, top_k = None, draw(st.integers(1, 16))
         least = round_up(max_ctx + draft, page)
@@ -401,6 +413,7 @@ def small_configs(draw):
     config = EngineConfig(
         page_size=page,
         max_context_len=max_ctx,
+        chunked_prefill_tokens=chunk,
         max_running_requests=draw(st.integers(1, 3)),
         device_pool_tokens=page * pool_pages,
         hisparse=hs,
@@ -474,12 +487,15 @@ class _Request:
         memory, plan = self.memory, self.plan
         speculative = plan.draft_tokens > 0
         assert memory.can_admit(prompt), "a prompt of max_context_len must be admitted into empty pools"
-        got = memory.admit(prompt)
-        self.row = got.row
-        prompt_kv = self.write(got.slots, list(range(prompt)))
-        self.check()
+        self.row = memory.admit(prompt)
+        chunk = plan.prefill_chunk
+        for start in range(0, prompt, chunk):
+            end = min(prompt, start + chunk)
+            targets = memory.prefill_targets(self.row, start, end)
+            self.committed.update(self.write(targets.slots, list(range(start, end))))
+            memory.commit_prefill(self.row, start, end, final=end == prompt)
+            self.check()
         memory.start_staging(self.row, prompt)
-        self.committed.update(prompt_kv)
         self.check()
         memory.wait_staging()
         assert memory.collect_ready(speculative=speculative) == [self.row], "the device buffer must fit"

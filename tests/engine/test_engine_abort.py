@@ -14,8 +14,8 @@ from statemachines.request import State
 # where to hold the victim, the executor method to gate (None: hold the decode stage on the event
 # loop, see below), and the state the victim is in meanwhile
 HOLDS = {
-    "queued": ("prefill_admitted", State.QUEUED),  # another request's prefill holds the device
-    "prefill": ("prefill_admitted", State.PREFILL),
+    "queued": ("prefill_chunks", State.QUEUED),  # another request's prefill holds the device
+    "prefill": ("prefill_chunks", State.PREFILL),
     "staging": ("collect_ready", State.STAGING),
     # another request's decode step is held before it is sent: the decode stage joins new requests
     # only between steps, so the victim, staged meanwhile, waits READY with its device buffer
@@ -190,7 +190,7 @@ async def test_a_deadline_aborts_the_request(tiny_model):
     """``generate_text(timeout=...)``: the request is held in prefill past its deadline."""
     cfg = config()
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate().install(engine.executor, "prefill_admitted")
+        gate = Gate().install(engine.executor, "prefill_chunks")
         try:
             with pytest.raises(TimeoutError):
                 await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05)

@@ -150,7 +150,7 @@ async def test_shutdown_with_requests_in_every_state_restores_pools(tiny_model, 
             if first == "draft":
                 prefill = hold(Hold(Prefill).install(pipe.prefill))
             else:
-                prefill = hold(Gate().install(engine.executor, "prefill_admitted"))
+                prefill = hold(Gate().install(engine.executor, "prefill_chunks"))
             start("s3")
             await prefill.wait_entered()
             start("s4", "s5")

@@ -175,12 +175,13 @@ def test_prefill_sorts_each_request_by_its_first_token():
     aborts = AbortBook()
     reqs = [in_state(rid, State.PREFILL, max_new_tokens=n) for rid, n in [("ok", 5), ("one", 1), ("gone", 5), ("bad", 5)]]
     part = PrefillPart(aborts)
+    part.accept(reqs)
 
     def answer(command):
         aborts.add("gone")  # arrives while the forward runs
         return PrefillResult({"ok": 70, "one": 71, "gone": 72}, failed={"bad": "ValueError: x"})
 
-    script = Script(part.turn(reqs), {Prefill: answer})
+    script = Script(part.turn(), {Prefill: answer})
     handoff = script.run()
     assert script.kinds() == ["Prefill", "Release"]
     assert set(script.commands[1].request_ids) == {"one", "gone", "bad"}  # released before ending
@@ -190,14 +191,41 @@ def test_prefill_sorts_each_request_by_its_first_token():
     assert by_id["gone"].state is State.ABORTED
     assert by_id["bad"].state is State.FAILED and by_id["bad"].error == "ValueError: x"
     assert ids(handoff.onward) == ["ok"] and set(ids(handoff.ended)) == {"one", "gone", "bad"}
+    assert len(part) == 0
 
 
 def test_prefill_aborts_before_the_forward_skip_it():
     aborts = AbortBook({"a"})
     reqs = [in_state("a", State.PREFILL), in_state("b", State.PREFILL)]
-    script = Script(PrefillPart(aborts).turn(reqs), {Prefill: PrefillResult({"b": 66})})
+    part = PrefillPart(aborts)
+    part.accept(reqs)
+    script = Script(part.turn(), {Prefill: PrefillResult({"b": 66})})
     script.run()
     assert script.kinds() == ["Release", "Prefill"] and script.commands[1].request_ids == ("b",)
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
+    """Budget 10: a 25-token prompt takes three forwards (10, 10, 5); a 4-token prompt behind it
+    shares the third. Each chunk that does not end its prompt logs ``ChunkDone`` and stays."""
+    long, short = request("long", prompt_len=25, max_new_tokens=5), request("short", prompt_len=4, max_new_tokens=5)
+    for req in (long, short):
+        req.apply(Admitted())
+    part = PrefillPart(AbortBook(), chunk_tokens=10)
+    part.accept([long, short])
+    seen = []
+
+    def answer(command):
+        seen.append([(c.request_id, c.start, c.end) for c in command.chunks])
+        done = {c.request_id: 70 for c in command.chunks if c.end == {"long": 25, "short": 4}[c.request_id]}
+        return PrefillResult(done)
+
+    for _ in range(3):
+        handoff = Script(part.turn(), {Prefill: answer}).run()
+        if len(seen) < 3:
+            assert long.state is State.PREFILL and not handoff.onward
+    assert seen == [[("long", 0, 10)], [("long", 10, 20)], [("long", 20, 25), ("short", 0, 4)]]
+    assert ids(handoff.onward) == ["long", "short"] and len(part) == 0
+    assert long.state is State.STAGING and long.output_ids == [70]
 
 
 # --- staging -----------------------------------------------------------------------------------------

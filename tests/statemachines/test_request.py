@@ -13,6 +13,7 @@ from statemachines.request import (
     TRANSITIONS,
     AbortRequested,
     Admitted,
+    ChunkDone,
     Crashed,
     DraftDone,
     DraftStarted,
@@ -34,6 +35,7 @@ S = State
 EXPECTED_EDGES = (
     {
         (S.QUEUED, Admitted, S.PREFILL),
+        (S.PREFILL, ChunkDone, S.PREFILL),
         (S.PREFILL, PrefillDone, S.STAGING),
         (S.PREFILL, FinishedAtPrefill, S.FINISHED),
         (S.STAGING, StagingDone, S.READY),
