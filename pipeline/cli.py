@@ -31,6 +31,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "peer": ("pipeline.benchmarks.peer", "the engine beside HF transformers generate on the same weights"),
     "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
+    "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
 }
 

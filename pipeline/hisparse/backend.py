@@ -5,8 +5,9 @@ attends over the selected rows:
 
 * **prefill** (one chunk of each prompt, ``chunk_starts``): a position of the chunk itself is found
   through ``logical_to_physical`` (its rows were just written); an earlier position, when the chunk
-  does not start the prompt, goes through the coordinator's swap-in exactly as in decode (in place
-  when its buffer holds it, else loaded from host), one step per query token;
+  does not start the prompt, goes through the request's hot region as in decode (in place when the
+  buffer holds it, else loaded from host), the chunk's queries in groups whose selections fit the
+  hot region together (``prefill_swap.py``);
 * **decode / verify**: the tokens are request-major, ``steps`` per request (1 for decode, D for a
   verify); their top-k sets go through the coordinator's swap-in, which returns device slots,
   loading misses from host. A verify whose steps do not all fit the hot region in one call is
@@ -26,6 +27,7 @@ import torch
 from kernels.indexer_topk import indexer_topk
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import SwapInResult
+from pipeline.hisparse.prefill_swap import prefill_swap_rounds
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.model.attention_api import AttentionInputs
 
@@ -36,6 +38,11 @@ class SwapInMemory(Protocol):
     device_kv: torch.Tensor  # [L, physical rows, row_dim]
     index_k: torch.Tensor  # [L, logical rows, index_dim]
     alloc: Any  # HiSparseAllocator (``lookup``: logical location -> physical slot)
+    # a prefill chunk's grouped swap-in (``prefill_swap.py``) reads these too
+    buffers: Any  # DeviceBuffers
+    host: Any  # HostPool
+    counters: Any  # LayerCounters
+    hot: int
 
     @property
     def req_to_token(self) -> torch.Tensor: ...
@@ -118,12 +125,11 @@ class HiSparseBackend:
                     inputs.q_latent[a:b], inputs.q_rope[a:b], kv, dense[a:b], inputs.attn_scale, check=False
                 )
                 continue
-            past = torch.where(own[a:b], -1, top[a:b])[None]  # [1, S, K] the earlier positions
-            seq_lens = torch.full((1, b - a), start, dtype=torch.int64, device=top.device)
-            rows = self.req_rows[a : a + 1].contiguous()
-            for idx, slots in self._swap_rounds(layer, past, seq_lens, rows):
-                tok = idx + a
-                chosen = torch.where(own[tok], dense[tok], slots.long())
+            past = torch.where(own[a:b], -1, top[a:b])  # [S, K] the earlier positions
+            row = int(self.req_rows[a])
+            for lo, hi, slots in prefill_swap_rounds(self.coord, layer, row, past, start):
+                tok = slice(a + lo, a + hi)
+                chosen = torch.where(own[tok], dense[tok], slots)
                 out[tok] = sparse_mla(
                     inputs.q_latent[tok], inputs.q_rope[tok], kv, chosen, inputs.attn_scale, check=False
                 )

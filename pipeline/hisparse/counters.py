@@ -45,6 +45,12 @@ class LayerCounters:
         self.last_unrecoverable = int(totals[2])
         self.swap_in_calls += 1
 
+    def add_counts(self, layer: int, hits: int, misses: int, h2d_bytes: int) -> None:
+        """Hits and loads resolved outside ``kernels.swap_in`` (a prefill chunk's grouped swap-in)."""
+        self.hits[layer] += hits
+        self.misses[layer] += misses
+        self.h2d_bytes[layer] += h2d_bytes
+
     def add_backup(self, num_bytes_per_layer: int) -> None:
         """A device->host copy of the same tokens in every layer (staging and backups move all layers)."""
         for layer in range(self.num_layers):

@@ -1,0 +1,97 @@
+"""Swap-in for the queries of a prefill chunk: the earlier positions they select, in groups.
+
+Decode resolves one query per request per layer (``kernels.swap_in``, step by step, each step
+seeing the state the previous one left). A prefill chunk has hundreds of queries per request, and
+resolving them step by step costs one kernel step per query. Here the chunk's queries are resolved
+in *groups* instead: consecutive queries whose earlier positions (their union) fit in the hot region
+together. For each group, in one vectorised pass over one layer of one request:
+
+1. the union's positions already held by a hot column are hits;
+2. the others are loaded from host into the least recently used hot columns that hold none of the
+   union (a group's union is at most HOT positions, so there are always enough);
+3. the new LRU order is ``[untouched columns | hit columns | loaded columns]`` (old order, old
+   order, load order), the group's positions the most recent;
+4. the caller attends over the group before the next group may evict its columns.
+
+A chunk whose earlier positions are all below HOT reads them from their identity columns (the
+request is still short: nothing was ever evicted), with no copy. Rows are the same values as their
+host copies, so the attention output does not depend on the grouping; only hit and miss counts do.
+Per-layer state stays the buffer's own (``tokens``, ``lru``): nothing grows with the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, int]]:
+    """``[a, b)`` query ranges of ``past [S, K]`` (positions, -1 = none; a query's positions are
+    distinct, as a top-k's are) whose unions fit ``hot``."""
+    rows = past.cpu().numpy()
+    seen = np.zeros(context, dtype=bool)
+    bounds, start, size = [], 0, 0
+    for i in range(rows.shape[0]):
+        q = rows[i]
+        q = q[q >= 0]
+        new = q[~seen[q]]
+        if size + new.size > hot and i > start:
+            bounds.append((start, i))
+            seen[:] = False
+            start, size, new = i, 0, q
+        seen[new] = True
+        size += new.size
+    bounds.append((start, rows.shape[0]))
+    return bounds
+
+
+def prefill_swap_rounds(
+    coord: Any, layer: int, row: int, past: torch.Tensor, start: int
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Resolve ``past [S, K]`` (earlier positions of a chunk starting at ``start``; -1 = none) of one
+    request row in one layer. Yields ``(a, b, slots [b - a, K])`` per group of queries; the caller
+    attends over it before resuming."""
+    buffers, hot = coord.buffers, coord.hot
+    dev = past.device
+    if start <= hot:  # still short: every earlier position sits in its identity column
+        ids = buffers.locs[row]
+        yield 0, past.shape[0], torch.where(past >= 0, ids[past.long().clamp(min=0)], -1)
+        return
+    tokens = buffers.tokens[layer, row]  # [HOT + P] int32 (a view: updated in place)
+    lru = buffers.lru[layer, row]  # [HOT] int32, least recent first
+    locs = buffers.locs[row, :hot]
+    host_map = coord.req_to_host_device[row]
+    host_kv, device_kv = coord.host.kv[layer], coord.device_kv[layer]
+    col_of = torch.full((start,), -1, dtype=torch.int64, device=dev)
+    for a, b in group_bounds(past, hot, start):
+        group = past[a:b]
+        union = torch.unique(group[group >= 0].long())
+        held = tokens[:hot].long()
+        col_of.fill_(-1)
+        live = held >= 0
+        col_of[held[live]] = torch.nonzero(live).reshape(-1)
+        cols = col_of[union]
+        hit = cols >= 0
+        missed = union[~hit]
+        order = lru.long()
+        wanted = torch.zeros(hot, dtype=torch.bool, device=dev)
+        wanted[cols[hit]] = True
+        free = order[~wanted[order]]  # columns holding none of the union, least recent first
+        victims = free[: missed.numel()]
+        if missed.numel():
+            src = host_map[missed]
+            if bool((src < 0).any()):
+                raise RuntimeError(f"row {row} layer {layer}: an earlier prompt position has no host copy")
+            device_kv[locs[victims]] = host_kv[src.to(host_kv.device)].to(device_kv.device, non_blocking=True)
+            tokens[victims] = missed.to(tokens.dtype)
+            cols[~hit] = victims
+            col_of[missed] = victims
+        untouched = free[missed.numel() :]
+        lru.copy_(torch.cat([untouched, order[wanted[order]], victims]).to(lru.dtype))
+        row_bytes = device_kv.shape[-1] * device_kv.element_size()
+        coord.counters.add_counts(layer, int(hit.sum()), missed.numel(), missed.numel() * row_bytes)
+        entry_cols = col_of[group.long().clamp(min=0)]
+        yield a, b, torch.where(group >= 0, locs[entry_cols.clamp(min=0)], -1)
