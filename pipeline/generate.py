@@ -21,7 +21,7 @@ from typing import Any
 import anyio
 import structlog
 
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
 
@@ -58,9 +58,25 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     p.add_argument(
         "--max-context-len", type=int, default=None, help="default: the model's positions, as far as the pools hold"
     )
+    add_chunk_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
+
+
+def add_chunk_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--chunked-prefill-tokens",
+        type=int,
+        default=DEFAULT_CHUNK,
+        metavar="N",
+        help=f"prefill long prompts N tokens per forward (default {DEFAULT_CHUNK}; 0 = whole prompts)",
+    )
+
+
+def chunk_tokens(args: argparse.Namespace) -> int | None:
+    """``--chunked-prefill-tokens``: 0 turns chunking off (negative values reach the config's check)."""
+    return None if args.chunked_prefill_tokens == 0 else args.chunked_prefill_tokens
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -79,6 +95,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device_pool_tokens=16384 if context is None else max(16384, -(-context // page) * page),
         hisparse=None if args.no_hisparse else HiSparseConfig(),
         speculative=speculative,
+        chunked_prefill_tokens=chunk_tokens(args),
         seed=args.seed,
     )
 
@@ -112,12 +129,16 @@ def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
     """``queued +0.000s > prefill +0.002s > ... > decode +0.015s (63 steps) > finished +0.650s [...]``.
 
     Times are seconds since the request arrived; a run of decode/draft/verify states folds into one
-    entry with its number of steps (a retraction starts a new run)."""
+    entry with its number of steps (a retraction starts a new run), and a chunked prefill into one
+    entry with its number of chunks."""
     origin = arrival if arrival is not None else record_time(events[0])
     entries: list[list[Any]] = []  # [state, entered at, steps]
     if arrival is not None:
         entries.append([events[0]["from_state"], arrival, 0])
     for record in events:
+        if record["event"] == "ChunkDone" and entries and entries[-1][0] == "prefill":
+            entries[-1][2] += 1
+            continue
         in_loop = bool(entries) and entries[-1][0] in LOOP_STATES
         if in_loop and record["event"] in STEP_EVENTS:
             entries[-1][2] += 1
@@ -125,7 +146,9 @@ def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
             entries.append([record["state"], record_time(record), 0])
     parts = []
     for state, entered, steps in entries:
-        parts.append(f"{state} +{entered - origin:.3f}s" + (f" ({steps} steps)" if steps else ""))
+        unit = "chunks" if state == "prefill" else "steps"
+        count = steps + 1 if state == "prefill" and steps else steps  # the last chunk ends the state
+        parts.append(f"{state} +{entered - origin:.3f}s" + (f" ({count} {unit})" if count else ""))
     last = events[-1]
     parts[-1] += f" [{last.get('reason', last['state'])}, {last.get('output_tokens', '?')} tokens]"
     return " > ".join(parts)

@@ -7,7 +7,7 @@ and end requests in any phase. Checked against the shadow, which ran the same co
 resident (docs/invariants.md):
 
 * after every rule, item 6: every device row holding a committed position (a buffer column, or a
-  staging prompt's dense slot) equals the shadow's KV of that position. It waits for no copy: device
+  staging prompt's mapped slot) equals the shadow's KV of that position. It waits for no copy: device
   rows are written by the forward, by swap-in loads and by device-to-device moves, none of which is
   a transfer the test holds back, so a load that read a host copy too early shows up here;
 * whenever no copy is in flight, every committed position's host copy equals the shadow's KV;
@@ -139,13 +139,13 @@ class ShadowedMachine(RuleBasedStateMachine):
         for rid, phase in self.phase.items():
             row = self.executor.seqs[rid].row
             length = coord.length(row)
-            if phase == "staging":  # the prompt is dense in device, read through the mapping
+            if phase == "staging":  # the last chunk's rows are read through the mapping
                 positions = torch.arange(length)
                 slots = coord.alloc.lookup(coord.req_to_token[row, positions])
+                positions, slots = positions[slots > 0], slots[slots > 0]
                 device_rows = coord.device_kv[:, slots.to(coord.device)].cpu()  # [L, n, dim]
                 true_kv = self._true_kv(rid, every, positions[None, :])
                 assert torch.equal(device_rows, true_kv), f"{rid}: a staging prompt's device row differs"
-                continue
             held = coord.buffers.tokens[:, row].long().cpu()  # [L, columns]
             layers, cols = torch.nonzero((held >= 0) & (held < length), as_tuple=True)
             device_rows = coord.device_kv[layers, coord.buffers.locs[row, cols]].cpu()

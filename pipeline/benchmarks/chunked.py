@@ -5,7 +5,7 @@ Two measurements, each alternating its configurations repeat by repeat in one pr
 1. **A long prompt on a small device pool** (HiSparse): a prompt of ``--long`` tokens served with
    ``device_pool_tokens = --pool`` and chunks of ``--chunk`` tokens, beside the same prompt prefilled
    whole on a pool large enough for it. Reported: time to first token of each, the peak device rows
-   the request held (sampled after every scheduler step of the synchronous driver) against the bound
+   the request held (sampled after every command of the synchronous driver) against the bound
    chunk + HOT + page, and whether the first tokens agree.
 2. **Inter-token latency while a long prompt arrives** (the async engine): ``--running`` requests
    decode; once each has streamed a few tokens a ``--long``-token prompt is submitted. The gaps
@@ -66,20 +66,25 @@ def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, ob
     from pipeline.sampling import SamplingParams
 
     executor = Executor(cfg, model=model)
+    pages = executor.memory.alloc.physical
+    peak, ttft = 0, None
+    command = executor.run
+
+    def sampled(cmd, **kw):  # device rows after every command (the first token's included)
+        nonlocal peak, ttft
+        outcome = command(cmd, **kw)
+        for seq in executor.seqs.values():
+            peak = max(peak, len(pages.pages_of(seq.row)) * cfg.page_size)
+        if ttft is None and req.output_ids:
+            ttft = time.perf_counter() - start
+        return outcome
+
     try:
         driver = SyncDriver(executor)
+        executor.run = sampled
         start = time.perf_counter()
         req = driver.submit(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
-        peak, ttft = 0, None
-        pages = executor.memory.alloc.physical
-        more = True
-        while more:
-            more = driver.step()
-            seq = executor.seqs.get(req.request_id)
-            if seq is not None:
-                peak = max(peak, len(pages.pages_of(seq.row)) * cfg.page_size)
-            if ttft is None and req.output_ids:
-                ttft = time.perf_counter() - start
+        driver.run()
         return {"ttft_s": ttft, "peak_device_rows": peak, "first_token": req.output_ids[0]}
     finally:
         executor.close()

@@ -27,6 +27,7 @@ import structlog
 import uvicorn
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.generate import add_chunk_argument, chunk_tokens
 from pipeline.logs import configure_logging
 from pipeline.server.app import ServerState, create_app
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="abort",
         help="on SIGINT/SIGTERM: abort the requests in flight, or let them finish",
     )
+    add_chunk_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
@@ -86,6 +88,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device_pool_tokens=pool,
         hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
         speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
+        chunked_prefill_tokens=chunk_tokens(args),
         seed=args.seed,
     )
 

@@ -14,6 +14,7 @@ pool is back at its initial free count.
 
 from __future__ import annotations
 
+import attrs
 import hypothesis.strategies as st
 from hypothesis import settings
 from hypothesis.stateful import precondition, rule
@@ -61,3 +62,16 @@ class ExecutorMachine(ShadowedMachine):
 
 TestExecutorMachine = ExecutorMachine.TestCase
 TestExecutorMachine.settings = settings(max_examples=50, stateful_step_count=50, deadline=None)
+
+
+class ChunkedExecutorMachine(ExecutorMachine):
+    """The same rules with prompts prefilled 6 tokens per forward (the resident shadow in the same
+    chunks, so that every KV row comes from a forward of the same shape): later chunks read the
+    earlier ones through the hot region while their copies are held back."""
+
+    config = attrs.evolve(ExecutorMachine.config, chunked_prefill_tokens=6)
+    shadow_config = attrs.evolve(ExecutorMachine.shadow_config, chunked_prefill_tokens=6)
+
+
+TestChunkedExecutorMachine = ChunkedExecutorMachine.TestCase
+TestChunkedExecutorMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)

@@ -1,0 +1,92 @@
+"""Chunked prefill in the async engine: running requests decode between the chunks of a long prompt,
+and an abort that arrives while a chunk's forward runs releases everything."""
+
+from __future__ import annotations
+
+import anyio
+import attrs
+import pytest
+from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
+
+from pipeline import Engine, SamplingParams
+from statemachines.request import State
+
+CHUNK = 8
+
+
+def chunked(**kw):
+    return attrs.evolve(config(**kw), chunked_prefill_tokens=CHUNK)
+
+
+def continuing(rid: str, *, after: int = 0):
+    """Match a ``prefill_chunks`` call that carries a chunk of ``rid`` starting past ``after``."""
+
+    def match(chunks) -> bool:
+        return any(c.request_id == rid and c.start > after for c in chunks)
+
+    return match
+
+
+@pytest.mark.asyncio
+async def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tiny_model):
+    """While a long prompt is held in its second chunk, the running request keeps decoding (its
+    steps run between the chunks), and every output equals the synchronous driver's."""
+    cfg = chunked()
+    prompts = make_prompts([6, 120], seed=3)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    ids = ["running", "long"]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    async with Engine(cfg, model=tiny_model) as engine:
+        results = {}
+
+        async def one(i):
+            results[ids[i]] = await engine.generate_text(prompts[i], params[i], request_id=ids[i])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0)
+            await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
+            tg.start_soon(one, 1)
+            await until(lambda: (r := live_request(engine, "long")) is not None and r.state is State.PREFILL)
+            running = live_request(engine, "running")
+            tokens_then = len(running.output_ids)
+            await until(lambda: len(running.output_ids) >= tokens_then + 3)
+            long = live_request(engine, "long")
+            assert long is not None and long.state is State.PREFILL, "decode steps ran between the chunks"
+    assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
+    """The long prompt's consumer is cancelled while the executor runs one of its later chunks (in
+    a step whose other request is decoding): it ends ABORTED once the chunk returns, every pool is
+    back at its initial count, and the other request's tokens are the driver's."""
+    cfg = chunked()
+    prompts = make_prompts([6, 120], seed=4)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
+    async with Engine(cfg, model=tiny_model) as engine:
+        gate = Gate(continuing("victim", after=3 * CHUNK)).install(engine.executor, "prefill_chunks")
+        results = {}
+
+        async def other():
+            results["other"] = await engine.generate_text(prompts[0], params, request_id="other")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            scope = anyio.CancelScope()
+
+            async def victim():
+                with scope:
+                    await engine.generate_text(prompts[1], params, request_id="victim")
+
+            tg.start_soon(victim)
+            await gate.wait_entered()
+            assert live_request(engine, "victim").state is State.PREFILL
+            scope.cancel()  # the consumer leaves while its chunk's forward runs
+            await anyio.sleep(0.01)
+            gate.open()
+        await engine.wait_idle()
+        assert engine.stats()["requests"]["ended"].get("abort") == 1
+        assert list(results["other"].token_ids) == expected["other"]
+        assert engine.executor.pool_counts() == engine.initial_pool_counts

@@ -1,0 +1,107 @@
+"""Stateful property test of the scheduler with chunked prefill, HiSparse and memory pressure.
+
+Requests of prompts from a few tokens to several chunks (and past HOT) arrive while others are
+prefilled chunk by chunk or decode; scheduler steps, aborts in any state and retractions (the pools
+are small: decode runs out of room) interleave. After every step the synchronous driver checks
+every invariant (``check=True``: the core's ownership, the executor's rows, each row's residency
+against its request's state, the memory's I1-I8); once everything has ended every pool is back at
+its initial count, and every request that finished has the tokens the same prompt gets alone from
+the all-resident engine with whole-prompt prefill.
+"""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import torch
+from hypothesis import event, settings
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline.driver import SyncDriver
+from pipeline.executor import Executor
+from pipeline.sampling import SamplingParams
+
+from tiny_models import build_tiny_model
+
+MODEL = build_tiny_model()
+LENGTHS = (3, 9, 17, 30, 45)
+PARAMS = SamplingParams(max_new_tokens=18, ignore_eos=True)
+CONFIG = EngineConfig(
+    dtype="float64",
+    page_size=4,
+    max_context_len=64,
+    max_running_requests=4,
+    device_pool_tokens=64,  # a buffer of 12 columns and a chunk's rows per request
+    chunked_prefill_tokens=7,
+    hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2),  # 128 locations
+    speculative=None,
+)
+REFERENCE = EngineConfig(
+    dtype="float64",
+    page_size=4,
+    max_context_len=64,
+    max_running_requests=1,
+    device_pool_tokens=128,
+    chunked_prefill_tokens=None,
+    hisparse=None,
+    speculative=None,
+)
+_alone: dict[tuple[int, ...], list[int]] = {}
+
+
+def alone(prompt: tuple[int, ...]) -> list[int]:
+    """The tokens ``prompt`` gets by itself, all resident, prefilled whole."""
+    if prompt not in _alone:
+        executor = Executor(REFERENCE, model=MODEL)
+        (req,) = SyncDriver(executor).generate([list(prompt)], PARAMS)
+        executor.close()
+        _alone[prompt] = list(req.output_ids)
+    return _alone[prompt]
+
+
+def prompt_of(length: int, seed: int) -> tuple[int, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randint(0, 256, (length,), generator=gen).tolist())
+
+
+class ChunkedSchedulerMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.executor = Executor(CONFIG, model=MODEL)
+        self.initial = self.executor.pool_counts()
+        self.driver = SyncDriver(self.executor, check=True)
+        self.prompts: dict[str, tuple[int, ...]] = {}
+
+    @rule(length=st.sampled_from(LENGTHS), seed=st.integers(0, 2))
+    def submit(self, length: int, seed: int) -> None:
+        req = self.driver.submit(list(prompt_of(length, seed)), PARAMS)
+        self.prompts[req.request_id] = req.prompt_ids
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps: int) -> None:
+        for _ in range(steps):
+            self.driver.step()
+
+    @precondition(lambda self: any(not r.is_finished for r in self.driver.requests.values()))
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        live = sorted(rid for rid, r in self.driver.requests.items() if not r.is_finished)
+        self.driver.abort(data.draw(st.sampled_from(live)))
+        self.driver.check_integrity()
+
+    def teardown(self) -> None:
+        self.driver.run()
+        reqs = self.driver.requests.values()
+        event("a request was retracted" if any(r.metrics.num_retractions for r in reqs) else "no retraction")
+        event("a prompt took several chunks" if any(len(p) > 7 for p in self.prompts.values()) else "one chunk each")
+        assert self.executor.pool_counts() == self.initial, "a pool did not return to its initial count"
+        for rid, req in self.driver.requests.items():
+            if req.finish_reason == "length":
+                assert list(req.output_ids) == alone(self.prompts[rid]), f"{rid}: chunked prefill changed the answer"
+            else:
+                assert req.finish_reason == "abort", (rid, req.finish_reason, req.error)
+        self.executor.close()
+
+
+TestChunkedSchedulerMachine = ChunkedSchedulerMachine.TestCase
+TestChunkedSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
