@@ -32,6 +32,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
+    "prefix": ("pipeline.benchmarks.prefix", "prefix caching on beside off: a shared system prompt, multi-turn chats"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
 }
 

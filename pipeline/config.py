@@ -151,6 +151,7 @@ class MemoryPlan:
     # tokens of one request one prefill forward computes at most (chunked prefill; max_context_len
     # when prompts are prefilled whole)
     prefill_chunk: int = 0
+    prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
 
     def chunk_area(self, num_tokens: int) -> int:
         """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
@@ -196,6 +197,9 @@ class EngineConfig:
     # None prefills every prompt whole. With HiSparse a request holds at most this chunk plus its
     # buffer in device rows while it is prefilled, whatever its length.
     chunked_prefill_tokens: int | None = DEFAULT_CHUNK
+    # prefix caching: a finished (or retracted) request's full pages stay cached, and a prompt that
+    # starts with the same tokens shares them and prefills only the rest
+    prefix_cache: bool = True
     hisparse: HiSparseConfig | None = attrs.field(factory=HiSparseConfig)
     # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (resolve_for_model)
     speculative: SpeculativeConfig | Literal["auto"] | None = "auto"
@@ -230,6 +234,7 @@ class EngineConfig:
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
         if self.chunked_prefill_tokens is not None:
             _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
+        _require(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False")
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
         _require(
@@ -355,6 +360,7 @@ class EngineConfig:
             draft_tokens=self._draft_tokens(),
             hisparse=hs is not None,
             prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
+            prefix_cache=self.prefix_cache,
         )
 
 

@@ -34,7 +34,7 @@ import structlog
 from pipeline.config import EngineConfig, check_engine_options
 from pipeline.errors import EngineClosed, EngineError, RequestError
 from pipeline.logs import SUBMITTED
-from pipeline.messages import GenerateResult, RequestOutput
+from pipeline.messages import FlushCache, GenerateResult, RequestOutput
 from statemachines.request import AbortRequested, Crashed
 
 if TYPE_CHECKING:
@@ -185,6 +185,15 @@ class Engine:
             for rid in list(self._registry.live):
                 self.abort(rid)
         await self._registry.wait_idle()
+
+    async def flush_prefix_cache(self) -> int:
+        """Evict every prefix-cache page no live request shares (returns how many); with nothing
+        live, every pool is back at its initial count afterwards."""
+        self._require_running()
+        outcome = await self._pipe.control.call(FlushCache())
+        if outcome.error is not None:
+            raise RuntimeError(f"flushing the prefix cache failed: {outcome.error}")
+        return int(outcome.result)
 
     async def wait_idle(self) -> None:
         """Return once no request is live (every one has ended and released its memory)."""

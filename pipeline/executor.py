@@ -48,6 +48,7 @@ from pipeline.messages import (
     Command,
     Decode,
     Draft,
+    FlushCache,
     NewSequence,
     Outcome,
     Prefill,
@@ -94,7 +95,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: tuple[int, ...] = ()  # what the prefill runs (prompt, plus output after a retraction)
-    prefilled: int = 0  # positions of token_ids computed so far (chunked prefill)
+    prefilled: int = 0  # positions of token_ids computed so far (chunked prefill; the cached prefix)
+    produced: list[int] = attrs.Factory(list)  # tokens returned since admission, in order
     plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
     # speculative mode, plain steps since the last draft state: (position, target hidden there, the
@@ -217,10 +219,12 @@ class Executor:
                 return self.draft(list(ids)), True
             case Verify(request_ids=ids):
                 return self.verify(list(ids)), True
-            case Release(request_ids=ids, keep_sampling_state=keep):
+            case Release(request_ids=ids, keep_sampling_state=keep, cache=cache):
                 for rid in ids:
-                    self._release_logged(rid, keep)
+                    self._release_logged(rid, keep, cache)
                 return None, bool(ids)
+            case FlushCache():
+                return self.flush_prefix_cache(), True
             case _:
                 raise TypeError(f"unknown command {command!r}")
 
@@ -233,22 +237,29 @@ class Executor:
             token_ids, params, vocab_size=self.model.cfg.vocab_size, max_context_len=self.config.max_context_len
         )
 
-    def can_admit(self, num_tokens: int) -> bool:
-        return self.memory.can_admit(num_tokens, speculative=self.speculative)
+    def can_admit(self, num_tokens: int, tokens: Seq[int] | None = None) -> bool:
+        """Room for a prompt of ``num_tokens`` (``tokens``: the prompt, which may share cached pages)."""
+        return self.memory.can_admit(num_tokens, speculative=self.speculative, tokens=self._cacheable(tokens))
+
+    def _cacheable(self, tokens: Seq[int] | None) -> Seq[int] | None:
+        return tokens if self.config.prefix_cache else None
 
     def admit(self, sequences: Seq[NewSequence]) -> AdmitResult:
         """Allocate, in order, every candidate until the first that does not fit: each allocation
         counts against the next, so the batch is judged as a whole."""
         admitted: list[str] = []
+        cached: dict[str, int] = {}
         for seq in sequences:
             if seq.request_id in self.seqs:
                 raise ValueError(f"request {seq.request_id!r} is already admitted")
-            if not self.can_admit(len(seq.token_ids)):
+            tokens = self._cacheable(seq.token_ids)
+            if not self.memory.can_admit(len(seq.token_ids), speculative=self.speculative, tokens=tokens):
                 break
-            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative)
+            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=tokens)
             self._register(seq, row)
+            self.seqs[seq.request_id].prefilled = cached[seq.request_id] = self.memory.length(row)
             admitted.append(seq.request_id)
-        return AdmitResult(tuple(admitted))
+        return AdmitResult(tuple(admitted), {rid: n for rid, n in cached.items() if n})
 
     @torch.inference_mode()
     def prefill_chunks(self, chunks: Seq[PrefillChunk]) -> PrefillResult:
@@ -284,6 +295,7 @@ class Executor:
                 failed[seq.request_id] = _reason(exc)
                 continue
             first[seq.request_id] = token
+            seq.produced.append(token)
             if self.speculative:
                 next_ids = (*seq.token_ids[start + 1 :], token)
                 extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
@@ -420,6 +432,7 @@ class Executor:
                 seq.draft = None
                 seq.behind.append((position, hidden.clone(), seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
+            seq.produced.append(seq.plain_next)
         return StepResult(out, refused, failed=failed)
 
     def _decode_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, tuple[torch.Tensor, torch.Tensor]]]:
@@ -486,6 +499,8 @@ class Executor:
         for rid in request_ids:
             if rid in done.accepted:
                 self.spec_counters.record(done.accepted[rid])
+            if rid in done.tokens:
+                self.seqs[rid].produced.extend(done.tokens[rid])
         return StepResult(done.tokens, accepted=done.accepted, failed=done.failed)
 
     # --- fault isolation ----------------------------------------------------------------------------
@@ -509,9 +524,10 @@ class Executor:
 
     # --- ending ----------------------------------------------------------------------------------------
 
-    def release(self, request_id: str, *, keep_sampling_state: bool = False) -> None:
+    def release(self, request_id: str, *, keep_sampling_state: bool = False, cache: bool = True) -> None:
         """Free everything the request owns; safe in every state (staging included). With
-        ``keep_sampling_state`` (a retraction) its generator waits for its re-admission."""
+        ``keep_sampling_state`` (a retraction) its generator waits for its re-admission; with
+        ``cache`` (and the prefix cache on) its computed full pages stay cached."""
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             if not keep_sampling_state:
@@ -520,13 +536,27 @@ class Executor:
         if keep_sampling_state:
             self._sampling_state[request_id] = seq.generator
         self._by_row.pop(seq.row, None)
-        self.memory.release(seq.row)
+        tokens = self._cache_tokens(seq) if cache and self.config.prefix_cache else None
+        self.memory.release(seq.row, tokens=tokens)
 
-    def _release_logged(self, request_id: str, keep_sampling_state: bool) -> None:
+    def _cache_tokens(self, seq: Sequence) -> tuple[int, ...]:
+        """The tokens whose pages may be cached: every known token, or, while the MTP layer is behind
+        (plain steps in speculative mode), up to the first position whose MTP row is missing (a
+        cached page's rows must all be there)."""
+        tokens = (*seq.token_ids, *seq.produced)
+        if seq.behind:
+            tokens = tokens[: seq.behind[0][0] + 1]
+        return tokens
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every cached page no live request shares; returns how many (0 without a cache)."""
+        return self.memory.flush_cache()
+
+    def _release_logged(self, request_id: str, keep_sampling_state: bool, cache: bool = True) -> None:
         """``release`` that never raises: a failure is logged with the request id and the row is
         given back to the memory directly (whose ``release`` frees what it can)."""
         try:
-            self.release(request_id, keep_sampling_state=keep_sampling_state)
+            self.release(request_id, keep_sampling_state=keep_sampling_state, cache=cache)
         except Exception:
             log.error("executor.release_failed", request_id=request_id, exc_info=True)
             seq = self.seqs.pop(request_id, None)
@@ -572,6 +602,7 @@ class Executor:
             "hisparse": self.memory.counters_dict(),
             "speculative": None if self.spec_counters is None else self.spec_counters.as_dict(),
             "prefill": self.prefill_counters.as_dict(),
+            "prefix_cache": self.memory.cache_stats(),
             "live_requests": len(self.seqs),
             "staging_requests": len(self.memory.staging_rows()),
         }

@@ -65,6 +65,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
 
 
 def add_chunk_argument(p: argparse.ArgumentParser) -> None:
+    """``--chunked-prefill-tokens`` and ``--no-prefix-cache`` (generate, chat and serve)."""
+    p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt (no prefix caching)")
     p.add_argument(
         "--chunked-prefill-tokens",
         type=int,
@@ -96,6 +98,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
+        prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
     )
 

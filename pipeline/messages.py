@@ -119,9 +119,17 @@ class Release:
     request_ids: tuple[str, ...]
     # retraction: keep each request's sampling generator for its re-admission (its random stream goes on)
     keep_sampling_state: bool = False
+    # leave the requests' computed pages to the prefix cache (False for a request that failed: its
+    # memory is not trusted)
+    cache: bool = True
 
 
-Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release
+@attrs.frozen
+class FlushCache:
+    """Evict every prefix-cache page that no live request shares."""
+
+
+Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release | FlushCache
 
 # --- results -------------------------------------------------------------------------------------
 
@@ -129,6 +137,8 @@ Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | R
 @attrs.frozen
 class AdmitResult:
     admitted: tuple[str, ...]  # a prefix of the candidates, in order; they own memory now
+    # request id -> leading prompt tokens found in the prefix cache (their KV is shared, not computed)
+    cached: dict[str, int] = attrs.Factory(dict)
 
 
 @attrs.frozen

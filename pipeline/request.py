@@ -34,6 +34,8 @@ class RequestMetrics:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_retractions: int = 0
+    # leading tokens of the latest prefill found in the prefix cache (their KV was shared, not computed)
+    cached_tokens: int = 0
     # speculative decoding (SGLang meta_info / vLLM SpecDecodingStats); None without speculation
     spec: SpecCounters | None = None
 

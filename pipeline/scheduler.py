@@ -130,12 +130,15 @@ def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
 
 
 def end(items: list[tuple[Request, Event]], stage: str) -> Turn:
-    """Release (whatever holds memory), then apply each terminal event."""
+    """Release (whatever holds memory), then apply each terminal event. A request that crashed
+    leaves nothing to the prefix cache (its memory is not trusted); the others may."""
     if not items:
         return Handoff()
-    held = tuple(r.request_id for r, _ in items if r.state is not State.QUEUED)
-    if held:
-        yield Release(held)  # never fails: the executor frees what it can and logs the rest
+    held = [(r.request_id, isinstance(e, Crashed)) for r, e in items if r.state is not State.QUEUED]
+    for crashed in (False, True):
+        ids = tuple(rid for rid, c in held if c is crashed)
+        if ids:  # never fails: the executor frees what it can and logs the rest
+            yield Release(ids, cache=not crashed)
     for req, event in items:
         req.apply(event, stage, output_tokens=len(req.output_ids))
     return Handoff(ended=[r for r, _ in items])
@@ -231,7 +234,8 @@ class AdmissionPart:
         for req in admitted:
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = time.monotonic()
-            req.apply(Admitted(), self.name, batch_size=len(admitted), queued=len(self.queue))
+            cached = req.metrics.cached_tokens = result.cached.get(req.request_id, 0)
+            req.apply(Admitted(), self.name, batch_size=len(admitted), queued=len(self.queue), cached_tokens=cached)
         done.onward.extend(admitted)
         return done
 
@@ -263,7 +267,7 @@ class PrefillPart:
     def accept(self, reqs: Iterable[Request]) -> None:
         for req in reqs:
             self.owned[req.request_id] = req
-            self.progress[req.request_id] = 0
+            self.progress[req.request_id] = req.metrics.cached_tokens  # a cached prefix is computed
 
     def remove(self, request_id: str) -> None:
         self.owned.pop(request_id, None)

@@ -14,8 +14,8 @@ resident (docs/invariants.md):
 * after every rule, the device mirrors of ``req_to_token`` and ``req_to_host`` (kept as distinct
   tensors here, updated row by row as the tables change) equal a fresh copy of the tables;
 * item 9 per request: ending a request raises every pool's free count by exactly what that request
-  owned (its row, and its logical, physical and host pages), and once no request is live every pool
-  is back at its initial free count.
+  owned (its row, and its logical, physical and host pages, plus the prefix-cache pages it was the
+  last to share), and once no request is live every pool is back at its initial free count.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class ShadowedMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
+        # a prefix-cache hit computes a prompt's suffix in a forward of another shape than the
+        # shadow's whole prompt (equal tokens, not equal bits): both run without the cache
+        assert not self.config.prefix_cache and not self.shadow_config.prefix_cache
         self.streams = ManualStreams()
         self.executor = Executor(self.config, model=self.model, transfer=self.streams)
         self.executor.memory.mirror_tables(separate=True)  # a missed mirror update shows
@@ -155,11 +158,13 @@ class ShadowedMachine(RuleBasedStateMachine):
     def end_request(self, rid: str) -> None:
         """Release ``rid`` in both executors; invariant I9 for that request."""
         coord, row = self.executor.memory, self.executor.seqs[rid].row
+        # cached pages it was the last to share become free too (the cache gives them to whoever asks)
+        last = sum(1 for entry in coord._mem[row].shared if entry.refs == 1)
         owned = {
             "rows": 1,
-            "logical_pages": len(coord.alloc.logical.pages_of(row)),
+            "logical_pages": len(coord.alloc.logical.pages_of(row)) + last,
             "physical_pages": len(coord.alloc.physical.pages_of(row)),
-            "host_pages": len(coord.host.allocator.pages_of(row)),
+            "host_pages": len(coord.host.allocator.pages_of(row)) + last,
         }
         before = self.executor.pool_counts()
         self.executor.release(rid)

@@ -25,7 +25,7 @@ Speculative verify binding and finalize (``pipeline/speculative``) use the same 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import attrs
 import structlog
@@ -41,6 +41,7 @@ from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStrea
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory.interface import Residency
+from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
 
@@ -55,6 +56,7 @@ class RowMemory:
     residency: Residency
     chunk_pages: list[int] = attrs.Factory(list)  # device rows of a chunk's positions past HOT (prefill)
     staging: TransferHandle = attrs.Factory(DoneHandle)  # the newest copy of prompt positions to host
+    shared: list[CachedPage] = attrs.Factory(list)  # prefix-cache entries it shares (its first pages)
     backup: TransferHandle = attrs.Factory(DoneHandle)  # the newest backup issued for this row
 
 
@@ -84,6 +86,7 @@ class HiSparseCoordinator:
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     verify: VerifyBuffers = attrs.field(init=False)  # verify binding and finalize (speculative rounds)
     _staging_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # row -> why its copy failed
+    cache: PrefixCache | None = attrs.field(init=False)  # pages of finished requests, by their tokens
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
 
@@ -128,6 +131,12 @@ class HiSparseCoordinator:
                 self.device,
             )
             if self.num_draft_layers
+            else None
+        )
+        # a cached page is a logical page (indexer keys, MTP rows) and the host page of its KV
+        self.cache = (
+            PrefixCache(plan.page_size, (self.alloc.logical, self.host.allocator), owner=n_rows)
+            if plan.prefix_cache
             else None
         )
         self._staging_stream = self.transfer("staging", self.device)
@@ -181,32 +190,71 @@ class HiSparseCoordinator:
         buffer_pages = self.buffers.capacity_for(num_tokens, speculative=speculative) // page
         return buffer_pages, self.plan.chunk_area(num_tokens) // page
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
-        """Room for a prompt: a row, its buffer and chunk rows, locations and its host copy."""
+    def _needs(self, num_tokens: int, speculative: bool, cached: int) -> tuple[int, int, int]:
+        """(physical, logical, host) pages admitting a prompt whose first ``cached`` pages are
+        shared takes."""
+        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+        pages = -(-num_tokens // self.plan.page_size) - cached
+        return buffer_pages + chunk_pages, pages, pages
+
+    def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
+        return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
+
+    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+        """Room for a prompt (``tokens``, when given, may share cached pages): a row, its buffer and
+        chunk rows, locations and its host copy; unreferenced cached pages count as free."""
         if not self.rows.can_allocate():
             return False
-        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
-        pages = -(-num_tokens // self.plan.page_size)
+        chain = self._match(tokens)
+        physical, logical, host = self._needs(num_tokens, speculative, len(chain))
+        spare = 0 if self.cache is None else self.cache.evictable() - sum(1 for e in chain if e.refs == 0)
         return (
-            self.alloc.physical.can_allocate(buffer_pages + chunk_pages)
-            and self.alloc.logical.can_allocate(pages)
-            and self.host.allocator.can_allocate(pages)
+            self.alloc.physical.can_allocate(physical)
+            and self.alloc.logical.num_free_pages + spare >= logical
+            and self.host.allocator.num_free_pages + spare >= host
         )
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
+    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
         """A row holding everything its prompt needs to reach decode (locations and host pages for
         every position, the device buffer, one chunk's rows); raises ``OutOfMemory`` (nothing
-        changed)."""
-        if not self.can_admit(num_tokens, speculative=speculative):
+        changed). With ``tokens`` and a prefix cache, the longest cached prefix is shared: its
+        positions count as computed (``length``), and the first of them, up to HOT, are loaded from
+        host into their identity columns (a short request decodes from them in place)."""
+        if not self.can_admit(num_tokens, speculative=speculative, tokens=tokens):
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
+        chain = self._match(tokens)
+        _, logical, host = self._needs(num_tokens, speculative, len(chain))
+        if self.cache is not None:
+            self.cache.lock(chain)
+            assert self.cache.make_room((logical, host)), "can_admit counted the cache's spare pages"
         row = self.rows.allocate()
         buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+        if chain:
+            self.alloc.req_to_token.share(row, [e.pages[0] for e in chain])
+            self.host.map.share(row, [e.pages[1] for e in chain])
         self.alloc.extend(row, num_tokens)
         self.host.reserve(row, num_tokens)
         self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
         chunk = self.alloc.alloc_physical(row, chunk_pages) if chunk_pages else []
-        self._mem[row] = RowMemory(length=0, residency=Residency.PREFILL, chunk_pages=chunk)
+        cached = len(chain) * self.plan.page_size
+        self._mem[row] = RowMemory(length=cached, residency=Residency.PREFILL, chunk_pages=chunk, shared=chain)
+        if cached:
+            self._load_identity(row, min(cached, self.hot))
+            if self.draft is not None:
+                self.draft.record(row, self.req_to_token[row, :cached])
+        if self.cache is not None and tokens is not None:
+            self.cache.counters.queried_tokens += num_tokens
+            self.cache.counters.hit_tokens += cached
         return row
+
+    def _load_identity(self, row: int, count: int) -> None:
+        """Copy positions ``[0, count)`` (below HOT, with host copies) into their identity columns."""
+        positions = torch.arange(count)
+        host_slots = self.host.req_to_host[row, positions]
+        dev_slots = self.buffers.locs[row, positions.to(self.device)]
+        for layer in range(self.num_layers):
+            self.device_kv[layer, dev_slots] = self.host.kv[layer, host_slots].to(self.device)
+            self.counters.add_counts(layer, 0, count, count * self.host.row_bytes)
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
         """Where positions ``[start, end)`` of a prefilling row write (idempotent until
@@ -323,6 +371,8 @@ class HiSparseCoordinator:
             return None
         needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
         logical, physical, host = needs
+        if self.cache is not None and self.alloc.physical.can_allocate(physical):
+            self.cache.make_room((logical, host))  # cached pages nobody shares give way
         fits = (
             self.alloc.logical.can_allocate(logical)
             and self.alloc.physical.can_allocate(physical)
@@ -477,8 +527,11 @@ class HiSparseCoordinator:
 
     # --- ending ---------------------------------------------------------------------------------
 
-    def release(self, row: int) -> None:
-        """Return everything ``row`` owns, in any phase; waits for copies that touch its slots."""
+    def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
+        """Return everything ``row`` owns, in any phase; waits for copies that touch its slots.
+
+        With ``tokens`` (the request's known tokens) and a prefix cache, a decoding row's full pages
+        whose KV and host copies exist are left to the cache instead of being freed."""
         mem = self._mem.pop(row)
         if mem.residency is Residency.STAGING:
             self._staging.remove(row)
@@ -489,9 +542,32 @@ class HiSparseCoordinator:
         if mem.chunk_pages:
             self.alloc.free_physical(row, mem.chunk_pages)
         self.alloc.free_physical(row, self.buffers.reset(row))
-        self.alloc.release_locations(row)
-        self.host.release(row)
+        handed = 0
+        if self.cache is not None:
+            if tokens is not None and mem.residency is Residency.RESIDENT:
+                handed = self._leave_to_cache(row, mem, tokens)
+            self.cache.unlock(mem.shared)
+        self.alloc.release_locations(row, handed=handed)
+        self.host.release(row, handed=handed)
         self.rows.free(row)
+
+    def _leave_to_cache(self, row: int, mem: RowMemory, tokens: Sequence[int]) -> int:
+        """Hand the row's own full pages (KV committed, next token known) to the cache; returns how
+        many were handed (its first own pages)."""
+        p = self.plan.page_size
+        full = min(mem.length // p, (len(tokens) - 1) // p)
+        first = len(mem.shared)
+        if full <= first:
+            return 0
+        logical = self.alloc.req_to_token.pages(row)[first:full]
+        host = self.host.map.pages(row)[first:full]
+        if len(host) < len(logical):  # a host page not reserved: nothing to cache past it
+            logical = logical[: len(host)]
+        return self.cache.insert(tokens, mem.shared, list(zip(logical, host)), row)
+
+    def flush_cache(self) -> int:
+        """Evict every cached page no request shares; returns how many."""
+        return 0 if self.cache is None else self.cache.flush()
 
     def close(self) -> None:
         """Wait for every copy in flight and stop the transfer workers."""
@@ -501,24 +577,32 @@ class HiSparseCoordinator:
     # --- figures and checks ---------------------------------------------------------------------
 
     def free_counts(self) -> dict[str, int]:
-        """Free count of every pool (back at its initial value once nothing is live)."""
+        """Free count of every pool (back at its initial value once nothing is live): pages the
+        prefix cache holds for nobody count as free (admission takes them when it needs them)."""
+        spare = 0 if self.cache is None else self.cache.evictable()
         return {
             "rows": self.rows.num_free,
-            "logical_pages": self.alloc.logical.num_free_pages,
+            "logical_pages": self.alloc.logical.num_free_pages + spare,
             "physical_pages": self.alloc.physical.num_free_pages,
-            "host_pages": self.host.allocator.num_free_pages,
+            "host_pages": self.host.allocator.num_free_pages + spare,
         }
+
+    def cache_stats(self) -> dict[str, float] | None:
+        return None if self.cache is None else self.cache.stats()
 
     def free_pages(self) -> int:
         return min(self.alloc.physical.num_free_pages, self.host.allocator.num_free_pages)
 
     def pools(self) -> dict[str, dict[str, int]]:
-        """Every pool's free count and capacity (tokens; rows for request rows)."""
+        """Every pool's free count and capacity (tokens; rows for request rows). ``free`` counts the
+        tokens the prefix cache holds for nobody; ``cached`` is everything it holds."""
+        spare = 0 if self.cache is None else self.cache.evictable()
+        held = 0 if self.cache is None else self.cache.held_pages()
         return {
             "request_rows": {"free": self.rows.num_free, "capacity": self.rows.num_rows},
             "device": _pool(self.alloc.physical),
-            "logical": _pool(self.alloc.logical),
-            "host": _pool(self.host.allocator),
+            "logical": _pool(self.alloc.logical, spare, held),
+            "host": _pool(self.host.allocator, spare, held),
         }
 
     def counters_dict(self) -> dict[str, object]:
@@ -540,6 +624,12 @@ class HiSparseCoordinator:
                 f"{name}: the device mirror disagrees with the table"
             )
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
+        if self.cache is not None:
+            shares: dict[int, int] = {}
+            for mem in self._mem.values():
+                for entry in mem.shared:
+                    shares[entry.id] = shares.get(entry.id, 0) + 1
+            self.cache.check_integrity(shares)
         staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
         for row, mem in self._mem.items():
@@ -583,6 +673,10 @@ def _wait_logged(handle: TransferHandle, row: int, what: str) -> None:
         log.error("hisparse.copy_failed", row=row, copy=what, error=f"{type(exc).__name__}: {exc}")
 
 
-def _pool(allocator) -> dict[str, int]:
+def _pool(allocator, spare: int = 0, cached: int = 0) -> dict[str, int]:
     p = allocator.page_size
-    return {"free": allocator.num_free_pages * p, "capacity": allocator.capacity_pages * p}
+    return {
+        "free": (allocator.num_free_pages + spare) * p,
+        "capacity": allocator.capacity_pages * p,
+        "cached": cached * p,
+    }

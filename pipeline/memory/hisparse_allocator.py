@@ -151,9 +151,11 @@ class HiSparseAllocator:
 
     # --- freeing --------------------------------------------------------------------------------
 
-    def release_locations(self, row: int) -> None:
-        """Clear the mapping of every location of ``row``, then free them (free locations map to 0)."""
-        pages = self.req_to_token.release(row)  # validates ownership first; raises before any change
+    def release_locations(self, row: int, *, handed: int = 0) -> None:
+        """Clear the mapping of every location of ``row``, then free them (free locations map to 0);
+        its shared pages, and its first ``handed`` own pages (just handed to the prefix cache), are
+        not freed."""
+        pages = self.req_to_token.release(row, handed=handed)  # validates ownership before any change
         if pages:
             self.logical_to_physical[page_slots(pages, self.page_size)] = 0
 

@@ -71,9 +71,10 @@ class HostPool:
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         return self.map.slots(row, positions)
 
-    def release(self, row: int) -> None:
-        """Free every host page of ``row`` and forget its copies."""
-        self.map.release(row)
+    def release(self, row: int, *, handed: int = 0) -> None:
+        """Free every host page ``row`` owns and forget its copies (its first ``handed`` own pages
+        were just handed to the prefix cache)."""
+        self.map.release(row, handed=handed)
 
     def check_integrity(self) -> None:
         """Host half of invariant I7 (docs/invariants.md): slots unique across requests, disjoint from the free list."""

@@ -18,6 +18,8 @@ import enum
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import torch
 
     from pipeline.memory.targets import VerifyLayout, WriteTargets
@@ -42,15 +44,17 @@ class KVMemory(Protocol):
 
     # --- admission and prefill ------------------------------------------------------------------
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
+    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
         """Whether ``admit`` would succeed now (changes nothing)."""
         ...
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
+    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
         """A free row holding everything its prompt needs to reach decode: locations for every
         position, its host copy, the device rows of one prefill chunk and (HiSparse) the device
         buffer it decodes through, so that neither a later chunk nor ``collect_ready`` waits for
-        memory. Raises ``OutOfMemory`` and changes nothing when a pool is short."""
+        memory. Raises ``OutOfMemory`` and changes nothing when a pool is short. With ``tokens``
+        (the prompt) and a prefix cache, the longest cached prefix is shared: ``length(row)`` says
+        how many positions that is (computed already); cached pages nobody shares count as free."""
         ...
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
@@ -148,9 +152,19 @@ class KVMemory(Protocol):
 
     # --- ending ------------------------------------------------------------------------------------
 
-    def release(self, row: int) -> None:
+    def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
         """Give back everything ``row`` owns, in any residency, exactly once. Never leaves a pool
-        inconsistent: a copy that failed is logged and its slots freed all the same."""
+        inconsistent: a copy that failed is logged and its slots freed all the same. With ``tokens``
+        (the request's known tokens) and a prefix cache, a decoding row's full computed pages are
+        left to the cache."""
+        ...
+
+    def flush_cache(self) -> int:
+        """Evict every prefix-cache page no live row shares; returns how many (0 without a cache)."""
+        ...
+
+    def cache_stats(self) -> dict[str, float] | None:
+        """The prefix cache's counters (None without one)."""
         ...
 
     def close(self) -> None:

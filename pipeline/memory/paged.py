@@ -127,6 +127,24 @@ class PagedAllocator:
         if not mine:
             self._owned.pop(owner, None)
 
+    def transfer(self, pages: Iterable[int], owner: int, new_owner: int) -> None:
+        """Hand ``owner``'s pages to ``new_owner`` (the prefix cache takes a finished request's pages,
+        and gives them back to the free list on eviction); raises ``OwnershipError`` (nothing
+        changed) on any page ``owner`` does not own."""
+        pages = list(pages)
+        if new_owner < 0:
+            raise ValueError(f"{self.name}: owner must be >= 0, got {new_owner}")
+        self.check_owned(pages, owner)
+        mine, theirs = self._owned.get(owner, set()), self._owned.setdefault(new_owner, set())
+        for page in pages:
+            self._owner[page] = new_owner
+            mine.discard(page)
+            theirs.add(page)
+        if not mine:
+            self._owned.pop(owner, None)
+        if not theirs:
+            self._owned.pop(new_owner, None)
+
     def owner_of(self, page: int) -> int:
         return self._owner[page]
 
@@ -241,11 +259,14 @@ class PagedTable:
     fill_on_cover: bool
     table: torch.Tensor = attrs.field(init=False)  # [num_rows, max_len] int64
     _pages: list[list[int]] = attrs.field(init=False)  # per row, in position order
+    # per row: how many of its first pages it shares (owned by the prefix cache, not by the row)
+    _shared: list[int] = attrs.field(init=False)
     mirror: TableMirror | None = attrs.field(init=False, default=None)  # kept equal to ``table``
 
     def __attrs_post_init__(self) -> None:
         self.table = torch.full((self.num_rows, self.max_len), self.empty, dtype=torch.int64)
         self._pages = [[] for _ in range(self.num_rows)]
+        self._shared = [0] * self.num_rows
 
     def mirror_on(self, device: torch.device, *, separate: bool = False) -> TableMirror:
         """Keep a copy of the table on ``device`` from now on, updated with every change."""
@@ -258,6 +279,25 @@ class PagedTable:
 
     def pages(self, row: int) -> list[int]:
         return list(self._pages[row])
+
+    def shared_pages(self, row: int) -> int:
+        """How many of ``row``'s first pages are shared (the prefix cache owns them)."""
+        return self._shared[row]
+
+    def share(self, row: int, pages: list[int]) -> None:
+        """Give an empty row ``pages`` (owned by someone else: the prefix cache) as its first pages,
+        every position of them recorded; ``cover`` adds the row's own pages after them."""
+        if self._pages[row]:
+            raise ValueError(f"{self.name}: row {row} already holds pages")
+        if not pages:
+            return
+        self._pages[row] = list(pages)
+        self._shared[row] = len(pages)
+        slots = page_slots(pages, self.page_size)
+        n = min(slots.numel(), self.max_len)
+        self.table[row, :n] = slots[:n]
+        if self.mirror is not None:
+            self.mirror.write(row, slice(0, n), slots[:n])
 
     def covered_len(self, row: int) -> int:
         """Positions of ``row`` that have a slot."""
@@ -304,20 +344,25 @@ class PagedTable:
             self.mirror.write(row, positions, slots)
         return slots
 
-    def release(self, row: int) -> list[int]:
-        """Free every page of ``row`` and clear its table row; returns the freed pages."""
-        pages = self._pages[row]
+    def release(self, row: int, *, handed: int = 0) -> list[int]:
+        """Free every page ``row`` owns and clear its table row; returns the freed pages. Its shared
+        pages are not its own, and its first ``handed`` pages past them the caller has just handed
+        to their new owner (``PagedAllocator.transfer``): neither is freed."""
+        pages = self._pages[row][self._shared[row] + handed :]
         self.allocator.free(pages, owner=row)
         self._pages[row] = []
+        self._shared[row] = 0
         self.table[row].fill_(self.empty)
         if self.mirror is not None:
             self.mirror.fill_row(row, self.empty)
         return pages
 
     def restore(self, table: torch.Tensor, pages: tuple[tuple[int, ...], ...]) -> None:
-        """Put back a table and page lists saved earlier (the allocator is restored by its owner)."""
+        """Put back a table and page lists saved earlier (the allocator is restored by its owner;
+        no row shares pages in a transaction that is restored)."""
         self.table.copy_(table)
         self._pages = [list(row_pages) for row_pages in pages]
+        self._shared = [0] * self.num_rows
         if self.mirror is not None:
             self.mirror.refresh()
 
@@ -326,7 +371,12 @@ class PagedTable:
         p = self.page_size
         for row, pages in enumerate(self._pages):
             owned = self.allocator.pages_of(row)
-            assert set(pages) == set(owned), f"{self.name}: row {row} pages {pages} vs owned {sorted(owned)}"
+            mine = pages[self._shared[row] :]
+            assert set(mine) == set(owned), f"{self.name}: row {row} pages {mine} vs owned {sorted(owned)}"
+            for page in pages[: self._shared[row]]:
+                assert self.allocator.owner_of(page) >= self.num_rows, (
+                    f"{self.name}: row {row} shares page {page}, owned by {self.allocator.owner_of(page)}"
+                )
             assert len(set(pages)) == len(pages), f"{self.name}: row {row} lists a page twice"
             recorded = self.table[row]
             mask = recorded != self.empty

@@ -8,6 +8,7 @@ like the HiSparse coordinator, so the executor drives both the same way.
 from __future__ import annotations
 
 import collections
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -15,6 +16,7 @@ import torch
 from pipeline.config import MemoryPlan
 from pipeline.memory.interface import Residency
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
+from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.req_to_token import RequestRows, token_table
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
@@ -36,6 +38,8 @@ class ResidentMemory:
     _length: dict[int, int] = attrs.field(init=False, factory=dict)
     _ready: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     _residency: dict[int, Residency] = attrs.field(init=False, factory=dict)
+    _shared: dict[int, list[CachedPage]] = attrs.field(init=False, factory=dict)  # row -> cached entries
+    cache: PrefixCache | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         plan = self.plan
@@ -43,6 +47,10 @@ class ResidentMemory:
         self.rows = RequestRows(plan.max_running_requests)
         self.allocator = PagedAllocator("kv", plan.device_tokens // p + 1, p, reserve_first_page=True)
         self._table = token_table(self.allocator, plan.max_running_requests, plan.max_request_len)
+        # a cached page is a device page: the target's KV, indexer keys and the MTP layer's rows
+        self.cache = (
+            PrefixCache(p, (self.allocator,), owner=plan.max_running_requests) if plan.prefix_cache else None
+        )
         rows = self.allocator.num_pages * p
         layers = self.num_layers + self.num_mtp_layers
         self.store = ResidentKV(
@@ -61,18 +69,38 @@ class ResidentMemory:
     def live_rows(self) -> list[int]:
         return sorted(self._length)
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False) -> bool:
-        return self.rows.can_allocate() and self.allocator.can_allocate(-(-num_tokens // self.plan.page_size))
+    def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
+        return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
 
-    def admit(self, num_tokens: int, *, speculative: bool = False) -> int:
-        if not self.can_admit(num_tokens):
+    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+        """A row and pages for the prompt (``tokens``, when given, may share cached pages, and
+        cached pages nobody shares count as free)."""
+        chain = self._match(tokens)
+        need = -(-num_tokens // self.plan.page_size) - len(chain)
+        spare = 0 if self.cache is None else self.cache.evictable() - sum(1 for e in chain if e.refs == 0)
+        return self.rows.can_allocate() and self.allocator.num_free_pages + spare >= need
+
+    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
+        """A row and locations for the prompt; the longest cached prefix of ``tokens`` is shared
+        (its positions count as computed)."""
+        if not self.can_admit(num_tokens, tokens=tokens):
             raise OutOfMemory(
                 "kv admission", -(-num_tokens // self.plan.page_size), self.allocator.num_free_pages
             )
+        chain = self._match(tokens)
+        if self.cache is not None:
+            self.cache.lock(chain)
+            need = -(-num_tokens // self.plan.page_size) - len(chain)
+            assert self.cache.make_room((need,)), "can_admit counted the cache's spare pages"
+            if tokens is not None:
+                self.cache.counters.queried_tokens += num_tokens
+                self.cache.counters.hit_tokens += len(chain) * self.plan.page_size
         row = self.rows.allocate()
+        self._table.share(row, [e.pages[0] for e in chain])
         self._table.cover(row, num_tokens)
         self.store.req_to_token[row] = self._table.table[row].to(self.device)
-        self._length[row] = 0
+        self._length[row] = len(chain) * self.plan.page_size
+        self._shared[row] = chain
         self._residency[row] = Residency.PREFILL
         return row
 
@@ -113,11 +141,13 @@ class ResidentMemory:
 
     def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
         end = self._length[row] + new_tokens
+        if self.cache is not None and end <= self.plan.max_request_len:
+            self.cache.make_room((self._table.pages_needed(row, end),))  # unshared cached pages give way
         return self._table.can_cover(row, end)
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
         end = self._length[row] + new_tokens
-        if not self._table.can_cover(row, end):
+        if not self.can_decode(row, new_tokens=new_tokens):
             raise OutOfMemory("kv decode", self._table.pages_needed(row, end), self.allocator.num_free_pages)
         if self._table.cover(row, end):
             self.store.req_to_token[row] = self._table.table[row].to(self.device)
@@ -177,12 +207,23 @@ class ResidentMemory:
         """The MTP layer's rows live in the same store, after the target's layers."""
         return self.backend(rows, positions, locs, locs)
 
-    def release(self, row: int) -> None:
-        self._length.pop(row)
-        self._residency.pop(row)
+    def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
+        """Free the row; with ``tokens`` (its known tokens) and a prefix cache, a decoding row's full
+        pages whose KV and next token exist are left to the cache."""
+        length = self._length.pop(row)
+        residency = self._residency.pop(row)
+        shared = self._shared.pop(row, [])
         if row in self._ready:
             self._ready.remove(row)
-        self._table.release(row)
+        handed = 0
+        if self.cache is not None:
+            if tokens is not None and residency is Residency.RESIDENT:
+                p = self.plan.page_size
+                full = min(length // p, (len(tokens) - 1) // p)
+                own = [(page,) for page in self._table.pages(row)[len(shared) : full]]
+                handed = self.cache.insert(tokens, shared, own, row)
+            self.cache.unlock(shared)
+        self._table.release(row, handed=handed)
         self.store.req_to_token[row] = 0
         self.rows.free(row)
 
@@ -190,8 +231,16 @@ class ResidentMemory:
         return None
 
     def free_counts(self) -> dict[str, int]:
-        """Free count of every pool (back at its initial value once nothing is live)."""
-        return {"rows": self.rows.num_free, "kv_pages": self.allocator.num_free_pages}
+        """Free count of every pool (back at its initial value once nothing is live): pages the
+        prefix cache holds for nobody count as free."""
+        spare = 0 if self.cache is None else self.cache.evictable()
+        return {"rows": self.rows.num_free, "kv_pages": self.allocator.num_free_pages + spare}
+
+    def flush_cache(self) -> int:
+        return 0 if self.cache is None else self.cache.flush()
+
+    def cache_stats(self) -> dict[str, float] | None:
+        return None if self.cache is None else self.cache.stats()
 
     def free_pages(self) -> int:
         return self.allocator.num_free_pages
@@ -199,11 +248,14 @@ class ResidentMemory:
     def pools(self) -> dict[str, dict[str, int]]:
         """Every pool's free count and capacity (tokens; rows for request rows)."""
         p = self.plan.page_size
+        spare = 0 if self.cache is None else self.cache.evictable()
+        held = 0 if self.cache is None else self.cache.held_pages()
         return {
             "request_rows": {"free": self.rows.num_free, "capacity": self.rows.num_rows},
             "device": {
-                "free": self.allocator.num_free_pages * p,
+                "free": (self.allocator.num_free_pages + spare) * p,
                 "capacity": self.allocator.capacity_pages * p,
+                "cached": held * p,
             },
         }
 
@@ -221,5 +273,11 @@ class ResidentMemory:
         self._table.check_integrity()
         assert set(self._length) == set(self.rows.in_use()), "resident rows disagree with the row pool"
         assert set(self._residency) == set(self._length), "resident rows without a residency"
+        if self.cache is not None:
+            shares: dict[int, int] = {}
+            for chain in self._shared.values():
+                for entry in chain:
+                    shares[entry.id] = shares.get(entry.id, 0) + 1
+            self.cache.check_integrity(shares)
         staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING]
         assert sorted(staged) == sorted(self._ready), "the ready queue disagrees with the rows' residency"

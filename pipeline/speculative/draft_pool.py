@@ -48,6 +48,11 @@ class DraftPool:
             req_to_token=torch.zeros(self.num_rows, self.max_len, dtype=torch.int64, device=self.device),
         )
 
+    def record(self, row: int, locs: torch.Tensor) -> None:
+        """Positions ``[0, len(locs))`` of ``row`` are shared prefix-cache pages whose rows an
+        earlier request wrote: record their locations (no forward of this request will)."""
+        self.store.req_to_token[row, : locs.numel()] = locs.to(self.device)
+
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
         inner = ResidentBackend(self.store)
         inner.begin(ForwardLayout(rows, positions, locs))

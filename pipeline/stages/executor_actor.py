@@ -52,6 +52,9 @@ class ExecutorClient:
     async def aclose(self) -> None:
         await self._send.aclose()
 
+    def close(self) -> None:
+        self._send.close()
+
     async def __aenter__(self) -> ExecutorClient:
         return self
 

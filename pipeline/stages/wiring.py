@@ -52,6 +52,7 @@ class Pipeline:
     submit_end: MemoryObjectSendStream[StageMessage]
     requeue_end: MemoryObjectSendStream[StageMessage]
     slots: anyio.Semaphore  # submissions waiting for admission to read them
+    control: ExecutorClient  # the engine's own commands (flushing the prefix cache)
     ended_stages: set[str] = attrs.Factory(set)  # stages whose run() has returned or raised
     closed: bool = False  # the entries are closed: no new submission
 
@@ -95,6 +96,7 @@ class Pipeline:
 
     def close_entries(self) -> None:
         self.closed = True
+        self.control.close()
         self.submit_end.close()
         self.requeue_end.close()
         self.bells.close()
@@ -166,5 +168,6 @@ def build_pipeline(
     prefill = PrefillStage(ctx, core.prefill, client(), prefill_inbox, staging_end)
     staging = StagingStage(ctx, core.staging, client(), staging_inbox, decode_end)
     decode = DecodeStage(ctx, core.decode, client(), decode_inbox, requeue_end)
+    control = client()
     executor_end.close()  # only the stages' clones remain: the actor ends when the last stage does
-    return Pipeline(ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots)
+    return Pipeline(ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots, control)

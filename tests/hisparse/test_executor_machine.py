@@ -35,6 +35,7 @@ class ExecutorMachine(ShadowedMachine):
         device_pool_tokens=96,  # a few buffers' worth: pressure is real
         hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=3),
         speculative=None,
+        prefix_cache=False,  # the shadow must compute exactly what the executor computes
     )
     shadow_config = EngineConfig(
         dtype="float64",
@@ -44,6 +45,7 @@ class ExecutorMachine(ShadowedMachine):
         device_pool_tokens=512,
         hisparse=None,
         speculative=None,
+        prefix_cache=False,  # the shadow must compute exactly what the executor computes
     )
 
     @precondition(lambda self: "decode" in self.phase.values())

@@ -183,8 +183,9 @@ def test_prefill_sorts_each_request_by_its_first_token():
 
     script = Script(part.turn(), {Prefill: answer})
     handoff = script.run()
-    assert script.kinds() == ["Prefill", "Release"]
-    assert set(script.commands[1].request_ids) == {"one", "gone", "bad"}  # released before ending
+    assert script.kinds() == ["Prefill", "Release", "Release"]
+    released = [set(c.request_ids) for c in script.commands[1:]]
+    assert released == [{"one", "gone"}, {"bad"}] and not script.commands[2].cache  # released before ending
     by_id = {r.request_id: r for r in reqs}
     assert by_id["ok"].state is State.STAGING and by_id["ok"].output_ids == [70]
     assert by_id["one"].state is State.FINISHED and by_id["one"].finish_reason == "length"
@@ -271,10 +272,12 @@ def test_plain_step_settles_tokens_retracts_the_refused_and_fails_the_failed():
     result = StepResult({"a": (66,), "b": (67,)}, refused=("c",), failed={"d": "boom"})
     script = Script(part.turn(), {Decode: result})
     handoff = script.run()
-    assert script.kinds() == ["Decode", "Release", "Release"]
-    retract, end = script.commands[1:]
+    assert script.kinds() == ["Decode", "Release", "Release", "Release"]
+    retract, end, failed = script.commands[1:]
     assert retract.request_ids == ("c",) and retract.keep_sampling_state  # its random stream goes on
-    assert set(end.request_ids) == {"b", "d"} and not end.keep_sampling_state
+    assert end.request_ids == ("b",) and not end.keep_sampling_state and end.cache
+    # a failed request's memory is not trusted: nothing of it goes to the prefix cache
+    assert failed.request_ids == ("d",) and not failed.cache
     assert [r.state for r in reqs] == [State.DECODE, State.FINISHED, State.QUEUED, State.FAILED]
     assert reqs[1].finish_reason == "length" and reqs[2].metrics.num_retractions == 1
     assert ids(handoff.requeue) == ["c"] and list(part.members) == ["a"]

@@ -32,6 +32,7 @@ class SpecMachine(ShadowedMachine):
         device_pool_tokens=96,
         hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=3),
         speculative=SPEC,
+        prefix_cache=False,  # the shadow must compute exactly what the executor computes
     )
     shadow_config = EngineConfig(
         dtype="float64",
@@ -41,6 +42,7 @@ class SpecMachine(ShadowedMachine):
         device_pool_tokens=512,
         hisparse=None,
         speculative=SPEC,
+        prefix_cache=False,  # the shadow must compute exactly what the executor computes
     )
 
     @precondition(lambda self: "decode" in self.phase.values())
