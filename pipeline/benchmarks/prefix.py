@@ -3,9 +3,9 @@
 1. **Shared system prompt**: a ``--prefix``-token prefix common to every request, each with its own
    ``--suffix``-token question. One request warms the cache; then ``--requests`` requests arrive one
    after another. Reported: time to first token (median), throughput, hit rate.
-2. **Multi-turn chat**: ``--chats`` conversations of ``--turns`` turns run concurrently; each turn
-   resends the whole conversation (its earlier prompts and answers) plus a new ``--user``-token
-   message. Reported: output tokens per second over the whole workload, mean time to first token,
+2. **Multi-turn chat**: ``--chats`` conversations of ``--turns`` turns run concurrently, each
+   opening with the same ``--system``-token system prompt; each turn resends the whole conversation
+   (the system prompt, its earlier messages and answers) plus a new ``--user``-token message. Reported: output tokens per second over the whole workload, mean time to first token,
    hit rate.
 
 Each workload runs with the cache on and off in one process, alternating which goes first repeat by
@@ -33,8 +33,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=4, help="requests after the warm-up")
     parser.add_argument("--chats", type=int, default=4, help="concurrent conversations")
     parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--system", type=int, default=1024, help="tokens of the chats' system prompt")
     parser.add_argument("--user", type=int, default=64, help="tokens of each new user message")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--no-hisparse", action="store_true")
     parser.add_argument("--spec", action="store_true", help="MTP speculation on (default: plain decoding)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats")
@@ -47,7 +48,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 def config(args: argparse.Namespace, *, cache: bool) -> EngineConfig:
     from pipeline.config import SpeculativeConfig
 
-    context = max(args.prefix + args.suffix, args.turns * (args.user + args.new_tokens)) + args.new_tokens + 64
+    chat = args.system + args.turns * (args.user + args.new_tokens)
+    context = max(args.prefix + args.suffix, chat) + args.new_tokens + 64
     return EngineConfig(
         model=args.model,
         dtype=args.dtype,
@@ -88,7 +90,7 @@ def shared_prompt(model, cfg: EngineConfig, prefix: list[int], suffixes: list[li
     return out
 
 
-def chat(model, cfg: EngineConfig, messages: list[list[list[int]]], args) -> dict:
+def chat(model, cfg: EngineConfig, system: list[int], messages: list[list[list[int]]], args) -> dict:
     from pipeline.engine import Engine
     from pipeline.sampling import SamplingParams
 
@@ -103,7 +105,7 @@ def chat(model, cfg: EngineConfig, messages: list[list[list[int]]], args) -> dic
 
             async def conversation(i: int) -> None:
                 nonlocal hits, queried, tokens
-                history: list[int] = []
+                history: list[int] = list(system)
                 for user in messages[i]:
                     prompt = history + user
                     result = await engine.generate_text(prompt, params)
@@ -141,6 +143,7 @@ def main(argv: list[str]) -> int:
     model, note = load_or_random(args)
     prefix = held_out_prompts(1, args.prefix, args.seed)[0]
     suffixes = held_out_prompts(args.requests + 1, args.suffix, args.seed + 1)
+    system = held_out_prompts(1, args.system, args.seed + 5)[0] if args.system else []
     messages = [held_out_prompts(args.turns, args.user, args.seed + 10 + i) for i in range(args.chats)]
     shared: dict[str, list[dict]] = {"on": [], "off": []}
     chats: dict[str, list[dict]] = {"on": [], "off": []}
@@ -148,7 +151,7 @@ def main(argv: list[str]) -> int:
         for side in ("on", "off") if repeat % 2 == 0 else ("off", "on"):
             cfg = config(args, cache=side == "on")
             shared[side].append(shared_prompt(model, cfg, prefix, suffixes, args))
-            chats[side].append(chat(model, cfg, messages, args))
+            chats[side].append(chat(model, cfg, system, messages, args))
     same = all(a["outputs"] == b["outputs"] for runs in (shared, chats) for a, b in zip(runs["on"], runs["off"]))
     ttft_ratio = paired(shared, "ttft")
     chat_ratio = paired(chats, "tokens_per_s")
@@ -174,7 +177,7 @@ def main(argv: list[str]) -> int:
         [[f"shared prefix {args.prefix} + {args.suffix}", side, med([r["ttft"] for r in shared[side]]),
           med([r["tokens_per_s"] for r in shared[side]]), f"{med([r['hit_rate'] for r in shared[side]]):.0%}"]
          for side in ("off", "on")]
-        + [[f"chat {args.chats} x {args.turns} turns", side, med([r["ttft"] for r in chats[side]]),
+        + [[f"chat {args.chats} x {args.turns} turns, system {args.system}", side, med([r["ttft"] for r in chats[side]]),
             med([r["tokens_per_s"] for r in chats[side]]), f"{med([r['hit_rate'] for r in chats[side]]):.0%}"]
            for side in ("off", "on")],
     ))  # fmt: skip
