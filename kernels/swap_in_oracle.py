@@ -88,8 +88,8 @@ def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str) -> 
     if len(loadable) > len(evictable):
         return None
     selected = sorted(t for t in set(top) if 0 <= t < n)
-    lru_index = {c: i for i, c in enumerate(req.lru)}
-    victims = choose_victims(policy, evictable, lru_index, req.tokens, selected, len(loadable), hot)
+    picked = choose_victims(policy, [req.tokens[c] for c in evictable], selected, len(loadable), hot)
+    victims = [evictable[i] for i in picked]
     for c in hit_cols:
         slot_of[req.tokens[c]] = req.locs[c]
     for c, t in zip(victims, loadable):

@@ -54,17 +54,14 @@ def priority(policy: str, token: int, selected: list[int], hot: int) -> int:
     return 0 if d > hot else 1 + hot - d  # slide-lru
 
 
-def choose_victims(
-    policy: str, evictable: list[int], lru_index: dict[int, int], tokens: list[int], selected: list[int],
-    count: int, hot: int,
-) -> list[int]:
-    """The ``count`` evictable columns the policy evicts, in LRU order (least recent first).
+def choose_victims(policy: str, held: list[int], selected: list[int], count: int, hot: int) -> list[int]:
+    """Indices into ``held`` of the ``count`` evictable columns the policy evicts, ascending.
 
-    ``evictable`` is in LRU order, ``lru_index`` maps a column to its LRU index, ``tokens`` is the
-    position each column holds, ``selected`` the step's valid top-k positions sorted ascending.
+    ``held`` is the position each evictable column holds, the columns in LRU order (least recent
+    first; ties of priority go to the earlier one); ``selected`` the step's valid top-k positions,
+    sorted ascending.
     """
     if policy == "lru" or count == 0:
-        return evictable[:count]
-    ranked = sorted(evictable, key=lambda c: (priority(policy, tokens[c], selected, hot), lru_index[c]))
-    chosen = set(ranked[:count])
-    return [c for c in evictable if c in chosen]
+        return list(range(min(count, len(held))))
+    ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot), i))
+    return sorted(ranked[:count])

@@ -53,7 +53,8 @@ def _fast(top, n, tokens, locs, hot, out, protected) -> tuple[int, int]:
 
 
 def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
-    """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing changed), else
+    """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing
+    changed), else
     (hits, loads [(col, pos)], their host slots, unrecoverable, new order, returned hot columns)."""
     draft = _draft_slots(tokens, locs, hot)
     wanted: dict[int, None] = {}
@@ -85,10 +86,10 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
         untouched = evictable[len(loadable) :]
     else:
         selected = sorted(t for t in set(top) if 0 <= t < n)
-        lru_index = {c: i for i, c in enumerate(order)}
-        victims = choose_victims(policy, evictable, lru_index, tokens, selected, len(loadable), hot)
-        chosen = set(victims)
-        untouched = [c for c in evictable if c not in chosen]
+        picked = choose_victims(policy, [tokens[c] for c in evictable], selected, len(loadable), hot)
+        chosen = set(picked)
+        victims = [evictable[i] for i in picked]
+        untouched = [c for i, c in enumerate(evictable) if i not in chosen]
     for col in hit_cols:
         out[tokens[col]] = locs[col]
     for col, (t, _) in zip(victims, loadable):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import attrs
 import structlog
 
+from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
@@ -59,8 +60,11 @@ class HiSparseConfig:
     host_to_device_ratio: int = 4
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
+    # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md)
+    policy: str = DEFAULT_POLICY
 
     def __attrs_post_init__(self) -> None:
+        _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
         _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
         if self.top_k is not None:
@@ -147,6 +151,7 @@ class MemoryPlan:
     max_running_requests: int
     draft_tokens: int  # D, 0 without speculation
     hisparse: bool
+    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
 
     @property
     def device_pages(self) -> int:
@@ -325,6 +330,7 @@ class EngineConfig:
             max_running_requests=self.max_running_requests,
             draft_tokens=self._draft_tokens(),
             hisparse=hs is not None,
+            policy=DEFAULT_POLICY if hs is None else hs.policy,
         )
 
 

@@ -53,15 +53,13 @@ def test_worked_example_each_policy_picks_its_victim(impl, policy, evicted):
 
 
 def test_choose_victims_keeps_lru_order_among_the_chosen():
-    tokens = [5, 20, 21, 9]  # selected: [8]; d: 5 -> FAR, 20 -> 12, 21 -> 13, 9 -> 1
-    order = [3, 2, 1, 0]
-    index = {c: i for i, c in enumerate(order)}
-    assert choose_victims("slide", order, index, tokens, [8], 2, hot=16) == [2, 0]
-    assert choose_victims("lru", order, index, tokens, [8], 2, hot=16) == [3, 2]
+    held = [9, 21, 20, 5]  # LRU order; selected: [8]; d: 9 -> 1, 21 -> 13, 20 -> 12, 5 -> FAR
+    assert choose_victims("slide", held, [8], 2, hot=16) == [1, 3]
+    assert choose_victims("lru", held, [8], 2, hot=16) == [0, 1]
     # slide-lru: 20 and 21 are within hot=16 of 8, so they rank after the dead 5, farthest first
-    assert choose_victims("slide-lru", order, index, tokens, [8], 2, hot=16) == [2, 0]
-    # with hot=10 all but 9 are dead: the two least recent of them go (slide would take 5 and 21)
-    assert choose_victims("slide-lru", order, index, tokens, [8], 2, hot=10) == [2, 1]
+    assert choose_victims("slide-lru", held, [8], 2, hot=16) == [1, 3]
+    # with hot=10 all but 9 are dead: the two least recent of them go (slide takes 21 and 5)
+    assert choose_victims("slide-lru", held, [8], 2, hot=10) == [1, 2]
 
 
 def _equal_to_oracle(world, impl, policy):
