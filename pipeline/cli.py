@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
-    "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
+    "replay": ("pipeline.hisparse.replay", "replay a top-k trace: every replacement policy beside Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
@@ -32,6 +32,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
+    "policy": ("pipeline.benchmarks.policy", "HiSparse replacement policies on recorded traces, and end to end"),
 }
 
 
