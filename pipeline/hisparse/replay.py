@@ -186,15 +186,15 @@ def min_misses(steps: list[Step], hot: int) -> int:
             if t in resident:
                 continue
             misses += 1
-
-            def next_use(p: int) -> float:
-                later = uses.get((segment, p))
-                return later[0] if later else float("inf")
-
-            victim = max((p for p in resident if p not in pinned), key=lambda p: (next_use(p), -p))
+            victim = max((p for p in resident if p not in pinned), key=lambda p: (_next_use(uses, segment, p), -p))
             resident.remove(victim)
             resident.add(t)
     return misses
+
+
+def _next_use(uses: dict[tuple[int, int], collections.deque[int]], segment: int, position: int) -> float:
+    later = uses.get((segment, position))
+    return later[0] if later else float("inf")
 
 
 def policy_function(name: str) -> Callable[[list[Step], int], int]:
