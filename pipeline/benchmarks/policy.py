@@ -86,7 +86,7 @@ def engine_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
     for rid in ids:
         executor.release(rid)
     delta = {key: [b - a for a, b in zip(before[key], after[key])] for key in ("misses", "h2d_bytes")}
-    return EngineRun(timer.seconds, {rid.split("-", 1)[1]: t for rid, t in tokens.items()},
+    return EngineRun(timer.seconds, {rid.rsplit("-", 1)[1]: t for rid, t in tokens.items()},
                      delta["misses"], delta["h2d_bytes"])
 
 
