@@ -93,7 +93,8 @@ def engine_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec bench policy", description=__doc__.split("\n\n")[0])
     add_common_args(parser, "bench-policy.json")
-    parser.add_argument("--contexts", default="1024,4096", help="prompt lengths in tokens, comma-separated")
+    parser.add_argument("--contexts", default="1024,3584", help="prompt lengths in tokens, comma-separated "
+                        "(the bundled model has 4096 positions: prompt + new tokens + 32 must fit)")
     parser.add_argument("--hots", default="128,256,512", help="HOT values to replay at, comma-separated")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=256)
