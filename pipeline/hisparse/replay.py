@@ -239,7 +239,7 @@ def replay(
     records: Iterable[dict], hot: int, *, policies: Iterable[str] = ALL_POLICIES, row_bytes: int | None = None
 ) -> ReplayResult:
     if not isinstance(hot, int) or hot < 1:
-        raise ValueError(f"hot={hot}: must be an integer >= 1")
+        raise ValueError(f"hot={hot}: must be >= 1")
     functions = {name: policy_function(name) for name in policies}
     streams = swap_in_steps(records, hot)
     widest = max((len(s.want) for steps in streams.values() for s in steps), default=0)
