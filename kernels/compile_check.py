@@ -49,8 +49,9 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
     bf16 = tl.bfloat16
     small = [
         ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=0), 8),
-        # a policy other than LRU (kernels.swap_in_policy: 1 = slide) takes the key-search path
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=1), 8),
+        # a policy other than LRU (kernels.swap_in_policy: 3 = adaptive, slide's path and more) takes
+        # the key-search path
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=3), 8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=64), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16), 4),

@@ -99,7 +99,7 @@ def _fast_step(st: _State, pos, valid, is_first, found, draft_slot, fast, hot):
     return slots
 
 
-def _victims(st: _State, pos, valid, evict, evict_rank, num_load):
+def _victims(st: _State, pos, valid, want_first, evict, evict_rank, num_load):
     """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
     if st.policy == "lru":
         return evict & (evict_rank < num_load[:, None])
@@ -108,7 +108,16 @@ def _victims(st: _State, pos, valid, evict, evict_rank, num_load):
     below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
     nearest = np.where(below, pos[:, None, :], -1).max(axis=2)
     d = np.where(nearest >= 0, tok - nearest, FAR)
-    prio = FAR - d if st.policy == "slide" else np.where(d > hot, 0, 1 + hot - d)
+    if st.policy == "slide-lru":
+        prio = np.where(d > hot, 0, 1 + hot - d)
+    else:
+        prio = FAR - d
+    if st.policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+        recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
+        recent = np.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
+        slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(axis=2) & want_first
+        stayed = (pos[:, :, None] == recent[:, None, :]).any(axis=2) & want_first
+        prio = np.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
     key = np.where(evict, (prio << KEY_SHIFT) | np.arange(hot), np.iinfo(np.int64).max)
     rank = np.empty_like(key)
     rank[st.b_idx, np.argsort(key, axis=1, kind="stable")] = np.arange(hot)
@@ -138,7 +147,7 @@ def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long,
     overflow = long & (num_load > num_evict)
     apply = long & ~overflow
     evict_rank = np.cumsum(evict, axis=1) - evict
-    victim = _victims(st, pos, valid, evict, evict_rank, num_load)
+    victim = _victims(st, pos, valid, wanted & is_first, evict, evict_rank, num_load)
     cls = np.where(lru_hit, _HIT, np.where(lru_prot, _PROTECTED, np.where(victim, _LOADED, _KEPT)))
     moved = st.order[bi, np.argsort(cls.astype(np.int8), axis=1, kind="stable")]
     order = np.where(apply[:, None], moved, st.order)  # rows not applied keep their order

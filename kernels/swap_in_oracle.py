@@ -12,7 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kernels.swap_in_policy import choose_victims
+from kernels.swap_in_policy import choose_victims, step_policy
 from kernels.swap_in_result import SwapInResult
 
 
@@ -88,7 +88,9 @@ def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str) -> 
     if len(loadable) > len(evictable):
         return None
     selected = sorted(t for t in set(top) if 0 <= t < n)
-    picked = choose_victims(policy, [req.tokens[c] for c in evictable], selected, len(loadable), hot)
+    recent = [req.tokens[c] for c in req.lru[max(0, hot - len(top)) :]]  # the K most recent columns
+    keys = step_policy(policy, wanted, recent)
+    picked = choose_victims(keys, [req.tokens[c] for c in evictable], selected, len(loadable), hot)
     victims = [evictable[i] for i in picked]
     for c in hit_cols:
         slot_of[req.tokens[c]] = req.locs[c]

@@ -13,7 +13,14 @@ order). The key of an evictable column at LRU index ``i`` holding position ``t``
   that slides forward by one position per decoded token (the induction- and recent-window-like
   patterns of DSA indexers) wants ``t`` again in ``d`` steps exactly when it wants ``t - d`` now;
 * ``slide-lru``: ``(0, i)`` when ``d > hot`` (no slide would bring ``t`` back within ``hot`` steps:
-  treated as dead, least recent first), else ``(1 + hot - d, i)`` (farthest predicted use first).
+  treated as dead, least recent first), else ``(1 + hot - d, i)`` (farthest predicted use first);
+* ``adaptive``: ``slide``'s keys when the step's selection looks like a slide of the previous one,
+  else ``lru``'s. With ``M`` the positions of the ``K`` most recently used hot columns before the
+  step (``K`` = the top-k row's width; the previous step's wanted positions are among them) and
+  ``W`` the step's unique wanted positions (those looked up in the hot columns): it slides when
+  more of ``W`` are one past a position of ``M`` than are in ``M`` themselves
+  (``|{t in W: t - 1 in M}| > |W & M|``). Layers whose selection moves with the query then use the
+  prediction, layers whose selection stays put keep LRU (``docs/cache-policy.md``).
 
 The selected positions are the step's *valid* top-k entries (``0 <= t < n``), wherever they are
 held. Keys need no state beyond the LRU order and the step's own top-k row, so per-layer state stays
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 
-POLICIES = ("lru", "slide", "slide-lru")
+POLICIES = ("lru", "slide", "slide-lru", "adaptive")
 DEFAULT_POLICY = "lru"
 FAR = 1 << 30  # the predicted distance of a position with no selected position below it
 KEY_SHIFT = 32  # key = priority << KEY_SHIFT | LRU index
@@ -36,6 +43,19 @@ def policy_code(policy: str) -> int:
         return POLICIES.index(policy)
     except ValueError:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}") from None
+
+
+def step_policy(policy: str, wanted: list[int], recent: list[int]) -> str:
+    """The keys a step uses: ``policy`` itself, or for ``adaptive`` ``slide`` or ``lru``.
+
+    ``wanted``: the step's unique wanted positions; ``recent``: the positions of its ``K`` most
+    recently used hot columns before the step."""
+    if policy != "adaptive":
+        return policy
+    held = {p for p in recent if p >= 0}
+    slid = sum(1 for t in wanted if t - 1 in held)
+    stayed = sum(1 for t in wanted if t in held)
+    return "slide" if slid > stayed else "lru"
 
 
 def slide_distance(token: int, selected: list[int]) -> int:

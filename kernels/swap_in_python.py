@@ -13,7 +13,7 @@ from array import array
 
 import torch
 
-from kernels.swap_in_policy import choose_victims
+from kernels.swap_in_policy import choose_victims, step_policy
 from kernels.swap_in_result import SwapInResult
 
 
@@ -86,7 +86,9 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
         untouched = evictable[len(loadable) :]
     else:
         selected = sorted(t for t in set(top) if 0 <= t < n)
-        picked = choose_victims(policy, [tokens[c] for c in evictable], selected, len(loadable), hot)
+        recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
+        keys = step_policy(policy, list(wanted), recent)
+        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
         chosen = set(picked)
         victims = [evictable[i] for i in picked]
         untouched = [c for i, c in enumerate(evictable) if i not in chosen]

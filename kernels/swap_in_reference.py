@@ -122,7 +122,7 @@ class _LongPlan:
     victim_loc: torch.Tensor  # its physical slot
 
 
-def _victims(policy, pos, valid, tok, evict, num_load):
+def _victims(policy, pos, valid, want_first, tok, evict, num_load):
     """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
     hot = evict.shape[1]
     if policy == "lru":
@@ -130,7 +130,13 @@ def _victims(policy, pos, valid, tok, evict, num_load):
     below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
     nearest = torch.where(below, pos[:, None, :], -1).amax(dim=2)
     d = torch.where(nearest >= 0, tok - nearest, FAR)
-    prio = FAR - d if policy == "slide" else torch.where(d > hot, 0, 1 + hot - d)
+    prio = torch.where(d > hot, 0, 1 + hot - d) if policy == "slide-lru" else FAR - d
+    if policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+        recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
+        recent = torch.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
+        slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(dim=2) & want_first
+        stayed = (pos[:, :, None] == recent[:, None, :]).any(dim=2) & want_first
+        prio = torch.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
     index = torch.arange(hot, device=tok.device)
     key = torch.where(evict, (prio << KEY_SHIFT) | index, torch.iinfo(torch.int64).max)
     rank = torch.empty_like(key).scatter_(1, torch.argsort(key, dim=1, stable=True), index.expand_as(key))
@@ -151,7 +157,7 @@ def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot,
     protu = ~col_hit & col_prot
     overflow = long & (num_load > evict.sum(1))
     apply = long & ~overflow
-    victim = _victims(policy, pos, valid, st.tokens.gather(1, st.order), evict, num_load)
+    victim = _victims(policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load)
     dest = _lru_dest(evict, victim, protu, col_hit, num_load, apply)
     new_order = torch.empty_like(st.order).scatter_(1, dest, st.order)
     victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order

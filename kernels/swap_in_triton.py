@@ -78,7 +78,7 @@ def _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row, slot_ou
 
 
 @triton.jit
-def _policy_victims(pos, valid, tok_k, ih, h_in, evict, num_load, HOT, POLICY: tl.constexpr):
+def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HOT, K, POLICY: tl.constexpr):
     """The evictable columns (by LRU position) the policy gives this step's ``num_load`` loads.
 
     LRU: the first ``num_load``. Otherwise each evictable gets its key (``kernels.swap_in_policy``)
@@ -90,10 +90,16 @@ def _policy_victims(pos, valid, tok_k, ih, h_in, evict, num_load, HOT, POLICY: t
         below = valid[None, :] & (pos[None, :] < tok_k[:, None]) & h_in[:, None]  # [BH, BK]
         nearest = tl.max(tl.where(below, pos[None, :], -1), axis=1)
         d = tl.where(nearest >= 0, tok_k - nearest, FAR)
-        if POLICY == 1:
-            prio = FAR - d
-        else:
+        if POLICY == 2:
             prio = tl.where(d > HOT, 0, 1 + HOT - d)
+        else:
+            prio = FAR - d
+        if POLICY == 3:  # adaptive: slide's keys where the selection slid, else LRU's (priority 0)
+            recent = h_in & (ih >= HOT - K) & (tok_k >= 0)  # the K most recently used columns
+            slid = tl.max(((tok_k[:, None] == pos[None, :] - 1) & recent[:, None]).to(tl.int32), axis=0) > 0
+            stayed = tl.max(((tok_k[:, None] == pos[None, :]) & recent[:, None]).to(tl.int32), axis=0) > 0
+            slides = tl.sum((slid & want_first).to(tl.int32)) > tl.sum((stayed & want_first).to(tl.int32))
+            prio = tl.where(slides, prio, 0)
         key = (prio.to(tl.int64) << KEY_SHIFT) | ih.to(tl.int64)
         lo = tl.zeros((), dtype=tl.int64)
         hi = lo + KEY_END
@@ -108,7 +114,7 @@ def _policy_victims(pos, valid, tok_k, ih, h_in, evict, num_load, HOT, POLICY: t
 
 @triton.jit
 def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-               slot_out, src_out, dst_out, ik, k_in, HOT, BLOCK_HOT: tl.constexpr, POLICY: tl.constexpr):
+               slot_out, src_out, dst_out, ik, k_in, HOT, K, BLOCK_HOT: tl.constexpr, POLICY: tl.constexpr):
     """n > HOT: the LRU rules, victims chosen by the policy. Returns (fits, hits, misses,
     unrecoverable); writes nothing unless it fits."""
     ih = tl.arange(0, BLOCK_HOT)
@@ -137,7 +143,8 @@ def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, l
     unrec = tl.sum((is_first & need & (host < 0)).to(tl.int32))
     if fits:
         # new order [evictables kept | protected, unwanted | loaded | hits], by stable compaction
-        victim = _policy_victims(pos, valid, tok_k, ih, h_in, evict != 0, num_load, HOT, POLICY)
+        victim = _policy_victims(pos, valid, wanted & is_first, tok_k, ih, h_in, evict != 0, num_load, HOT, K,
+                                 POLICY)
         num_protu = tl.sum(protu)
         loaded_at = num_evict - num_load + num_protu  # start of the "newly loaded" block
         dest = tl.where(victim, loaded_at + _excl_cumsum(victim.to(tl.int32)),
@@ -204,7 +211,7 @@ def _swap_in_kernel(
             else:
                 fits, step_hits, step_misses, step_unrec = _long_step(
                     pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, BLOCK_HOT, POLICY)
+                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, K, BLOCK_HOT, POLICY)
                 if fits:
                     hits += step_hits
                     misses += step_misses

@@ -119,9 +119,9 @@ def main(argv: list[str]) -> int:
             for mode, steps in (("plain", None), ("speculative", args.num_steps)):
                 path = folder / f"topk-{context}-{mode}.jsonl"
                 record(args, model, context, steps, min(hots), path)
-                records, row_bytes = read_trace(path), read_header(path)["row_bytes"]
+                records, header = read_trace(path), read_header(path)
                 for hot in hots:
-                    result = replay(records, hot, row_bytes=row_bytes)
+                    result = replay(records, hot, row_bytes=header["row_bytes"], top_k=header["top_k"])
                     replays.append({"context": context, "mode": mode, **result.as_dict()})
         best = _best_online(replays)
         e2e = end_to_end(args, model, max(contexts), best)

@@ -16,7 +16,7 @@ swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves t
   attention backend's rounds).
 
 Policies: the engine's online ones (``kernels.swap_in_policy``: ``lru``, ``slide``, ``slide-lru``,
-exactly the engine's rule, so a trace recorded with a policy reproduces the engine's miss counters
+``adaptive``, exactly the engine's rule, so a trace recorded with a policy reproduces the engine's miss counters
 for it), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
 first unreferenced slot the step does not hold), and **MIN** (Belady: evicts the evictable position
 whose next use lies farthest in the future; offline, the optimum under the same rules).
@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 
 import attrs
 
-from kernels.swap_in_policy import POLICIES, choose_victims
+from kernels.swap_in_policy import POLICIES, choose_victims, step_policy
 from pipeline.hisparse.trace import read_header, read_trace
 
 OFFLINE = ("clock", "min")
@@ -112,8 +112,10 @@ def _rounds(steps: list[Step], hot: int) -> Iterable[tuple[Step, set[int], bool]
         protected |= set(step.want) if step.long else set(step.selected)
 
 
-def online_misses(steps: list[Step], hot: int, policy: str) -> int:
-    """Loads of an engine policy over one (request, layer)'s steps (the swap-in rules on positions)."""
+def online_misses(steps: list[Step], hot: int, policy: str, top_k: int | None = None) -> int:
+    """Loads of an engine policy over one (request, layer)'s steps (the swap-in rules on positions);
+    ``top_k``: the width of the engine's top-k rows (what ``adaptive`` reads; default ``hot``)."""
+    recent_width = top_k if top_k is not None else hot
     order = list(range(hot))  # least recent first
     misses = 0
     for step, protected, reset in _rounds(steps, hot):
@@ -128,7 +130,8 @@ def online_misses(steps: list[Step], hot: int, policy: str) -> int:
         evictable = [p for p in order if p not in want and p not in protected]
         missed = [t for t in step.want if t not in resident]
         misses += len(missed)
-        chosen = set(choose_victims(policy, evictable, list(step.selected), len(missed), hot))
+        keys = step_policy(policy, list(step.want), order[max(0, hot - recent_width) :]) if missed else policy
+        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot))
         order = [p for i, p in enumerate(evictable) if i not in chosen] + kept + missed + hits
     return misses
 
@@ -197,14 +200,14 @@ def _next_use(uses: dict[tuple[int, int], collections.deque[int]], segment: int,
     return later[0] if later else float("inf")
 
 
-def policy_function(name: str) -> Callable[[list[Step], int], int]:
+def policy_function(name: str, top_k: int | None = None) -> Callable[[list[Step], int], int]:
     if name == "clock":
         return clock_misses
     if name == "min":
         return min_misses
     if name not in POLICIES:
         raise ValueError(f"policy must be one of {ALL_POLICIES}, got {name!r}")
-    return lambda steps, hot: online_misses(steps, hot, name)
+    return lambda steps, hot: online_misses(steps, hot, name, top_k)
 
 
 @attrs.frozen
@@ -236,11 +239,21 @@ class ReplayResult:
 
 
 def replay(
-    records: Iterable[dict], hot: int, *, policies: Iterable[str] = ALL_POLICIES, row_bytes: int | None = None
+    records: Iterable[dict],
+    hot: int,
+    *,
+    policies: Iterable[str] = ALL_POLICIES,
+    row_bytes: int | None = None,
+    top_k: int | None = None,
 ) -> ReplayResult:
+    """Every policy over the trace's swap-in steps at ``hot``; ``top_k``: the engine's top-k width
+    (the trace header's; default: the widest record)."""
     if not isinstance(hot, int) or hot < 1:
         raise ValueError(f"hot={hot}: must be >= 1")
-    functions = {name: policy_function(name) for name in policies}
+    records = list(records)
+    if top_k is None:
+        top_k = max((len(r["top_k"]) for r in records if isinstance(r, dict) and "top_k" in r), default=1)
+    functions = {name: policy_function(name, top_k) for name in policies}
     streams = swap_in_steps(records, hot)
     widest = max((len(s.want) for steps in streams.values() for s in steps), default=0)
     if widest > hot:
@@ -289,7 +302,8 @@ def main(argv: list[str]) -> int:
         parser.error("--hot is required: the trace does not say which device_buffer_size it ran with")
     row_bytes = args.row_bytes if args.row_bytes is not None else header.get("row_bytes")
     policies = args.policy or list(ALL_POLICIES)
-    results = [replay(records, hot, policies=policies, row_bytes=row_bytes) for hot in hots]
+    top_k = header.get("top_k") if isinstance(header.get("top_k"), int) else None
+    results = [replay(records, hot, policies=policies, row_bytes=row_bytes, top_k=top_k) for hot in hots]
     engine = header.get("policy") if isinstance(header.get("policy"), str) else None
     if args.json:
         payload = {"trace": str(args.trace), "recorded": header, "results": [r.as_dict() for r in results]}

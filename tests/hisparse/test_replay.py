@@ -71,7 +71,7 @@ def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, po
     assert (header["hot"], header["policy"]) == (HOT, policy)
     records = read_trace(path)
     assert ("verify" in {r["phase"] for r in records}) == bool(num_steps)
-    result = replay(records, HOT, row_bytes=header["row_bytes"])
+    result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"])
     assert result.misses[policy] == engine_misses
     assert sum(engine_misses) > 0
     floor = result.total("min")

@@ -105,3 +105,21 @@ def test_swap_in_rejects_an_unknown_policy():
     _, w = _example("lru", "torch")
     with pytest.raises(ValueError, match="policy"):
         swap_in(*w.args(), impl="torch", policy="fifo")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_adaptive_follows_slide_only_when_the_selection_slid(impl):
+    # the stable world of _example: 30 and 50 are wanted again (in the recent columns), nothing is
+    # one past a recent position -> LRU's victim (column 0)
+    res, w = _example("adaptive", impl)
+    assert w.buffer_tokens[0, 0] == 55 and w.lru.tolist() == [[2, 0, 1, 3]]
+    # a slid world: 30 and 50 are one past the recent 29 and 49 -> slide's victims: the positions
+    # with nothing selected below them (29 and 10), then 49 (the next selected below is 30, 19 back);
+    # 31 (30 is selected just below it) stays, where LRU would keep 49 instead
+    for policy, kept_col in (("adaptive", 0), ("slide", 0), ("lru", 3)):
+        w = _hand_world([31, 29, 10, 49, 60, -1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                        top=[[30, 50, 60, 55]], lens=[61], hot=4, max_ctx=64)
+        res = swap_in(*w.args(), impl=impl, policy=policy, validate=True)
+        assert res.misses.tolist() == [3]
+        assert w.lru[0, 0] == kept_col, policy  # the one column kept comes first in the new order
+        assert w.buffer_tokens[0, kept_col] == [31, 29, 10, 49][kept_col]
