@@ -71,11 +71,27 @@ def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, po
     assert (header["hot"], header["policy"]) == (HOT, policy)
     records = read_trace(path)
     assert ("verify" in {r["phase"] for r in records}) == bool(num_steps)
+    if num_steps == 3:  # 4 verify steps of top-k 8 do not all fit HOT 16: the backend's rounds run
+        assert _round_restarts(swap_in_steps(records, HOT)) > 0
     result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"])
     assert result.misses[policy] == engine_misses
     assert sum(engine_misses) > 0
     floor = result.total("min")
     assert all(floor <= result.total(name) for name in ALL_POLICIES)
+
+
+def _round_restarts(streams) -> int:
+    """Verify steps that start a new swap-in round (the call stopped before them)."""
+    count = 0
+    for steps in streams.values():
+        protected: set[int] = set()
+        for step in steps:
+            if step.call_start or step.reset:
+                protected = set()
+            if step.long and len(protected | set(step.want)) > HOT:
+                count, protected = count + 1, set()
+            protected |= set(step.want) if step.long else set(step.selected)
+    return count
 
 
 def test_replay_cli_side_by_side_and_json(tiny_model, tmp_path, capsys):
