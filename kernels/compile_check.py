@@ -48,7 +48,10 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
 
     bf16 = tl.bfloat16
     small = [
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8), 8),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=0), 8),
+        # a policy other than LRU (kernels.swap_in_policy: 3 = adaptive, slide's path and more) takes
+        # the key-search path
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=3), 8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=64), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16), 4),
@@ -60,7 +63,8 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         return small
     return [
         *small,
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64), 16),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, POLICY=0), 16),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, POLICY=2), 16),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=2048), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=bf16), 4),

@@ -15,14 +15,17 @@ One call handles one layer for a batch of requests, each with ``S`` steps (``S =
   2. scan ``lru`` from least to most recent: a column holding a wanted position is a **hit**; a
      column returned by an earlier step of this call is **protected**; every other column is
      **evictable**, in LRU order;
-  3. each missed unique position, in order of first appearance in the top-k row, that has a host copy
-     takes the least-recently-used evictable column: host row ``req_to_host[r, t]`` is copied into
-     ``device_kv[buffer_locs[col]]`` and ``buffer_tokens[col] = t``. A miss without a host copy
-     gives -1 (**unrecoverable**; the caller treats it as an invariant violation);
+  3. the replacement policy (``policy``, ``kernels.swap_in_policy``) picks as many *victims* among
+     the evictable columns as the step has loadable misses; under ``lru`` (the default) they are the
+     least recently used ones. Each missed unique position, in order of first appearance in the
+     top-k row, that has a host copy takes the next victim in LRU order: host row
+     ``req_to_host[r, t]`` is copied into ``device_kv[buffer_locs[col]]`` and
+     ``buffer_tokens[col] = t``. A miss without a host copy gives -1 (**unrecoverable**; the caller
+     treats it as an invariant violation);
   4. new LRU order::
 
-         [untouched evictables | protected, unwanted | newly loaded | hits]
-          old order              old order             miss order     old order  (least -> most recent)
+         [evictables kept | protected, unwanted | newly loaded | hits]
+          old order        old order             miss order     old order  (least -> most recent)
 
   Duplicate entries of one position resolve to the same slot and count once.
 
@@ -57,6 +60,7 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_index_range, check_same_device, check_tensor, check_unique, resolve_impl
+from kernels.swap_in_policy import POLICIES
 from kernels.swap_in_result import SwapInResult
 
 # Triton kernel size limits: one program per request holds [HOT, K] and [K, K] compare tiles.
@@ -152,6 +156,7 @@ def swap_in(
     hot: int,
     *,
     impl: str = "auto",
+    policy: str = "lru",
     validate: bool = False,
     check: bool = True,
 ) -> SwapInResult:
@@ -164,7 +169,10 @@ def swap_in(
     another device (pinned host memory); the row copies then go through torch.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
     themselves (the engine's attention backends), where the checks are per-call overhead only.
+    ``policy``: the replacement policy choosing the victims (``kernels.swap_in_policy.POLICIES``).
     """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if check:
         check_swap_in_args(
             top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
@@ -193,17 +201,17 @@ def swap_in(
     if impl == "python":
         from kernels.swap_in_python import swap_in_python
 
-        return swap_in_python(*args)
+        return swap_in_python(*args, policy)
     if impl == "numpy":
         if top_k_pos.device.type != "cpu":
             raise ValueError(f"impl='numpy' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
         from kernels.swap_in_numpy import swap_in_numpy
 
-        return swap_in_numpy(*args)
+        return swap_in_numpy(*args, policy)
     if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
         from kernels.swap_in_triton import swap_in_triton
 
-        return swap_in_triton(*args)
+        return swap_in_triton(*args, policy)
     from kernels.swap_in_reference import swap_in_reference
 
-    return swap_in_reference(*args)
+    return swap_in_reference(*args, policy)

@@ -10,7 +10,7 @@ costs about a microsecond:
     position -> hot column table [B, L] (built once per call, updated on loads) --> hits
     --> misses, ranked in order of first appearance
     LRU positions --class per position, stable sort--> new order; the m-th miss takes the m-th
-                                                        evictable column (old LRU order)
+                                                        victim (old LRU order; the policy's choice)
 
 Requests whose step overflows are frozen for the rest of the call. Every row copy of the call goes
 through one torch ``index_copy_`` at the end (destinations are distinct within a call), so
@@ -24,6 +24,7 @@ import attrs
 import numpy as np
 import torch
 
+from kernels.swap_in_policy import FAR, KEY_SHIFT
 from kernels.swap_in_result import SwapInResult
 
 # LRU position classes, in the order of the new LRU (least recent first)
@@ -47,6 +48,7 @@ class _State:
     counts: np.ndarray  # [B, 4] steps_done, hits, misses, unrecoverable
     copy_src: list[np.ndarray]  # host slots to copy, per step
     copy_dst: list[np.ndarray]  # their device slots
+    policy: str = "lru"  # kernels.swap_in_policy
 
 
 def _first_occurrence(pos: np.ndarray, b_idx: np.ndarray) -> np.ndarray:
@@ -97,6 +99,31 @@ def _fast_step(st: _State, pos, valid, is_first, found, draft_slot, fast, hot):
     return slots
 
 
+def _victims(st: _State, pos, valid, want_first, evict, evict_rank, num_load):
+    """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
+    if st.policy == "lru":
+        return evict & (evict_rank < num_load[:, None])
+    hot = st.order.shape[1]
+    tok = st.tokens[st.b_idx, st.order]  # [B, HOT] position of each LRU position
+    below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
+    nearest = np.where(below, pos[:, None, :], -1).max(axis=2)
+    d = np.where(nearest >= 0, tok - nearest, FAR)
+    if st.policy == "slide-lru":
+        prio = np.where(d > hot, 0, 1 + hot - d)
+    else:
+        prio = FAR - d
+    if st.policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+        recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
+        recent = np.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
+        slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(axis=2) & want_first
+        stayed = (pos[:, :, None] == recent[:, None, :]).any(axis=2) & want_first
+        prio = np.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
+    key = np.where(evict, (prio << KEY_SHIFT) | np.arange(hot), np.iinfo(np.int64).max)
+    rank = np.empty_like(key)
+    rank[st.b_idx, np.argsort(key, axis=1, kind="stable")] = np.arange(hot)
+    return evict & (rank < num_load[:, None])
+
+
 def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long, step):
     """Long path (n > hot) for the rows in ``long``: slots [B, K] (-1 for rows that overflow)."""
     hot, width, bi = st.order.shape[1], st.column_of.shape[1] - 1, st.b_idx
@@ -120,11 +147,11 @@ def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long,
     overflow = long & (num_load > num_evict)
     apply = long & ~overflow
     evict_rank = np.cumsum(evict, axis=1) - evict
-    cls = np.where(lru_hit, _HIT, np.where(lru_prot, _PROTECTED,
-                                           np.where(evict_rank < num_load[:, None], _LOADED, _KEPT)))
+    victim = _victims(st, pos, valid, wanted & is_first, evict, evict_rank, num_load)
+    cls = np.where(lru_hit, _HIT, np.where(lru_prot, _PROTECTED, np.where(victim, _LOADED, _KEPT)))
     moved = st.order[bi, np.argsort(cls.astype(np.int8), axis=1, kind="stable")]
     order = np.where(apply[:, None], moved, st.order)  # rows not applied keep their order
-    # the loaded block of the new order holds the first num_load evictables, in old LRU order
+    # the loaded block of the new order holds the victims, in old LRU order
     start = num_evict - num_load + lru_prot.sum(1)
     victim_col = order[bi, np.clip(start[:, None] + rank, 0, hot - 1)]
     victim_loc = st.locs[bi, victim_col]
@@ -182,6 +209,7 @@ def swap_in_numpy(
     host_kv: torch.Tensor,  # [host_rows, dim]
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
+    policy: str = "lru",
 ) -> SwapInResult:
     """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -206,6 +234,7 @@ def swap_in_numpy(
         counts=np.zeros((num_reqs, 4), dtype=np.int64),
         copy_src=[],
         copy_dst=[],
+        policy=policy,
     )
     st.counts[:, 0] = num_steps
     slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kernels.swap_in_policy import choose_victims, step_policy
 from kernels.swap_in_result import SwapInResult
 
 
@@ -63,8 +64,9 @@ def _fast_step(top: list[int], n: int, req: _Request, hot: int) -> _Step:
     return _Step(slots, resolved, len(slot_of) - resolved, list(req.lru), [], returned)
 
 
-def _long_step(top: list[int], n: int, req: _Request, hot: int) -> _Step | None:
-    """seq_len > hot: the LRU rules; ``None`` when the misses need more evictable columns than exist."""
+def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str) -> _Step | None:
+    """seq_len > hot: the LRU rules, victims chosen by ``policy``; ``None`` when the misses need more
+    evictable columns than exist."""
     slot_of: dict[int, int] = {}
     wanted: list[int] = []  # unique positions to find among the hot columns, first appearance order
     for t in dict.fromkeys(top):
@@ -85,12 +87,16 @@ def _long_step(top: list[int], n: int, req: _Request, hot: int) -> _Step | None:
     loadable = [t for t in missed if req.host[t] >= 0]
     if len(loadable) > len(evictable):
         return None
-    victims = evictable[: len(loadable)]
+    selected = sorted(t for t in set(top) if 0 <= t < n)
+    recent = [req.tokens[c] for c in req.lru[max(0, hot - len(top)) :]]  # the K most recent columns
+    keys = step_policy(policy, wanted, recent)
+    picked = choose_victims(keys, [req.tokens[c] for c in evictable], selected, len(loadable), hot)
+    victims = [evictable[i] for i in picked]
     for c in hit_cols:
         slot_of[req.tokens[c]] = req.locs[c]
     for c, t in zip(victims, loadable):
         slot_of[t] = req.locs[c]
-    new_lru = evictable[len(loadable) :] + kept + victims + hit_cols
+    new_lru = [c for c in evictable if c not in victims] + kept + victims + hit_cols
     slots = [slot_of.get(t, -1) if 0 <= t < n else -1 for t in top]
     hits = num_draft_hits + len(hit_cols)
     return _Step(slots, hits, len(missed) - len(loadable), new_lru, list(zip(victims, loadable)),
@@ -108,6 +114,7 @@ def swap_in_oracle(
     host_kv: torch.Tensor,  # [host_rows, dim]
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
+    policy: str = "lru",
 ) -> SwapInResult:
     """Per-request Python loop implementing the contract of ``kernels.swap_in.swap_in``."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -121,7 +128,7 @@ def swap_in_oracle(
             if n == 0:
                 continue  # padding step: -1, no state change
             top = top_k_pos[b, s].tolist()
-            step = _fast_step(top, n, req, hot) if n <= hot else _long_step(top, n, req, hot)
+            step = _fast_step(top, n, req, hot) if n <= hot else _long_step(top, n, req, hot, policy)
             if step is None:
                 counts[b][0] = s  # stop before this step: it and later steps stay -1
                 break

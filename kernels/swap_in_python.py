@@ -13,6 +13,7 @@ from array import array
 
 import torch
 
+from kernels.swap_in_policy import choose_victims, step_policy
 from kernels.swap_in_result import SwapInResult
 
 
@@ -51,8 +52,9 @@ def _fast(top, n, tokens, locs, hot, out, protected) -> tuple[int, int]:
     return resolved, unresolved
 
 
-def _long(top, n, tokens, locs, order, protected, host_row, hot, out):
-    """The LRU rules for one step; ``None`` on overflow (nothing changed), else
+def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
+    """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing
+    changed), else
     (hits, loads [(col, pos)], their host slots, unrecoverable, new order, returned hot columns)."""
     draft = _draft_slots(tokens, locs, hot)
     wanted: dict[int, None] = {}
@@ -79,12 +81,22 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out):
     loadable = [(t, h) for t, h in zip(missed, host_slots) if h >= 0]
     if len(loadable) > len(evictable):
         return None
-    victims = evictable[: len(loadable)]
+    if policy == "lru" or not loadable:
+        victims = evictable[: len(loadable)]
+        untouched = evictable[len(loadable) :]
+    else:
+        selected = sorted(t for t in set(top) if 0 <= t < n)
+        recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
+        keys = step_policy(policy, list(wanted), recent)
+        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
+        chosen = set(picked)
+        victims = [evictable[i] for i in picked]
+        untouched = [c for i, c in enumerate(evictable) if i not in chosen]
     for col in hit_cols:
         out[tokens[col]] = locs[col]
     for col, (t, _) in zip(victims, loadable):
         out[t] = locs[col]
-    new_order = evictable[len(loadable) :] + kept + victims + hit_cols
+    new_order = untouched + kept + victims + hit_cols
     loads = [(col, t) for col, (t, _) in zip(victims, loadable)]
     unrecoverable = len(missed) - len(loadable)
     return (
@@ -108,6 +120,7 @@ def swap_in_python(
     host_kv: torch.Tensor,  # [host_rows, dim]
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
+    policy: str = "lru",
 ) -> SwapInResult:
     """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -134,7 +147,7 @@ def swap_in_python(
                 hits += resolved
                 lost += unresolved
             else:
-                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out)
+                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out, policy)
                 if step is None:
                     done = s
                     slots += [-1] * (top_k * (num_steps - s))

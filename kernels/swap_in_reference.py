@@ -4,7 +4,7 @@ Steps run one after another (each sees the state the previous one left); within 
 of the batch is handled at once with masks, in the same stages as the Triton kernel:
 
     entries --dedup--> draft-column lookup --> hot-column lookup (sort + searchsorted) --> misses
-    misses --rank--> victims (the m-th evictable in LRU order) --> new LRU order (one scatter)
+    misses --rank--> victims (the policy's choice of evictables) --> new LRU order (one scatter)
 
 A request whose step overflows (more loadable misses than evictable columns) is frozen: the step and
 the rest of the call leave its state untouched. Row copies are gathered into one host->device copy
@@ -17,6 +17,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kernels.swap_in_policy import FAR, KEY_SHIFT
 from kernels.swap_in_result import SwapInResult
 
 
@@ -81,16 +82,19 @@ def _hot_lookup(pos, wanted, col_tok):
     return hit, flat_at % hot, col_hit.view(b, hot)
 
 
-def _lru_dest(evict, protu, hit, num_load, apply):
+def _lru_dest(evict, victim, protu, hit, num_load, apply):
     """Destination LRU index of each current LRU position: [evict kept | protected | loaded | hits]."""
     e = evict.sum(1, keepdim=True)
     pu = protu.sum(1, keepdim=True)
     ld = num_load[:, None]
-    er = _exclusive_cumsum(evict)
     dest = torch.where(
-        evict,
-        torch.where(er >= ld, er - ld, e - ld + pu + er),
-        torch.where(protu, e - ld + _exclusive_cumsum(protu), e + pu + _exclusive_cumsum(hit)),
+        victim,
+        e - ld + pu + _exclusive_cumsum(victim),
+        torch.where(
+            evict,
+            _exclusive_cumsum(evict & ~victim),
+            torch.where(protu, e - ld + _exclusive_cumsum(protu), e + pu + _exclusive_cumsum(hit)),
+        ),
     )
     identity = torch.arange(evict.shape[1], device=evict.device).expand_as(dest)
     return torch.where(apply[:, None], dest, identity)  # rows not applied keep their order
@@ -118,7 +122,28 @@ class _LongPlan:
     victim_loc: torch.Tensor  # its physical slot
 
 
-def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot) -> _LongPlan:
+def _victims(policy, pos, valid, want_first, tok, evict, num_load):
+    """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
+    hot = evict.shape[1]
+    if policy == "lru":
+        return evict & (_exclusive_cumsum(evict) < num_load[:, None])
+    below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
+    nearest = torch.where(below, pos[:, None, :], -1).amax(dim=2)
+    d = torch.where(nearest >= 0, tok - nearest, FAR)
+    prio = torch.where(d > hot, 0, 1 + hot - d) if policy == "slide-lru" else FAR - d
+    if policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+        recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
+        recent = torch.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
+        slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(dim=2) & want_first
+        stayed = (pos[:, :, None] == recent[:, None, :]).any(dim=2) & want_first
+        prio = torch.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
+    index = torch.arange(hot, device=tok.device)
+    key = torch.where(evict, (prio << KEY_SHIFT) | index, torch.iinfo(torch.int64).max)
+    rank = torch.empty_like(key).scatter_(1, torch.argsort(key, dim=1, stable=True), index.expand_as(key))
+    return evict & (rank < num_load[:, None])
+
+
+def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot, policy) -> _LongPlan:
     wanted = valid & long[:, None] & ~x_found
     hit, hit_at, col_hit = _hot_lookup(pos, wanted, st.tokens.gather(1, st.order))
     col_prot = st.protected.gather(1, st.order)  # [B, HOT] by LRU position
@@ -132,14 +157,18 @@ def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot)
     protu = ~col_hit & col_prot
     overflow = long & (num_load > evict.sum(1))
     apply = long & ~overflow
-    new_order = torch.empty_like(st.order).scatter_(1, _lru_dest(evict, protu, col_hit, num_load, apply), st.order)
+    victim = _victims(policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load)
+    dest = _lru_dest(evict, victim, protu, col_hit, num_load, apply)
+    new_order = torch.empty_like(st.order).scatter_(1, dest, st.order)
     victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order
     victim_col = new_order.gather(1, victim_at.clamp(0, hot - 1))
     return _LongPlan(hit, st.order.gather(1, hit_at), need, host_slot, load, load_first, num_load, overflow,
                      apply, new_order, victim_col, st.locs.gather(1, victim_col))
 
 
-def _step(st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int) -> _StepOut:
+def _step(
+    st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int, policy: str
+) -> _StepOut:
     """One step for every request of the batch; mutates ``st`` for the requests it resolves."""
     b, k = pos.shape
     rows = torch.arange(b, device=pos.device)[:, None].expand(b, k)
@@ -156,7 +185,7 @@ def _step(st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Ten
     use_id = valid & fast[:, None] & (id_loc >= 0)
     fast_slot = torch.where(use_id, id_loc, torch.where(x_found, x_slot, -1))
 
-    lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot)
+    lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot, policy)
     long_slot = torch.where(x_found, x_slot, torch.where(lp.hit, st.locs.gather(1, lp.hit_col),
                                                          torch.where(lp.load, lp.victim_loc, -1)))
     slots = torch.where(fast[:, None], fast_slot, long_slot)
@@ -190,6 +219,7 @@ def swap_in_reference(
     host_kv: torch.Tensor,  # [host_rows, dim]
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
+    policy: str = "lru",
 ) -> SwapInResult:
     """Torch reference of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -210,7 +240,7 @@ def swap_in_reference(
     active = torch.ones(num_reqs, dtype=torch.bool, device=dev)
     srcs, dsts = [], []
     for s in range(num_steps):
-        out = _step(st, top_k_pos[:, s].long(), seq_lens[:, s], active, hot)
+        out = _step(st, top_k_pos[:, s].long(), seq_lens[:, s], active, hot, policy)
         slots[:, s] = out.slots.to(torch.int32)
         counts[:, 1:] += out.counts
         counts[:, 0] = torch.where(out.overflow, s, counts[:, 0])

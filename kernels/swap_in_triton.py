@@ -11,8 +11,10 @@ Two launches:
 Inside a step, membership tests are broadcast compares: ``[BLOCK_K, BLOCK_K]`` to de-duplicate the
 top-k row, ``[BLOCK_K, BLOCK_X]`` against the newest/draft columns and ``[BLOCK_HOT, BLOCK_K]``
 between the hot columns' tokens and the wanted positions. The new LRU order is a stable compaction
-(exclusive cumsums of the evictable / protected / hit masks) scattered back into the ``lru`` row;
-the m-th miss's victim is read back from that row. Size limits (``TRITON_MAX_*`` in ``swap_in``)
+(exclusive cumsums of the kept / victim / protected / hit masks) scattered back into the ``lru``
+row; the m-th miss's victim is read back from that row. A policy other than LRU picks its victims
+by a binary search for the ``m``-th smallest eviction key (``kernels.swap_in_policy``), which needs
+the ``[BLOCK_HOT, BLOCK_K]`` compare once more and no sort. Size limits (``TRITON_MAX_*`` in ``swap_in``)
 keep those tiles at <= 1024 x 128.
 
 State lives in global memory between phases, so every phase that reads what another thread wrote
@@ -27,7 +29,15 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
+from kernels.swap_in_policy import FAR as _FAR
+from kernels.swap_in_policy import KEY_SHIFT as _KEY_SHIFT
+from kernels.swap_in_policy import policy_code
 from kernels.swap_in_result import SwapInResult
+
+FAR = tl.constexpr(_FAR)
+KEY_SHIFT = tl.constexpr(_KEY_SHIFT)
+KEY_END = tl.constexpr((_FAR + 2) << _KEY_SHIFT)  # every key is below this
+KEY_BITS = tl.constexpr(63)  # binary-search iterations over [0, KEY_END)
 
 
 @triton.jit
@@ -68,9 +78,45 @@ def _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row, slot_ou
 
 
 @triton.jit
+def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HOT, K, POLICY: tl.constexpr):
+    """The evictable columns (by LRU position) the policy gives this step's ``num_load`` loads.
+
+    LRU: the first ``num_load``. Otherwise each evictable gets its key (``kernels.swap_in_policy``)
+    and the victims are the keys at most the ``num_load``-th smallest, found by a binary search over
+    the key range (keys are unique: they end in the LRU index)."""
+    if POLICY == 0:
+        victim = evict & (_excl_cumsum(evict.to(tl.int32)) < num_load)
+    else:
+        below = valid[None, :] & (pos[None, :] < tok_k[:, None]) & h_in[:, None]  # [BH, BK]
+        nearest = tl.max(tl.where(below, pos[None, :], -1), axis=1)
+        d = tl.where(nearest >= 0, tok_k - nearest, FAR)
+        if POLICY == 2:
+            prio = tl.where(d > HOT, 0, 1 + HOT - d)
+        else:
+            prio = FAR - d
+        if POLICY == 3:  # adaptive: slide's keys where the selection slid, else LRU's (priority 0)
+            recent = h_in & (ih >= HOT - K) & (tok_k >= 0)  # the K most recently used columns
+            slid = tl.max(((tok_k[:, None] == pos[None, :] - 1) & recent[:, None]).to(tl.int32), axis=0) > 0
+            stayed = tl.max(((tok_k[:, None] == pos[None, :]) & recent[:, None]).to(tl.int32), axis=0) > 0
+            slides = tl.sum((slid & want_first).to(tl.int32)) > tl.sum((stayed & want_first).to(tl.int32))
+            prio = tl.where(slides, prio, 0)
+        key = (prio.to(tl.int64) << KEY_SHIFT) | ih.to(tl.int64)
+        lo = tl.zeros((), dtype=tl.int64)
+        hi = lo + KEY_END
+        for _ in range(KEY_BITS):
+            mid = (lo + hi) >> 1
+            enough = tl.sum((evict & (key <= mid)).to(tl.int32)) >= num_load
+            hi = tl.where(enough, mid, hi)
+            lo = tl.where(enough, lo, mid + 1)
+        victim = evict & (key <= lo) & (num_load > 0)
+    return victim
+
+
+@triton.jit
 def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-               slot_out, src_out, dst_out, ik, k_in, HOT, BLOCK_HOT: tl.constexpr):
-    """n > HOT: the LRU rules. Returns (fits, hits, misses, unrecoverable); writes nothing unless it fits."""
+               slot_out, src_out, dst_out, ik, k_in, HOT, K, BLOCK_HOT: tl.constexpr, POLICY: tl.constexpr):
+    """n > HOT: the LRU rules, victims chosen by the policy. Returns (fits, hits, misses,
+    unrecoverable); writes nothing unless it fits."""
     ih = tl.arange(0, BLOCK_HOT)
     h_in = ih < HOT
     wanted = valid & ~x_found
@@ -97,12 +143,14 @@ def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, l
     unrec = tl.sum((is_first & need & (host < 0)).to(tl.int32))
     if fits:
         # new order [evictables kept | protected, unwanted | loaded | hits], by stable compaction
+        victim = _policy_victims(pos, valid, wanted & is_first, tok_k, ih, h_in, evict != 0, num_load, HOT, K,
+                                 POLICY)
         num_protu = tl.sum(protu)
-        er = _excl_cumsum(evict)
         loaded_at = num_evict - num_load + num_protu  # start of the "newly loaded" block
-        dest = tl.where(evict != 0, tl.where(er >= num_load, er - num_load, loaded_at + er),
-                        tl.where(protu != 0, num_evict - num_load + _excl_cumsum(protu),
-                                 num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32))))
+        dest = tl.where(victim, loaded_at + _excl_cumsum(victim.to(tl.int32)),
+                        tl.where(evict != 0, _excl_cumsum(((evict != 0) & ~victim).to(tl.int32)),
+                                 tl.where(protu != 0, num_evict - num_load + _excl_cumsum(protu),
+                                          num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32)))))
         tl.debug_barrier()  # every thread has read this step's lru / tokens / flags
         tl.store(lru_row + dest, lru_k, mask=h_in)
         tl.debug_barrier()
@@ -127,7 +175,7 @@ def _swap_in_kernel(
     count_ptr,  # [B, 4] i32: steps_done, hits, misses, unrecoverable
     S, K, HOT, W,
     seq_stride_b, tok_stride, loc_stride, lru_stride, host_stride,
-    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr, POLICY: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b)
@@ -163,7 +211,7 @@ def _swap_in_kernel(
             else:
                 fits, step_hits, step_misses, step_unrec = _long_step(
                     pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, BLOCK_HOT)
+                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, K, BLOCK_HOT, POLICY)
                 if fits:
                     hits += step_hits
                     misses += step_misses
@@ -191,7 +239,8 @@ def _run_plan(host_kv, device_kv, src, dst) -> None:
 
 
 def swap_in_triton(
-    top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot: int
+    top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot: int,
+    policy: str = "lru",
 ) -> SwapInResult:
     """Launch the Triton swap-in (arguments checked by ``kernels.swap_in.swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -214,7 +263,7 @@ def swap_in_triton(
         num_steps, top_k, hot, width,
         seq_lens.stride(0), buffer_tokens.stride(0), buffer_locs.stride(0),
         lru.stride(0), req_to_host.stride(0),
-        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot),
+        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot), POLICY=policy_code(policy),
         num_warps=16 if block_hot * block_k > 32768 else 8,  # ptxas: fewer spills on the big tiles
     )
     _run_plan(host_kv, device_kv, src.view(-1), dst.view(-1))

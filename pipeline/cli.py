@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
-    "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
+    "replay": ("pipeline.hisparse.replay", "replay a top-k trace: every replacement policy beside Belady's MIN"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
@@ -34,6 +34,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
     "prefix": ("pipeline.benchmarks.prefix", "prefix caching on beside off: a shared system prompt, multi-turn chats"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
+    "policy": ("pipeline.benchmarks.policy", "HiSparse replacement policies on recorded traces, and end to end"),
 }
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import attrs
 import structlog
 
+from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
@@ -60,8 +61,11 @@ class HiSparseConfig:
     host_to_device_ratio: int = 4
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
+    # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md)
+    policy: str = DEFAULT_POLICY
 
     def __attrs_post_init__(self) -> None:
+        _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
         _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
         if self.top_k is not None:
@@ -159,6 +163,7 @@ class MemoryPlan:
         and draft zone (idle until decode), then to these rows."""
         beyond = min(self.prefill_chunk or num_tokens, num_tokens - self.hot)
         return max(0, _round_up(beyond, self.page_size) - self.page_size) if beyond > 0 else 0
+    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
 
     @property
     def device_pages(self) -> int:
@@ -361,6 +366,7 @@ class EngineConfig:
             hisparse=hs is not None,
             prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
             prefix_cache=self.prefix_cache,
+            policy=DEFAULT_POLICY if hs is None else hs.policy,
         )
 
 

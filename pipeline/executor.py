@@ -36,7 +36,7 @@ from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
-from pipeline.hisparse.trace import TopKTrace
+from pipeline.hisparse.trace import TopKTrace, trace_meta
 from pipeline.hisparse.transfer import TransferStream
 from pipeline.memory.interface import KVMemory, Residency
 from pipeline.memory.resident import ResidentMemory
@@ -161,7 +161,7 @@ class Executor:
             self.memory: KVMemory = HiSparseCoordinator(**memory_args, **streams, num_draft_layers=drafts)
         else:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=cfg.num_nextn_predict_layers)
-        self.trace = TopKTrace(trace_path) if trace_path else None
+        self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None

@@ -6,7 +6,8 @@ request ends with ``--no-stream``. ``-`` as a prompt reads it from stdin; ``--ch
 prompt as a user message through the model's chat template. After the texts, one line per request shows the states it went
 through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
 speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
-``hispec trace FILE``. Errors are reported by ``pipeline.cli`` (one line, exit status 2).
+``hispec trace FILE``; ``--topk-trace FILE`` records every top-k selection for ``hispec replay``.
+Errors are reported by ``pipeline.cli`` (one line, exit status 2).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import anyio
 import structlog
 
+from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
 from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
@@ -34,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompts", nargs="+", help="one or more prompts (they run concurrently); '-' reads stdin")
     p.add_argument("--no-stream", action="store_true", help="print each text when its request ends")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
+    p.add_argument(
+        "--topk-trace", metavar="FILE", help="record every top-k selection to FILE for `hispec replay` (docs/topk-trace.md)"
+    )
     add_engine_arguments(p, max_new_tokens=64)
     return p
 
@@ -49,6 +54,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
+    p.add_argument(
+        "--policy", default=DEFAULT_POLICY, choices=POLICIES, help="HiSparse replacement policy (docs/cache-policy.md)"
+    )
     p.add_argument(
         "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
     )
@@ -95,7 +103,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=page,
         max_context_len=context,
         device_pool_tokens=16384 if context is None else max(16384, -(-context // page) * page),
-        hisparse=None if args.no_hisparse else HiSparseConfig(),
+        hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
         prefix_cache=not args.no_prefix_cache,
@@ -163,7 +171,8 @@ async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str
     params = sampling_params(args)
     params.validate()  # a bad sampling flag is reported before the model loads
     results: list[Any] = [None] * len(args.prompts)
-    async with Engine(engine_config(args), model=model) as engine:
+    trace = getattr(args, "topk_trace", None)
+    async with Engine(engine_config(args), model=model, trace_path=trace) as engine:
         inputs = [engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
         if args.no_stream:
 

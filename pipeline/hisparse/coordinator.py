@@ -505,6 +505,7 @@ class HiSparseCoordinator:
             self.host.kv[layer],
             self.device_kv[layer],
             hot=self.hot,
+            policy=self.plan.policy,
             check=False,  # the coordinator built every argument
         )
         self.counters.add_swap_in(layer, result)

@@ -1,145 +1,319 @@
-"""Offline replay of a top-k trace against replacement policies: LRU, CLOCK and Belady's MIN.
+"""Offline replay of a top-k trace against replacement policies, Belady's MIN as the floor.
 
-For every (request, layer) the decode steps of a trace form a sequence of wanted sets. Each policy
-keeps ``hot`` positions resident and counts the wanted positions it must load:
+For every (request, layer) the records of a trace (``docs/topk-trace.md``) become the sequence of
+swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves them:
 
-* **LRU** is exactly hispec's swap-in rule for one decode step (hits become most recent, misses take
-  the least recently used columns in miss order), so replaying a plain-decode trace reproduces the
-  engine's miss counters;
-* **CLOCK** (second chance): a hand sweeps the slots, clearing reference bits, and evicts the first
-  unreferenced slot that the current step does not need;
-* **MIN** (Belady): evicts the resident position whose next use lies farthest in the future — the
-  optimum, since the whole trace is known afterwards.
+* a request's hot region starts as positions ``0..hot-1`` (its identity columns) when its buffer is
+  assigned, i.e. after every prefill: a retracted request's re-admission starts afresh;
+* a step whose query sees ``n <= hot`` positions takes the fast path (no miss; in a verify call its
+  positions are protected for the later steps of the call);
+* a long step wants its valid positions (``0 <= t < n``) except those held by the newest column
+  (the last committed position once the request is long, and after every verify) or the draft zone
+  (the verify call's own tokens at ``hot`` or later);
+* a verify call's steps are resolved in order on the evolving state, so a position loaded by one step
+  is a hit for the next, and no step evicts a position an earlier step of the call returned; a step
+  that would need more evictable columns than remain starts a new round, protection afresh (the
+  attention backend's rounds).
 
-As in the engine, a request's cache starts as positions ``0..hot-1`` (its identity columns) at its
-first long step (``position + 1 > hot``); the query's own position sits in the newest column and is
-never a miss. Only ``decode`` records are replayed (a verify resolves several steps at once).
+Policies: the engine's online ones (``kernels.swap_in_policy``: ``lru``, ``slide``, ``slide-lru``,
+``adaptive``, exactly the engine's rule, so a trace recorded with a policy reproduces the engine's miss counters
+for it), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
+first unreferenced slot the step does not hold), and **MIN** (Belady: evicts the evictable position
+whose next use lies farthest in the future; offline, the optimum under the same rules).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-from collections.abc import Iterable
+import json
+import sys
+from collections.abc import Callable, Iterable
 
 import attrs
 
-from pipeline.hisparse.trace import read_trace
+from kernels.swap_in_policy import POLICIES, choose_victims, step_policy
+from pipeline.hisparse.trace import read_header, read_trace
+
+OFFLINE = ("clock", "min")
+ALL_POLICIES = (*POLICIES, *OFFLINE)
 
 
 @attrs.frozen
-class ReplayResult:
-    steps: int
-    wanted: int  # positions requested from the hot region, summed over steps
-    misses: dict[str, int]  # policy -> positions loaded
+class Step:
+    """One swap-in step of one (request, layer)."""
+
+    want: tuple[int, ...]  # long path: positions wanted from the hot region, first appearance order
+    selected: tuple[int, ...]  # valid positions of the step, sorted (what the slide policies read)
+    long: bool  # n > hot (a fast step only protects its positions for the rest of the call)
+    call_start: bool  # first step of a swap-in call: protection starts afresh
+    reset: bool  # the request's buffer was (re)assigned before this step: identity hot region
 
 
-def wanted_sets(records: Iterable[dict], hot: int) -> dict[tuple[str, int], list[list[int]]]:
-    """(request, layer) -> the hot-region positions each long decode step wants, in order."""
-    streams: dict[tuple[str, int], list[list[int]]] = collections.defaultdict(list)
+def _check(rec: object) -> tuple[str, int, str, int, list[int]]:
+    try:
+        return rec["request"], rec["layer"], rec.get("phase", "decode"), rec["position"], rec["top_k"]
+    except (AttributeError, KeyError, TypeError):
+        raise ValueError(f"not a top-k trace record: {str(rec)[:60]}") from None
+
+
+def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], list[Step]]:
+    """(request, layer) -> the swap-in steps the engine ran for it, in order."""
+    streams: dict[tuple[str, int], list[Step]] = collections.defaultdict(list)
+    newest: dict[tuple[str, int], int] = {}  # position in the newest column, -1 empty
+    finalize: set[tuple[str, int]] = set()  # a verify call ran last: its finalize sets the newest
+    fresh: set[tuple[str, int]] = set()  # buffer (re)assigned, no step since
+    call: dict[tuple[str, int], int] = {}  # committed length of the verify call in progress
     for rec in records:
-        try:
-            phase, query, top_k = rec.get("phase", "decode"), rec["position"], rec["top_k"]
-            key = (rec["request"], rec["layer"])
-        except (AttributeError, KeyError, TypeError):
-            raise ValueError(f"not a top-k trace record: {str(rec)[:60]}") from None
-        if phase != "decode" or query + 1 <= hot:
+        request, layer, phase, position, top_k = _check(rec)
+        key = (request, layer)
+        if phase == "prefill":
+            newest[key] = -1
+            finalize.discard(key)
+            fresh.add(key)
+            call.pop(key, None)
             continue
-        want = list(dict.fromkeys(t for t in top_k if 0 <= t < query))
-        streams[key].append(want)
+        if phase not in ("decode", "verify"):
+            raise ValueError(f"unknown phase {phase!r} in {str(rec)[:60]}")
+        step_index = rec.get("step") if phase == "verify" else 0
+        if not isinstance(step_index, int):
+            raise ValueError("a verify record without its 'step' (a version 1 trace): record the trace again")
+        start = step_index == 0
+        if start:
+            if key in finalize:  # the last verify committed up to here: its last token is the newest
+                newest[key] = position - 1
+                finalize.discard(key)
+            if phase == "decode" and position >= hot:
+                newest[key] = position  # prepare_decode writes the token into the newest column
+            if phase == "verify":
+                call[key] = position
+                finalize.add(key)
+        n = position + 1
+        valid = list(dict.fromkeys(t for t in top_k if 0 <= t < n))
+        held = {newest.get(key, -1)}
+        if phase == "verify":
+            held.update(range(max(call[key], hot), n))  # the call's verify tokens in the draft zone
+        want = tuple(t for t in valid if t not in held) if n > hot else ()
+        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh))
+        fresh.discard(key)
     return streams
 
 
-def lru_misses(steps: list[list[int]], hot: int) -> int:
+def _rounds(steps: list[Step], hot: int) -> Iterable[tuple[Step, set[int], bool]]:
+    """Each step with the protected set it sees (mutated by the caller: what the step returned),
+    and whether the hot region restarts at identity first."""
+    protected: set[int] = set()
+    for step in steps:
+        if step.call_start or step.reset:
+            protected = set()
+        if step.long and len(protected | set(step.want)) > hot:
+            protected = set()  # more loads than evictable columns: the backend's next round
+        yield step, protected, step.reset
+        protected |= set(step.want) if step.long else set(step.selected)
+
+
+def online_misses(steps: list[Step], hot: int, policy: str, top_k: int | None = None) -> int:
+    """Loads of an engine policy over one (request, layer)'s steps (the swap-in rules on positions);
+    ``top_k``: the width of the engine's top-k rows (what ``adaptive`` reads; default ``hot``)."""
+    recent_width = top_k if top_k is not None else hot
     order = list(range(hot))  # least recent first
     misses = 0
-    for want in steps:
-        want_set = set(want)
+    for step, protected, reset in _rounds(steps, hot):
+        if reset:
+            order = list(range(hot))
+        if not step.long:
+            continue
+        want = set(step.want)
         resident = set(order)
-        hits = [p for p in order if p in want_set]
-        evictable = [p for p in order if p not in want_set]
-        missed = [t for t in want if t not in resident]
+        hits = [p for p in order if p in want]
+        kept = [p for p in order if p not in want and p in protected]
+        evictable = [p for p in order if p not in want and p not in protected]
+        missed = [t for t in step.want if t not in resident]
         misses += len(missed)
-        order = evictable[len(missed) :] + missed + hits
+        keys = step_policy(policy, list(step.want), order[max(0, hot - recent_width) :]) if missed else policy
+        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot))
+        order = [p for i, p in enumerate(evictable) if i not in chosen] + kept + missed + hits
     return misses
 
 
-def clock_misses(steps: list[list[int]], hot: int) -> int:
-    slots = list(range(hot))
-    referenced = [False] * hot
-    where = {p: i for i, p in enumerate(slots)}
+def clock_misses(steps: list[Step], hot: int) -> int:
+    slots: list[int] = []
+    where: dict[int, int] = {}
+    referenced: list[bool] = []
     hand = misses = 0
-    for want in steps:
-        want_set = set(want)
-        for t in want:
+    for step, protected, reset in _rounds(steps, hot):
+        if reset or not slots:
+            slots = list(range(hot))
+            where = {p: i for i, p in enumerate(slots)}
+            referenced = [False] * hot
+            hand = 0
+        if not step.long:
+            continue
+        pinned = set(step.want) | protected
+        for t in step.want:
             if t in where:
                 referenced[where[t]] = True
-        for t in want:
+        for t in step.want:
             if t in where:
                 continue
             misses += 1
-            while slots[hand] in want_set or referenced[hand]:  # second chance; never what this step needs
-                if slots[hand] not in want_set:
+            while slots[hand] in pinned or referenced[hand]:  # second chance; never what the call holds
+                if slots[hand] not in pinned:
                     referenced[hand] = False
                 hand = (hand + 1) % hot
             del where[slots[hand]]
             slots[hand], where[t], referenced[hand] = t, hand, True
+            pinned.add(t)
             hand = (hand + 1) % hot
     return misses
 
 
-def min_misses(steps: list[list[int]], hot: int) -> int:
-    uses: dict[int, collections.deque[int]] = collections.defaultdict(collections.deque)
-    for i, want in enumerate(steps):
-        for t in want:
-            uses[t].append(i)
-    resident = set(range(hot))
-    misses = 0
-    for want in steps:
-        for t in want:
-            uses[t].popleft()
-        want_set = set(want)
-        for t in want:
+def min_misses(steps: list[Step], hot: int) -> int:
+    """Belady's MIN under the same rules: the farthest next use (within the buffer's lifetime) goes."""
+    segment = 0
+    uses: dict[tuple[int, int], collections.deque[int]] = collections.defaultdict(collections.deque)
+    for i, step in enumerate(steps):
+        segment += step.reset
+        for t in step.want:
+            uses[(segment, t)].append(i)
+    resident: set[int] = set()
+    misses = segment = 0
+    for i, (step, protected, reset) in enumerate(_rounds(steps, hot)):
+        if reset or i == 0:
+            resident = set(range(hot))
+        segment += step.reset
+        for t in step.want:
+            uses[(segment, t)].popleft()
+        pinned = set(step.want) | protected
+        for t in step.want:
             if t in resident:
                 continue
             misses += 1
-            victim = max(
-                (p for p in resident if p not in want_set),
-                key=lambda p: uses[p][0] if uses[p] else float("inf"),
-            )
+            victim = max((p for p in resident if p not in pinned), key=lambda p: (_next_use(uses, segment, p), -p))
             resident.remove(victim)
             resident.add(t)
     return misses
 
 
-POLICIES = {"lru": lru_misses, "clock": clock_misses, "min": min_misses}
+def _next_use(uses: dict[tuple[int, int], collections.deque[int]], segment: int, position: int) -> float:
+    later = uses.get((segment, position))
+    return later[0] if later else float("inf")
 
 
-def replay(records: Iterable[dict], hot: int) -> ReplayResult:
-    if hot < 1:
+def policy_function(name: str, top_k: int | None = None) -> Callable[[list[Step], int], int]:
+    if name == "clock":
+        return clock_misses
+    if name == "min":
+        return min_misses
+    if name not in POLICIES:
+        raise ValueError(f"policy must be one of {ALL_POLICIES}, got {name!r}")
+    return lambda steps, hot: online_misses(steps, hot, name, top_k)
+
+
+@attrs.frozen
+class ReplayResult:
+    hot: int
+    steps: int  # long swap-in steps (request x layer)
+    wanted: int  # positions wanted from the hot region, summed over long steps
+    misses: dict[str, list[int]]  # policy -> positions loaded, per layer
+    row_bytes: int | None  # bytes of one row (one layer), when known
+
+    def total(self, policy: str) -> int:
+        return sum(self.misses[policy])
+
+    def as_dict(self) -> dict[str, object]:
+        floor = self.total("min") or 1
+        out: dict[str, object] = {"hot": self.hot, "steps": self.steps, "wanted": self.wanted, "policies": {}}
+        for name, per_layer in self.misses.items():
+            entry: dict[str, object] = {
+                "misses": sum(per_layer),
+                "misses_per_layer": list(per_layer),
+                "over_min": round(sum(per_layer) / floor, 4),
+            }
+            if self.row_bytes is not None:
+                entry["h2d_bytes"] = sum(per_layer) * self.row_bytes
+                entry["h2d_bytes_per_layer"] = [m * self.row_bytes for m in per_layer]
+            out["policies"][name] = entry  # type: ignore[index]
+        out["row_bytes"] = self.row_bytes
+        return out
+
+
+def replay(
+    records: Iterable[dict],
+    hot: int,
+    *,
+    policies: Iterable[str] = ALL_POLICIES,
+    row_bytes: int | None = None,
+    top_k: int | None = None,
+) -> ReplayResult:
+    """Every policy over the trace's swap-in steps at ``hot``; ``top_k``: the engine's top-k width
+    (the trace header's; default: the widest record)."""
+    if not isinstance(hot, int) or hot < 1:
         raise ValueError(f"hot={hot}: must be >= 1")
-    streams = wanted_sets(records, hot)
-    widest = max((len(w) for s in streams.values() for w in s), default=0)
+    records = list(records)
+    if top_k is None:
+        top_k = max((len(r["top_k"]) for r in records if isinstance(r, dict) and "top_k" in r), default=1)
+    functions = {name: policy_function(name, top_k) for name in policies}
+    streams = swap_in_steps(records, hot)
+    widest = max((len(s.want) for steps in streams.values() for s in steps), default=0)
     if widest > hot:
         raise ValueError(f"a step wants {widest} positions, more than hot={hot} can hold")
-    misses = {name: sum(fn(steps, hot) for steps in streams.values()) for name, fn in POLICIES.items()}
-    steps = sum(len(s) for s in streams.values())
-    wanted = sum(len(w) for s in streams.values() for w in s)
-    return ReplayResult(steps, wanted, misses)
+    num_layers = 1 + max((layer for _, layer in streams), default=-1)
+    misses = {name: [0] * num_layers for name in functions}
+    for (_, layer), steps in streams.items():
+        for name, fn in functions.items():
+            misses[name][layer] += fn(steps, hot)
+    long_steps = [s for steps in streams.values() for s in steps if s.long]
+    return ReplayResult(hot, len(long_steps), sum(len(s.want) for s in long_steps), misses, row_bytes)
+
+
+def report_lines(result: ReplayResult, engine_policy: str | None = None) -> list[str]:
+    """The side-by-side table: a row per policy, its misses per layer and in total, bytes, x MIN."""
+    layers = len(next(iter(result.misses.values()), []))
+    floor = result.total("min") if "min" in result.misses else 0
+    head = ["policy", *[f"layer {i}" for i in range(layers)], "misses", "host->device MB", "x MIN"]
+    rows = []
+    for name, per_layer in result.misses.items():
+        total = sum(per_layer)
+        mb = f"{total * result.row_bytes / 1e6:.2f}" if result.row_bytes is not None else "?"
+        ratio = f"{total / floor:.3f}" if floor else "-"
+        label = f"{name} (engine)" if name == engine_policy else name
+        rows.append([label, *map(str, per_layer), str(total), mb, ratio])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(head, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return lines
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec replay", description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="a JSON-lines top-k trace (Executor(trace_path=...))")
-    parser.add_argument("--hot", type=int, required=True, help="device_buffer_size to replay with")
+    parser.add_argument("trace", help="a JSON-lines top-k trace (hispec generate --topk-trace FILE)")
+    parser.add_argument("--hot", type=int, action="append", help="HOT to replay with (repeatable; "
+                        "default: the device_buffer_size the trace was recorded with)")
+    parser.add_argument("--policy", action="append", choices=ALL_POLICIES, help="only these (repeatable)")
+    parser.add_argument("--row-bytes", type=int, help="bytes per row per layer (default: the trace's)")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
     args = parser.parse_args(argv)
-    result = replay(read_trace(args.trace), args.hot)
-    print(
-        f"{result.steps} long decode steps (request x layer), {result.wanted} positions wanted from HOT={args.hot}"
-    )
-    best = result.misses["min"] or 1
-    for name, misses in result.misses.items():
-        rate = misses / result.wanted if result.wanted else 0.0
-        print(f"{name:>5}: {misses} misses ({rate:.1%} of wanted, {misses / best:.2f}x MIN)")
+    header = read_header(args.trace)
+    records = read_trace(args.trace)
+    hots = args.hot or ([header["hot"]] if isinstance(header.get("hot"), int) else None)
+    if not hots:
+        parser.error("--hot is required: the trace does not say which device_buffer_size it ran with")
+    row_bytes = args.row_bytes if args.row_bytes is not None else header.get("row_bytes")
+    policies = args.policy or list(ALL_POLICIES)
+    top_k = header.get("top_k") if isinstance(header.get("top_k"), int) else None
+    results = [replay(records, hot, policies=policies, row_bytes=row_bytes, top_k=top_k) for hot in hots]
+    engine = header.get("policy") if isinstance(header.get("policy"), str) else None
+    if args.json:
+        payload = {"trace": str(args.trace), "recorded": header, "results": [r.as_dict() for r in results]}
+        json.dump(payload, sys.stdout, indent=2)
+        print()
+        return 0
+    for result in results:
+        recorded = f" (recorded with HOT={header['hot']}, policy {engine})" if header.get("hot") else ""
+        print(f"HOT={result.hot}{recorded}: {result.steps} long swap-in steps (request x layer), "
+              f"{result.wanted} positions wanted from the hot region")
+        ran = engine if header.get("hot") == result.hot else None
+        print("\n".join(report_lines(result, ran)))
     return 0

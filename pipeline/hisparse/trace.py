@@ -1,44 +1,71 @@
 """Top-k trace recording: which positions each layer selected, per request and step.
 
-One JSON object per line::
+A JSON-lines file (format of record: ``docs/topk-trace.md``). The first line is a header naming
+the configuration the engine ran with, every other line one selection::
 
+    {"trace": "hispec-topk", "version": 2, "hot": 128, "policy": "lru", "row_bytes": 320, ...}
     {"request": "r3", "layer": 1, "phase": "decode", "position": 812, "top_k": [805, 3, 811, ...]}
+    {"request": "r3", "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...]}
 
 ``position`` is the query token's position (its visible length is ``position + 1``); ``top_k`` is in
 contract order with the -1 padding dropped; ``phase`` is ``prefill`` (dense in device, no swap-in),
-``decode`` (one step per request) or ``verify`` (D steps per request). The file is what an offline replay reads to compare
-replacement policies (LRU, CLOCK, Belady's MIN) on the same selections.
+``decode`` (one step per request) or ``verify`` (D steps per request, ``step`` = 0..D-1 within the
+swap-in call). The file is what ``hispec replay`` reads to compare replacement policies on the same
+selections. A file without a header (version 1) holds records only, and no ``step``.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 
+FORMAT = "hispec-topk"
+VERSION = 2
+
+
+def trace_meta(config: Any, model_cfg: Any, dtype: torch.dtype) -> dict[str, object]:
+    """The header of a trace recorded by an engine of ``config`` (an ``EngineConfig``) and a model of
+    ``model_cfg``: what a replay needs to model the engine's swap-in."""
+    hs = config.hisparse
+    spec = config.speculative
+    return {
+        "hot": hs.device_buffer_size if hs is not None else None,
+        "policy": hs.policy if hs is not None else None,
+        "page_size": config.page_size,
+        "top_k": model_cfg.index_topk,
+        "layers": model_cfg.num_hidden_layers,
+        "row_bytes": model_cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size(),
+        "draft_tokens": spec.draft_tokens if spec is not None and not isinstance(spec, str) else 0,
+    }
+
 
 class TopKTrace:
-    """Appends selections to a JSON-lines file; ``close`` flushes it."""
+    """Appends selections to a JSON-lines file (after a header of ``meta``); ``close`` flushes it."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, *, meta: dict[str, object] | None = None) -> None:
         self.path = Path(path)
         self._file: TextIO = self.path.open("w")
         self.num_records = 0
+        header = {"trace": FORMAT, "version": VERSION, **(meta or {})}
+        self._file.write(json.dumps(header, separators=(",", ":")) + "\n")
 
     def record(
         self, layer: int, phase: str, labels: list[str], positions: torch.Tensor, top_k: torch.Tensor
     ) -> None:
+        """One forward's selections of ``layer``: row i is request ``labels[i]``'s token at
+        ``positions[i]``; a verify's rows are request-major, a request's D steps in order."""
         rows = top_k.cpu().tolist()
+        steps: dict[str, int] = {}  # verify: rows of each request so far in this call
         for label, pos, picked in zip(labels, positions.tolist(), rows):
-            entry = {
-                "request": label,
-                "layer": layer,
-                "phase": phase,
-                "position": pos,
-                "top_k": [t for t in picked if t >= 0],
-            }
+            entry: dict[str, object] = {"request": label, "layer": layer, "phase": phase}
+            if phase == "verify":
+                entry["step"] = steps.get(label, 0)
+                steps[label] = entry["step"] + 1
+            entry["position"] = pos
+            entry["top_k"] = [t for t in picked if t >= 0]
             self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
         self.num_records += len(rows)
 
@@ -47,6 +74,17 @@ class TopKTrace:
 
 
 def read_trace(path: str | Path) -> list[dict]:
-    """All records of a trace file, in recording order."""
+    """All selection records of a trace file, in recording order (the header left out)."""
     with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [r for r in lines if not (isinstance(r, dict) and r.get("trace") == FORMAT)]
+
+
+def read_header(path: str | Path) -> dict[str, object]:
+    """The header of a trace file (``{}`` for a file recorded without one)."""
+    with Path(path).open() as f:
+        for line in f:
+            if line.strip():
+                first = json.loads(line)
+                return first if isinstance(first, dict) and first.get("trace") == FORMAT else {}
+    return {}

@@ -101,6 +101,12 @@ RULES = [
         "must be an integer",
     ),
     (
+        "hisparse.policy",
+        lambda: dict(hisparse=HS(policy="slide")),
+        lambda: dict(hisparse=HS(policy="belady")),
+        "must be one of",
+    ),
+    (
         "hisparse.top_k",
         lambda: dict(hisparse=HS(top_k=1)),
         lambda: dict(hisparse=HS(top_k=0)),

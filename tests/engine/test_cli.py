@@ -45,3 +45,22 @@ def test_trace_of_a_log_without_requests(tmp_path, capsys):
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"event": "something else"}\nnot json\n')
     assert cli(["trace", str(empty)]) == 1
+
+
+def test_generate_records_a_topk_trace_that_replay_reproduces(tiny_model, tmp_path, capsys):
+    import json
+    import re
+
+    from pipeline.generate import main as generate
+
+    trace = tmp_path / "topk.jsonl"
+    prompt = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+    argv = [prompt, "--max-new-tokens", "16", "--ignore-eos", "--dtype", "float64", "--policy", "slide"]
+    assert generate([*argv, "--topk-trace", str(trace)], model=tiny_model) == 0
+    engine_misses = int(re.search(r"hisparse: \d+ hits, (\d+) misses", capsys.readouterr().out).group(1))
+    assert engine_misses > 0
+    assert cli(["replay", str(trace), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)["results"][0]
+    assert result["hot"] == 128 and result["policies"]["slide"]["misses"] == engine_misses
+    assert cli(["replay", str(trace)]) == 0
+    assert "slide (engine)" in capsys.readouterr().out

@@ -1,0 +1,87 @@
+"""Replacement policies of swap-in: which evictable hot columns a step's misses take.
+
+Every policy keeps the same state, the per-request LRU order of the hot columns (a permutation, least
+recent first), updated the same way after each step (``kernels.swap_in``, rule 4). They differ only
+in the *victims*: of a step's evictable columns, the ``m`` with the smallest **eviction key** take
+its ``m`` loadable misses (the m-th miss, in order of first appearance, takes the m-th victim in LRU
+order). The key of an evictable column at LRU index ``i`` holding position ``t``:
+
+* ``lru``: ``i``: the least recently used columns go first;
+* ``slide``: ``(FAR - d, i)``, where ``d = t - s`` for ``s`` the largest position the step selects
+  below ``t`` (``d = FAR`` when there is none): the column whose position is predicted to be wanted
+  farthest in the future goes first, ties least recently used first. The prediction: a selection
+  that slides forward by one position per decoded token (the induction- and recent-window-like
+  patterns of DSA indexers) wants ``t`` again in ``d`` steps exactly when it wants ``t - d`` now;
+* ``slide-lru``: ``(0, i)`` when ``d > hot`` (no slide would bring ``t`` back within ``hot`` steps:
+  treated as dead, least recent first), else ``(1 + hot - d, i)`` (farthest predicted use first);
+* ``adaptive``: ``slide``'s keys when the step's selection looks like a slide of the previous one,
+  else ``lru``'s. With ``M`` the positions of the ``K`` most recently used hot columns before the
+  step (``K`` = the top-k row's width; the previous step's wanted positions are among them) and
+  ``W`` the step's unique wanted positions (those looked up in the hot columns): it slides when
+  more of ``W`` are one past a position of ``M`` than are in ``M`` themselves
+  (``|{t in W: t - 1 in M}| > |W & M|``). Layers whose selection moves with the query then use the
+  prediction, layers whose selection stays put keep LRU (``docs/cache-policy.md``).
+
+The selected positions are the step's *valid* top-k entries (``0 <= t < n``), wherever they are
+held. Keys need no state beyond the LRU order and the step's own top-k row, so per-layer state stays
+O(HOT). Packed as one int64 (``key_of``), a smaller key is evicted first.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+POLICIES = ("lru", "slide", "slide-lru", "adaptive")
+DEFAULT_POLICY = "lru"
+FAR = 1 << 30  # the predicted distance of a position with no selected position below it
+KEY_SHIFT = 32  # key = priority << KEY_SHIFT | LRU index
+
+
+def policy_code(policy: str) -> int:
+    """The policy's index in ``POLICIES`` (what the kernels take); raises ``ValueError`` naming it."""
+    try:
+        return POLICIES.index(policy)
+    except ValueError:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}") from None
+
+
+def step_policy(policy: str, wanted: list[int], recent: list[int]) -> str:
+    """The keys a step uses: ``policy`` itself, or for ``adaptive`` ``slide`` or ``lru``.
+
+    ``wanted``: the step's unique wanted positions; ``recent``: the positions of its ``K`` most
+    recently used hot columns before the step."""
+    if policy != "adaptive":
+        return policy
+    held = {p for p in recent if p >= 0}
+    slid = sum(1 for t in wanted if t - 1 in held)
+    stayed = sum(1 for t in wanted if t in held)
+    return "slide" if slid > stayed else "lru"
+
+
+def slide_distance(token: int, selected: list[int]) -> int:
+    """``token`` minus the largest of ``selected`` (sorted ascending) below it; ``FAR`` when none."""
+    at = bisect.bisect_left(selected, token)
+    return token - selected[at - 1] if at > 0 else FAR
+
+
+def priority(policy: str, token: int, selected: list[int], hot: int) -> int:
+    """The policy's eviction priority of a column holding ``token`` (smaller: evicted sooner)."""
+    if policy == "lru":
+        return 0
+    d = slide_distance(token, selected)
+    if policy == "slide":
+        return FAR - d
+    return 0 if d > hot else 1 + hot - d  # slide-lru
+
+
+def choose_victims(policy: str, held: list[int], selected: list[int], count: int, hot: int) -> list[int]:
+    """Indices into ``held`` of the ``count`` evictable columns the policy evicts, ascending.
+
+    ``held`` is the position each evictable column holds, the columns in LRU order (least recent
+    first; ties of priority go to the earlier one); ``selected`` the step's valid top-k positions,
+    sorted ascending.
+    """
+    if policy == "lru" or count == 0:
+        return list(range(min(count, len(held))))
+    ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot), i))
+    return sorted(ranked[:count])
