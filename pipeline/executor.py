@@ -628,7 +628,12 @@ class Executor:
         counters = getattr(self.memory, "counters", None)
         if counters is None:
             return 0, 0, 0
-        return sum(counters.hits), sum(counters.misses), sum(counters.h2d_bytes)
+        # a command's figures: the swap-ins of decode and verify, and a prefill's loads
+        return (
+            sum(counters.hits) + sum(counters.prefill_hits),
+            sum(counters.misses) + sum(counters.prefill_loads),
+            sum(counters.h2d_bytes) + sum(counters.prefill_h2d_bytes),
+        )
 
 
 def _request_id(item: object) -> str:

@@ -254,7 +254,7 @@ class HiSparseCoordinator:
         dev_slots = self.buffers.locs[row, positions.to(self.device)]
         for layer in range(self.num_layers):
             self.device_kv[layer, dev_slots] = self.host.kv[layer, host_slots].to(self.device)
-            self.counters.add_counts(layer, 0, count, count * self.host.row_bytes)
+            self.counters.add_prefill_loads(layer, 0, count, count * self.host.row_bytes)
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
         """Where positions ``[start, end)`` of a prefilling row write (idempotent until

@@ -18,6 +18,9 @@ class LayerCounters:
     unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
     h2d_bytes: list[int] = attrs.field(init=False)
     d2h_bytes: list[int] = attrs.field(init=False)  # staging copies and backups
+    prefill_hits: list[int] = attrs.field(init=False)  # a prefill chunk's earlier positions found on the device
+    prefill_loads: list[int] = attrs.field(init=False)  # rows a prefill loaded host -> device
+    prefill_h2d_bytes: list[int] = attrs.field(init=False)
     swap_in_calls: int = 0
     last_unrecoverable: int = 0  # unrecoverable entries of the latest swap-in call
 
@@ -27,6 +30,9 @@ class LayerCounters:
         self.unrecoverable = [0] * self.num_layers
         self.h2d_bytes = [0] * self.num_layers
         self.d2h_bytes = [0] * self.num_layers
+        self.prefill_hits = [0] * self.num_layers
+        self.prefill_loads = [0] * self.num_layers
+        self.prefill_h2d_bytes = [0] * self.num_layers
 
     def add_swap_in(self, layer: int, result: SwapInResult) -> None:
         totals = result.totals
@@ -45,11 +51,13 @@ class LayerCounters:
         self.last_unrecoverable = int(totals[2])
         self.swap_in_calls += 1
 
-    def add_counts(self, layer: int, hits: int, misses: int, h2d_bytes: int) -> None:
-        """Hits and loads resolved outside ``kernels.swap_in`` (a prefill chunk's grouped swap-in)."""
-        self.hits[layer] += hits
-        self.misses[layer] += misses
-        self.h2d_bytes[layer] += h2d_bytes
+    def add_prefill_loads(self, layer: int, hits: int, loads: int, h2d_bytes: int) -> None:
+        """Rows a prefill brought to the device outside ``kernels.swap_in``: a chunk's grouped reads of
+        earlier positions, a prefix-cache hit's identity columns. Counted apart from the decode and
+        verify swap-in figures (which ``hispec replay`` reproduces)."""
+        self.prefill_hits[layer] += hits
+        self.prefill_loads[layer] += loads
+        self.prefill_h2d_bytes[layer] += h2d_bytes
 
     def add_backup(self, num_bytes_per_layer: int) -> None:
         """A device->host copy of the same tokens in every layer (staging and backups move all layers)."""
@@ -67,5 +75,8 @@ class LayerCounters:
             "unrecoverable": list(self.unrecoverable),
             "h2d_bytes": list(self.h2d_bytes),
             "d2h_bytes": list(self.d2h_bytes),
+            "prefill_hits": list(self.prefill_hits),
+            "prefill_loads": list(self.prefill_loads),
+            "prefill_h2d_bytes": list(self.prefill_h2d_bytes),
             "hit_rate": [round(self.hit_rate(layer), 4) for layer in range(self.num_layers)],
         }

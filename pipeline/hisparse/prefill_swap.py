@@ -92,6 +92,6 @@ def prefill_swap_rounds(
         untouched = free[missed.numel() :]
         lru.copy_(torch.cat([untouched, order[wanted[order]], victims]).to(lru.dtype))
         row_bytes = device_kv.shape[-1] * device_kv.element_size()
-        coord.counters.add_counts(layer, int(hit.sum()), missed.numel(), missed.numel() * row_bytes)
+        coord.counters.add_prefill_loads(layer, int(hit.sum()), missed.numel(), missed.numel() * row_bytes)
         entry_cols = col_of[group.long().clamp(min=0)]
         yield a, b, torch.where(group >= 0, locs[entry_cols.clamp(min=0)], -1)

@@ -31,7 +31,10 @@ HOT = 16
 
 
 def _record(tiny_model, path, *, policy: str, num_steps: int | None, pool: int = 176):
-    """A workload on small pools: prompts short, crossing HOT and long; one request aborted midway."""
+    """A workload on small pools: prompts short, crossing HOT and long; one request aborted midway.
+    Prompts are prefilled whole and recomputed on re-admission (no prefix cache): replay models the
+    hot region from a whole-prompt prefill on (a chunk's or a cache hit's grouped reads of earlier
+    positions leave it in another state, and are counted apart, as prefill loads)."""
     config = EngineConfig(
         dtype="float64",
         page_size=8,
@@ -40,6 +43,8 @@ def _record(tiny_model, path, *, policy: str, num_steps: int | None, pool: int =
         device_pool_tokens=pool,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=1, policy=policy),
         speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        chunked_prefill_tokens=None,
+        prefix_cache=False,
     )
     executor = Executor(config, model=tiny_model, trace_path=str(path))
     driver = SyncDriver(executor)
