@@ -1,0 +1,124 @@
+"""The tensor-parallel group: the collectives the sharded model and the executors use, timed.
+
+One :class:`TensorGroup` per process wraps a ``torch.distributed`` process group built directly
+(``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA) over a ``TCPStore`` that rank 0 hosts.
+No default process group is created: an engine owns its group, so several engines (one after
+another in a test, or side by side) never share global state.
+
+Every collective has the group's timeout: a peer that died or hangs makes the call raise within it
+(gloo notices a closed connection at once; the timeout bounds the rest). Objects travel pickled in a
+uint8 tensor (length first), which is how the executors exchange commands and outcomes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class TensorGroup:
+    """``size`` ranks; this process is ``rank``. ``collective_s`` sums the wall time spent inside
+    collectives (waiting for peers included), ``num_collectives`` counts them."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, *, timeout_s: float, device: torch.device) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.timeout_s = timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if device.type == "cuda":  # pragma: no cover - needs several GPUs
+            self._pg = dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)
+        else:
+            self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self.collective_s = 0.0
+        self.num_collectives = 0
+
+    # --- tensors ------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """In place: every rank ends with the same reduction (``"sum"``, ``"min"`` or ``"max"``)."""
+        if self.size == 1:
+            return tensor
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._timed(lambda: self._pg.allreduce([tensor], opts))
+        return tensor
+
+    def all_gather(self, tensor: Tensor, sizes: list[int], dim: int = -1) -> Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim``; rank ``r``'s holds ``sizes[r]`` entries
+        there (uneven shards are padded to the largest for the exchange, then trimmed)."""
+        if self.size == 1:
+            return tensor
+        dim = dim % tensor.ndim
+        width = max(sizes)
+        if tensor.shape[dim] < width:
+            pad = list(tensor.shape)
+            pad[dim] = width - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._timed(lambda: self._pg.allgather([parts], [tensor]))
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    # --- objects ------------------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        if self.size == 1:
+            return obj
+        payload = _encode(obj) if self.rank == 0 else None
+        length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
+        self._broadcast(length)
+        data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
+        self._broadcast(data)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        payload = _encode(obj)
+        lengths = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), [1] * self.size, dim=0)
+        sizes = [int(n) for n in lengths.tolist()]
+        data = self.all_gather(payload, sizes, dim=0)
+        out, start = [], 0
+        for n in sizes:
+            out.append(pickle.loads(data[start : start + n].numpy().tobytes()))
+            start += n
+        return out
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._timed(lambda: self._pg.broadcast([tensor], opts))
+
+    def _timed(self, issue) -> None:
+        start = time.perf_counter()
+        work = issue()
+        work.wait()
+        self.collective_s += time.perf_counter() - start
+        self.num_collectives += 1
+
+    def figures(self) -> dict[str, float | int]:
+        return {"collective_s": self.collective_s, "num_collectives": self.num_collectives}
+
+
+def _encode(obj: object) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def open_store(port: int, size: int, *, host: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous of a group on this machine: the host (the engine's process) listens on
+    ``port`` (0: any free port, read back from ``store.port``), the others connect to it."""
+    return dist.TCPStore(
+        "127.0.0.1", port, size, host, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
