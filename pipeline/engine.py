@@ -128,6 +128,12 @@ class Engine:
         from pipeline.preflight import preflight
 
         preflight(self.config, model=self._model)  # device, model, memory: before any allocation
+        if self.config.tensor_parallel_size > 1:  # this process is rank 0; it starts the others
+            from pipeline.distributed.executor import DistributedExecutor
+
+            return DistributedExecutor(
+                self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer
+            )
         return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:

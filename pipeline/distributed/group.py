@@ -37,6 +37,9 @@ class TensorGroup:
             self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.collective_s = 0.0
         self.num_collectives = 0
+        # set by the first collective that fails: every later one raises at once (a lost peer is
+        # noticed once, not once per retry)
+        self.broken: str | None = None
 
     # --- tensors ------------------------------------------------------------------------------------
 
@@ -102,9 +105,14 @@ class TensorGroup:
         self._timed(lambda: self._pg.broadcast([tensor], opts))
 
     def _timed(self, issue) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
         start = time.perf_counter()
-        work = issue()
-        work.wait()
+        try:
+            issue().wait()
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
         self.collective_s += time.perf_counter() - start
         self.num_collectives += 1
 
