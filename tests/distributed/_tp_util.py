@@ -30,3 +30,72 @@ def sharded_logits(rank: int, size: int, port: int, cfg, tensors: dict, ids: lis
         mtp = model.mtp_forward(torch.tensor(ids), torch.arange(n), hidden, backend).logits
     if rank == 0:
         torch.save({"logits": logits, "mtp": mtp, "params": sum(p.numel() for p in model.parameters())}, out_path)
+
+
+class SlowStaging:
+    """A transfer stream factory whose staging copies report landed only on their ``polls``-th
+    query, or once waited for (a rank whose prompt copies lag behind the others'); deterministic."""
+
+    def __init__(self, polls: int) -> None:
+        self.polls = polls
+
+    def __call__(self, name: str, device: torch.device):
+        from pipeline.hisparse.transfer import make_transfer_stream
+
+        inner = make_transfer_stream(name, device)
+        return _SlowStream(inner, self.polls) if name == "staging" else inner
+
+
+class _SlowHandle:
+    def __init__(self, inner, polls: int) -> None:
+        self.inner = inner
+        self.polls_left = polls
+        self.waited = False
+
+    def query(self) -> bool:
+        if self.waited or self.polls_left <= 0:
+            return self.inner.query()
+        self.polls_left -= 1
+        return False
+
+    def wait(self) -> None:
+        self.inner.wait()
+        self.waited = True
+
+
+class _SlowStream:
+    def __init__(self, inner, polls: int) -> None:
+        self.inner = inner
+        self.polls = polls
+        self.handles: list[_SlowHandle] = []
+
+    def copy_rows(self, dst, dst_idx, src, src_idx):
+        handle = _SlowHandle(self.inner.copy_rows(dst, dst_idx, src, src_idx), self.polls)
+        self.handles.append(handle)
+        return handle
+
+    def synchronize(self) -> None:
+        self.inner.synchronize()
+        for handle in self.handles:
+            handle.waited = True
+        self.handles.clear()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class Busy:
+    """An executor seen as a busy engine sees it: ``CollectReady`` never waits for the copies in
+    flight and the driver's ``wait_staging`` is skipped, so readiness depends on each rank's copies."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+
+    def run(self, command, *, idle: bool = True):
+        return self.executor.run(command, idle=False)
+
+    def wait_staging(self) -> None:
+        return None
+
+    def __getattr__(self, name: str):
+        return getattr(self.executor, name)

@@ -1,0 +1,185 @@
+"""Tensor parallelism over two gloo ranks on the CPU, float64: the same numbers as one process.
+
+* the sharded model (heads, experts, MLP width and vocabulary split unevenly) gives the logits of
+  the whole model within 1e-9, target and MTP;
+* the engine at TP 2 gives exactly the tokens of the synchronous driver at TP 1, HiSparse on,
+  contexts past the hot region, speculation off and on;
+* a rank whose staging copies lag (injected): no request leaves staging before every rank has it;
+* a worker killed mid-run fails every live request and stops the engine; no process is left.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import attrs
+import pytest
+import torch
+import torch.multiprocessing as mp
+from _engine_util import HOT, config, driver_outputs, make_prompts, until
+from _model_util import new_backend, random_model, run, tiny_config
+from _tp_util import Busy, SlowStaging, sharded_logits
+
+from pipeline import Engine, SamplingParams
+from pipeline.distributed.executor import DistributedExecutor, WorkerLost
+from pipeline.distributed.group import open_store
+from pipeline.driver import SyncDriver
+from pipeline.model import ForwardLayout
+from statemachines.request import State
+
+LENGTHS = [3, HOT + 1, 2 * HOT + 5, 5 * HOT + 3, 9]  # past HOT: HiSparse swaps rows in
+
+
+def tp(cfg, size: int = 2):
+    return attrs.evolve(cfg, tensor_parallel_size=size)
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+def test_sharded_forward_matches_the_whole_model(tmp_path):
+    # 3 heads, 6 experts, MLP width 97 and 257 vocabulary rows: every split is uneven over 2 ranks
+    cfg = tiny_config(num_attention_heads=3, n_routed_experts=6, n_group=3, intermediate_size=97)
+    model = random_model(cfg)
+    ids = make_prompts([37], seed=3)[0]
+    n = len(ids)
+    want = run(model, new_backend(model, num_rows=n, num_requests=1, max_ctx=n), ids, torch.arange(n))
+    backend = new_backend(model, num_rows=n, num_requests=1, max_ctx=n)
+    pos = torch.arange(n)
+    backend.begin(ForwardLayout(req_rows=torch.zeros_like(pos), positions=pos, write_locs=pos))
+    with torch.no_grad():
+        hidden = model(torch.tensor(ids), pos, backend)
+        want_mtp = model.mtp_forward(torch.tensor(ids), pos, hidden, backend).logits
+    store = open_store(0, 3, host=True, timeout_s=60)
+    out = tmp_path / "rank0.pt"
+    tensors = dict(model.state_dict())
+    mp.start_processes(sharded_logits, args=(2, store.port, cfg, tensors, ids, str(out)), nprocs=2, start_method="spawn")
+    got = torch.load(out)
+    assert (got["logits"] - want).abs().max() < 1e-9
+    assert (got["mtp"] - want_mtp).abs().max() < 1e-9
+    assert got["logits"].argmax(-1).tolist() == want.argmax(-1).tolist()
+    whole = sum(p.numel() for p in model.parameters())
+    assert got["params"] < 0.75 * whole  # rank 0 holds its shard, not the model
+
+
+async def run_engine(model, cfg, prompts, params, ids) -> tuple[dict[str, list[int]], dict]:
+    outputs: dict[str, list[int]] = {}
+
+    async def consume(prompt, sp, rid):
+        result = await engine.generate_text(prompt, sp, request_id=rid)
+        outputs[rid] = list(result.token_ids)
+
+    async with Engine(cfg, model=model) as engine:
+        async with anyio.create_task_group() as tg:
+            for prompt, sp, rid in zip(prompts, params, ids):
+                tg.start_soon(consume, prompt, sp, rid)
+                await anyio.sleep(0)
+        stats = engine.stats()
+        assert engine.executor.pool_counts() == engine.initial_pool_counts
+    assert engine.final_pool_counts == engine.initial_pool_counts  # every rank's pools (rank1.* keys)
+    return outputs, stats
+
+
+async def check_engine_tp2_equals_tp1(model, num_steps):
+    cfg = config(num_steps=num_steps, max_running_requests=4)
+    prompts = make_prompts(LENGTHS, seed=11)
+    params = [greedy(n) for n in (14, 9, 12, 6, 10)]
+    ids = [f"tp-{i}" for i in range(len(prompts))]
+    expected = driver_outputs(model, cfg, prompts, params, ids)
+    got, stats = await run_engine(model, tp(cfg), prompts, params, ids)
+    assert got == expected
+    ranks = stats["tensor_parallel"]["ranks"]
+    assert len(ranks) == 2 and all(r["collectives"]["num_collectives"] > 0 for r in ranks)
+    assert sum(stats["hisparse"]["misses"]) > 0  # contexts past HOT: rows were swapped in
+    return stats
+
+
+@pytest.mark.asyncio
+async def test_engine_tp2_gives_the_tokens_of_tp1(tiny_model):
+    await check_engine_tp2_equals_tp1(tiny_model, num_steps=None)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_engine_tp2_gives_the_tokens_of_tp1_speculative(tiny_model):
+    stats = await check_engine_tp2_equals_tp1(tiny_model, num_steps=3)
+    assert stats["speculative"]["verify_rounds"] > 0  # rank 0's rounds; every rank ran the same
+
+
+def test_ready_set_agreed_when_one_rank_stages_slowly(tiny_model):
+    """Rank 1's prompt copies land only after a few polls; rank 0's at once. Rank 0 holds each
+    request back until rank 1 has it too (the MIN agreement), and the tokens are TP 1's."""
+    cfg = config(max_running_requests=4)
+    prompts = make_prompts(LENGTHS, seed=12)
+    params = [greedy(8)] * len(prompts)
+    ids = [f"slow-{i}" for i in range(len(prompts))]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    executor = DistributedExecutor(tp(cfg), model=tiny_model, transfer={1: SlowStaging(polls=3)})
+    try:
+        driver = SyncDriver(Busy(executor), check=True)
+        reqs = [driver.submit(p, sp, request_id=rid) for p, sp, rid in zip(prompts, params, ids)]
+        driver.run()
+        stats = executor.stats()
+        assert {r.request_id: list(r.output_ids) for r in reqs} == expected
+        fast, slow = (r["readiness"] for r in stats["tensor_parallel"]["ranks"])
+        assert fast["held_back"] > 0  # rank 0 had requests ready that rank 1 had not staged yet
+        assert slow["held_back"] == 0  # rank 1 never waited for rank 0
+        assert fast["agreements"] == slow["agreements"] > 0
+    finally:
+        executor.close()
+
+
+@pytest.mark.asyncio
+async def test_a_killed_worker_fails_every_request_and_stops_the_engine(tiny_model):
+    cfg = tp(config(max_running_requests=4))
+    reqs, procs = [], []
+    with pytest.raises(ExceptionGroup) as info:
+        async with Engine(cfg, model=tiny_model) as engine:
+            procs = list(engine.executor._procs)
+
+            async def consume(prompt):
+                await engine.generate_text(prompt, greedy(250))
+
+            async with anyio.create_task_group() as tg:
+                for prompt in make_prompts([5, 20, 40], seed=13):
+                    tg.start_soon(consume, prompt)
+                await until(lambda: len(engine._registry.live) == 3 and engine.stats()["requests"]["decoding"] > 0)
+                reqs = list(engine._registry.live.values())
+                os.kill(procs[0].pid, signal.SIGKILL)
+    assert info.group_contains(WorkerLost)
+    assert reqs and all(r.state is State.FAILED for r in reqs)
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_abort_and_retraction_give_back_every_ranks_memory(tiny_model):
+    """Small pools force retractions; one request is aborted mid-run: every rank's pools end at
+    their initial counts and the other requests get the tokens of an unconstrained TP 1 run."""
+    small = config(device_pool_tokens=64, max_context_len=64, ratio=2)
+    roomy = config(max_context_len=64)
+    prompts = make_prompts([6, 9, 4, 8], seed=6)
+    params = greedy(50)
+    ids = [f"m{i}" for i in range(len(prompts))]
+    expected = driver_outputs(tiny_model, roomy, prompts, [params] * len(ids), ids)
+    results = {}
+    async with Engine(tp(small), model=tiny_model) as engine:
+
+        async def consume(rid, prompt):
+            results[rid] = await engine.generate_text(prompt, params, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            for rid, prompt in zip(ids, prompts):
+                tg.start_soon(consume, rid, prompt)
+            tg.start_soon(consume, "gone", make_prompts([30], seed=9)[0])
+            await until(lambda: engine._registry.live.get("gone") is not None)
+            engine.abort("gone")
+        assert engine.executor.pool_counts() == engine.initial_pool_counts
+    assert results["gone"].finish_reason == "abort"
+    assert {rid: list(results[rid].token_ids) for rid in ids} == expected
+    assert sum(results[rid].metrics.num_retractions for rid in ids) > 0
+    assert engine.final_pool_counts == engine.initial_pool_counts
+    assert any(k.startswith("rank1.") for k in engine.final_pool_counts)
