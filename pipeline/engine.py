@@ -154,7 +154,8 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 # a stage crashed: what was live fails; the caller cancelled or left: it is aborted
-                crash = None if stages_ok else "the engine stopped: a stage raised"
+                lost = getattr(self.executor, "lost", None)  # a tensor-parallel rank that went away
+                crash = None if stages_ok else f"the engine stopped: {lost or 'a stage raised'}"
                 await self._stop_what_is_live(crash)
                 await self._close_executor()
         return suppressed

@@ -147,7 +147,14 @@ def rank_stats(executor: Executor, group: TensorGroup) -> dict[str, object]:
 
 
 def worker_main(rank: int, setup: RankSetup) -> None:
-    """A worker process: join the group, build the executor, answer rank 0 until it says stop."""
+    """A worker process: join the group, build the executor, answer rank 0 until it says stop.
+
+    Its events repeat rank 0's (the same commands run everywhere), so it logs warnings and errors
+    only, on stderr, each bound to its rank."""
+    from pipeline.logs import configure_logging
+
+    configure_logging(level="warning")
+    structlog.contextvars.bind_contextvars(rank=rank)
     torch.set_num_threads(setup.config.num_threads or 1)
     store = open_store(setup.port, setup.config.tensor_parallel_size, host=False, timeout_s=setup.timeout_s)
     group = TensorGroup(
@@ -226,6 +233,11 @@ class DistributedExecutor:
         self.config = self.local.config
 
     # --- the Executor interface ---------------------------------------------------------------------
+
+    @property
+    def lost(self) -> str | None:
+        """Why the group is unusable (a rank died, hung or left), or None while it works."""
+        return self._broken
 
     @property
     def size(self) -> int:

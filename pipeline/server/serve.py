@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGINT/SIGTERM: abort the requests in flight, or let them finish",
     )
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
     return p
@@ -87,6 +88,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
         speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
         seed=args.seed,
+        tensor_parallel_size=args.tp,
     )
 
 
