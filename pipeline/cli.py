@@ -32,6 +32,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
+    "tp": ("pipeline.benchmarks.tp", "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives"),
 }
 
 

@@ -31,10 +31,15 @@ class TensorGroup:
         self.device = device
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
+        # objects and CPU tensors (commands, outcomes, the ready-set mask) always go over gloo;
+        # the model's activations over NCCL when they live on CUDA devices
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        self._dev = self._cpu
         if device.type == "cuda":  # pragma: no cover - needs several GPUs
-            self._pg = dist.ProcessGroupNCCL(store, rank, size, timeout=timeout)
-        else:
-            self._pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            torch.cuda.set_device(rank)  # rank r drives device r ("cuda" is the current device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._dev = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), rank, size, options)
         self.collective_s = 0.0
         self.num_collectives = 0
         # set by the first collective that fails: every later one raises at once (a lost peer is
@@ -50,7 +55,7 @@ class TensorGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._timed(lambda: self._pg.allreduce([tensor], opts))
+        self._timed(lambda: self._pg_for(tensor).allreduce([tensor], opts))
         return tensor
 
     def all_gather(self, tensor: Tensor, sizes: list[int], dim: int = -1) -> Tensor:
@@ -66,7 +71,7 @@ class TensorGroup:
             tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._timed(lambda: self._pg.allgather([parts], [tensor]))
+        self._timed(lambda: self._pg_for(tensor).allgather([parts], [tensor]))
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
     # --- objects ------------------------------------------------------------------------------------
@@ -102,7 +107,10 @@ class TensorGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        self._timed(lambda: self._pg.broadcast([tensor], opts))
+        self._timed(lambda: self._cpu.broadcast([tensor], opts))
+
+    def _pg_for(self, tensor: Tensor):
+        return self._dev if tensor.is_cuda else self._cpu
 
     def _timed(self, issue) -> None:
         if self.broken is not None:

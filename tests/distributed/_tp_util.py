@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.model import ForwardLayout
-
 from pipeline.distributed.group import TensorGroup, open_store
 from pipeline.distributed.loading import StateDictSource, build_shard, load_shard
+from pipeline.model import ForwardLayout
 
 
 def sharded_logits(
