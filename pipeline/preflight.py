@@ -42,8 +42,26 @@ def preflight(config: EngineConfig, *, model: Any = None) -> None:
         model_cfg = model.cfg
     else:
         model_cfg = read_model_config(config.model)
+    check_tensor_parallel(config, model_cfg)
     # the model's defaults ("auto" speculation, max_context_len=None) as the executor will resolve them
     check_memory(resolve_for_model(config, model_cfg, log_choices=False), model_cfg)
+
+
+def check_tensor_parallel(config: EngineConfig, model_cfg: Any) -> None:
+    """Every rank needs at least one attention head, and on CUDA a device of its own."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    heads = model_cfg.num_attention_heads
+    if size > heads:
+        raise ConfigError("tensor_parallel_size", size, f"exceeds the model's {heads} attention heads")
+    if config.device == "cuda":
+        import torch
+
+        if size > torch.cuda.device_count():
+            raise ConfigError(
+                "tensor_parallel_size", size, f"needs a CUDA device per rank; {torch.cuda.device_count()} visible"
+            )
 
 
 def check_device(config: EngineConfig) -> None:

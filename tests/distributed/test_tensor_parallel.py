@@ -26,6 +26,7 @@ from pipeline import Engine, SamplingParams
 from pipeline.distributed.executor import DistributedExecutor, WorkerLost
 from pipeline.distributed.group import open_store
 from pipeline.driver import SyncDriver
+from pipeline.errors import ConfigError
 from pipeline.model import ForwardLayout
 from pipeline.model.checkpoint import save_model
 from statemachines.request import State
@@ -188,3 +189,12 @@ async def test_abort_and_retraction_give_back_every_ranks_memory(tiny_model):
     assert sum(results[rid].metrics.num_retractions for rid in ids) > 0
     assert engine.final_pool_counts == engine.initial_pool_counts
     assert any(k.startswith("rank1.") for k in engine.final_pool_counts)
+
+
+@pytest.mark.asyncio
+async def test_more_ranks_than_heads_is_refused_naming_the_field(tiny_model):
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        async with Engine(tp(config(), size=tiny_model.cfg.num_attention_heads + 1), model=tiny_model):
+            pass
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        tp(config(), size=0)
