@@ -116,10 +116,11 @@ async def test_engine_tp2_gives_the_tokens_of_tp1_speculative(tiny_model):
 
 def test_ready_set_agreed_when_one_rank_stages_slowly(tiny_model):
     """Rank 1's prompt copies land only after a few polls; rank 0's at once. Rank 0 holds each
-    request back until rank 1 has it too (the MIN agreement), and the tokens are TP 1's."""
-    cfg = config(max_running_requests=4)
+    request back until rank 1 has it too (the MIN agreement), and the tokens are TP 1's
+    (speculative rounds: drafts and acceptance decided alike on both ranks)."""
+    cfg = config(num_steps=2, max_running_requests=4)
     prompts = make_prompts(LENGTHS, seed=12)
-    params = [greedy(8)] * len(prompts)
+    params = [greedy(6)] * len(prompts)
     ids = [f"slow-{i}" for i in range(len(prompts))]
     expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
     executor = DistributedExecutor(tp(cfg), model=tiny_model, transfer={1: SlowStaging(polls=3)})
