@@ -199,3 +199,24 @@ async def test_more_ranks_than_heads_is_refused_naming_the_field(tiny_model):
             pass
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         tp(config(), size=0)
+
+
+@pytest.mark.slow
+def test_a_hung_worker_is_lost_within_the_timeout(tiny_model):
+    """A worker that stops answering (SIGSTOP) makes the next command raise ``WorkerLost`` once the
+    group's timeout has passed, not hang; the stopped process is reaped by ``close``."""
+    executor = DistributedExecutor(tp(config()), model=tiny_model, timeout_s=5)
+    proc = executor._procs[0]
+    try:
+        driver = SyncDriver(executor)
+        driver.submit(make_prompts([20], seed=14)[0], greedy(4))
+        driver.run()  # the group works
+        os.kill(proc.pid, signal.SIGSTOP)
+        driver.submit(make_prompts([20], seed=15)[0], greedy(4))
+        with pytest.raises(WorkerLost):
+            driver.run()
+        assert executor.lost is not None
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        executor.close()
+    assert not proc.is_alive()
