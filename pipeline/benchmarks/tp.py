@@ -34,6 +34,7 @@ STEP_COMMANDS = (Decode, Draft, Verify)
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one device per rank")
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to run")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in the batch")
     parser.add_argument("--prompt-len", type=int, default=64)
@@ -115,7 +116,7 @@ def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[s
         hisparse=not args.no_hisparse,
         num_steps=None if args.no_spec else 3,
     )
-    cfg = attrs.evolve(cfg, num_threads=args.threads)
+    cfg = attrs.evolve(cfg, num_threads=args.threads, device=args.device)
     prompts = prompts_for(args, args.concurrency)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runs = [run_once(model, cfg, prompts, params, size) for _ in range(args.repeats)]
@@ -138,6 +139,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     threads = setup(args.threads)
     model, note = load_or_random(args)
+    model = model.to(args.device)
     rows: list[dict[str, object]] = []
     reference = None
     for size in sorted(set(args.tp)):
@@ -153,6 +155,7 @@ def main(argv: list[str]) -> int:
         "model": args.model if not note else "random tiny",
         "note": note,
         "dtype": args.dtype,
+        "device": args.device,
         "speculative": not args.no_spec,
         "hisparse": not args.no_hisparse,
         "concurrency": args.concurrency,
