@@ -200,8 +200,8 @@ def _shard_mlp(
 ) -> DenseMLP:
     inner = mlp.gate_proj.weight.shape[0]
     start, stop = shard_range(inner, group.size, group.rank)
-    out = DenseMLP.__new__(DenseMLP)
-    nn.Module.__init__(out)
+    with torch.device("meta"):  # the shapes only: every weight is replaced by its slice below
+        out = DenseMLP(mlp.gate_proj.weight.shape[1], stop - start)
     out.gate_proj = _linear(_narrow(mlp.gate_proj.weight, 0, start, stop))
     out.up_proj = _linear(_narrow(mlp.up_proj.weight, 0, start, stop))
     out.down_proj = RowParallelLinear(_narrow(mlp.down_proj.weight, 1, start, stop), group if reduce else None)
@@ -216,10 +216,8 @@ def _narrow(weight: Tensor, dim: int, start: int, stop: int) -> Tensor:
 
 
 def _linear(weight: Tensor) -> nn.Linear:
-    """An ``nn.Linear`` (no bias) over ``weight [out, in]`` without allocating another."""
-    linear = nn.Linear.__new__(nn.Linear)
-    nn.Module.__init__(linear)
-    linear.in_features, linear.out_features = weight.shape[1], weight.shape[0]
+    """An ``nn.Linear`` (no bias) over ``weight [out, in]`` itself."""
+    with torch.device("meta"):
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight, requires_grad=False)
-    linear.bias = None
     return linear
