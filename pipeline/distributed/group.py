@@ -77,29 +77,37 @@ class TensorGroup:
     # --- objects ------------------------------------------------------------------------------------
 
     def broadcast_object(self, obj: object = None) -> object:
-        """Rank 0's ``obj`` on every rank (the others pass nothing)."""
+        """Rank 0's ``obj`` on every rank (the others pass nothing). One broadcast of a fixed-size
+        frame (length + the first ``FRAME_BYTES``), a second only for a longer payload."""
         if self.size == 1:
             return obj
-        payload = _encode(obj) if self.rank == 0 else None
-        length = torch.tensor([0 if payload is None else payload.numel()], dtype=torch.int64)
-        self._broadcast(length)
-        data = payload if payload is not None else torch.empty(int(length.item()), dtype=torch.uint8)
-        self._broadcast(data)
-        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+        root = self.rank == 0
+        payload = _encode(obj) if root else None
+        frame = _frame(payload) if root else torch.empty(_HEADER + FRAME_BYTES, dtype=torch.uint8)
+        self._broadcast(frame)
+        length = _length(frame)
+        if length > FRAME_BYTES:
+            rest = payload[FRAME_BYTES:].clone() if root else torch.empty(length - FRAME_BYTES, dtype=torch.uint8)
+            self._broadcast(rest)
+        else:
+            rest = torch.empty(0, dtype=torch.uint8)
+        return obj if root else _decode(frame, rest, length)
 
     def all_gather_object(self, obj: object) -> list[object]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+        """Every rank's ``obj``, in rank order, on every rank: one all-gather of fixed-size frames,
+        a second only when some payload is longer than a frame."""
         if self.size == 1:
             return [obj]
         payload = _encode(obj)
-        lengths = self.all_gather(torch.tensor([payload.numel()], dtype=torch.int64), [1] * self.size, dim=0)
-        sizes = [int(n) for n in lengths.tolist()]
-        data = self.all_gather(payload, sizes, dim=0)
-        out, start = [], 0
-        for n in sizes:
-            out.append(pickle.loads(data[start : start + n].numpy().tobytes()))
-            start += n
-        return out
+        frames = self.all_gather(_frame(payload), [_HEADER + FRAME_BYTES] * self.size, dim=0)
+        frames = frames.view(self.size, _HEADER + FRAME_BYTES)
+        lengths = [_length(f) for f in frames]
+        extra = [max(n - FRAME_BYTES, 0) for n in lengths]
+        rests = [torch.empty(0, dtype=torch.uint8)] * self.size
+        if any(extra):
+            joined = self.all_gather(payload[FRAME_BYTES:], extra, dim=0)
+            rests = list(joined.split(extra))
+        return [_decode(f, r, n) for f, r, n in zip(frames, rests, lengths)]
 
     # --- helpers ------------------------------------------------------------------------------------
 
@@ -128,8 +136,30 @@ class TensorGroup:
         return {"collective_s": self.collective_s, "num_collectives": self.num_collectives}
 
 
+FRAME_BYTES = 8192  # a command, or an outcome with its rank's statistics, fits one frame
+_HEADER = 8  # the payload's length, int64
+
+
 def _encode(obj: object) -> Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _frame(payload: Tensor) -> Tensor:
+    """``[length (8 bytes) | the first FRAME_BYTES of the payload, zero-padded]``"""
+    frame = torch.zeros(_HEADER + FRAME_BYTES, dtype=torch.uint8)
+    frame[:_HEADER].view(torch.int64)[0] = payload.numel()
+    head = payload[:FRAME_BYTES]
+    frame[_HEADER : _HEADER + head.numel()] = head
+    return frame
+
+
+def _length(frame: Tensor) -> int:
+    return int(frame[:_HEADER].view(torch.int64)[0])
+
+
+def _decode(frame: Tensor, rest: Tensor, length: int) -> object:
+    head = frame[_HEADER : _HEADER + min(length, FRAME_BYTES)]
+    return pickle.loads(head.numpy().tobytes() + rest.numpy().tobytes())
 
 
 def open_store(port: int, size: int, *, host: bool, timeout_s: float) -> dist.TCPStore:

@@ -99,3 +99,22 @@ class Busy:
 
     def __getattr__(self, name: str):
         return getattr(self.executor, name)
+
+
+def exchange_objects(rank: int, size: int, port: int, out_path: str) -> None:
+    """One rank of the object exchange: payloads below, at and past a frame, both ways; rank 0
+    saves what every rank received and how many collectives it took."""
+    from pipeline.distributed.group import FRAME_BYTES
+
+    torch.set_num_threads(1)
+    store = open_store(port, size + 1, host=False, timeout_s=60)
+    group = TensorGroup(store, rank, size, timeout_s=60, device=torch.device("cpu"))
+    received = []
+    for n in (0, FRAME_BYTES - 64, FRAME_BYTES, 3 * FRAME_BYTES):
+        sent = {"from": 0, "data": bytes(range(256)) * (n // 256)}
+        received.append(group.broadcast_object(sent if rank == 0 else None) == sent)
+        mine = {"from": rank, "data": b"r" * (n * rank)}
+        gathered = group.all_gather_object(mine)
+        received.append(gathered == [{"from": r, "data": b"r" * (n * r)} for r in range(size)])
+    if rank == 0:
+        torch.save({"received": received, "collectives": group.num_collectives}, out_path)

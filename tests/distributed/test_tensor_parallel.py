@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from _engine_util import HOT, config, driver_outputs, make_prompts, until
 from _model_util import new_backend, random_model, run, tiny_config
-from _tp_util import Busy, SlowStaging, sharded_logits
+from _tp_util import Busy, SlowStaging, exchange_objects, sharded_logits
 
 from pipeline import Engine, SamplingParams
 from pipeline.distributed.executor import DistributedExecutor, WorkerLost
@@ -65,6 +65,17 @@ def test_sharded_forward_matches_the_whole_model(tmp_path):
     assert got["logits"].argmax(-1).tolist() == want.argmax(-1).tolist()
     whole = sum(p.numel() for p in model.parameters())
     assert got["params"] < 0.75 * whole  # rank 0 holds its shard, not the model
+
+
+def test_objects_of_any_size_cross_the_group(tmp_path):
+    """Commands and outcomes travel pickled in frames: a short payload costs one collective, a long
+    one a second; both arrive whole, in rank order."""
+    store = open_store(0, 3, host=True, timeout_s=60)
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(exchange_objects, args=(2, store.port, str(out)), nprocs=2, start_method="spawn")
+    got = torch.load(out)
+    assert got["received"] == [True] * 8
+    assert got["collectives"] == 4 * 1 + 4 * 2  # 4 exchanges within a frame, 4 past it
 
 
 async def run_engine(model, cfg, prompts, params, ids) -> tuple[dict[str, list[int]], dict]:
