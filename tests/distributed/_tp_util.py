@@ -9,27 +9,49 @@ from pipeline.distributed.loading import StateDictSource, build_shard
 from pipeline.model import ForwardLayout
 
 
-def sharded_logits(rank: int, size: int, port: int, cfg, tensors: dict, ids: list[int], out_path: str) -> None:
-    """One rank of a sharded forward over one prompt (a resident backend); rank 0 saves the
-    target logits and the MTP logits of the prefill."""
-    from _model_util import new_backend, run
-
+def rank_checks(rank: int, size: int, port: int, cfg, tensors: dict, ids: list[int], out_path: str) -> None:
+    """One rank of the two-rank checks (one spawn serves both): the object exchange, then a
+    sharded forward; rank 0 saves what it saw."""
     torch.set_num_threads(1)
     store = open_store(port, size + 1, host=False, timeout_s=60)
     group = TensorGroup(store, rank, size, timeout_s=60, device=torch.device("cpu"))
+    objects = exchange_objects(group)
+    forward = sharded_forward(group, cfg, tensors, ids)
+    if rank == 0:
+        torch.save({"objects": objects, "forward": forward}, out_path)
+
+
+def exchange_objects(group: TensorGroup) -> dict:
+    """Payloads below, at and past a frame, both ways: whether each arrived whole, and how many
+    collectives they took."""
+    from pipeline.distributed.group import FRAME_BYTES
+
+    before = group.num_collectives
+    received = []
+    for n in (0, FRAME_BYTES - 64, FRAME_BYTES, 3 * FRAME_BYTES):
+        sent = {"from": 0, "data": bytes(range(256)) * (n // 256)}
+        received.append(group.broadcast_object(sent if group.rank == 0 else None) == sent)
+        mine = {"from": group.rank, "data": b"r" * (n * group.rank)}
+        gathered = group.all_gather_object(mine)
+        received.append(gathered == [{"from": r, "data": b"r" * (n * r)} for r in range(group.size)])
+    return {"received": received, "collectives": group.num_collectives - before}
+
+
+def sharded_forward(group: TensorGroup, cfg, tensors: dict, ids: list[int]) -> dict:
+    """A sharded forward over one prompt (a resident backend): the target and MTP logits of the
+    prefill, and the parameters this rank holds."""
+    from _model_util import new_backend, run
+
     model = build_shard(cfg, torch.float64, torch.device("cpu"), group, StateDictSource(tensors))
     n = len(ids)
-    backend = new_backend(model, num_rows=n, num_requests=1, max_ctx=n)
-    logits = run(model, backend, ids, torch.arange(n))
+    logits = run(model, new_backend(model, num_rows=n, num_requests=1, max_ctx=n), ids, torch.arange(n))
     backend = new_backend(model, num_rows=n, num_requests=1, max_ctx=n)
     pos = torch.arange(n)
     backend.begin(ForwardLayout(req_rows=torch.zeros_like(pos), positions=pos, write_locs=pos))
     with torch.no_grad():
-        hidden = model(torch.tensor(ids), torch.arange(n), backend)
-        mtp = model.mtp_forward(torch.tensor(ids), torch.arange(n), hidden, backend).logits
-    if rank == 0:
-        params = sum(p.numel() for p in model.parameters())
-        torch.save({"logits": logits, "mtp": mtp, "params": params}, out_path)
+        hidden = model(torch.tensor(ids), pos, backend)
+        mtp = model.mtp_forward(torch.tensor(ids), pos, hidden, backend).logits
+    return {"logits": logits, "mtp": mtp, "params": sum(p.numel() for p in model.parameters())}
 
 
 class SlowStaging:
@@ -100,21 +122,3 @@ class Busy:
     def __getattr__(self, name: str):
         return getattr(self.executor, name)
 
-
-def exchange_objects(rank: int, size: int, port: int, out_path: str) -> None:
-    """One rank of the object exchange: payloads below, at and past a frame, both ways; rank 0
-    saves what every rank received and how many collectives it took."""
-    from pipeline.distributed.group import FRAME_BYTES
-
-    torch.set_num_threads(1)
-    store = open_store(port, size + 1, host=False, timeout_s=60)
-    group = TensorGroup(store, rank, size, timeout_s=60, device=torch.device("cpu"))
-    received = []
-    for n in (0, FRAME_BYTES - 64, FRAME_BYTES, 3 * FRAME_BYTES):
-        sent = {"from": 0, "data": bytes(range(256)) * (n // 256)}
-        received.append(group.broadcast_object(sent if rank == 0 else None) == sent)
-        mine = {"from": rank, "data": b"r" * (n * rank)}
-        gathered = group.all_gather_object(mine)
-        received.append(gathered == [{"from": r, "data": b"r" * (n * r)} for r in range(size)])
-    if rank == 0:
-        torch.save({"received": received, "collectives": group.num_collectives}, out_path)

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from _engine_util import HOT, config, driver_outputs, make_prompts, until
 from _model_util import new_backend, random_model, run, tiny_config
-from _tp_util import Busy, SlowStaging, exchange_objects, sharded_logits
+from _tp_util import Busy, SlowStaging, rank_checks
 
 from pipeline import Engine, SamplingParams
 from pipeline.distributed.executor import DistributedExecutor, WorkerLost
@@ -41,9 +41,14 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_new_tokens=n, ignore_eos=True)
 
 
-def test_sharded_forward_matches_the_whole_model(tmp_path):
-    # 3 heads, 6 experts, MLP width 97 and 257 vocabulary rows: every split is uneven over 2 ranks
-    cfg = tiny_config(num_attention_heads=3, n_routed_experts=6, n_group=3, intermediate_size=97)
+# 3 heads, 6 experts, MLP width 97 and 257 vocabulary rows: every split is uneven over 2 ranks
+UNEVEN = dict(num_attention_heads=3, n_routed_experts=6, n_group=3, intermediate_size=97)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """(the whole model's logits, what rank 0 of a two-rank group saw): one spawn for both checks."""
+    cfg = tiny_config(**UNEVEN)
     model = random_model(cfg)
     ids = make_prompts([37], seed=3)[0]
     n = len(ids)
@@ -55,25 +60,26 @@ def test_sharded_forward_matches_the_whole_model(tmp_path):
         hidden = model(torch.tensor(ids), pos, backend)
         want_mtp = model.mtp_forward(torch.tensor(ids), pos, hidden, backend).logits
     store = open_store(0, 3, host=True, timeout_s=60)
-    out = tmp_path / "rank0.pt"
-    tensors = dict(model.state_dict())
-    args = (2, store.port, cfg, tensors, ids, str(out))
-    mp.start_processes(sharded_logits, args=args, nprocs=2, start_method="spawn")
-    got = torch.load(out)
-    assert (got["logits"] - want).abs().max() < 1e-9
-    assert (got["mtp"] - want_mtp).abs().max() < 1e-9
-    assert got["logits"].argmax(-1).tolist() == want.argmax(-1).tolist()
-    whole = sum(p.numel() for p in model.parameters())
-    assert got["params"] < 0.75 * whole  # rank 0 holds its shard, not the model
+    out = tmp_path_factory.mktemp("ranks") / "rank0.pt"
+    args = (2, store.port, cfg, dict(model.state_dict()), ids, str(out))
+    mp.start_processes(rank_checks, args=args, nprocs=2, start_method="spawn")
+    whole = {"logits": want, "mtp": want_mtp, "params": sum(p.numel() for p in model.parameters())}
+    return whole, torch.load(out)
 
 
-def test_objects_of_any_size_cross_the_group(tmp_path):
+def test_sharded_forward_matches_the_whole_model(two_ranks):
+    want, seen = two_ranks
+    got = seen["forward"]
+    assert (got["logits"] - want["logits"]).abs().max() < 1e-9
+    assert (got["mtp"] - want["mtp"]).abs().max() < 1e-9
+    assert got["logits"].argmax(-1).tolist() == want["logits"].argmax(-1).tolist()
+    assert got["params"] < 0.75 * want["params"]  # rank 0 holds its shard, not the model
+
+
+def test_objects_of_any_size_cross_the_group(two_ranks):
     """Commands and outcomes travel pickled in frames: a short payload costs one collective, a long
     one a second; both arrive whole, in rank order."""
-    store = open_store(0, 3, host=True, timeout_s=60)
-    out = tmp_path / "rank0.pt"
-    mp.start_processes(exchange_objects, args=(2, store.port, str(out)), nprocs=2, start_method="spawn")
-    got = torch.load(out)
+    got = two_ranks[1]["objects"]
     assert got["received"] == [True] * 8
     assert got["collectives"] == 4 * 1 + 4 * 2  # 4 exchanges within a frame, 4 past it
 
