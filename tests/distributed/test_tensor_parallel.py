@@ -92,6 +92,7 @@ async def run_engine(model, cfg, prompts, params, ids) -> tuple[dict[str, list[i
         outputs[rid] = list(result.token_ids)
 
     async with Engine(cfg, model=model) as engine:
+        procs = list(engine.executor._procs)
         async with anyio.create_task_group() as tg:
             for prompt, sp, rid in zip(prompts, params, ids):
                 tg.start_soon(consume, prompt, sp, rid)
@@ -99,6 +100,7 @@ async def run_engine(model, cfg, prompts, params, ids) -> tuple[dict[str, list[i
         stats = engine.stats()
         assert engine.executor.pool_counts() == engine.initial_pool_counts
     assert engine.final_pool_counts == engine.initial_pool_counts  # every rank's pools (rank1.* keys)
+    assert procs and not any(p.is_alive() for p in procs)  # the engine stopped its workers
     return outputs, stats
 
 
