@@ -52,6 +52,7 @@ from pipeline.model.config import ModelConfig
 log = structlog.get_logger(__name__)
 
 DEFAULT_TIMEOUT_S = 60.0
+_EXIT_GRACE_S = 1.0  # after a failed collective: how long a rank that is exiting gets to be seen gone
 
 
 class WorkerLost(EngineError):
@@ -350,6 +351,10 @@ class DistributedExecutor:
                 mine = answer(self.local, self.group, message)
                 return self.group.all_gather_object(mine)
             except Exception as exc:
+                for proc in self._procs:  # a killed rank's connection closes before its exit is seen
+                    proc.join(_EXIT_GRACE_S)
+                    if not proc.is_alive():
+                        break
                 self._check_alive()
                 self._lose(f"a collective failed: {type(exc).__name__}: {exc}")
 
