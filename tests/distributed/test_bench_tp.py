@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pipeline.cli import main
 
 
+@pytest.mark.slow  # two engines' start-up (spawned ranks): kept out of the default run's budget
 def test_bench_tp_runs_tp1_and_tp2(tmp_path, capsys):
     out = tmp_path / "tp.json"
     args = ["--dtype", "float64", "--concurrency", "2", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1"]
