@@ -235,3 +235,24 @@ def test_a_hung_worker_is_lost_within_the_timeout(tiny_model):
         os.kill(proc.pid, signal.SIGCONT)
         executor.close()
     assert not proc.is_alive()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_the_engine_agrees_on_readiness_when_one_rank_stages_slowly(tiny_model, monkeypatch):
+    """The async engine over ranks whose staging differs (rank 1's copies land only after polls):
+    the busy engine's ``CollectReady`` does not wait, so the ranks must agree; same tokens as TP 1."""
+    cfg = config(num_steps=2, max_running_requests=4)
+    prompts = make_prompts(LENGTHS, seed=16)
+    params = [greedy(n) for n in (10, 7, 9, 5, 8)]
+    ids = [f"agree-{i}" for i in range(len(prompts))]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+
+    def build(self):
+        return DistributedExecutor(self.config, model=self._model, transfer={1: SlowStaging(polls=3)})
+
+    monkeypatch.setattr(Engine, "_build_executor", build)
+    got, stats = await run_engine(tiny_model, tp(cfg), prompts, params, ids)
+    assert got == expected
+    fast, slow = (r["readiness"] for r in stats["tensor_parallel"]["ranks"])
+    assert slow["held_back"] == 0 and fast["agreements"] > 0
