@@ -225,15 +225,19 @@ def check_memory(
 
     ``host_available`` / ``device_available`` default to what the machine reports (None when it
     reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
+    Under tensor parallelism every rank allocates the whole memory layer (the latent KV is
+    replicated): N times over in host memory, once on each rank's device.
     """
     estimate = estimate_memory(config, model_cfg)
+    ranks = config.tensor_parallel_size
+    per = f" ({ranks} ranks)" if ranks > 1 else ""
     host = available_host_memory() if host_available is None else host_available
     if config.device == "cpu":
-        _refuse_if_short(config, estimate, estimate.total_bytes, host, None, "memory")
+        _refuse_if_short(config, estimate, ranks * estimate.total_bytes, host, None, f"memory{per}")
         return estimate
     device = available_device_memory() if device_available is None else device_available
     _refuse_if_short(config, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
-    _refuse_if_short(config, estimate, estimate.host_bytes, host, False, "host memory")
+    _refuse_if_short(config, estimate, ranks * estimate.host_bytes, host, False, f"host memory{per}")
     return estimate
 
 

@@ -61,3 +61,4 @@ def test_every_rank_holds_its_slice_and_together_they_hold_the_model():
     assert shard_range(3, 2, 0) == (0, 1) and shard_range(257, 2, 1) == (128, 257)
     assert "model.layers.0.self_attn.indexer.wq_b.weight" not in specs  # the indexer is replicated
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in specs  # so is the latent KV
+
