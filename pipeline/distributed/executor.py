@@ -196,8 +196,8 @@ class DistributedExecutor:
 
     def stats(self) -> dict[str, object]:
         """Rank 0's statistics with HiSparse counters summed over the ranks, and per rank (as of
-        each rank's last command that changed anything): pools, HiSparse counters, ready-set
-        agreement and time in collectives."""
+        each rank's last command that changed anything, or its last ``CollectReady``): pools,
+        HiSparse counters, ready-set agreement and time in collectives."""
         ranks = list(self._rank_stats)
         ranks[0] = self._stats()
         out = dict(ranks[0])

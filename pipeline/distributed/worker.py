@@ -17,7 +17,7 @@ from pipeline.distributed.group import TensorGroup, open_store
 from pipeline.distributed.loading import StateDictSource, build_shard, load_shard
 from pipeline.distributed.readiness import AgreedReadiness
 from pipeline.executor import Executor
-from pipeline.messages import Command, Outcome
+from pipeline.messages import CollectReady, Command, Outcome
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.config import ModelConfig
 
@@ -58,7 +58,7 @@ class Stop:
 @attrs.frozen
 class Reply:
     outcome: Outcome
-    stats: dict | None  # the rank's statistics, when the command changed anything
+    stats: dict | None  # the rank's statistics, when they may have moved (else None: unchanged)
 
 
 def build_rank_executor(setup: RankSetup, group: TensorGroup, trace_path: str | None = None) -> Executor:
@@ -85,7 +85,10 @@ def answer(executor: Executor, group: TensorGroup, message: RunCommand | Inspect
     """What one rank replies to one message (rank 0 and the workers alike)."""
     if isinstance(message, RunCommand):
         outcome = executor.run(message.command, idle=message.idle)
-        return Reply(outcome, rank_stats(executor, group) if outcome.changed else None)
+        # fresh statistics when anything changed, and after every CollectReady (its agreement
+        # counters move even when nobody became ready)
+        fresh = outcome.changed or isinstance(message.command, CollectReady)
+        return Reply(outcome, rank_stats(executor, group) if fresh else None)
     if message.what == "pools":
         return executor.pool_counts()
     if message.what == "wait_staging":
