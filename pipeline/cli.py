@@ -35,6 +35,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "prefix": ("pipeline.benchmarks.prefix", "prefix caching on beside off: a shared system prompt, multi-turn chats"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
     "policy": ("pipeline.benchmarks.policy", "HiSparse replacement policies on recorded traces, and end to end"),
+    "tp": ("pipeline.benchmarks.tp", "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives"),
 }
 
 

@@ -212,6 +212,9 @@ class EngineConfig:
     # torch intra-op threads the executor runs with (None: leave torch's setting). On a shared or
     # small machine an oversubscribed CPU runs many times slower: 1 is best for small models.
     num_threads: int | None = None
+    # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
+    # (pipeline/distributed/); 1 runs the model in this process alone
+    tensor_parallel_size: int = 1
 
     def __attrs_post_init__(self) -> None:
         _require(
@@ -242,6 +245,7 @@ class EngineConfig:
         _require(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False")
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require(
             self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),
             "speculative",

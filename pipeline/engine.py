@@ -128,6 +128,12 @@ class Engine:
         from pipeline.preflight import preflight
 
         preflight(self.config, model=self._model)  # device, model, memory: before any allocation
+        if self.config.tensor_parallel_size > 1:  # this process is rank 0; it starts the others
+            from pipeline.distributed.executor import DistributedExecutor
+
+            return DistributedExecutor(
+                self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer
+            )
         return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer)
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
@@ -148,7 +154,8 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 # a stage crashed: what was live fails; the caller cancelled or left: it is aborted
-                crash = None if stages_ok else "the engine stopped: a stage raised"
+                lost = getattr(self.executor, "lost", None)  # a tensor-parallel rank that went away
+                crash = None if stages_ok else f"the engine stopped: {lost or 'a stage raised'}"
                 await self._stop_what_is_live(crash)
                 await self._close_executor()
         return suppressed

@@ -68,6 +68,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     )
     add_chunk_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
 
@@ -108,6 +109,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         chunked_prefill_tokens=chunk_tokens(args),
         prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
+        tensor_parallel_size=args.tp,
     )
 
 

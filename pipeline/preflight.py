@@ -42,8 +42,26 @@ def preflight(config: EngineConfig, *, model: Any = None) -> None:
         model_cfg = model.cfg
     else:
         model_cfg = read_model_config(config.model)
+    check_tensor_parallel(config, model_cfg)
     # the model's defaults ("auto" speculation, max_context_len=None) as the executor will resolve them
     check_memory(resolve_for_model(config, model_cfg, log_choices=False), model_cfg)
+
+
+def check_tensor_parallel(config: EngineConfig, model_cfg: Any) -> None:
+    """Every rank needs at least one attention head, and on CUDA a device of its own."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    heads = model_cfg.num_attention_heads
+    if size > heads:
+        raise ConfigError("tensor_parallel_size", size, f"exceeds the model's {heads} attention heads")
+    if config.device == "cuda":
+        import torch
+
+        if size > torch.cuda.device_count():
+            raise ConfigError(
+                "tensor_parallel_size", size, f"needs a CUDA device per rank; {torch.cuda.device_count()} visible"
+            )
 
 
 def check_device(config: EngineConfig) -> None:
@@ -207,15 +225,19 @@ def check_memory(
 
     ``host_available`` / ``device_available`` default to what the machine reports (None when it
     reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
+    Under tensor parallelism every rank allocates the whole memory layer (the latent KV is
+    replicated): N times over in host memory, once on each rank's device.
     """
     estimate = estimate_memory(config, model_cfg)
+    ranks = config.tensor_parallel_size
+    per = f" ({ranks} ranks)" if ranks > 1 else ""
     host = available_host_memory() if host_available is None else host_available
     if config.device == "cpu":
-        _refuse_if_short(config, estimate, estimate.total_bytes, host, None, "memory")
+        _refuse_if_short(config, estimate, ranks * estimate.total_bytes, host, None, f"memory{per}")
         return estimate
     device = available_device_memory() if device_available is None else device_available
     _refuse_if_short(config, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
-    _refuse_if_short(config, estimate, estimate.host_bytes, host, False, "host memory")
+    _refuse_if_short(config, estimate, ranks * estimate.host_bytes, host, False, f"host memory{per}")
     return estimate
 
 

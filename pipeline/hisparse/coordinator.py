@@ -308,6 +308,11 @@ class HiSparseCoordinator:
     def staging_rows(self) -> list[int]:
         return list(self._staging)
 
+    def staging_landed(self, row: int) -> bool:
+        """Whether ``row``'s staging copy has landed; never blocks, changes nothing (raises the
+        copy's error if it failed)."""
+        return self._mem[row].staging.query()
+
     def wait_staging(self) -> None:
         """Block until every staging copy in flight has landed."""
         self._staging_stream.synchronize()

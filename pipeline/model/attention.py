@@ -75,6 +75,7 @@ class MlaAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         h = cfg.num_attention_heads
+        self.num_heads = h  # the heads this module computes (a tensor-parallel shard holds fewer)
         self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank)
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
@@ -89,7 +90,7 @@ class MlaAttention(nn.Module):
     def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> MlaProjection:
         cfg = self.cfg
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).unflatten(-1, (cfg.num_attention_heads, cfg.qk_head_dim))  # [..., H, qk]
+        q = self.q_b_proj(q_resid).unflatten(-1, (self.num_heads, cfg.qk_head_dim))  # [..., H, qk]
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv = self.kv_a_proj_with_mqa(x)  # [..., C + R]
         latent, k_rope = kv.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
@@ -105,7 +106,7 @@ class MlaAttention(nn.Module):
     def up_weights(self) -> tuple[Tensor, Tensor]:
         """``(W_UK [H, nope, C], W_UV [H, v, C])`` views of ``kv_b_proj``."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     # ----- inference (absorbed) -----------------------------------------------------------------

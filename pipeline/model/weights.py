@@ -133,6 +133,21 @@ class CheckpointFiles:
         self._read_bytes(entry, out)
         return out
 
+    def read_rows(self, name: str, start: int, stop: int) -> Tensor:
+        """Entries ``[start, stop)`` of the tensor's first dimension, read alone (one positioned read
+        of their bytes; a tensor-parallel rank reads its shard so)."""
+        entry = self.entries[name]
+        if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
+            raise CheckpointError(f"tensor {name} {list(entry.shape)} has no rows [{start}, {stop})", str(self.path))
+        row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+        part = attrs.evolve(
+            entry, shape=(stop - start, *entry.shape[1:]), offset=entry.offset + start * row_bytes,
+            nbytes=(stop - start) * row_bytes,
+        )
+        out = torch.empty(part.shape, dtype=entry.dtype)
+        self._read_bytes(part, out)
+        return out
+
     def read_into(self, name: str, dest: Tensor) -> None:
         """Copy the tensor into ``dest`` (cast to its dtype); the shapes must be equal."""
         entry = self.entries[name]

@@ -1,0 +1,184 @@
+"""``hispec bench tp``: tensor parallelism at TP 1 and TP 2 (or more), and its time in collectives.
+
+The same greedy batch runs through the synchronous driver over a plain ``Executor`` (TP 1) and over a
+``DistributedExecutor`` of N ranks (this process is rank 0, the others are spawned); on the CPU the
+ranks talk over gloo, on CUDA over NCCL (one device per rank). Each command is timed on rank 0, and
+the time rank 0 spends inside collectives during it is taken from its group's counters, so every
+row reports:
+
+* generated tokens per second (first submission to last completion, start-up excluded);
+* the mean time of a decode step (``Decode``, or a speculative round's ``Draft`` + ``Verify``);
+* the share of the commands' time spent in collectives (waiting for the slowest rank included:
+  on a shared CPU it is mostly the ranks' imbalance, on GPUs the all-reduce cost itself);
+* whether the tokens equal TP 1's (float32 sums in another order may flip a near tie; float64 not).
+
+Start-up (spawning the ranks, loading the shards) is reported apart. The bundled model is used when
+present; otherwise a random tiny model, with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import attrs
+
+from pipeline.benchmarks.common import batch_config, machine, setup, table, write_json
+from pipeline.benchmarks.engine import load_or_random, prompts_for
+from pipeline.messages import Decode, Draft, Verify
+
+STEP_COMMANDS = (Decode, Draft, Verify)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cuda: one device per rank")
+    parser.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="tensor-parallel sizes to run")
+    parser.add_argument("--concurrency", type=int, default=8, help="requests in the batch")
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-spec", action="store_true")
+    parser.add_argument("--no-hisparse", action="store_true")
+    parser.add_argument("--hot", type=int, default=64, help="HiSparse device buffer (>= the model's index_topk)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="bench-tp.json")
+    parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
+
+
+class TimedExecutor:
+    """An executor whose commands are timed, with rank 0's collective time inside each."""
+
+    def __init__(self, executor) -> None:
+        self.executor = executor
+        self.group = getattr(executor, "group", None)
+        self.command_s = 0.0
+        self.collective_s = 0.0
+        self.step_s = 0.0
+        self.steps = 0
+
+    def run(self, command, *, idle: bool = True):
+        before = self.group.collective_s if self.group is not None else 0.0
+        start = time.perf_counter()
+        outcome = self.executor.run(command, idle=idle)
+        seconds = time.perf_counter() - start
+        self.command_s += seconds
+        if self.group is not None:
+            self.collective_s += self.group.collective_s - before
+        if isinstance(command, STEP_COMMANDS):
+            self.step_s += seconds
+            self.steps += not isinstance(command, Draft)  # a round is Draft + Verify: one step
+        return outcome
+
+    def __getattr__(self, name: str):
+        return getattr(self.executor, name)
+
+
+def run_once(model, cfg, prompts, params, size: int) -> dict[str, object]:
+    from pipeline.distributed.executor import DistributedExecutor
+    from pipeline.driver import SyncDriver
+    from pipeline.executor import Executor
+
+    start = time.perf_counter()
+    if size == 1:
+        executor = Executor(cfg, model=model)
+    else:
+        executor = DistributedExecutor(attrs.evolve(cfg, tensor_parallel_size=size), model=model)
+    startup = time.perf_counter() - start
+    try:
+        timed = TimedExecutor(executor)
+        driver = SyncDriver(timed)
+        start = time.perf_counter()
+        reqs = driver.generate(prompts, params)
+        seconds = time.perf_counter() - start
+    finally:
+        executor.close()
+    tokens = sum(len(r.output_ids) for r in reqs)
+    return {
+        "tokens_per_s": tokens / seconds,
+        "step_ms": 1000 * timed.step_s / max(timed.steps, 1),
+        "collective_share": timed.collective_s / timed.command_s if timed.command_s else 0.0,
+        "startup_s": startup,
+        "outputs": [list(r.output_ids) for r in reqs],
+    }
+
+
+def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[str, object]:
+    from pipeline.sampling import SamplingParams
+
+    cfg = batch_config(
+        args,
+        requests=args.concurrency,
+        prompt_len=args.prompt_len,
+        hisparse=not args.no_hisparse,
+        num_steps=None if args.no_spec else 3,
+    )
+    cfg = attrs.evolve(cfg, num_threads=args.threads, device=args.device)
+    prompts = prompts_for(args, args.concurrency)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    runs = [run_once(model, cfg, prompts, params, size) for _ in range(args.repeats)]
+    outputs = runs[0]["outputs"]
+    return {
+        "tp": size,
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        "step_ms": statistics.median(r["step_ms"] for r in runs),
+        "collective_share": statistics.median(r["collective_share"] for r in runs),
+        "startup_s": statistics.median(r["startup_s"] for r in runs),
+        "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "outputs_equal_tp1": None if reference is None else outputs == reference,
+        "outputs": outputs,
+    }
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="hispec bench tp", description=__doc__.split("\n\n")[0])
+    add_args(parser)
+    args = parser.parse_args(argv)
+    threads = setup(args.threads)
+    model, note = load_or_random(args)
+    model = model.to(args.device)
+    rows: list[dict[str, object]] = []
+    reference = None
+    for size in sorted(set(args.tp)):
+        row = measure(args, model, size, reference)
+        if size == 1:
+            reference = row["outputs"]
+        rows.append(row)
+    for row in rows:
+        row.pop("outputs")
+    report = {
+        "bench": "tp",
+        "machine": machine(),
+        "model": args.model if not note else "random tiny",
+        "note": note,
+        "dtype": args.dtype,
+        "device": args.device,
+        "speculative": not args.no_spec,
+        "hisparse": not args.no_hisparse,
+        "concurrency": args.concurrency,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "threads_per_rank": threads,
+        "rows": rows,
+    }
+    write_json(args.out, report)
+    if note:
+        print(f"note: {note}")
+    mode = "speculative (3 steps)" if report["speculative"] else "plain"
+    print(
+        f"model {report['model']} {args.dtype}, {mode}, HiSparse {'on' if report['hisparse'] else 'off'}, "
+        f"{args.concurrency} requests of {args.prompt_len} + {args.new_tokens} tokens, median of {args.repeats}, "
+        f"{threads} thread(s) per rank"
+    )
+    headers = ["TP", "tokens/s", "step ms", "collectives share", "start-up s", "tokens == TP 1"]
+    print(table(headers, [
+        [r["tp"], r["tokens_per_s"], r["step_ms"], r["collective_share"], r["startup_s"],
+         "-" if r["outputs_equal_tp1"] is None else r["outputs_equal_tp1"]]
+        for r in rows
+    ]))  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,170 @@
+"""The tensor-parallel group: the collectives the sharded model and the executors use, timed.
+
+One :class:`TensorGroup` per process wraps a ``torch.distributed`` process group built directly
+(``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA) over a ``TCPStore`` that rank 0 hosts.
+No default process group is created: an engine owns its group, so several engines (one after
+another in a test, or side by side) never share global state.
+
+Every collective has the group's timeout: a peer that died or hangs makes the call raise within it
+(gloo notices a closed connection at once; the timeout bounds the rest). Objects travel pickled in a
+uint8 tensor (length first), which is how the executors exchange commands and outcomes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import pickle
+import time
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class TensorGroup:
+    """``size`` ranks; this process is ``rank``. ``collective_s`` sums the wall time spent inside
+    collectives (waiting for peers included), ``num_collectives`` counts them."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, *, timeout_s: float, device: torch.device) -> None:
+        self.rank = rank
+        self.size = size
+        self.device = device
+        self.timeout_s = timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        # objects and CPU tensors (commands, outcomes, the ready-set mask) always go over gloo;
+        # the model's activations over NCCL when they live on CUDA devices
+        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        self._dev = self._cpu
+        if device.type == "cuda":  # pragma: no cover - needs several GPUs
+            torch.cuda.set_device(rank)  # rank r drives device r ("cuda" is the current device)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self._dev = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), rank, size, options)
+        self.collective_s = 0.0
+        self.num_collectives = 0
+        # set by the first collective that fails: every later one raises at once (a lost peer is
+        # noticed once, not once per retry)
+        self.broken: str | None = None
+
+    # --- tensors ------------------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: Tensor, op: str = "sum") -> Tensor:
+        """In place: every rank ends with the same reduction (``"sum"``, ``"min"`` or ``"max"``)."""
+        if self.size == 1:
+            return tensor
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._timed(lambda: self._pg_for(tensor).allreduce([tensor], opts))
+        return tensor
+
+    def all_gather(self, tensor: Tensor, sizes: list[int], dim: int = -1) -> Tensor:
+        """Concatenate every rank's ``tensor`` along ``dim``; rank ``r``'s holds ``sizes[r]`` entries
+        there (uneven shards are padded to the largest for the exchange, then trimmed)."""
+        if self.size == 1:
+            return tensor
+        dim = dim % tensor.ndim
+        width = max(sizes)
+        if tensor.shape[dim] < width:
+            pad = list(tensor.shape)
+            pad[dim] = width - tensor.shape[dim]
+            tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self._timed(lambda: self._pg_for(tensor).allgather([parts], [tensor]))
+        return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
+
+    # --- objects ------------------------------------------------------------------------------------
+
+    def broadcast_object(self, obj: object = None) -> object:
+        """Rank 0's ``obj`` on every rank (the others pass nothing). One broadcast of a fixed-size
+        frame (length + the first ``FRAME_BYTES``), a second only for a longer payload."""
+        if self.size == 1:
+            return obj
+        root = self.rank == 0
+        payload = _encode(obj) if root else None
+        frame = _frame(payload) if root else torch.empty(_HEADER + FRAME_BYTES, dtype=torch.uint8)
+        self._broadcast(frame)
+        length = _length(frame)
+        if length > FRAME_BYTES:
+            rest = payload[FRAME_BYTES:].clone() if root else torch.empty(length - FRAME_BYTES, dtype=torch.uint8)
+            self._broadcast(rest)
+        else:
+            rest = torch.empty(0, dtype=torch.uint8)
+        return obj if root else _decode(frame, rest, length)
+
+    def all_gather_object(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order, on every rank: one all-gather of fixed-size frames,
+        a second only when some payload is longer than a frame."""
+        if self.size == 1:
+            return [obj]
+        payload = _encode(obj)
+        frames = self.all_gather(_frame(payload), [_HEADER + FRAME_BYTES] * self.size, dim=0)
+        frames = frames.view(self.size, _HEADER + FRAME_BYTES)
+        lengths = [_length(f) for f in frames]
+        extra = [max(n - FRAME_BYTES, 0) for n in lengths]
+        rests = [torch.empty(0, dtype=torch.uint8)] * self.size
+        if any(extra):
+            joined = self.all_gather(payload[FRAME_BYTES:], extra, dim=0)
+            rests = list(joined.split(extra))
+        return [_decode(f, r, n) for f, r, n in zip(frames, rests, lengths)]
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _broadcast(self, tensor: Tensor) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s)
+        self._timed(lambda: self._cpu.broadcast([tensor], opts))
+
+    def _pg_for(self, tensor: Tensor):
+        return self._dev if tensor.is_cuda else self._cpu
+
+    def _timed(self, issue) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
+        start = time.perf_counter()
+        try:
+            issue().wait()
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            raise
+        self.collective_s += time.perf_counter() - start
+        self.num_collectives += 1
+
+    def figures(self) -> dict[str, float | int]:
+        return {"collective_s": self.collective_s, "num_collectives": self.num_collectives}
+
+
+FRAME_BYTES = 8192  # a command, or an outcome with its rank's statistics, fits one frame
+_HEADER = 8  # the payload's length, int64
+
+
+def _encode(obj: object) -> Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _frame(payload: Tensor) -> Tensor:
+    """``[length (8 bytes) | the first FRAME_BYTES of the payload, zero-padded]``"""
+    frame = torch.zeros(_HEADER + FRAME_BYTES, dtype=torch.uint8)
+    frame[:_HEADER].view(torch.int64)[0] = payload.numel()
+    head = payload[:FRAME_BYTES]
+    frame[_HEADER : _HEADER + head.numel()] = head
+    return frame
+
+
+def _length(frame: Tensor) -> int:
+    return int(frame[:_HEADER].view(torch.int64)[0])
+
+
+def _decode(frame: Tensor, rest: Tensor, length: int) -> object:
+    head = frame[_HEADER : _HEADER + min(length, FRAME_BYTES)]
+    return pickle.loads(head.numpy().tobytes() + rest.numpy().tobytes())
+
+
+def open_store(port: int, size: int, *, host: bool, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous of a group on this machine: the host (the engine's process) listens on
+    ``port`` (0: any free port, read back from ``store.port``), the others connect to it."""
+    return dist.TCPStore(
+        "127.0.0.1", port, size, host, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
