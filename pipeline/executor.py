@@ -32,8 +32,8 @@ import attrs
 import structlog
 import torch
 
-from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.capacity import DevicePlan
+from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
