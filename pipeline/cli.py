@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
     "replay": ("pipeline.hisparse.replay", "replay a top-k trace against LRU, CLOCK and Belady's MIN"),
+    "plan": ("pipeline.plan", "what a device memory budget holds: bytes per structure, seats, trade-offs"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
@@ -32,6 +33,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
+    "capacity": ("pipeline.benchmarks.capacity", "one device budget: resident beside HiSparse on long contexts"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
 }
 
