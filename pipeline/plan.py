@@ -159,9 +159,8 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     lines = [f"model {args.model}: {dims.num_layers} target layers, MLA rows of {dims.row_dim}, indexer keys of "
              f"{dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), draft layers kept: {dims.mtp_layers}; "
              f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
-    lines += describe("all-resident", plans["resident"], context) + [""]
-    lines += describe(f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {args.ratio})",
-                      plans["hisparse"], context) + [""]
+    lines += [*describe("all-resident", plans["resident"], context), ""]
+    lines += [*describe(f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {args.ratio})", plans["hisparse"], context), ""]
     r, h = plans["resident"].seats(context).running, plans["hisparse"].seats(context).running
     lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
     trades = trade_offs(configs["hisparse"], model_cfg, context)
