@@ -191,3 +191,40 @@ async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
     assert resident[1]["peak_running"] <= 4
     assert all(len(tokens) == new for tokens in hisparse[0].values())
     assert hisparse[0] == resident[0]
+
+
+def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
+    """The bundled model at 32 MB, 2,048-token requests, no speculation: the plan's figures (the
+    README's table) and its JSON agree with the library's arithmetic."""
+    import json
+
+    from pipeline.cli import main as cli
+
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--device-memory", "32MB", "--context", "2048", "--ratio", "12", "--no-spec", "--json", str(out_json)]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "HiSparse seats 24 requests to resident's 8 (3.00x)" in out
+    assert "indexer keys (every logical location) (82% of its device bytes)" in out
+    assert "host_to_device_ratio near 14.2" in out
+    payload = json.loads(out_json.read_text())
+    for name in ("resident", "hisparse"):
+        plan = payload["plans"][name]
+        assert sum(s["num_bytes"] for s in plan["structures"]) == plan["total_bytes"] <= 32 * 10**6
+    assert payload["plans"]["hisparse"]["seat_limit"] == "logical locations"
+    assert payload["trade_offs"]["host_to_device_ratio"]["12"] == 24
+    assert cli(["plan", "--device-memory", "1MB", "--context", "2048"]) == 2  # too small: a ConfigError
+    assert "device_memory_bytes=1000000: holds no request of max_context_len (2048)" in capsys.readouterr().err
+
+
+def test_bench_capacity_gives_every_variant_the_same_budget():
+    from pipeline.benchmarks.capacity import VARIANTS, add_args, variant_config
+
+    parser = __import__("argparse").ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24"])
+    configs = {v: variant_config(args, v) for v in VARIANTS}
+    assert {c.device_memory_bytes for c in configs.values()} == {20 * 10**6}
+    assert {c.max_context_len for c in configs.values()} == {1024}
+    assert configs["resident"].hisparse is None and configs["hisparse"].speculative is None
+    assert configs["hisparse+spec"].speculative is not None
