@@ -13,24 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from typing import Any
 
 import attrs
 
-from pipeline.capacity import DevicePlan, format_bytes
+from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
 from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
 from pipeline.errors import ConfigError
-
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """``123``, ``64MB``, ``1.5GiB`` -> bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if match is None or match.group(2).upper() not in UNITS:
-        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512MB, 2GiB, 1000000)")
-    return int(float(match.group(1)) * UNITS[match.group(2).upper()])
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
