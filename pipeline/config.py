@@ -254,11 +254,10 @@ class EngineConfig:
         )
         if isinstance(self.speculative, SpeculativeConfig):
             self._check_speculative(self.speculative)
-        if self.device_pool_tokens is None:  # sized from the budget by resolve_for_model; checked then
-            return
         if self.hisparse is not None:
             self._check_hisparse(self.hisparse)
-        elif self.max_context_len is not None:  # None: checked once resolve_for_model has set it
+        # None: checked once resolve_for_model has set them (a budget sizes the pool there)
+        elif self.max_context_len is not None and self.device_pool_tokens is not None:
             need = _round_up(self.max_context_len + self._draft_tokens(), self.page_size)
             _require(
                 self.device_pool_tokens >= need,
@@ -362,6 +361,8 @@ class EngineConfig:
                 f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
                 f"page_size - 1 = {page - 1} columns",
             )
+        if self.device_pool_tokens is None:  # sized from the budget by resolve_for_model; checked then
+            return
         buffer_columns = hs.device_buffer_size + page
         _require(
             self.device_pool_tokens >= buffer_columns,

@@ -5,7 +5,7 @@ A long-context workload: ``--requests`` requests of ``--prompt-len`` prompt toke
 than resident KV can seat at ``--device-memory``. Every variant gets the same budget, its pools and
 request rows derived from it (``pipeline.capacity``): ``resident`` (all KV on the device),
 ``hisparse`` and ``hisparse+spec`` (MTP speculation on; its draft layer's KV is all resident and
-paid from the same budget). Reported per variant: seats (the plan's), output tokens/s, requests/s,
+paid from the same budget); ``resident+spec`` on request (``--variants``). Reported per variant: seats (the plan's), output tokens/s, requests/s,
 peak and mean running requests (the engine's counters: requests stepped together), retractions,
 time to first token and inter-token latency p50/p99, HiSparse misses per decode step.
 
@@ -29,7 +29,8 @@ from pipeline.capacity import format_bytes
 from pipeline.config import EngineConfig
 from pipeline.plan import add_plan_arguments, plan_config
 
-VARIANTS = ("resident", "hisparse", "hisparse+spec")
+VARIANTS = ("resident", "hisparse", "hisparse+spec", "resident+spec")
+DEFAULT_VARIANTS = VARIANTS[:3]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +39,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=1536)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=32, help="requests arriving together")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {VARIANTS}")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {VARIANTS}")
     parser.add_argument("--sweep", default="", metavar="N,N,...", help="also run these request counts")
     parser.add_argument("--plot", default="bench-capacity.png", help="the sweep's plot (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
@@ -49,8 +50,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def variant_config(args: argparse.Namespace, variant: str) -> EngineConfig:
     context = args.prompt_len + args.new_tokens
-    cfg = plan_config(args, hisparse=variant != "resident", context=context)
-    if variant == "hisparse+spec":
+    cfg = plan_config(args, hisparse=variant.startswith("hisparse"), context=context)
+    if variant.endswith("+spec"):
         from pipeline.config import SpeculativeConfig
 
         steps = args.num_steps or 3

@@ -227,4 +227,4 @@ def test_bench_capacity_gives_every_variant_the_same_budget():
     assert {c.device_memory_bytes for c in configs.values()} == {20 * 10**6}
     assert {c.max_context_len for c in configs.values()} == {1024}
     assert configs["resident"].hisparse is None and configs["hisparse"].speculative is None
-    assert configs["hisparse+spec"].speculative is not None
+    assert configs["hisparse+spec"].speculative is not None and configs["resident+spec"].hisparse is None
