@@ -271,7 +271,7 @@ def size_for_budget(
             )
         return found, rows
     if slots is not None:
-        held = _held(shape, slots)
+        held = held_requests(shape, slots)
         paid = (budget - shape.bytes_for(dims, slots=slots, rows=0)) // costs.per_request
         found_rows = min(held, paid)
         if found_rows < 1:
@@ -293,7 +293,7 @@ def size_for_budget(
     return leftover_slots(lo), lo
 
 
-def _held(shape: Shape, slots: int) -> int:
+def held_requests(shape: Shape, slots: int) -> int:
     """Requests of max_context_len that pools of ``slots`` device slots hold at once."""
     need = round_up(shape.max_len, shape.page)
     if not shape.hisparse:

@@ -23,13 +23,22 @@ from typing import Any, Literal
 import attrs
 import structlog
 
-from pipeline.capacity import ModelDims, Shape, chunk_rows, device_budget, longest_context, size_for_budget
+from pipeline.capacity import (
+    ModelDims,
+    Shape,
+    chunk_rows,
+    device_budget,
+    held_requests,
+    longest_context,
+    size_for_budget,
+)
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
 
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
-DEFAULT_POOL_TOKENS, DEFAULT_ROWS = 16384, 16  # without a device memory budget
+DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
+MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -58,14 +67,16 @@ class HiSparseConfig:
 
     # HOT: hot columns per request (LRU managed); a multiple of page_size and >= top_k
     device_buffer_size: int = 128
-    # logical (and host) pool = device pool * ratio
-    host_to_device_ratio: int = 4
+    # logical (and host) pool = device pool * ratio. None: with a device memory budget, the ratio
+    # that seats the most requests of max_context_len; without one, 4
+    host_to_device_ratio: int | None = None
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
-        _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
+        if self.host_to_device_ratio is not None:
+            _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
         if self.top_k is not None:
             _require_int("hisparse.top_k", self.top_k, 1)
             _require(
@@ -299,16 +310,20 @@ class EngineConfig:
                 object.__setattr__(self, "device_pool_tokens", DEFAULT_POOL_TOKENS)
             if self.max_running_requests is None:
                 object.__setattr__(self, "max_running_requests", DEFAULT_ROWS)
+            hs = self.hisparse
+            if isinstance(hs, HiSparseConfig) and hs.host_to_device_ratio is None:
+                object.__setattr__(self, "hisparse", attrs.evolve(hs, host_to_device_ratio=DEFAULT_RATIO))
 
-    def shape(self, *, context: int | None = None) -> Shape:
-        """The pools' shape (not their size) for budget sizing; ``context``: max_context_len."""
+    def shape(self, *, context: int | None = None, ratio: int | None = None) -> Shape:
+        """The pools' shape (not their size) for budget sizing; ``context``: max_context_len,
+        ``ratio``: host_to_device_ratio (default: the config's)."""
         context = self.max_context_len if context is None else context
         hs = self.hisparse
         return Shape(
             hisparse=hs is not None,
             page=self.page_size,
             hot=0 if hs is None else hs.device_buffer_size,
-            ratio=1 if hs is None else hs.host_to_device_ratio,
+            ratio=1 if hs is None else ratio or hs.host_to_device_ratio or DEFAULT_RATIO,
             draft_tokens=self._draft_tokens(),
             chunk=_prefill_chunk(self.chunked_prefill_tokens, context),
             context=context,
@@ -551,25 +566,47 @@ def _resolve_budget(
     config: EngineConfig, model_cfg: Any, spec: SpeculativeConfig | None, log_choices: bool
 ) -> EngineConfig:
     """A budgeted config's pools: ``max_context_len`` (None: the model's positions, lowered to what
-    the budget holds), then the device pool and request rows the budget pays for."""
+    the budget holds), ``host_to_device_ratio`` (None: the one that seats the most requests of
+    max_context_len, the smallest of equals), then the device pool and request rows the budget pays
+    for."""
     config = attrs.evolve(config, speculative=spec)
     dims = ModelDims.of(model_cfg, config.dtype, speculative=spec is not None)
     budget = device_budget(config.device_memory_bytes, config.device_memory_fraction, config.device)
+    hs = config.hisparse
     context = config.max_context_len
     if context is None:
         positions = model_cfg.max_position_embeddings
-        context = longest_context(budget, config.shape(context=positions), dims, positions) or positions
+        widest = None if hs is None or hs.host_to_device_ratio is not None else MAX_RATIO
+        context = longest_context(budget, config.shape(context=positions, ratio=widest), dims, positions) or positions
         if log_choices:
             log.info("config.max_context_len", max_context_len=context, max_position_embeddings=positions,
                      lowered_to_fit_the_budget=context < positions)
-    slots, rows = size_for_budget(
-        budget, config.shape(context=context), dims,
-        slots=config.device_pool_tokens, rows=config.max_running_requests,
-    )
+    overrides = dict(slots=config.device_pool_tokens, rows=config.max_running_requests)
+    changes: dict[str, Any] = {}
+    if hs is not None and hs.host_to_device_ratio is None:
+        ratio = _best_ratio(budget, config, context, dims, overrides)
+        changes["hisparse"] = hs = attrs.evolve(hs, host_to_device_ratio=ratio)
+    slots, rows = size_for_budget(budget, attrs.evolve(config, **changes).shape(context=context), dims, **overrides)
     if log_choices:
         log.info("config.device_budget", device_memory_bytes=budget, device_pool_tokens=slots,
-                 max_running_requests=rows, max_context_len=context)
+                 max_running_requests=rows, max_context_len=context,
+                 host_to_device_ratio=None if hs is None else hs.host_to_device_ratio)
     return attrs.evolve(
         config, max_context_len=context, device_pool_tokens=slots, max_running_requests=rows,
-        device_memory_bytes=budget, device_memory_fraction=None,  # the budget measured, kept
+        device_memory_bytes=budget, device_memory_fraction=None, **changes,  # the budget measured, kept
     )
+
+
+def _best_ratio(budget: int, config: EngineConfig, context: int, dims: ModelDims, overrides: dict[str, Any]) -> int:
+    """The host_to_device_ratio whose pools seat the most requests of ``context`` in ``budget``."""
+    best, best_seats = DEFAULT_RATIO, -1
+    for ratio in range(1, MAX_RATIO + 1):
+        shape = config.shape(context=context, ratio=ratio)
+        try:
+            slots, rows = size_for_budget(budget, shape, dims, **overrides)
+        except ConfigError:
+            continue
+        seats = min(rows, held_requests(shape, slots))
+        if seats > best_seats:
+            best, best_seats = ratio, seats
+    return best

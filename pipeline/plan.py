@@ -33,7 +33,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
                    help="CUDA: the budget as a fraction of the free device memory")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hot", type=int, default=128, help="HiSparse device buffer (hot columns) per request")
-    p.add_argument("--ratio", type=int, default=4, help="HiSparse host_to_device_ratio")
+    p.add_argument("--ratio", type=int, default=None,
+                   help="HiSparse host_to_device_ratio (default: with a budget, the one that seats the most)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no draft layer KV)")
     p.add_argument("--num-steps", type=int, default=None, help="draft steps per round (default 3 with MTP)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=DEFAULT_CHUNK, metavar="N",
@@ -85,15 +86,18 @@ def seats_at(config: EngineConfig, model_cfg: Any, context: int) -> int | None:
         return None
 
 
-def trade_offs(config: EngineConfig, model_cfg: Any, context: int) -> dict[str, dict[int, int | None]]:
-    """HiSparse seats at the same budget as one knob moves (the others as given)."""
+def trade_offs(
+    config: EngineConfig, model_cfg: Any, context: int, ratio: int
+) -> dict[str, dict[int, int | None]]:
+    """HiSparse seats at the same budget as one knob moves (the others as given; ``ratio``: the
+    plan's host_to_device_ratio)."""
     hs = config.hisparse
     page = config.page_size
     free = dict(device_pool_tokens=None, max_running_requests=None)
     out: dict[str, dict[int, int | None]] = {"host_to_device_ratio": {}, "hot": {}, "page_size": {}}
-    for ratio in sorted({1, 2, 4, 8, 16, 32, hs.host_to_device_ratio}):
-        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, host_to_device_ratio=ratio), **free)
-        out["host_to_device_ratio"][ratio] = seats_at(cfg, model_cfg, context)
+    for r in sorted({1, 2, 4, 8, 16, 32, ratio}):
+        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, host_to_device_ratio=r), **free)
+        out["host_to_device_ratio"][r] = seats_at(cfg, model_cfg, context)
     for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hs.device_buffer_size}):
         if hot < (model_cfg.index_topk or 0):
             continue
@@ -149,10 +153,13 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
              f"{dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), draft layers kept: {dims.mtp_layers}; "
              f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
     lines += [*describe("all-resident", plans["resident"], context), ""]
-    lines += [*describe(f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {args.ratio})", plans["hisparse"], context), ""]
+    ratio = plans["hisparse"].plan.logical_tokens // plans["hisparse"].plan.device_tokens
+    chosen = "" if args.ratio else ", chosen for the budget"
+    title = f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {ratio}{chosen})"
+    lines += [*describe(title, plans["hisparse"], context), ""]
     r, h = plans["resident"].seats(context).running, plans["hisparse"].seats(context).running
     lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
-    trades = trade_offs(configs["hisparse"], model_cfg, context)
+    trades = trade_offs(configs["hisparse"], model_cfg, context, ratio)
     lines.append("what the knobs trade (HiSparse seats at this budget, the other knobs as given):")
     for knob, row in trades.items():
         lines.append(f"  {knob:<22} " + "  ".join(f"{k}: {'-' if v is None else v}" for k, v in row.items()))

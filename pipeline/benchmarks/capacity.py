@@ -12,7 +12,7 @@ time to first token and inter-token latency p50/p99, HiSparse misses per decode 
 ``--sweep N,N,...`` repeats the run for each number of requests at the same budget and plots output
 tokens/s against the mean running requests for each variant (``--plot``, matplotlib).
 
-    hispec bench capacity --device-memory 32MB --ratio 12 --prompt-len 1536 --new-tokens 512 --requests 32
+    hispec bench capacity --device-memory 32MB --prompt-len 1536 --new-tokens 512 --requests 32
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ DEFAULT_VARIANTS = VARIANTS[:3]
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     add_plan_arguments(parser)
-    parser.set_defaults(device_memory=32 * 10**6, ratio=12)
+    parser.set_defaults(device_memory=32 * 10**6)
     parser.add_argument("--prompt-len", type=int, default=1536)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=32, help="requests arriving together")
@@ -163,8 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     budget = format_bytes(args.device_memory)
+    ratio = args.ratio or "per plan"
     title = (f"{args.model}, {budget} device budget, {args.prompt_len}+{args.new_tokens} tokens, HOT {args.hot}, "
-             f"ratio {args.ratio}")
+             f"ratio {ratio}")
     results = run_all(args, variants, args.requests)
     print(f"{title}, {args.requests} requests arriving together ({threads} threads)")
     print(table(HEADERS, rows_of(results)))

@@ -228,3 +228,20 @@ def test_bench_capacity_gives_every_variant_the_same_budget():
     assert {c.max_context_len for c in configs.values()} == {1024}
     assert configs["resident"].hisparse is None and configs["hisparse"].speculative is None
     assert configs["hisparse+spec"].speculative is not None and configs["resident+spec"].hisparse is None
+
+
+@pytest.mark.parametrize("num_steps", [None, 2])
+def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
+    """host_to_device_ratio left to the budget: no explicit ratio seats more requests of
+    max_context_len at that budget; without a budget the ratio stays 4."""
+    common = dict(budget=1_500_000, hisparse=True, num_steps=num_steps, max_context_len=160, chunked_prefill_tokens=16)
+
+    def running(ratio):
+        cfg = budget_config(ratio=ratio, **common)
+        resolved = resolve_for_model(cfg, tiny_model.cfg, log_choices=False)
+        return resolved, seats(resolved.memory_plan(8), 160).running
+
+    chosen, best = running(None)
+    assert chosen.hisparse.host_to_device_ratio not in (None, 4)
+    assert best == max(running(r)[1] for r in range(1, 33)) > running(4)[1]
+    assert EngineConfig().hisparse.host_to_device_ratio == 4
