@@ -245,3 +245,19 @@ def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
     assert chosen.hisparse.host_to_device_ratio not in (None, 4)
     assert best == max(running(r)[1] for r in range(1, 33)) > running(4)[1]
     assert EngineConfig().hisparse.host_to_device_ratio == 4
+
+
+def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
+    """device_memory_fraction takes that share of what the CUDA device reports free (measured
+    where the engine resolves its config, once the weights are loaded)."""
+    from pipeline import capacity
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 10**9, 80 * 10**9))
+    assert capacity.device_budget(None, 0.25, "cuda") == 2 * 10**9
+    assert capacity.device_budget(123, None, "cuda") == 123 and capacity.device_budget(None, None, "cpu") is None
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", device_memory_fraction=0.001, max_context_len=1024)
+    from pipeline.preflight import read_model_config
+
+    resolved = resolve_for_model(cfg, read_model_config("tiny"), log_choices=False)
+    assert resolved.device_memory_bytes == 8 * 10**6 and resolved.device_memory_fraction is None
+    assert resolved.max_running_requests >= 1
