@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
     "replay": ("pipeline.hisparse.replay", "replay a top-k trace: every replacement policy beside Belady's MIN"),
+    "plan": ("pipeline.plan", "what a device memory budget holds: bytes per structure, seats, trade-offs"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
@@ -33,6 +34,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
     "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
     "prefix": ("pipeline.benchmarks.prefix", "prefix caching on beside off: a shared system prompt, multi-turn chats"),
+    "capacity": ("pipeline.benchmarks.capacity", "one device budget: resident beside HiSparse on long contexts"),
     "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
     "policy": ("pipeline.benchmarks.policy", "HiSparse replacement policies on recorded traces, and end to end"),
     "tp": ("pipeline.benchmarks.tp", "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives"),

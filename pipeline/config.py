@@ -24,11 +24,22 @@ import attrs
 import structlog
 
 from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
+from pipeline.capacity import (
+    ModelDims,
+    Shape,
+    chunk_rows,
+    device_budget,
+    held_requests,
+    longest_context,
+    size_for_budget,
+)
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
 
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
+DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
+MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -57,8 +68,9 @@ class HiSparseConfig:
 
     # HOT: hot columns per request (LRU managed); a multiple of page_size and >= top_k
     device_buffer_size: int = 128
-    # logical (and host) pool = device pool * ratio
-    host_to_device_ratio: int = 4
+    # logical (and host) pool = device pool * ratio. None: with a device memory budget, the ratio
+    # that seats the most requests of max_context_len; without one, 4
+    host_to_device_ratio: int | None = None
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
     # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md)
@@ -67,7 +79,8 @@ class HiSparseConfig:
     def __attrs_post_init__(self) -> None:
         _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
-        _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
+        if self.host_to_device_ratio is not None:
+            _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
         if self.top_k is not None:
             _require_int("hisparse.top_k", self.top_k, 1)
             _require(
@@ -156,14 +169,13 @@ class MemoryPlan:
     # when prompts are prefilled whole)
     prefill_chunk: int = 0
     prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
+    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
 
     def chunk_area(self, num_tokens: int) -> int:
         """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
         prefilled (whole pages). A chunk's positions past HOT go first to the buffer's newest column
         and draft zone (idle until decode), then to these rows."""
-        beyond = min(self.prefill_chunk or num_tokens, num_tokens - self.hot)
-        return max(0, _round_up(beyond, self.page_size) - self.page_size) if beyond > 0 else 0
-    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
+        return chunk_rows(hot=self.hot, page_size=self.page_size, chunk=self.prefill_chunk, num_tokens=num_tokens)
 
     @property
     def device_pages(self) -> int:
@@ -194,9 +206,19 @@ class EngineConfig:
     page_size: int = 16
     # None: the model's max_position_embeddings, lowered to what the pools hold (resolve_for_model)
     max_context_len: int | None = None
-    max_running_requests: int = 16
-    # physical device KV slots (excluding the reserved sink page)
-    device_pool_tokens: int = 16384
+    # request rows. None: with a device memory budget, the requests of max_context_len the plan
+    # holds at once; without one, 16
+    max_running_requests: int | None = None
+    # physical device KV slots (excluding the reserved sink page). None: with a device memory
+    # budget, what it has left once the request rows are paid; without one, 16384
+    device_pool_tokens: int | None = None
+    # device memory budget of the memory layer in bytes (KV rows, indexer keys, HiSparse buffers,
+    # the draft layer's KV, the tables; not the weights): the pools and rows are derived from it
+    # (``pipeline.capacity``), device_pool_tokens / max_running_requests given stay as overrides
+    device_memory_bytes: int | None = None
+    # CUDA: the budget as this fraction of the device memory free once the weights are loaded
+    # (SGLang's mem_fraction_static, vLLM's gpu_memory_utilization, for the KV memory alone)
+    device_memory_fraction: float | None = None
     # chunked prefill: a prompt longer than this is prefilled this many tokens per forward, and one
     # prefill forward carries at most this many tokens (vLLM's max_num_batched_tokens for prefill);
     # None prefills every prompt whole. With HiSparse a request holds at most this chunk plus its
@@ -231,14 +253,17 @@ class EngineConfig:
         _require_int("page_size", self.page_size, 1)
         if self.max_context_len is not None:
             _require_int("max_context_len", self.max_context_len, 1)
-        _require_int("max_running_requests", self.max_running_requests, 1)
-        _require_int("device_pool_tokens", self.device_pool_tokens, 1)
-        _require(
-            self.device_pool_tokens % self.page_size == 0,
-            "device_pool_tokens",
-            self.device_pool_tokens,
-            f"must be a multiple of page_size ({self.page_size})",
-        )
+        self._check_budget()
+        if self.max_running_requests is not None:
+            _require_int("max_running_requests", self.max_running_requests, 1)
+        if self.device_pool_tokens is not None:
+            _require_int("device_pool_tokens", self.device_pool_tokens, 1)
+            _require(
+                self.device_pool_tokens % self.page_size == 0,
+                "device_pool_tokens",
+                self.device_pool_tokens,
+                f"must be a multiple of page_size ({self.page_size})",
+            )
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
         if self.chunked_prefill_tokens is not None:
             _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
@@ -256,7 +281,8 @@ class EngineConfig:
             self._check_speculative(self.speculative)
         if self.hisparse is not None:
             self._check_hisparse(self.hisparse)
-        elif self.max_context_len is not None:  # None: checked once resolve_for_model has set it
+        # None: checked once resolve_for_model has set them (a budget sizes the pool there)
+        elif self.max_context_len is not None and self.device_pool_tokens is not None:
             need = _round_up(self.max_context_len + self._draft_tokens(), self.page_size)
             _require(
                 self.device_pool_tokens >= need,
@@ -265,6 +291,57 @@ class EngineConfig:
                 f"without HiSparse every token is resident: must hold one request of max_context_len "
                 f"plus the draft tokens ({need})",
             )
+
+    @property
+    def has_budget(self) -> bool:
+        return self.device_memory_bytes is not None or self.device_memory_fraction is not None
+
+    def _check_budget(self) -> None:
+        if self.device_memory_bytes is not None:
+            _require_int("device_memory_bytes", self.device_memory_bytes, 1)
+            _require(
+                self.device_memory_fraction is None,
+                "device_memory_fraction",
+                self.device_memory_fraction,
+                "give device_memory_bytes or device_memory_fraction, not both",
+            )
+        if self.device_memory_fraction is not None:
+            value = self.device_memory_fraction
+            _require(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1,
+                "device_memory_fraction",
+                value,
+                "must be a number in (0, 1): the fraction of the device memory free once the weights are loaded",
+            )
+            _require(
+                self.device == "cuda",
+                "device_memory_fraction",
+                value,
+                "is a fraction of CUDA memory: on a CPU give device_memory_bytes",
+            )
+        if not self.has_budget:  # the pools are sized in tokens: the defaults apply
+            if self.device_pool_tokens is None:
+                object.__setattr__(self, "device_pool_tokens", DEFAULT_POOL_TOKENS)
+            if self.max_running_requests is None:
+                object.__setattr__(self, "max_running_requests", DEFAULT_ROWS)
+            hs = self.hisparse
+            if isinstance(hs, HiSparseConfig) and hs.host_to_device_ratio is None:
+                object.__setattr__(self, "hisparse", attrs.evolve(hs, host_to_device_ratio=DEFAULT_RATIO))
+
+    def shape(self, *, context: int | None = None, ratio: int | None = None) -> Shape:
+        """The pools' shape (not their size) for budget sizing; ``context``: max_context_len,
+        ``ratio``: host_to_device_ratio (default: the config's)."""
+        context = self.max_context_len if context is None else context
+        hs = self.hisparse
+        return Shape(
+            hisparse=hs is not None,
+            page=self.page_size,
+            hot=0 if hs is None else hs.device_buffer_size,
+            ratio=1 if hs is None else ratio or hs.host_to_device_ratio or DEFAULT_RATIO,
+            draft_tokens=self._draft_tokens(),
+            chunk=_prefill_chunk(self.chunked_prefill_tokens, context),
+            context=context,
+        )
 
     def _draft_tokens(self) -> int:
         spec = self.speculative
@@ -313,6 +390,8 @@ class EngineConfig:
                 f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
                 f"page_size - 1 = {page - 1} columns",
             )
+        if self.device_pool_tokens is None:  # sized from the budget by resolve_for_model; checked then
+            return
         buffer_columns = hs.device_buffer_size + page
         _require(
             self.device_pool_tokens >= buffer_columns,
@@ -481,6 +560,8 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
     elif spec is not None:
         _require(has_mtp, "speculative", spec, NO_MTP_RULE)
     changes: dict[str, Any] = {"speculative": spec}
+    if config.has_budget:
+        return _resolve_budget(config, model_cfg, spec, log_choices)
     if config.max_context_len is None:
         positions = model_cfg.max_position_embeddings
         capacity = attrs.evolve(config, speculative=spec).context_capacity()
@@ -495,3 +576,53 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
             )
         changes["max_context_len"] = context
     return attrs.evolve(config, **changes)
+
+
+def _resolve_budget(
+    config: EngineConfig, model_cfg: Any, spec: SpeculativeConfig | None, log_choices: bool
+) -> EngineConfig:
+    """A budgeted config's pools: ``max_context_len`` (None: the model's positions, lowered to what
+    the budget holds), ``host_to_device_ratio`` (None: the one that seats the most requests of
+    max_context_len, the smallest of equals), then the device pool and request rows the budget pays
+    for."""
+    config = attrs.evolve(config, speculative=spec)
+    dims = ModelDims.of(model_cfg, config.dtype, speculative=spec is not None)
+    budget = device_budget(config.device_memory_bytes, config.device_memory_fraction, config.device)
+    hs = config.hisparse
+    context = config.max_context_len
+    if context is None:
+        positions = model_cfg.max_position_embeddings
+        widest = None if hs is None or hs.host_to_device_ratio is not None else MAX_RATIO
+        context = longest_context(budget, config.shape(context=positions, ratio=widest), dims, positions) or positions
+        if log_choices:
+            log.info("config.max_context_len", max_context_len=context, max_position_embeddings=positions,
+                     lowered_to_fit_the_budget=context < positions)
+    overrides = dict(slots=config.device_pool_tokens, rows=config.max_running_requests)
+    changes: dict[str, Any] = {}
+    if hs is not None and hs.host_to_device_ratio is None:
+        ratio = _best_ratio(budget, config, context, dims, overrides)
+        changes["hisparse"] = hs = attrs.evolve(hs, host_to_device_ratio=ratio)
+    slots, rows = size_for_budget(budget, attrs.evolve(config, **changes).shape(context=context), dims, **overrides)
+    if log_choices:
+        log.info("config.device_budget", device_memory_bytes=budget, device_pool_tokens=slots,
+                 max_running_requests=rows, max_context_len=context,
+                 host_to_device_ratio=None if hs is None else hs.host_to_device_ratio)
+    return attrs.evolve(
+        config, max_context_len=context, device_pool_tokens=slots, max_running_requests=rows,
+        device_memory_bytes=budget, device_memory_fraction=None, **changes,  # the budget measured, kept
+    )
+
+
+def _best_ratio(budget: int, config: EngineConfig, context: int, dims: ModelDims, overrides: dict[str, Any]) -> int:
+    """The host_to_device_ratio whose pools seat the most requests of ``context`` in ``budget``."""
+    best, best_seats = DEFAULT_RATIO, -1
+    for ratio in range(1, MAX_RATIO + 1):
+        shape = config.shape(context=context, ratio=ratio)
+        try:
+            slots, rows = size_for_budget(budget, shape, dims, **overrides)
+        except ConfigError:
+            continue
+        seats = min(rows, held_requests(shape, slots))
+        if seats > best_seats:
+            best, best_seats = ratio, seats
+    return best

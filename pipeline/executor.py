@@ -32,6 +32,7 @@ import attrs
 import structlog
 import torch
 
+from pipeline.capacity import DevicePlan
 from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
@@ -160,7 +161,10 @@ class Executor:
             drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0
             self.memory: KVMemory = HiSparseCoordinator(**memory_args, **streams, num_draft_layers=drafts)
         else:
-            self.memory = ResidentMemory(**memory_args, num_mtp_layers=cfg.num_nextn_predict_layers)
+            mtp = cfg.num_nextn_predict_layers if config.speculative is not None else 0  # no draft: no MTP rows
+            self.memory = ResidentMemory(**memory_args, num_mtp_layers=mtp)
+        self.device_plan = DevicePlan.of(config, self.plan, cfg)
+        self.device_plan.check(self.memory.device_tensors())  # every allocation is what the plan says
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain

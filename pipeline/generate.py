@@ -67,10 +67,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
         "--max-context-len", type=int, default=None, help="default: the model's positions, as far as the pools hold"
     )
     add_chunk_argument(p)
+    add_budget_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
+
+
+def add_budget_arguments(p: argparse.ArgumentParser) -> None:
+    from pipeline.capacity import parse_bytes
+
+    p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="device memory budget of the KV memory layer (e.g. 64MB, 2GiB); sizes the pools")
+    p.add_argument("--device-memory-fraction", type=float, default=None, metavar="F",
+                   help="CUDA: the budget as a fraction of the device memory free once the weights are loaded")
 
 
 def add_chunk_argument(p: argparse.ArgumentParser) -> None:
@@ -97,13 +107,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         speculative: SpeculativeConfig | str | None = None
     else:  # "auto": on exactly when the model has an MTP layer
         speculative = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
+    budget = args.device_memory is not None or args.device_memory_fraction is not None
+    pool = None if budget else 16384 if context is None else max(16384, -(-context // page) * page)
     return EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         page_size=page,
         max_context_len=context,
-        device_pool_tokens=16384 if context is None else max(16384, -(-context // page) * page),
+        device_pool_tokens=pool,
+        device_memory_bytes=args.device_memory,
+        device_memory_fraction=args.device_memory_fraction,
         hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),

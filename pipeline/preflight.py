@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from pipeline.capacity import format_bytes
 from pipeline.config import EngineConfig, resolve_for_model
 from pipeline.errors import ConfigError
 
@@ -167,50 +168,37 @@ class MemoryEstimate:
 
 def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstimate:
     """The tensors (and page lists) the memory layer allocates for ``config`` and a model of these
-    dimensions: KV rows x row bytes x layers, index keys, the host pool, the per-request tables
-    ``[rows, max_context_len + draft] int64`` and device buffers, the draft layer's pool."""
-    from pipeline.model.checkpoint import parse_dtype
+    dimensions: the device structures of the memory plan (``pipeline.capacity``: KV rows, indexer
+    keys, device buffers, the draft layer's pool, the device copies of the tables), and on the host
+    the host pool, the tables of record (the device copies are those very tensors on a CPU) and the
+    logical-to-physical map."""
+    from pipeline.capacity import REQUEST, ModelDims, device_structures
 
-    elem = parse_dtype(config.dtype).itemsize
     plan = config.memory_plan(model_cfg.index_topk or 0)
+    dims = ModelDims.of(model_cfg, config.dtype, speculative=config.speculative is not None)
     p, rows, max_len = plan.page_size, plan.max_running_requests, plan.max_request_len
-    layers, row_dim, index_dim = model_cfg.num_hidden_layers, model_cfg.kv_row_dim, model_cfg.index_head_dim
     table = rows * max_len * INT64
+    out = [
+        Allocation(s.name, s.num_bytes, True, ROWS_FIELD if s.unit == REQUEST else POOL_FIELD)
+        for s in device_structures(plan, dims)
+    ]
+
+    def add(name: str, num_bytes: int, field: str) -> None:
+        out.append(Allocation(name, num_bytes, False, field))
+
     physical_pages = plan.device_tokens // p + 1  # page 0, the sink, is extra
-    out: list[Allocation] = []
-
-    def add(name: str, num_bytes: int, on_device: bool, field: str) -> None:
-        out.append(Allocation(name, num_bytes, on_device, field))
-
+    separate = config.device != "cpu"  # on a CPU the device copies of the tables are the tables
     if plan.hisparse:
         logical_pages = plan.logical_tokens // p + 1
-        logical_rows, physical_rows = logical_pages * p, physical_pages * p
-        cols = plan.buffer_columns
-        add("device KV rows", layers * physical_rows * row_dim * elem, True, POOL_FIELD)
-        add("index keys", layers * logical_rows * index_dim * elem, True, POOL_FIELD)
-        add(
-            "device buffers",
-            rows * cols * INT64 + layers * rows * (cols + plan.hot) * INT32,
-            True,
-            ROWS_FIELD,
-        )
-        add("host pool", layers * plan.host_tokens * row_dim * elem, False, POOL_FIELD)
-        add("token and host tables", 2 * table, False, ROWS_FIELD)
-        add("logical-to-physical map", (logical_rows + 1) * INT64, False, POOL_FIELD)
-        pages = logical_pages + physical_pages + plan.host_pages
-        add("page lists", pages * PAGE_BOOKKEEPING_BYTES, False, POOL_FIELD)
-        if config.speculative is not None and model_cfg.num_nextn_predict_layers > 0:
-            add("draft layer KV", logical_rows * (row_dim + index_dim) * elem, True, POOL_FIELD)
-            add("draft token table", table, True, ROWS_FIELD)
+        add("host pool", dims.num_layers * plan.host_tokens * dims.row_dim * dims.element_bytes, POOL_FIELD)
+        if separate:
+            add("token and host tables", 2 * table, ROWS_FIELD)
+        add("logical-to-physical map", (logical_pages * p + 1) * INT64, POOL_FIELD)
+        add("page lists", (logical_pages + physical_pages + plan.host_pages) * PAGE_BOOKKEEPING_BYTES, POOL_FIELD)
     else:
-        all_layers = layers + model_cfg.num_nextn_predict_layers
-        slots = physical_pages * p
-        add("KV rows", all_layers * slots * row_dim * elem, True, POOL_FIELD)
-        add("index keys", all_layers * slots * index_dim * elem, True, POOL_FIELD)
-        add("token table", table, False, ROWS_FIELD)
-        if config.device != "cpu":
-            add("token table (device copy)", table, True, ROWS_FIELD)
-        add("page lists", physical_pages * PAGE_BOOKKEEPING_BYTES, False, POOL_FIELD)
+        if separate:
+            add("token table", table, ROWS_FIELD)
+        add("page lists", physical_pages * PAGE_BOOKKEEPING_BYTES, POOL_FIELD)
     return MemoryEstimate(tuple(out))
 
 
@@ -292,13 +280,6 @@ def available_device_memory() -> int | None:
     return int(free)
 
 
-def format_bytes(n: int) -> str:
-    value, unit = float(n), "B"
-    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
-        if value < 1000 or unit == "PB":
-            break
-        value /= 1000
-    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def _read(path: str) -> str | None:

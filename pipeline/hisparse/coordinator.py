@@ -582,6 +582,20 @@ class HiSparseCoordinator:
 
     # --- figures and checks ---------------------------------------------------------------------
 
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """Every device tensor, by its name in the memory plan (``pipeline.capacity``)."""
+        b = self.buffers
+        out = {
+            "device KV rows": self.device_kv, "indexer keys (every logical location)": self.index_k,
+            "device buffer slots": b.locs, "device buffer positions": b.tokens, "device buffer LRU": b.lru,
+            "token table": self.req_to_token_device, "host map": self.req_to_host_device,
+        }
+        if self.draft is not None:
+            store = self.draft.store
+            out.update({"draft layer KV rows": store.kv, "draft layer indexer keys": store.index_k,
+                        "draft token table": store.req_to_token})
+        return out
+
     def free_counts(self) -> dict[str, int]:
         """Free count of every pool (back at its initial value once nothing is live): pages the
         prefix cache holds for nobody count as free (admission takes them when it needs them)."""

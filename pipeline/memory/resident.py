@@ -262,6 +262,12 @@ class ResidentMemory:
     def counters_dict(self) -> None:
         return None
 
+    def device_tensors(self) -> dict[str, torch.Tensor]:
+        """Every device tensor, by its name in the memory plan (``pipeline.capacity``)."""
+        store = self.store
+        return {"KV rows (target and draft layers)": store.kv, "indexer keys": store.index_k,
+                "token table": store.req_to_token}
+
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of the target's MLA KV that ``row`` holds, all target layers."""
         pages = len(self._table.pages(row))

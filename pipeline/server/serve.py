@@ -27,7 +27,7 @@ import structlog
 import uvicorn
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
-from pipeline.generate import add_chunk_argument, chunk_tokens
+from pipeline.generate import add_budget_arguments, add_chunk_argument, chunk_tokens
 from pipeline.logs import configure_logging
 from pipeline.server.app import ServerState, create_app
 
@@ -43,7 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
-    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument(
+        "--max-running-requests", type=int, default=None,
+        help="request rows (default: 32; with a device memory budget, what its plan holds)",
+    )
+    add_budget_arguments(p)
     p.add_argument(
         "--device-pool-tokens",
         type=int,
@@ -76,17 +80,22 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     positions = ModelConfig.from_dir(resolve_model_dir(args.model)).max_position_embeddings
     context = min(args.max_context_len, positions or args.max_context_len)
     page = args.page_size
-    pool = args.device_pool_tokens
-    if pool is None:
+    pool, rows = args.device_pool_tokens, args.max_running_requests
+    budget = args.device_memory is not None or args.device_memory_fraction is not None
+    if pool is None and not budget:
         pool = max(16384, -(-context // page) * page)
+    if rows is None and not budget:
+        rows = 32
     return EngineConfig(
         model=args.model,
         device=args.device,
         dtype=args.dtype,
         page_size=page,
         max_context_len=context,
-        max_running_requests=args.max_running_requests,
+        max_running_requests=rows,
         device_pool_tokens=pool,
+        device_memory_bytes=args.device_memory,
+        device_memory_fraction=args.device_memory_fraction,
         hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
         speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
         chunked_prefill_tokens=chunk_tokens(args),

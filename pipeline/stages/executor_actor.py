@@ -21,7 +21,34 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.executor import Executor
-from pipeline.messages import Command, Outcome
+from pipeline.messages import Command, Decode, Outcome, Verify
+
+
+@attrs.define
+class BatchCounters:
+    """How many requests ran at once: the batch of every decode step or verify round (the requests
+    stepped together), and the requests holding memory (admitted, not yet released)."""
+
+    steps: int = 0
+    batched: int = 0  # requests summed over the steps
+    peak_batch: int = 0
+    peak_live: int = 0  # request rows held at once
+
+    def record(self, command: Command, live: int) -> None:
+        self.peak_live = max(self.peak_live, live)
+        if isinstance(command, (Decode, Verify)):
+            n = len(command.request_ids)
+            self.steps += 1
+            self.batched += n
+            self.peak_batch = max(self.peak_batch, n)
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "steps": self.steps,
+            "peak_running": self.peak_batch,
+            "mean_running": self.batched / self.steps if self.steps else 0.0,
+            "peak_live": self.peak_live,
+        }
 
 
 @attrs.frozen
@@ -78,6 +105,7 @@ class ExecutorActor:
         self.snapshot: dict[str, object] = executor.stats()  # replaced whole after each change
         self.num_commands = 0
         self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)
+        self.batches = BatchCounters()
 
     async def run(self) -> None:
         async with self._inbox:
@@ -100,4 +128,5 @@ class ExecutorActor:
     def _execute(self, command: Command, idle: bool) -> tuple[Outcome, dict[str, object] | None]:
         """In the worker thread: the command, then (if it changed anything) fresh statistics."""
         outcome = self.executor.run(command, idle=idle)
+        self.batches.record(command, len(self.executor.seqs))
         return outcome, (self.executor.stats() if outcome.changed else None)

@@ -135,6 +135,7 @@ class Pipeline:
             },
             "executor_commands": self.actor.num_commands,
             "executor_busy_s": self.actor.busy_s,
+            "running": self.actor.batches.as_dict(),
         }
 
 

@@ -297,7 +297,7 @@ def test_too_many_request_rows_are_refused_naming_max_running_requests(tiny_mode
     """10**7 rows of 4100 positions: the int64 tables alone are 328 GB each."""
     monkeypatch.setattr(preflight, "available_host_memory", lambda: 16 * GIB)
     err = start_error(EngineConfig(max_running_requests=10**7))
-    assert err.field == "max_running_requests" and "token and host tables 656.0 GB" in str(err)
+    assert err.field == "max_running_requests" and "token table 328.0 GB, host map 328.0 GB" in str(err)
     err = start_error(small_config(max_running_requests=10**7), model=tiny_model)
     assert err.field == "max_running_requests"
 

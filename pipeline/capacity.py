@@ -1,0 +1,422 @@
+"""What a device holds: every device structure of the memory layer in bytes, and the seats they give.
+
+The memory layer allocates a handful of device tensors; each one grows with one thing:
+
+* a **device slot** (a physical KV row): the target's MLA rows, and with all-resident KV the
+  indexer keys and the draft layer's rows too (a slot is a location there);
+* a **logical location** (HiSparse only): the indexer keys of every target layer, which stay on the
+  device for every token of every request, and the draft layer's rows (its KV is all resident);
+* a **request row**: the device copies of the token tables (``[rows, max_context_len + D]`` int64)
+  and the HiSparse device buffers' bookkeeping (slots, held positions, LRU order).
+
+Page 0 of each pool is reserved (the sink), so a pool of ``n`` usable slots allocates ``n + page``.
+``device_structures`` lists them for a ``MemoryPlan`` and a model's dimensions; ``size_for_budget``
+solves the other way round: from a budget in bytes, the device pool (in slots) and the request
+rows, spending the budget on as many requests of ``max_context_len`` as fit and the rest on
+slots. ``seats`` is how many requests of a context the pools hold at once, and which pool stops it.
+
+The budget covers the KV memory layer only: the weights and a forward's activations are outside
+it (on CUDA, ``device_memory_fraction`` takes a fraction of the memory free once the weights are
+loaded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+import attrs
+
+from pipeline.errors import ConfigError
+
+INT64, INT32 = 8, 4
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+SLOT, LOCATION, REQUEST, FIXED = "device slot", "logical location", "request", "fixed"
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def chunk_rows(*, hot: int, page_size: int, chunk: int, num_tokens: int) -> int:
+    """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
+    prefilled in chunks of ``chunk`` (whole pages). A chunk's positions past HOT go first to the
+    buffer's newest column and draft zone (one page), then to these rows."""
+    beyond = min(chunk or num_tokens, num_tokens - hot)
+    return max(0, round_up(beyond, page_size) - page_size) if beyond > 0 else 0
+
+
+@attrs.frozen
+class ModelDims:
+    """What the memory layer's sizes need of a model (and the run's dtype and speculation)."""
+
+    num_layers: int  # target layers
+    row_dim: int  # one MLA row: latent + rope key
+    index_dim: int  # one indexer key
+    element_bytes: int  # of the run dtype (KV rows and indexer keys are stored in it)
+    mtp_layers: int = 0  # MTP layers whose KV is kept (0 without speculation)
+
+    @classmethod
+    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool) -> ModelDims:
+        """From a ``ModelConfig``; ``speculative``: the run drafts with the MTP layer."""
+        return cls(
+            num_layers=model_cfg.num_hidden_layers,
+            row_dim=model_cfg.kv_row_dim,
+            index_dim=model_cfg.index_head_dim,
+            element_bytes=ELEMENT_BYTES[dtype],
+            mtp_layers=model_cfg.num_nextn_predict_layers if speculative else 0,
+        )
+
+
+@attrs.frozen
+class Structure:
+    """One device tensor: its bytes, and what it grows with (``unit_bytes`` per ``unit``)."""
+
+    name: str
+    num_bytes: int
+    unit: str  # SLOT, LOCATION or REQUEST
+    unit_bytes: int  # bytes per unit (page 0 of a pool is counted in num_bytes)
+
+
+@attrs.frozen
+class Costs:
+    """Device bytes per slot, per logical location and per request row, and the fixed part."""
+
+    per_slot: int
+    per_location: int
+    per_request: int
+    fixed: int
+
+    def total(self, *, slots: int, locations: int, rows: int) -> int:
+        return self.fixed + slots * self.per_slot + locations * self.per_location + rows * self.per_request
+
+
+def _structures(
+    *, hisparse: bool, page: int, hot: int, slots: int, locations: int, rows: int, max_len: int, dims: ModelDims
+) -> tuple[Structure, ...]:
+    e, layers, row, idx = dims.element_bytes, dims.num_layers, dims.row_dim, dims.index_dim
+    table = max_len * INT64
+    out: list[Structure] = []
+
+    def add(name: str, unit: str, unit_bytes: int, units: int) -> None:
+        out.append(Structure(name, unit_bytes * units, unit, unit_bytes))
+
+    if not hisparse:
+        all_layers = layers + dims.mtp_layers
+        add("KV rows (target and draft layers)", SLOT, all_layers * row * e, slots + page)
+        add("indexer keys", SLOT, all_layers * idx * e, slots + page)
+        add("token table", REQUEST, table, rows)
+        return tuple(out)
+    cols = hot + page
+    add("device KV rows", SLOT, layers * row * e, slots + page)
+    add("indexer keys (every logical location)", LOCATION, layers * idx * e, locations + page)
+    add("device buffer slots", REQUEST, cols * INT64, rows)
+    add("device buffer positions", REQUEST, layers * cols * INT32, rows)
+    add("device buffer LRU", REQUEST, layers * hot * INT32, rows)
+    add("token table", REQUEST, table, rows)
+    add("host map", REQUEST, table, rows)
+    if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location
+        add("draft layer KV rows", LOCATION, row * e, locations + page)
+        add("draft layer indexer keys", LOCATION, idx * e, locations + page)
+        add("draft token table", REQUEST, table, rows)
+    return tuple(out)
+
+
+def _costs(structures: tuple[Structure, ...], page: int) -> Costs:
+    per = {unit: sum(s.unit_bytes for s in structures if s.unit == unit) for unit in (SLOT, LOCATION, REQUEST)}
+    fixed = page * (per[SLOT] + per[LOCATION])  # page 0 of each pool
+    return Costs(per[SLOT], per[LOCATION], per[REQUEST], fixed)
+
+
+def device_structures(plan: Any, dims: ModelDims) -> tuple[Structure, ...]:
+    """Every device tensor the memory layer allocates for ``plan`` (a ``MemoryPlan``)."""
+    return _structures(
+        hisparse=plan.hisparse,
+        page=plan.page_size,
+        hot=plan.hot,
+        slots=plan.device_tokens,
+        locations=plan.logical_tokens,
+        rows=plan.max_running_requests,
+        max_len=plan.max_request_len,
+        dims=dims,
+    )
+
+
+@attrs.frozen
+class Seats:
+    """How many requests of ``context`` tokens the pools hold at once, and what stops one more."""
+
+    context: int
+    seats: int  # min over the pools (request rows not counted)
+    by_pool: dict[str, int]  # pool -> requests it holds
+    limit: str  # the pool that caps ``seats``
+    rows: int  # request rows the engine has (max_running_requests)
+
+    @property
+    def running(self) -> int:
+        """Requests that can run at once: the seats, capped by the request rows."""
+        return min(self.seats, self.rows)
+
+
+def seats(plan: Any, context: int) -> Seats:
+    """Requests of ``context`` tokens (prompt and output) the pools of ``plan`` hold at once.
+
+    All-resident: every position of every request has a device slot. HiSparse: every position has
+    a logical location (its indexer keys) and a host slot; on the device a request holds its
+    buffer (HOT + page columns), and one prompt at a time holds the rows of a prefill chunk.
+    """
+    page = plan.page_size
+    need = round_up(context + plan.draft_tokens, page)
+    if not plan.hisparse:
+        by_pool = {"device slots": plan.device_tokens // need}
+    else:
+        chunk = chunk_rows(hot=plan.hot, page_size=page, chunk=plan.prefill_chunk, num_tokens=context)
+        by_pool = {
+            "device slots (buffers)": max(0, plan.device_tokens - chunk) // plan.buffer_columns,
+            "logical locations": plan.logical_tokens // need,
+            "host slots": plan.host_tokens // need,
+        }
+    limit = min(by_pool, key=by_pool.__getitem__)
+    return Seats(context, by_pool[limit], by_pool, limit, plan.max_running_requests)
+
+
+# --- sizing from a budget ----------------------------------------------------------------------
+
+
+@attrs.frozen
+class Shape:
+    """What sizing needs of a config besides the model: the pools' shape, not their size."""
+
+    hisparse: bool
+    page: int
+    hot: int  # 0 without HiSparse
+    ratio: int  # logical (and host) locations per device slot; 1 without HiSparse
+    draft_tokens: int  # D
+    chunk: int  # tokens one prefill forward computes of one request (the whole context if unchunked)
+    context: int  # max_context_len
+
+    @property
+    def max_len(self) -> int:
+        return self.context + self.draft_tokens
+
+    def costs(self, dims: ModelDims) -> Costs:
+        probe = _structures(
+            hisparse=self.hisparse, page=self.page, hot=self.hot, slots=0, locations=0, rows=0,
+            max_len=self.max_len, dims=dims,
+        )
+        return _costs(probe, self.page)
+
+    def slots_for(self, rows: int) -> int:
+        """Device slots ``rows`` requests of max_context_len need at once (0 rows: none)."""
+        if rows == 0:
+            return 0
+        need = round_up(self.max_len, self.page)
+        if not self.hisparse:
+            return rows * need
+        chunk = chunk_rows(hot=self.hot, page_size=self.page, chunk=self.chunk, num_tokens=self.context)
+        buffers = rows * (self.hot + self.page) + chunk
+        return round_up(max(buffers, -(-rows * need // self.ratio)), self.page)
+
+    def bytes_for(self, dims: ModelDims, *, slots: int, rows: int) -> int:
+        return self.costs(dims).total(slots=slots, locations=slots * self.ratio if self.hisparse else 0, rows=rows)
+
+
+def size_for_budget(
+    budget: int, shape: Shape, dims: ModelDims, *, slots: int | None = None, rows: int | None = None
+) -> tuple[int, int]:
+    """(device_pool_tokens, max_running_requests) that spend ``budget`` bytes of device memory.
+
+    ``slots`` / ``rows`` given are kept (token-count overrides); a missing one is solved for: rows
+    as the requests of max_context_len the pools hold at once (and the budget pays for), slots as
+    what the budget has left once the rows are paid (whole pages). Raises ``ConfigError`` naming
+    ``device_memory_bytes`` when the budget holds no request of max_context_len, saying how much
+    one needs.
+    """
+    one = shape.bytes_for(dims, slots=shape.slots_for(1), rows=1)
+    if budget < one:
+        raise ConfigError(
+            "device_memory_bytes",
+            budget,
+            f"holds no request of max_context_len ({shape.context}): one needs {one} bytes "
+            f"({format_bytes(one)}) of device memory in this configuration; raise the budget or lower "
+            "max_context_len",
+        )
+    costs = shape.costs(dims)
+    per_slot = costs.per_slot + (shape.ratio * costs.per_location if shape.hisparse else 0)
+
+    def leftover_slots(n: int) -> int:
+        room = budget - costs.fixed - n * costs.per_request
+        return max(0, room // per_slot // shape.page * shape.page)
+
+    if slots is not None and rows is not None:
+        total = shape.bytes_for(dims, slots=slots, rows=rows)
+        if total > budget:
+            raise ConfigError(
+                "device_memory_bytes",
+                budget,
+                f"device_pool_tokens={slots} and max_running_requests={rows} need {total} bytes "
+                f"({format_bytes(total)}) of device memory",
+            )
+        return slots, rows
+    if rows is not None:
+        found = leftover_slots(rows)
+        if found < shape.slots_for(1):
+            need = shape.bytes_for(dims, slots=shape.slots_for(1), rows=rows)
+            raise ConfigError(
+                "device_memory_bytes",
+                budget,
+                f"max_running_requests={rows} rows leave no room for one request of max_context_len "
+                f"({shape.context}): that needs {need} bytes ({format_bytes(need)})",
+            )
+        return found, rows
+    if slots is not None:
+        held = held_requests(shape, slots)
+        paid = (budget - shape.bytes_for(dims, slots=slots, rows=0)) // costs.per_request
+        found_rows = min(held, paid)
+        if found_rows < 1:
+            need = shape.bytes_for(dims, slots=max(slots, shape.slots_for(1)), rows=1)
+            raise ConfigError(
+                "device_memory_bytes",
+                budget,
+                f"with device_pool_tokens={slots} it holds no request of max_context_len ({shape.context}): "
+                f"that needs {need} bytes ({format_bytes(need)})",
+            )
+        return slots, found_rows
+    lo, hi = 1, max(1, budget // max(1, costs.per_request))  # cost(lo) fits; find the last n that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if shape.bytes_for(dims, slots=shape.slots_for(mid), rows=mid) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return leftover_slots(lo), lo
+
+
+def held_requests(shape: Shape, slots: int) -> int:
+    """Requests of max_context_len that pools of ``slots`` device slots hold at once."""
+    need = round_up(shape.max_len, shape.page)
+    if not shape.hisparse:
+        return slots // need
+    chunk = chunk_rows(hot=shape.hot, page_size=shape.page, chunk=shape.chunk, num_tokens=shape.context)
+    return min(max(0, slots - chunk) // (shape.hot + shape.page), slots * shape.ratio // need)
+
+
+def longest_context(budget: int, shape: Shape, dims: ModelDims, upper: int) -> int:
+    """The longest max_context_len (at most ``upper``) of which ``budget`` holds one request; 0 if none."""
+
+    def fits(context: int) -> bool:
+        s = attrs.evolve(shape, context=context, chunk=min(shape.chunk, context) if shape.chunk else context)
+        return s.bytes_for(dims, slots=s.slots_for(1), rows=1) <= budget
+
+    lo, hi = 0, upper
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def device_budget(bytes_: int | None, fraction: float | None, device: str) -> int | None:
+    """The budget in bytes: ``device_memory_bytes``, or ``device_memory_fraction`` of the CUDA
+    device's free memory now (None: no budget, the pools are sized in tokens)."""
+    if bytes_ is not None:
+        return bytes_
+    if fraction is None:
+        return None
+    import torch
+
+    free, _total = torch.cuda.mem_get_info(torch.device(device))
+    return int(free * fraction)
+
+
+def check_allocations(structures: tuple[Structure, ...], tensors: dict[str, Any]) -> None:
+    """Start-up check: the memory layer allocated exactly the device tensors the plan lists."""
+    planned = {s.name: s.num_bytes for s in structures}
+    allocated = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    if planned != allocated:
+        raise AssertionError(f"device allocations differ from the memory plan: planned {planned}, allocated {allocated}")
+
+
+def format_bytes(n: int) -> str:
+    value, unit = float(n), "B"
+    for unit in ("B", "KB", "MB", "GB", "TB", "PB"):
+        if value < 1000 or unit == "PB":
+            break
+        value /= 1000
+    return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+@attrs.frozen
+class DevicePlan:
+    """The device side of a ``MemoryPlan``: its structures in bytes, the budget, and the seats."""
+
+    plan: Any  # MemoryPlan
+    dims: ModelDims
+    structures: tuple[Structure, ...]
+    budget: int | None  # device_memory_bytes (None: the pools were sized in tokens)
+
+    @classmethod
+    def of(cls, config: Any, plan: Any, model_cfg: Any) -> DevicePlan:
+        """For a resolved ``EngineConfig``, its ``MemoryPlan`` and the model's ``ModelConfig``."""
+        dims = ModelDims.of(model_cfg, config.dtype, speculative=config.speculative is not None)
+        return cls(plan, dims, device_structures(plan, dims), config.device_memory_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.num_bytes for s in self.structures)
+
+    def check(self, tensors: dict[str, Any]) -> None:
+        """Start-up: the memory layer's device tensors are the plan's, and within the budget."""
+        check_allocations(self.structures, tensors)
+        if self.budget is not None and self.total_bytes > self.budget:
+            raise AssertionError(f"the memory plan takes {self.total_bytes} bytes, over the budget {self.budget}")
+
+    def seats(self, context: int) -> Seats:
+        return seats(self.plan, context)
+
+    def request_bytes(self, context: int) -> dict[str, int]:
+        """Device bytes one request of ``context`` tokens holds in each structure (once decoding)."""
+        plan = self.plan
+        locations = round_up(context + plan.draft_tokens, plan.page_size)
+        slots = plan.buffer_columns if plan.hisparse else locations
+        units = {SLOT: slots, LOCATION: locations, REQUEST: 1}
+        return {s.name: s.unit_bytes * units[s.unit] for s in self.structures}
+
+    def largest(self, context: int) -> tuple[str, float]:
+        """The structure that takes most of a request's device bytes, and its share."""
+        held = self.request_bytes(context)
+        name = max(held, key=held.__getitem__)
+        return name, held[name] / max(1, sum(held.values()))
+
+    def as_dict(self, context: int) -> dict[str, object]:
+        s = self.seats(context)
+        name, share = self.largest(context)
+        return {
+            "budget_bytes": self.budget,
+            "total_bytes": self.total_bytes,
+            "device_pool_tokens": self.plan.device_tokens,
+            "logical_tokens": self.plan.logical_tokens,
+            "max_running_requests": self.plan.max_running_requests,
+            "structures": [attrs.asdict(x) for x in self.structures],
+            "request_bytes": self.request_bytes(context),
+            "seats": s.seats,
+            "running": s.running,
+            "seats_by_pool": s.by_pool,
+            "seat_limit": s.limit,
+            "largest_structure": name,
+            "largest_share": share,
+        }
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``123``, ``64MB``, ``1.5GiB`` -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).upper() not in UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 512MB, 2GiB, 1000000)")
+    return int(float(match.group(1)) * UNITS[match.group(2).upper()])

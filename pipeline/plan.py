@@ -1,0 +1,202 @@
+"""``hispec plan``: what a device budget holds, all-resident beside HiSparse.
+
+Prints the memory plan for requests of ``--context`` tokens: every device structure with its bytes
+per unit (device slot, logical location, request row) and in total, how many such requests each
+layout seats at once and which pool or structure stops them, and what ``host_to_device_ratio``, HOT
+and the page size trade at the same budget. Nothing is loaded but the model's ``config.json``.
+
+    hispec plan --device-memory 64MB --context 2048
+    hispec plan --device-memory 64MB --context 2048 --ratio 16 --no-spec --json plan.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import attrs
+
+from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
+from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
+from pipeline.errors import ConfigError
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine options that shape the plan (shared with ``hispec bench capacity``)."""
+    p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
+                   help="device memory budget of the KV memory layer (e.g. 64MB, 2GiB)")
+    p.add_argument("--device-memory-fraction", type=float, default=None, metavar="F",
+                   help="CUDA: the budget as a fraction of the free device memory")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--hot", type=int, default=128, help="HiSparse device buffer (hot columns) per request")
+    p.add_argument("--ratio", type=int, default=None,
+                   help="HiSparse host_to_device_ratio (default: with a budget, the one that seats the most)")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding (no draft layer KV)")
+    p.add_argument("--num-steps", type=int, default=None, help="draft steps per round (default 3 with MTP)")
+    p.add_argument("--chunked-prefill-tokens", type=int, default=DEFAULT_CHUNK, metavar="N",
+                   help=f"prefill chunk (default {DEFAULT_CHUNK}; 0 = whole prompts)")
+    p.add_argument("--max-context-len", type=int, default=None, help="default: --context")
+    p.add_argument("--device-pool-tokens", type=int, default=None, help="override: device slots")
+    p.add_argument("--max-running-requests", type=int, default=None, help="override: request rows")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hispec plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--context", type=int, required=True, help="tokens of one request (prompt and output)")
+    add_plan_arguments(p)
+    p.add_argument("--json", metavar="FILE", help="also write the plans as JSON")
+    return p
+
+
+def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> EngineConfig:
+    if args.no_spec:
+        spec: SpeculativeConfig | str | None = None
+    else:
+        spec = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        page_size=args.page_size,
+        max_context_len=args.max_context_len or context,
+        device_memory_bytes=args.device_memory,
+        device_memory_fraction=args.device_memory_fraction,
+        device_pool_tokens=args.device_pool_tokens,
+        max_running_requests=args.max_running_requests,
+        chunked_prefill_tokens=args.chunked_prefill_tokens or None,
+        hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=args.ratio) if hisparse else None,
+        speculative=spec,
+    )
+
+
+def device_plan(config: EngineConfig, model_cfg: Any) -> DevicePlan:
+    resolved = resolve_for_model(config, model_cfg, log_choices=False)
+    return DevicePlan.of(resolved, resolved.memory_plan(model_cfg.index_topk or 0), model_cfg)
+
+
+def seats_at(config: EngineConfig, model_cfg: Any, context: int) -> int | None:
+    """Seats of ``context`` at ``config``'s budget (None: the budget holds no request)."""
+    try:
+        return device_plan(config, model_cfg).seats(context).running
+    except ConfigError:
+        return None
+
+
+def trade_offs(
+    config: EngineConfig, model_cfg: Any, context: int, ratio: int
+) -> dict[str, dict[int, int | None]]:
+    """HiSparse seats at the same budget as one knob moves (the others as given; ``ratio``: the
+    plan's host_to_device_ratio)."""
+    hs = config.hisparse
+    page = config.page_size
+    free = dict(device_pool_tokens=None, max_running_requests=None)
+    out: dict[str, dict[int, int | None]] = {"host_to_device_ratio": {}, "hot": {}, "page_size": {}}
+    for r in sorted({1, 2, 4, 8, 16, 32, ratio}):
+        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, host_to_device_ratio=r), **free)
+        out["host_to_device_ratio"][r] = seats_at(cfg, model_cfg, context)
+    for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hs.device_buffer_size}):
+        if hot < (model_cfg.index_topk or 0):
+            continue
+        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, device_buffer_size=hot), **free)
+        out["hot"][hot] = seats_at(cfg, model_cfg, context)
+    for size in sorted({16, 32, 64, page}):
+        if hs.device_buffer_size % size:
+            continue
+        try:
+            cfg = attrs.evolve(config, page_size=size, **free)
+        except ConfigError:  # e.g. the draft zone of a smaller page cannot hold the verify tokens
+            continue
+        out["page_size"][size] = seats_at(cfg, model_cfg, context)
+    return out
+
+
+def describe(name: str, plan: DevicePlan, context: int) -> list[str]:
+    p = plan.plan
+    s = plan.seats(context)
+    held = plan.request_bytes(context)
+    one = sum(held.values())
+    lines = [f"{name}: device pool {p.device_tokens} slots"
+             + (f", {p.logical_tokens} logical locations" if p.hisparse else "")
+             + f", {p.max_running_requests} request rows; {format_bytes(plan.total_bytes)} in all"
+             + (f" of a {format_bytes(plan.budget)} budget" if plan.budget else "")]
+    lines.append(f"  {'structure':<40} {'grows with':<17} {'bytes/unit':>10} {'total':>10} {'one request':>12}")
+    for st in plan.structures:
+        lines.append(f"  {st.name:<40} {st.unit:<17} {st.unit_bytes:>10} {format_bytes(st.num_bytes):>10} "
+                     f"{held[st.name] / one:>11.0%}")
+    limit = ", ".join(f"{pool} {n}" for pool, n in s.by_pool.items())
+    lines.append(f"  one request of {context} tokens holds {format_bytes(one)} of device memory")
+    lines.append(f"  seats for {context}-token requests: {s.seats} (pools: {limit}; stopped by {s.limit}); "
+                 f"running at once: {s.running}")
+    biggest, share = plan.largest(context)
+    lines.append(f"  the largest structure of a request: {biggest} ({share:.0%} of its device bytes)")
+    return lines
+
+
+def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, object]]:
+    context = args.context
+    plans: dict[str, DevicePlan] = {}
+    configs = {"resident": plan_config(args, hisparse=False, context=context),
+               "hisparse": plan_config(args, hisparse=True, context=context)}
+    if not configs["hisparse"].has_budget:  # token settings: compare at what the HiSparse pools take
+        plans["hisparse"] = device_plan(configs["hisparse"], model_cfg)
+        budget = plans["hisparse"].total_bytes
+        configs = {k: attrs.evolve(c, device_memory_bytes=budget, device_pool_tokens=None, max_running_requests=None)
+                   for k, c in configs.items()}
+    for name, cfg in configs.items():
+        plans[name] = device_plan(cfg, model_cfg)
+    dims = plans["hisparse"].dims
+    lines = [f"model {args.model}: {dims.num_layers} target layers, MLA rows of {dims.row_dim}, indexer keys of "
+             f"{dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), draft layers kept: {dims.mtp_layers}; "
+             f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
+    lines += [*describe("all-resident", plans["resident"], context), ""]
+    ratio = plans["hisparse"].plan.logical_tokens // plans["hisparse"].plan.device_tokens
+    chosen = "" if args.ratio else ", chosen for the budget"
+    title = f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {ratio}{chosen})"
+    lines += [*describe(title, plans["hisparse"], context), ""]
+    r, h = plans["resident"].seats(context).running, plans["hisparse"].seats(context).running
+    lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
+    trades = trade_offs(configs["hisparse"], model_cfg, context, ratio)
+    lines.append("what the knobs trade (HiSparse seats at this budget, the other knobs as given):")
+    for knob, row in trades.items():
+        lines.append(f"  {knob:<22} " + "  ".join(f"{k}: {'-' if v is None else v}" for k, v in row.items()))
+    lines += notes(plans["hisparse"], context)
+    payload = {"context": context, "plans": {k: p.as_dict(context) for k, p in plans.items()}, "trade_offs": trades}
+    return "\n".join(lines), payload
+
+
+def notes(plan: DevicePlan, context: int) -> list[str]:
+    p = plan.plan
+    s = plan.seats(context)
+    cols = p.buffer_columns
+    need = -(-(context + p.draft_tokens) // p.page_size) * p.page_size
+    balanced = need / cols
+    out = [
+        f"  a request holds {cols} device slots (HOT + page) and {need} logical locations: a "
+        f"host_to_device_ratio near {balanced:.1f} uses both pools evenly at this context",
+    ]
+    if s.limit == "logical locations":
+        out.append("  the logical pool stops the seats: raise host_to_device_ratio (the indexer keys of every "
+                   "location stay on the device, so each location costs device memory too)")
+    held = plan.request_bytes(context)
+    draft = sum(v for k, v in held.items() if k.startswith("draft layer"))
+    if draft:
+        out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a request's "
+                   "device bytes (--no-spec frees it)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pipeline.preflight import read_model_config
+
+    args = build_parser().parse_args(argv)
+    model_cfg = read_model_config(args.model)
+    text, payload = report(args, model_cfg)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=2)
+    return 0

@@ -1,0 +1,263 @@
+"""The device memory plan: its bytes are the allocations, it sizes the pools from a budget, and its
+seats are what a run holds at once; at one budget HiSparse seats several times the long-context
+requests of all-resident KV, with the same greedy tokens."""
+
+from __future__ import annotations
+
+import anyio
+import attrs
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline import Engine, SamplingParams
+from pipeline.capacity import ModelDims, Shape, seats
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
+from pipeline.errors import ConfigError
+from pipeline.executor import Executor
+
+from tiny_models import build_tiny_model
+
+PAGE, HOT = 8, 16
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    """Wide MLA rows beside small indexer keys (the proportions of a real model, where the indexer
+    key is a fraction of the KV row): 2 layers, rows of 136, keys of 16, float64."""
+    return build_tiny_model(kv_lora_rank=128)
+
+
+def _storages(obj, seen: set[int], found: dict[int, torch.Tensor], depth: int = 0) -> None:
+    """Every tensor reachable from ``obj``, by storage."""
+    if id(obj) in seen or depth > 8:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        found[obj.untyped_storage().data_ptr()] = obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _storages(item, seen, found, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _storages(item, seen, found, depth + 1)
+    elif attrs.has(type(obj)):
+        for name in attrs.fields_dict(type(obj)):
+            _storages(getattr(obj, name, None), seen, found, depth + 1)
+
+
+def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, **kw) -> EngineConfig:
+    ratio = kw.pop("ratio", 6)
+    hot = kw.pop("hot", HOT)
+    return EngineConfig(
+        dtype="float64",
+        page_size=kw.pop("page_size", PAGE),
+        device_memory_bytes=budget,
+        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio) if hisparse else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None) if num_steps else None,
+        **kw,
+    )
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    hisparse=st.booleans(),
+    num_steps=st.sampled_from([None, 2]),
+    page_size=st.sampled_from([4, 8, 16]),
+    hot_pages=st.integers(2, 4),
+    ratio=st.integers(1, 8),
+    context=st.integers(40, 200),
+    chunk=st.sampled_from([None, 16, 48]),
+    budget=st.integers(400_000, 3_000_000),
+    rows=st.sampled_from([None, None, 3]),
+)
+def test_the_allocations_are_the_plan_and_fit_the_budget(
+    tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows
+):
+    """For random configurations the device tensors of the memory layer add up to the plan's total
+    (the start-up check compares them structure by structure), within the budget; every other
+    tensor the memory layer holds is host memory (the host pool, the logical-to-physical map)."""
+    hot = max(hot_pages * page_size, 8)  # >= the model's index_topk
+    cfg = budget_config(
+        budget=budget, hisparse=hisparse, num_steps=num_steps if page_size > 2 else None,
+        page_size=page_size, hot=hot, ratio=ratio, max_context_len=context, chunked_prefill_tokens=chunk,
+        max_running_requests=rows,
+    )
+    try:
+        executor = Executor(cfg, model=tiny_model)
+    except ConfigError as err:  # too small a budget, or a speculative chain too long for the page
+        assert err.field in ("device_memory_bytes", "speculative.num_steps"), err
+        return
+    try:
+        plan = executor.device_plan
+        device = executor.memory.device_tensors()
+        total = sum(t.numel() * t.element_size() for t in device.values())
+        assert total == plan.total_bytes <= budget
+        found: dict[int, torch.Tensor] = {}
+        _storages(executor.memory, set(), found)
+        listed = {t.untyped_storage().data_ptr() for t in device.values()}
+        others = {ptr for ptr in found if ptr not in listed}
+        host = set()
+        if hisparse:
+            host = {executor.memory.host.kv.untyped_storage().data_ptr(),
+                    executor.memory.alloc.logical_to_physical.untyped_storage().data_ptr()}
+        assert others == host
+        if rows is None:  # the rows default to the requests of max_context_len the pools hold
+            assert plan.seats(context).seats >= executor.plan.max_running_requests >= 1
+    finally:
+        executor.close()
+
+
+def test_a_budget_too_small_for_one_request_says_how_much_is_needed(tiny_model):
+    cfg = budget_config(budget=10_000, hisparse=True, max_context_len=256)
+    with pytest.raises(ConfigError, match=r"holds no request of max_context_len \(256\): one needs (\d+) bytes") as info:
+        Executor(cfg, model=tiny_model)
+    assert info.value.field == "device_memory_bytes"
+    need = int(info.value.rule.split("one needs ")[1].split(" ")[0])
+    Executor(attrs.evolve(cfg, device_memory_bytes=need), model=tiny_model).close()  # exactly enough
+    with pytest.raises(ConfigError, match="device_memory_bytes"):
+        Executor(attrs.evolve(cfg, device_memory_bytes=need - 1), model=tiny_model)
+    with pytest.raises(ConfigError, match="device_memory_fraction"):
+        EngineConfig(device_memory_fraction=0.5)  # a fraction of CUDA memory
+
+
+def test_token_settings_stay_overrides(tiny_model):
+    """A budget with device_pool_tokens given solves for the rows; with both given it only checks."""
+    cfg = budget_config(budget=2_000_000, hisparse=False, max_context_len=128, device_pool_tokens=512)
+    resolved = resolve_for_model(cfg, tiny_model.cfg, log_choices=False)
+    assert resolved.device_pool_tokens == 512 and resolved.max_running_requests == 4  # 512 / 128
+    with pytest.raises(ConfigError, match="device_memory_bytes"):
+        resolve_for_model(attrs.evolve(cfg, max_running_requests=10**6), tiny_model.cfg, log_choices=False)
+
+
+async def _run(model, cfg, prompts, new_tokens):
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    async with Engine(cfg, model=model) as engine:
+        results = {}
+
+        async def one(i):
+            results[i] = await engine.generate_text(prompts[i], params, request_id=f"r{i}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(len(prompts)):
+                tg.start_soon(one, i)
+        stats = engine.stats()
+        plan = engine.executor.device_plan
+    retractions = sum(r.metrics.num_retractions for r in results.values())
+    return {i: list(r.token_ids) for i, r in results.items()}, stats["running"], plan, retractions
+
+
+def _prompts(count: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(count)]
+
+
+@pytest.mark.asyncio
+async def test_resident_seats_are_the_requests_held_at_once(wide_model):
+    """Rows to spare (64): the pool stops admission exactly at the plan's seats. Prompts fill their
+    pages, so a request holds at admission all it will hold."""
+    context, new = 128, 4
+    shape = Shape(hisparse=False, page=PAGE, hot=0, ratio=1, draft_tokens=0, chunk=16, context=context)
+    dims = ModelDims.of(wide_model.cfg, "float64", speculative=False)
+    budget = shape.bytes_for(dims, slots=5 * context, rows=64) - 1  # just short of five
+    cfg = budget_config(budget=budget, hisparse=False, max_context_len=context, chunked_prefill_tokens=16,
+                        max_running_requests=64)
+    outputs, running, plan, retractions = await _run(wide_model, cfg, _prompts(7, context - new), new)
+    assert plan.seats(context).seats == 4 and plan.seats(context).limit == "device slots"
+    assert running["peak_live"] == 4 and retractions == 0
+    assert all(len(tokens) == new for tokens in outputs.values())
+
+
+@pytest.mark.asyncio
+async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
+    """A budget where all-resident KV seats 4 requests of 128 tokens (8x HOT): HiSparse runs at least
+    2.5x as many at once (the engine's own counters; its rows default to its seats and all of them
+    run), every request ends with all its tokens, and the greedy tokens are resident's."""
+    context, new = 128, 64
+    dims = ModelDims.of(wide_model.cfg, "float64", speculative=False)
+    resident_shape = Shape(hisparse=False, page=PAGE, hot=0, ratio=1, draft_tokens=0, chunk=16, context=context)
+    budget = resident_shape.bytes_for(dims, slots=4 * context, rows=4) + context * 1000  # room for 4, not 5
+    common = dict(budget=budget, max_context_len=context, chunked_prefill_tokens=16)
+    prompts = _prompts(18, context - new)  # more than either seats
+    hisparse = await _run(wide_model, budget_config(hisparse=True, **common), prompts, new)
+    resident = await _run(wide_model, budget_config(hisparse=False, **common), prompts, new)
+    r_seats = seats(resident[2].plan, context)
+    h_seats = seats(hisparse[2].plan, context)
+    assert r_seats.seats == resident[2].plan.max_running_requests == 4
+    assert h_seats.seats == hisparse[2].plan.max_running_requests >= 10 and h_seats.seats < len(prompts)
+    assert hisparse[1]["peak_running"] == h_seats.seats >= 2.5 * r_seats.seats
+    assert hisparse[3] == 0  # the seats are real: nobody was retracted
+    assert resident[1]["peak_running"] <= 4
+    assert all(len(tokens) == new for tokens in hisparse[0].values())
+    assert hisparse[0] == resident[0]
+
+
+def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
+    """The bundled model at 32 MB, 2,048-token requests, no speculation: the plan's figures (the
+    README's table) and its JSON agree with the library's arithmetic."""
+    import json
+
+    from pipeline.cli import main as cli
+
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--device-memory", "32MB", "--context", "2048", "--ratio", "12", "--no-spec", "--json", str(out_json)]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "HiSparse seats 24 requests to resident's 8 (3.00x)" in out
+    assert "indexer keys (every logical location) (82% of its device bytes)" in out
+    assert "host_to_device_ratio near 14.2" in out
+    payload = json.loads(out_json.read_text())
+    for name in ("resident", "hisparse"):
+        plan = payload["plans"][name]
+        assert sum(s["num_bytes"] for s in plan["structures"]) == plan["total_bytes"] <= 32 * 10**6
+    assert payload["plans"]["hisparse"]["seat_limit"] == "logical locations"
+    assert payload["trade_offs"]["host_to_device_ratio"]["12"] == 24
+    assert cli(["plan", "--device-memory", "1MB", "--context", "2048"]) == 2  # too small: a ConfigError
+    assert "device_memory_bytes=1000000: holds no request of max_context_len (2048)" in capsys.readouterr().err
+
+
+def test_bench_capacity_gives_every_variant_the_same_budget():
+    from pipeline.benchmarks.capacity import VARIANTS, add_args, variant_config
+
+    parser = __import__("argparse").ArgumentParser()
+    add_args(parser)
+    args = parser.parse_args(["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24"])
+    configs = {v: variant_config(args, v) for v in VARIANTS}
+    assert {c.device_memory_bytes for c in configs.values()} == {20 * 10**6}
+    assert {c.max_context_len for c in configs.values()} == {1024}
+    assert configs["resident"].hisparse is None and configs["hisparse"].speculative is None
+    assert configs["hisparse+spec"].speculative is not None and configs["resident+spec"].hisparse is None
+
+
+@pytest.mark.parametrize("num_steps", [None, 2])
+def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
+    """host_to_device_ratio left to the budget: no explicit ratio seats more requests of
+    max_context_len at that budget; without a budget the ratio stays 4."""
+    common = dict(budget=1_500_000, hisparse=True, num_steps=num_steps, max_context_len=160, chunked_prefill_tokens=16)
+
+    def running(ratio):
+        cfg = budget_config(ratio=ratio, **common)
+        resolved = resolve_for_model(cfg, tiny_model.cfg, log_choices=False)
+        return resolved, seats(resolved.memory_plan(8), 160).running
+
+    chosen, best = running(None)
+    assert chosen.hisparse.host_to_device_ratio not in (None, 4)
+    assert best == max(running(r)[1] for r in range(1, 33)) > running(4)[1]
+    assert EngineConfig().hisparse.host_to_device_ratio == 4
+
+
+def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
+    """device_memory_fraction takes that share of what the CUDA device reports free (measured
+    where the engine resolves its config, once the weights are loaded)."""
+    from pipeline import capacity
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 10**9, 80 * 10**9))
+    assert capacity.device_budget(None, 0.25, "cuda") == 2 * 10**9
+    assert capacity.device_budget(123, None, "cuda") == 123 and capacity.device_budget(None, None, "cpu") is None
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", device_memory_fraction=0.001, max_context_len=1024)
+    from pipeline.preflight import read_model_config
+
+    resolved = resolve_for_model(cfg, read_model_config("tiny"), log_choices=False)
+    assert resolved.device_memory_bytes == 8 * 10**6 and resolved.device_memory_fraction is None
+    assert resolved.max_running_requests >= 1
