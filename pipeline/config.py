@@ -507,6 +507,7 @@ def check_engine_options(
     on_exit: object,
     trace_path: object,
     queue_size: object,
+    prefill_pacing: object = False,
 ) -> None:
     """The keyword arguments of ``Engine(config, ...)``; raises ``ConfigError`` naming the first bad one.
 
@@ -515,6 +516,7 @@ def check_engine_options(
     """
     _require(isinstance(config, EngineConfig), "config", type(config).__name__, "must be an EngineConfig")
     _require_int("max_prefill_tokens", max_prefill_tokens, 1)
+    _require(isinstance(prefill_pacing, bool), "prefill_pacing", prefill_pacing, "must be True or False")
     if max_undelivered_tokens is not None:
         _require_int("max_undelivered_tokens", max_undelivered_tokens, 1)
     _require(isinstance(on_exit, str) and on_exit in ON_EXIT, "on_exit", on_exit, f"must be one of {ON_EXIT}")

@@ -61,6 +61,10 @@ class Engine:
     request whose consumer is that many tokens behind (None: never; deltas coalesce instead).
     ``on_exit``: what leaving the block does to requests in flight, ``"abort"`` or ``"finish"``.
     ``trace_path``: record every top-k selection for offline cache-policy replay.
+    ``prefill_pacing``: while requests decode, keep each prefill chunk to about one decode step's
+    device time (``PrefillPace``): the running requests' inter-token latency stays near two decode
+    steps, and a long prompt takes longer to its first token. False (default): chunks of
+    ``chunked_prefill_tokens`` always.
     """
 
     def __init__(
@@ -74,9 +78,11 @@ class Engine:
         on_exit: Literal["abort", "finish"] = "abort",
         trace_path: str | None = None,
         queue_size: int = 64,
+        prefill_pacing: bool = False,
     ) -> None:
         check_engine_options(  # ConfigError naming the argument
             config,
+            prefill_pacing=prefill_pacing,
             max_prefill_tokens=max_prefill_tokens,
             max_undelivered_tokens=max_undelivered_tokens,
             on_exit=on_exit,
@@ -91,6 +97,7 @@ class Engine:
         self._on_exit = on_exit
         self._trace_path = trace_path
         self._queue_size = queue_size
+        self._prefill_pacing = prefill_pacing
         self._ids = itertools.count()
         self.executor: Executor | None = None  # for tests and tools: never call it while the engine runs
         self.initial_pool_counts: dict[str, int] | None = None  # free counts before the first request
@@ -111,6 +118,7 @@ class Engine:
                 self.executor,
                 queue_size=self._queue_size,
                 max_prefill_tokens=self._max_prefill_tokens,
+                prefill_pacing=self._prefill_pacing,
                 max_undelivered_tokens=self._max_undelivered,
             )
             self._tg = anyio.create_task_group()

@@ -244,6 +244,31 @@ class AdmissionPart:
 
 
 @attrs.define(eq=False)
+class PrefillPace:
+    """Keeps a prefill forward, while requests decode, to about one decode step's time.
+
+    A fixed token budget does not bound a chunk's time: a chunk's cost grows with the context it
+    reads. So, while the decode part has members, a prefill forward takes at most as many tokens as
+    the latest decode step's seconds buy at the latest prefill forward's seconds per token (at least
+    ``min_tokens``, at most the configured budget); with nothing decoding it takes the whole budget.
+    A running request then waits about one decode step for a chunk, and a prompt arriving at an idle
+    engine is not slowed. The async engine paces (its stages measure real device time); the
+    synchronous driver keeps fixed chunks, so that what it does never depends on timing.
+    """
+
+    min_tokens: int = 16
+    decoding: bool = False  # the decode part has members (it says so after each of its turns)
+    decode_seconds: float | None = None  # the latest decode step's (or verify's) device time
+    seconds_per_token: float | None = None  # the latest prefill forward's device time per token
+
+    def budget(self, limit: int | None) -> int | None:
+        if not self.decoding or not self.decode_seconds or not self.seconds_per_token:
+            return limit
+        fit = max(self.min_tokens, int(self.decode_seconds / self.seconds_per_token))
+        return fit if limit is None else min(limit, fit)
+
+
+@attrs.define(eq=False)
 class PrefillPart:
     """The admitted requests whose prompts are being computed (PREFILL), in admission order.
 
@@ -257,6 +282,7 @@ class PrefillPart:
 
     aborts: AbortBook
     chunk_tokens: int | None = None  # a forward's token budget (None: whole prompts)
+    pace: PrefillPace | None = None  # the async engine's pacing of chunks while requests decode
     name: str = "prefill"
     owned: dict[str, Request] = attrs.field(factory=dict)  # admission order
     progress: dict[str, int] = attrs.field(factory=dict)  # request id -> prompt positions computed
@@ -279,11 +305,14 @@ class PrefillPart:
             self.remove(req.request_id)
         done = yield from end([(r, AbortRequested()) for r in aborted], self.name)
         pending = ((rid, self.progress[rid], len(r.known_tokens())) for rid, r in self.owned.items())
-        chunks = plan_chunks(pending, self.chunk_tokens)
+        budget = self.chunk_tokens if self.pace is None else self.pace.budget(self.chunk_tokens)
+        chunks = plan_chunks(pending, budget)
         if not chunks:
             return done
         reqs = [self.owned[c.request_id] for c in chunks]
         outcome = yield Prefill(chunks)
+        if self.pace is not None and outcome.error is None:
+            self.pace.seconds_per_token = outcome.seconds / sum(c.end - c.start for c in chunks)
         if outcome.error is not None:
             for req in reqs:
                 self.remove(req.request_id)
@@ -415,6 +444,7 @@ class DecodePart:
     aborts: AbortBook
     num_steps: int  # draft tokens per speculative round; 0 = plain decoding
     policy: SpecPolicy = attrs.Factory(SpecPolicy)  # speculative mode: round or plain step, per turn
+    pace: PrefillPace | None = None  # told each step's device time (the prefill part paces by it)
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
 
@@ -434,6 +464,8 @@ class DecodePart:
         for req in reqs:
             self.members[req.request_id] = req
             req.apply(JoinedBatch(), self.name, batch_size=len(self.members))
+        if self.pace is not None:
+            self.pace.decoding = bool(self.members)
 
     def _pop(self, reqs: Iterable[Request]) -> list[Request]:
         return [self.members.pop(r.request_id) for r in reqs if r.request_id in self.members]
@@ -451,7 +483,10 @@ class DecodePart:
             if self.speculative:
                 self.policy.record_plain_step()
             step = self._step(reqs)
-        return done.merge((yield from step))
+        done.merge((yield from step))
+        if self.pace is not None:
+            self.pace.decoding = bool(self.members)
+        return done
 
     def _step(self, reqs: list[Request]) -> Turn:
         outcome = yield Decode(tuple(r.request_id for r in reqs))
@@ -503,6 +538,8 @@ class DecodePart:
         """Append each request's committed tokens and apply ``StepDone`` / ``Verified``; end the ones
         that finished or failed."""
         figures = figures_of(outcome, batch_size)
+        if self.pace is not None:
+            self.pace.decode_seconds = outcome.seconds
         if verified:
             self.policy.record_round([len(tokens) for tokens in result.tokens.values()])
         ending: list[tuple[Request, Event]] = []
@@ -560,13 +597,16 @@ class Scheduler:
         num_steps: int,
         policy: SpecPolicy | None = None,
         chunk_tokens: int | None = None,
+        pace: bool = False,
     ) -> Scheduler:
+        """``pace``: pace prefill chunks by the decode steps' device time (``PrefillPace``)."""
         aborts = AbortBook()
+        pacer = PrefillPace() if pace else None
         return cls(
             admission=AdmissionPart(max_prefill_tokens, aborts),
-            prefill=PrefillPart(aborts, chunk_tokens),
+            prefill=PrefillPart(aborts, chunk_tokens, pacer),
             staging=StagingPart(aborts),
-            decode=DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy()),
+            decode=DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy(), pacer),
             aborts=aborts,
         )
 

@@ -10,8 +10,10 @@ Two measurements, each alternating its configurations repeat by repeat in one pr
 2. **Inter-token latency while a long prompt arrives** (the async engine): ``--running`` requests
    decode; once each has streamed a few tokens a ``--long``-token prompt is submitted. The gaps
    between the running requests' deltas while that prompt is prefilled (from its submission to its
-   first token) are the inter-token latencies reported, p50 and p99, chunked beside unchunked,
-   and beside the same running requests with no prompt arriving (the same number of gaps).
+   first token) are the inter-token latencies reported, p50 and p99: chunks paced by the decode
+   steps (``Engine(prefill_pacing=True)``), fixed chunks (the default) and whole prompts, beside
+   the same running requests with no prompt arriving (the same number of gaps); and the long
+   prompt's own time to first token in each.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def config(args: argparse.Namespace, *, chunk: int | None, pool: int, rows: int = 2) -> EngineConfig:
-    context = args.long + 512
+    context = min(args.long + 64, 4096) if args.model == "tiny" else args.long + 64
     ratio = -(-(context * rows + 1024) // pool)  # the host and logical pools hold every request
     return EngineConfig(
         model=args.model,
@@ -92,7 +94,7 @@ def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, ob
 
 def measure_long(args, model, prompt: list[int]) -> dict[str, object]:
     small = config(args, chunk=args.chunk, pool=args.pool)
-    whole = config(args, chunk=None, pool=-(-(args.long + 512) // 16) * 16 + 16)
+    whole = config(args, chunk=None, pool=-(-(args.long + 64) // 16) * 16 + 16)
     runs: dict[str, list[dict]] = {"chunked": [], "whole": []}
     for repeat in range(args.repeats):
         for name in ("chunked", "whole") if repeat % 2 == 0 else ("whole", "chunked"):
@@ -115,7 +117,9 @@ def measure_long(args, model, prompt: list[int]) -> dict[str, object]:
     }
 
 
-def itl_run(model, cfg: EngineConfig, running: list[list[int]], long: list[int] | None, gaps: int | None):
+def itl_run(
+    model, cfg: EngineConfig, running: list[list[int]], long: list[int] | None, gaps: int | None, pacing: bool = True
+):
     """Gaps between the running requests' deltas while ``long`` is prefilled (or, without it, the
     first ``gaps`` gaps after the same warm-up)."""
     from pipeline.engine import Engine
@@ -125,14 +129,14 @@ def itl_run(model, cfg: EngineConfig, running: list[list[int]], long: list[int] 
     out: dict[str, object] = {}
 
     async def main() -> None:
-        async with Engine(cfg, model=model) as engine:
+        async with Engine(cfg, model=model, prefill_pacing=pacing) as engine:
             stamps: list[list[float]] = [[] for _ in running]
             started = anyio.Event()
             window: list[float] = []
             done = anyio.Event()
 
             async def decode(i: int) -> None:
-                params = SamplingParams(max_new_tokens=100_000, ignore_eos=True)
+                params = SamplingParams(max_new_tokens=cfg.max_context_len - len(running[i]) - 1, ignore_eos=True)
                 async with engine.generate(running[i], params, request_id=f"run-{i}") as stream:
                     async for _ in stream:
                         stamps[i].append(time.perf_counter())
@@ -186,18 +190,21 @@ def pct(values: list[float], q: float) -> float:
 
 def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[str, object]:
     rows = args.running + 1
-    pool = (args.long + 512) + rows * (args.hot + 64)
+    pool = (args.long + 64) + rows * (args.hot + 64)
     pool = -(-pool // 16) * 16
     cfgs = {
+        "paced": config(args, chunk=args.chunk, pool=pool, rows=rows),
         "chunked": config(args, chunk=args.chunk, pool=pool, rows=rows),
         "whole": config(args, chunk=None, pool=pool, rows=rows),
     }
-    samples: dict[str, list[float]] = {"none": [], "chunked": [], "whole": []}
+    samples: dict[str, list[float]] = {"none": [], "paced": [], "chunked": [], "whole": []}
+    windows: dict[str, list[float]] = {name: [] for name in cfgs}
     for repeat in range(args.repeats):
-        order = ("chunked", "whole") if repeat % 2 == 0 else ("whole", "chunked")
+        order = ("paced", "chunked", "whole") if repeat % 2 == 0 else ("whole", "chunked", "paced")
         for name in order:
-            run = itl_run(model, cfgs[name], running, long, None)
+            run = itl_run(model, cfgs[name], running, long, None, pacing=name == "paced")
             samples[name].extend(run["gaps"])
+            windows[name].append(run["window_s"])
         # the same running requests, no prompt arriving: as many gaps as the chunked window had
         run = itl_run(model, cfgs["chunked"], running, None, max(8, len(samples["chunked"]) // (repeat + 1)))
         samples["none"].extend(run["gaps"])
@@ -205,8 +212,9 @@ def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[
         name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "max_ms": max(v) * 1e3, "gaps": len(v)}
         for name, v in samples.items()
     }
-    report["chunked_p99_over_none"] = report["chunked"]["p99_ms"] / report["none"]["p99_ms"]
-    report["whole_p99_over_none"] = report["whole"]["p99_ms"] / report["none"]["p99_ms"]
+    for name in cfgs:
+        report[f"{name}_p99_over_none"] = report[name]["p99_ms"] / report["none"]["p99_ms"]
+        report[name]["ttft_s"] = statistics.median(windows[name])  # the long prompt's, among the others
     return report
 
 
@@ -238,12 +246,11 @@ def main(argv: list[str]) -> int:
           f"{first['ttft_ratio_min_max'][1]:.2f}); same first token: {'yes' if first['same_first_token'] else 'NO'}")
     print()
     print(f"inter-token latency of {args.running} running requests while the prompt is prefilled")
+    labels = {"paced": f"chunks of {args.chunk}, paced", "chunked": f"chunks of {args.chunk}", "whole": "whole"}
     print(table(
-        ["prompt arriving", "p50 (ms)", "p99 (ms)", "max (ms)", "gaps", "p99 / no prompt"],
-        [["none", itl["none"]["p50_ms"], itl["none"]["p99_ms"], itl["none"]["max_ms"], itl["none"]["gaps"], 1.0],
-         ["chunked", itl["chunked"]["p50_ms"], itl["chunked"]["p99_ms"], itl["chunked"]["max_ms"],
-          itl["chunked"]["gaps"], itl["chunked_p99_over_none"]],
-         ["whole", itl["whole"]["p50_ms"], itl["whole"]["p99_ms"], itl["whole"]["max_ms"], itl["whole"]["gaps"],
-          itl["whole_p99_over_none"]]],
+        ["prompt arriving", "p50 (ms)", "p99 (ms)", "max (ms)", "gaps", "p99 / no prompt", "its TTFT (s)"],
+        [["none", itl["none"]["p50_ms"], itl["none"]["p99_ms"], itl["none"]["max_ms"], itl["none"]["gaps"], 1.0, "-"]]
+        + [[labels[n], itl[n]["p50_ms"], itl[n]["p99_ms"], itl[n]["max_ms"], itl[n]["gaps"], itl[f"{n}_p99_over_none"],
+            itl[n]["ttft_s"]] for n in ("paced", "chunked", "whole")],
     ))  # fmt: skip
     return 0

@@ -140,7 +140,12 @@ class Pipeline:
 
 
 def build_pipeline(
-    executor: Executor, *, queue_size: int, max_prefill_tokens: int, max_undelivered_tokens: int | None
+    executor: Executor,
+    *,
+    queue_size: int,
+    max_prefill_tokens: int,
+    max_undelivered_tokens: int | None,
+    prefill_pacing: bool = False,
 ) -> Pipeline:
     admission_end, admission_inbox = anyio.create_memory_object_stream[StageMessage](math.inf)
     prefill_end, prefill_inbox = anyio.create_memory_object_stream[PrefillBatch](0)
@@ -154,6 +159,7 @@ def build_pipeline(
         num_steps=executor.num_steps,
         policy=spec_policy_of(executor),
         chunk_tokens=executor.config.chunked_prefill_tokens,
+        pace=prefill_pacing,
     )
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens

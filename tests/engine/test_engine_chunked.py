@@ -90,3 +90,36 @@ async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
         assert engine.stats()["requests"]["ended"].get("abort") == 1
         assert list(results["other"].token_ids) == expected["other"]
         assert engine.executor.pool_counts() == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
+    """``prefill_pacing``: chunk sizes follow the measured device times (so they vary run to run);
+    the tokens are still the fixed-chunk driver's, no chunk is larger than the configured budget,
+    and the pools come back."""
+    cfg = attrs.evolve(config(), chunked_prefill_tokens=64)
+    prompts = make_prompts([6, 200], seed=6)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    ids = ["running", "long"]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    chunks: list[int] = []
+    async with Engine(cfg, model=tiny_model, prefill_pacing=True) as engine:
+        real = engine.executor.prefill_chunks
+
+        def recorded(command_chunks):
+            chunks.extend(c.end - c.start for c in command_chunks if c.request_id == "long")
+            return real(command_chunks)
+
+        engine.executor.prefill_chunks = recorded
+        results = {}
+
+        async def one(i):
+            results[ids[i]] = await engine.generate_text(prompts[i], params[i], request_id=ids[i])
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, 0)
+            await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
+            tg.start_soon(one, 1)
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
+    assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
+    assert sum(chunks) == 200 and max(chunks) <= 64 and len(chunks) >= 4

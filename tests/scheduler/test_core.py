@@ -31,6 +31,7 @@ from pipeline.scheduler import (
     AbortBook,
     AdmissionPart,
     DecodePart,
+    PrefillPace,
     PrefillPart,
     Scheduler,
     SpecPolicy,
@@ -401,3 +402,38 @@ def test_decode_part_takes_a_plain_step_when_the_policy_says_so():
                                           Verify: StepResult({"a": (7, 8)}, accepted={"a": 1})})
     script.run()
     assert script.kinds() == ["Reserve", "Draft", "Verify"] and part.policy.accept_length == 2
+
+
+def test_prefill_pace_sizes_a_chunk_to_about_one_decode_step():
+    """While requests decode, the budget is what the latest decode step's seconds buy at the latest
+    prefill's seconds per token (at least ``min_tokens``, at most the configured budget); with
+    nothing decoding, or before anything was measured, it is the configured budget."""
+    pace = PrefillPace(min_tokens=4)
+    assert pace.budget(100) == 100  # nothing measured yet
+    pace.decoding, pace.decode_seconds, pace.seconds_per_token = True, 0.02, 0.001
+    assert pace.budget(100) == 20 and pace.budget(10) == 10 and pace.budget(None) == 20
+    pace.seconds_per_token = 0.1
+    assert pace.budget(100) == 4  # never below min_tokens: every forward makes progress
+    pace.decoding = False
+    assert pace.budget(100) == 100
+
+
+def test_a_paced_prefill_part_measures_its_forwards_and_the_decode_steps():
+    """The prefill part plans with the pace's budget and tells it its seconds per token; the decode
+    part tells it each step's device time and whether it has members."""
+    core = Scheduler.build(max_prefill_tokens=64, num_steps=0, chunk_tokens=50, pace=True)
+    pace = core.prefill.pace
+    assert pace is core.decode.pace is not None
+    long = request("long", prompt_len=60, max_new_tokens=5)
+    long.apply(Admitted())
+    core.prefill.accept([long])
+    pace.decoding, pace.decode_seconds, pace.seconds_per_token = True, 0.01, 0.001  # 10 tokens
+    seen = []
+
+    def answer(command):
+        seen.append([(c.start, c.end) for c in command.chunks])
+        return PrefillResult({})
+
+    Script(core.prefill.turn(), {Prefill: answer}).run()
+    assert seen == [[(0, 16)]]  # 10 tokens' worth, raised to min_tokens (16)
+    assert pace.seconds_per_token is not None
