@@ -52,8 +52,9 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.lock(chain)
         referenced = {e.id for e in self.cache.entries.values() if e.refs}
         if not self.cache.make_room((need, need)):
-            self.cache.unlock(chain)
+            # refused only when the unshared pages (its own match is shared now) cannot make room
             assert need > min(p.num_free_pages for p in self.pools) + self.cache.evictable()
+            self.cache.unlock(chain)
             return
         assert referenced <= {e.id for e in self.cache.entries.values()}, "evicted a shared page"
         row = next(r for r in range(ROWS) if r not in self.live)
