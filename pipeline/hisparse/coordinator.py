@@ -629,7 +629,7 @@ class HiSparseCoordinator:
         return self.counters.as_dict()
 
     def device_kv_bytes(self, row: int) -> int:
-        """Device bytes of MLA KV that ``row`` holds (buffer or dense prompt), all layers."""
+        """Device bytes of MLA KV that ``row`` holds (its buffer and a prefill's chunk rows), all layers."""
         mem = self._mem[row]
         pages = len(mem.chunk_pages) + len(self.buffers.pages(row))
         return pages * self.plan.page_size * self.num_layers * self.row_dim * self.device_kv.element_size()

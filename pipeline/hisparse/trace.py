@@ -8,7 +8,7 @@ the configuration the engine ran with, every other line one selection::
     {"request": "r3", "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...]}
 
 ``position`` is the query token's position (its visible length is ``position + 1``); ``top_k`` is in
-contract order with the -1 padding dropped; ``phase`` is ``prefill`` (dense in device, no swap-in),
+contract order with the -1 padding dropped; ``phase`` is ``prefill`` (a prefill chunk's queries),
 ``decode`` (one step per request) or ``verify`` (D steps per request, ``step`` = 0..D-1 within the
 swap-in call). The file is what ``hispec replay`` reads to compare replacement policies on the same
 selections. A file without a header (version 1) holds records only, and no ``step``.
