@@ -44,6 +44,8 @@ class SwapInMemory(Protocol):
     counters: Any  # LayerCounters
     hot: int
 
+    def spare_chunk_rows(self, row: int, start: int, end: int) -> torch.Tensor: ...
+
     @property
     def req_to_token(self) -> torch.Tensor: ...
 
@@ -127,7 +129,8 @@ class HiSparseBackend:
                 continue
             past = torch.where(own[a:b], -1, top[a:b])  # [S, K] the earlier positions
             row = int(self.req_rows[a])
-            for lo, hi, slots in prefill_swap_rounds(self.coord, layer, row, past, start):
+            scratch = self.coord.spare_chunk_rows(row, start, start + (b - a))
+            for lo, hi, slots in prefill_swap_rounds(self.coord, layer, row, past, start, scratch):
                 tok = slice(a + lo, a + hi)
                 chosen = torch.where(own[tok], dense[tok], slots)
                 out[tok] = sparse_mla(

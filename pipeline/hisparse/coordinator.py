@@ -270,13 +270,25 @@ class HiSparseCoordinator:
         positions = torch.arange(start, end)
         hot = self.hot
         below = positions < hot
-        # past HOT: the newest column and draft zone (empty until decode), then the chunk rows
-        area = torch.cat([self.buffers.locs[row, hot:].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)])
+        area = self._chunk_area(row)  # past HOT: the newest column and draft zone, then the chunk rows
         slots = torch.empty(end - start, dtype=torch.int64)
         slots[below] = self.buffers.locs[row, positions[below].to(self.device)].cpu()
         slots[~below] = area[positions[~below] - max(start, hot)]
         self.alloc.bind(locs[start:], slots)
         return WriteTargets(locs[start:].to(self.device), slots.to(self.device))
+
+    def _chunk_area(self, row: int) -> torch.Tensor:
+        """The device slots a prefilling row's positions past HOT go to, in order: the buffer's
+        newest column and draft zone, then its chunk rows."""
+        mem = self._mem[row]
+        return torch.cat([self.buffers.locs[row, self.hot :].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)])
+
+    def spare_chunk_rows(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots of the chunk area that the chunk ``[start, end)`` does not write (its positions past
+        HOT take the first ones): free for the chunk's swap-in to use during the forward."""
+        used = max(0, end - max(start, self.hot))
+        area = self._chunk_area(row)
+        return area[used:].to(self.device)
 
     def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:
         """The forward computed positions ``[start, end)``. A chunk that is not the prompt's last is

@@ -13,6 +13,9 @@ together. For each group, in one vectorised pass over one layer of one request:
    order, load order), the group's positions the most recent;
 4. the caller attends over the group before the next group may evict its columns.
 
+The device rows a short chunk leaves unused (its chunk rows past its own positions) serve the call as
+extra columns, so groups can be larger than HOT; they are forgotten when the call ends.
+
 A chunk whose earlier positions are all below HOT reads them from their identity columns (the
 request is still short: nothing was ever evicted), with no copy. Rows are the same values as their
 host copies, so the attention output does not depend on the grouping; only hit and miss counts do.
@@ -49,35 +52,43 @@ def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, 
 
 
 def prefill_swap_rounds(
-    coord: Any, layer: int, row: int, past: torch.Tensor, start: int
+    coord: Any, layer: int, row: int, past: torch.Tensor, start: int, scratch: torch.Tensor | None = None
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Resolve ``past [S, K]`` (earlier positions of a chunk starting at ``start``; -1 = none) of one
     request row in one layer. Yields ``(a, b, slots [b - a, K])`` per group of queries; the caller
-    attends over it before resuming."""
+    attends over it before resuming.
+
+    ``scratch``: device slots of the request that this chunk leaves unused (its chunk rows past the
+    chunk's own positions). For the length of the call they are extra columns after the hot region,
+    the least recently used at first: groups may then be larger than HOT, so a short chunk at a long
+    context takes fewer groups. Nothing of them is remembered after the call; the hot region keeps
+    its positions and LRU order (its columns' relative order in the call's order)."""
     buffers, hot = coord.buffers, coord.hot
     dev = past.device
     if start <= hot:  # still short: every earlier position sits in its identity column
         ids = buffers.locs[row]
         yield 0, past.shape[0], torch.where(past >= 0, ids[past.long().clamp(min=0)], -1)
         return
-    tokens = buffers.tokens[layer, row]  # [HOT + P] int32 (a view: updated in place)
-    lru = buffers.lru[layer, row]  # [HOT] int32, least recent first
-    locs = buffers.locs[row, :hot]
+    extra = torch.empty(0, dtype=torch.int64, device=dev) if scratch is None else scratch.to(dev)
+    width = hot + extra.numel()
+    # the call's columns: the hot region's (tracked), then the scratch rows (forgotten afterwards)
+    held = torch.cat([buffers.tokens[layer, row, :hot].long(), torch.full_like(extra, -1)])
+    locs = torch.cat([buffers.locs[row, :hot], extra])
+    order = torch.cat([hot + torch.arange(extra.numel(), device=dev), buffers.lru[layer, row].long()])
     host_map = coord.req_to_host_device[row]
     host_kv, device_kv = coord.host.kv[layer], coord.device_kv[layer]
+    row_bytes = device_kv.shape[-1] * device_kv.element_size()
     col_of = torch.full((start,), -1, dtype=torch.int64, device=dev)
-    for a, b in group_bounds(past, hot, start):
+    for a, b in group_bounds(past, width, start):
         group = past[a:b]
         union = torch.unique(group[group >= 0].long())
-        held = tokens[:hot].long()
         col_of.fill_(-1)
         live = held >= 0
         col_of[held[live]] = torch.nonzero(live).reshape(-1)
         cols = col_of[union]
         hit = cols >= 0
         missed = union[~hit]
-        order = lru.long()
-        wanted = torch.zeros(hot, dtype=torch.bool, device=dev)
+        wanted = torch.zeros(width, dtype=torch.bool, device=dev)
         wanted[cols[hit]] = True
         free = order[~wanted[order]]  # columns holding none of the union, least recent first
         victims = free[: missed.numel()]
@@ -86,12 +97,11 @@ def prefill_swap_rounds(
             if bool((src < 0).any()):
                 raise RuntimeError(f"row {row} layer {layer}: an earlier prompt position has no host copy")
             device_kv[locs[victims]] = host_kv[src.to(host_kv.device)].to(device_kv.device, non_blocking=True)
-            tokens[victims] = missed.to(tokens.dtype)
-            cols[~hit] = victims
+            held[victims] = missed
             col_of[missed] = victims
-        untouched = free[missed.numel() :]
-        lru.copy_(torch.cat([untouched, order[wanted[order]], victims]).to(lru.dtype))
-        row_bytes = device_kv.shape[-1] * device_kv.element_size()
+        order = torch.cat([free[missed.numel() :], order[wanted[order]], victims])
         coord.counters.add_prefill_loads(layer, int(hit.sum()), missed.numel(), missed.numel() * row_bytes)
         entry_cols = col_of[group.long().clamp(min=0)]
         yield a, b, torch.where(group >= 0, locs[entry_cols.clamp(min=0)], -1)
+    buffers.tokens[layer, row, :hot] = held[:hot].to(buffers.tokens.dtype)
+    buffers.lru[layer, row] = order[order < hot].to(buffers.lru.dtype)
