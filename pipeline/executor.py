@@ -156,13 +156,12 @@ class Executor:
             dtype=self.dtype,
             device=self.device,
         )
+        drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0  # no draft: no MTP rows
         if config.hisparse is not None:
             streams = {"transfer": transfer} if transfer is not None else {}
-            drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0
             self.memory: KVMemory = HiSparseCoordinator(**memory_args, **streams, num_draft_layers=drafts)
         else:
-            mtp = cfg.num_nextn_predict_layers if config.speculative is not None else 0  # no draft: no MTP rows
-            self.memory = ResidentMemory(**memory_args, num_mtp_layers=mtp)
+            self.memory = ResidentMemory(**memory_args, num_mtp_layers=drafts)
         self.device_plan = DevicePlan.of(config, self.plan, cfg)
         self.device_plan.check(self.memory.device_tensors())  # every allocation is what the plan says
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
@@ -256,10 +255,9 @@ class Executor:
         for seq in sequences:
             if seq.request_id in self.seqs:
                 raise ValueError(f"request {seq.request_id!r} is already admitted")
-            tokens = self._cacheable(seq.token_ids)
-            if not self.memory.can_admit(len(seq.token_ids), speculative=self.speculative, tokens=tokens):
+            if not self.can_admit(len(seq.token_ids), seq.token_ids):
                 break
-            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=tokens)
+            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=self._cacheable(seq.token_ids))
             self._register(seq, row)
             self.seqs[seq.request_id].prefilled = cached[seq.request_id] = self.memory.length(row)
             admitted.append(seq.request_id)

@@ -200,19 +200,27 @@ class HiSparseCoordinator:
     def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
         return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
-        """Room for a prompt (``tokens``, when given, may share cached pages): a row, its buffer and
-        chunk rows, locations and its host copy; unreferenced cached pages count as free."""
+    def _admission(
+        self, num_tokens: int, speculative: bool, tokens: Sequence[int] | None
+    ) -> tuple[list[CachedPage], tuple[int, int, int]] | None:
+        """(the cached chain it shares, its (physical, logical, host) page needs) when a prompt
+        fits, counting the cached pages nobody else shares as free; None when it does not."""
         if not self.rows.can_allocate():
-            return False
+            return None
         chain = self._match(tokens)
-        physical, logical, host = self._needs(num_tokens, speculative, len(chain))
-        spare = 0 if self.cache is None else self.cache.evictable() - sum(1 for e in chain if e.refs == 0)
-        return (
+        needs = physical, logical, host = self._needs(num_tokens, speculative, len(chain))
+        spare = 0 if self.cache is None else self.cache.spare(chain)
+        fits = (
             self.alloc.physical.can_allocate(physical)
             and self.alloc.logical.num_free_pages + spare >= logical
             and self.host.allocator.num_free_pages + spare >= host
         )
+        return (chain, needs) if fits else None
+
+    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+        """Room for a prompt (``tokens``, when given, may share cached pages): a row, its buffer and
+        chunk rows, locations and its host copy; unreferenced cached pages count as free."""
+        return self._admission(num_tokens, speculative, tokens) is not None
 
     def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
         """A row holding everything its prompt needs to reach decode (locations and host pages for
@@ -220,13 +228,12 @@ class HiSparseCoordinator:
         changed). With ``tokens`` and a prefix cache, the longest cached prefix is shared: its
         positions count as computed (``length``), and the first of them, up to HOT, are loaded from
         host into their identity columns (a short request decodes from them in place)."""
-        if not self.can_admit(num_tokens, speculative=speculative, tokens=tokens):
+        admission = self._admission(num_tokens, speculative, tokens)
+        if admission is None:
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
-        chain = self._match(tokens)
-        _, logical, host = self._needs(num_tokens, speculative, len(chain))
-        if self.cache is not None:
-            self.cache.lock(chain)
-            assert self.cache.make_room((logical, host)), "can_admit counted the cache's spare pages"
+        chain, (_, logical, host) = admission
+        if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
+            self.cache.share(chain, (logical, host), num_tokens if tokens is not None else 0)
         row = self.rows.allocate()
         buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
         if chain:
@@ -242,9 +249,6 @@ class HiSparseCoordinator:
             self._load_identity(row, min(cached, self.hot))
             if self.draft is not None:
                 self.draft.record(row, self.req_to_token[row, :cached])
-        if self.cache is not None and tokens is not None:
-            self.cache.counters.queried_tokens += num_tokens
-            self.cache.counters.hit_tokens += cached
         return row
 
     def _load_identity(self, row: int, count: int) -> None:
@@ -572,8 +576,7 @@ class HiSparseCoordinator:
     def _leave_to_cache(self, row: int, mem: RowMemory, tokens: Sequence[int]) -> int:
         """Hand the row's own full pages (KV committed, next token known) to the cache; returns how
         many were handed (its first own pages)."""
-        p = self.plan.page_size
-        full = min(mem.length // p, (len(tokens) - 1) // p)
+        full = self.cache.full_pages(mem.length, tokens)
         first = len(mem.shared)
         if full <= first:
             return 0
@@ -657,11 +660,7 @@ class HiSparseCoordinator:
             )
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
         if self.cache is not None:
-            shares: dict[int, int] = {}
-            for mem in self._mem.values():
-                for entry in mem.shared:
-                    shares[entry.id] = shares.get(entry.id, 0) + 1
-            self.cache.check_integrity(shares)
+            self.cache.check_integrity(mem.shared for mem in self._mem.values())
         staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
         for row, mem in self._mem.items():

@@ -24,7 +24,7 @@ only by unreferenced entries counts as free for admission and for a growing requ
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -90,6 +90,24 @@ class PrefixCache:
         for entry in chain:
             entry.refs += 1
             entry.last_used = now
+
+    def spare(self, chain: list[CachedPage]) -> int:
+        """Pages (in every pool) eviction could free once a request shares ``chain``."""
+        return self.evictable() - sum(1 for e in chain if e.refs == 0)
+
+    def share(self, chain: list[CachedPage], needs: Sequence[int], num_tokens: int) -> None:
+        """Admission of a prompt that matched ``chain`` (``num_tokens``: its tokens looked up): the
+        request shares it, and the entries nobody shares make room for ``needs`` (one count per
+        pool), which the caller checked with ``spare``."""
+        self.lock(chain)
+        assert self.make_room(needs), "the admission counted more spare cached pages than there are"
+        self.counters.queried_tokens += num_tokens
+        self.counters.hit_tokens += len(chain) * self.page_size
+
+    def full_pages(self, length: int, tokens: Sequence[int]) -> int:
+        """Leading pages of a request that ``insert`` may cache: KV committed for ``length``
+        positions, and the token after each page known (``tokens``)."""
+        return min(length // self.page_size, (len(tokens) - 1) // self.page_size)
 
     def unlock(self, chain: list[CachedPage]) -> None:
         now = next(self._clock)
@@ -182,9 +200,13 @@ class PrefixCache:
     def referenced(self) -> int:
         return sum(1 for e in self.entries.values() if e.refs)
 
-    def check_integrity(self, shares: dict[int, int]) -> None:
-        """``shares``: entry id -> live requests sharing it. Reference counts equal them; every
-        entry's pages are the cache's; children counts and parent links agree."""
+    def check_integrity(self, chains: Iterable[list[CachedPage]]) -> None:
+        """``chains``: what each live request shares. Reference counts equal the requests sharing
+        each entry; every entry's pages are the cache's; children counts and parent links agree."""
+        shares: dict[int, int] = {}
+        for chain in chains:
+            for entry in chain:
+                shares[entry.id] = shares.get(entry.id, 0) + 1
         children: dict[int, int] = {}
         for entry in self.entries.values():
             assert entry.refs == shares.get(entry.id, 0), (

@@ -72,29 +72,32 @@ class ResidentMemory:
     def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
         return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
 
+    def _admission(self, num_tokens: int, tokens: Sequence[int] | None) -> tuple[list[CachedPage], int] | None:
+        """(the cached chain it shares, the pages it needs) when a prompt fits, counting the cached
+        pages nobody else shares as free; None when it does not."""
+        if not self.rows.can_allocate():
+            return None
+        chain = self._match(tokens)
+        need = -(-num_tokens // self.plan.page_size) - len(chain)
+        spare = 0 if self.cache is None else self.cache.spare(chain)
+        return (chain, need) if self.allocator.num_free_pages + spare >= need else None
+
     def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
         """A row and pages for the prompt (``tokens``, when given, may share cached pages, and
         cached pages nobody shares count as free)."""
-        chain = self._match(tokens)
-        need = -(-num_tokens // self.plan.page_size) - len(chain)
-        spare = 0 if self.cache is None else self.cache.evictable() - sum(1 for e in chain if e.refs == 0)
-        return self.rows.can_allocate() and self.allocator.num_free_pages + spare >= need
+        return self._admission(num_tokens, tokens) is not None
 
     def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
         """A row and locations for the prompt; the longest cached prefix of ``tokens`` is shared
         (its positions count as computed)."""
-        if not self.can_admit(num_tokens, tokens=tokens):
+        admission = self._admission(num_tokens, tokens)
+        if admission is None:
             raise OutOfMemory(
                 "kv admission", -(-num_tokens // self.plan.page_size), self.allocator.num_free_pages
             )
-        chain = self._match(tokens)
-        if self.cache is not None:
-            self.cache.lock(chain)
-            need = -(-num_tokens // self.plan.page_size) - len(chain)
-            assert self.cache.make_room((need,)), "can_admit counted the cache's spare pages"
-            if tokens is not None:
-                self.cache.counters.queried_tokens += num_tokens
-                self.cache.counters.hit_tokens += len(chain) * self.plan.page_size
+        chain, need = admission
+        if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
+            self.cache.share(chain, (need,), num_tokens if tokens is not None else 0)
         row = self.rows.allocate()
         self._table.share(row, [e.pages[0] for e in chain])
         self._table.cover(row, num_tokens)
@@ -218,8 +221,7 @@ class ResidentMemory:
         handed = 0
         if self.cache is not None:
             if tokens is not None and residency is Residency.RESIDENT:
-                p = self.plan.page_size
-                full = min(length // p, (len(tokens) - 1) // p)
+                full = self.cache.full_pages(length, tokens)
                 own = [(page,) for page in self._table.pages(row)[len(shared) : full]]
                 handed = self.cache.insert(tokens, shared, own, row)
             self.cache.unlock(shared)
@@ -280,10 +282,6 @@ class ResidentMemory:
         assert set(self._length) == set(self.rows.in_use()), "resident rows disagree with the row pool"
         assert set(self._residency) == set(self._length), "resident rows without a residency"
         if self.cache is not None:
-            shares: dict[int, int] = {}
-            for chain in self._shared.values():
-                for entry in chain:
-                    shares[entry.id] = shares.get(entry.id, 0) + 1
-            self.cache.check_integrity(shares)
+            self.cache.check_integrity(self._shared.values())
         staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING]
         assert sorted(staged) == sorted(self._ready), "the ready queue disagrees with the rows' residency"
