@@ -27,6 +27,26 @@ def continuing(rid: str, *, after: int = 0):
     return match
 
 
+IDS = ("running", "long")
+
+
+async def running_then_long(engine, prompts, params, meanwhile=None) -> dict:
+    """Start ``running``; once it decodes, start ``long`` (then await ``meanwhile()``, if given);
+    returns both results by request id."""
+    results = {}
+
+    async def one(i):
+        results[IDS[i]] = await engine.generate_text(prompts[i], params[i], request_id=IDS[i])
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(one, 0)
+        await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
+        tg.start_soon(one, 1)
+        if meanwhile is not None:
+            await meanwhile()
+    return {rid: list(r.token_ids) for rid, r in results.items()}
+
+
 @pytest.mark.asyncio
 async def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tiny_model):
     """While a long prompt is held in its second chunk, the running request keeps decoding (its
@@ -34,25 +54,19 @@ async def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tiny_
     cfg = chunked()
     prompts = make_prompts([6, 120], seed=3)
     params = [SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
-    ids = ["running", "long"]
-    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     async with Engine(cfg, model=tiny_model) as engine:
-        results = {}
 
-        async def one(i):
-            results[ids[i]] = await engine.generate_text(prompts[i], params[i], request_id=ids[i])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, 0)
-            await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
-            tg.start_soon(one, 1)
+        async def meanwhile():
             await until(lambda: (r := live_request(engine, "long")) is not None and r.state is State.PREFILL)
             running = live_request(engine, "running")
             tokens_then = len(running.output_ids)
             await until(lambda: len(running.output_ids) >= tokens_then + 3)
             long = live_request(engine, "long")
             assert long is not None and long.state is State.PREFILL, "decode steps ran between the chunks"
-    assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
+
+        tokens = await running_then_long(engine, prompts, params, meanwhile)
+    assert tokens == expected
     assert engine.executor.pool_counts() == engine.initial_pool_counts
 
 
@@ -100,8 +114,7 @@ async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
     cfg = attrs.evolve(config(), chunked_prefill_tokens=64)
     prompts = make_prompts([6, 200], seed=6)
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
-    ids = ["running", "long"]
-    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     chunks: list[int] = []
     async with Engine(cfg, model=tiny_model, prefill_pacing=True) as engine:
         real = engine.executor.prefill_chunks
@@ -111,15 +124,7 @@ async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
             return real(command_chunks)
 
         engine.executor.prefill_chunks = recorded
-        results = {}
-
-        async def one(i):
-            results[ids[i]] = await engine.generate_text(prompts[i], params[i], request_id=ids[i])
-
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(one, 0)
-            await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
-            tg.start_soon(one, 1)
+        tokens = await running_then_long(engine, prompts, params)
     assert engine.executor.pool_counts() == engine.initial_pool_counts
-    assert {rid: list(r.token_ids) for rid, r in results.items()} == expected
+    assert tokens == expected
     assert sum(chunks) == 200 and max(chunks) <= 64 and len(chunks) >= 4
