@@ -75,6 +75,9 @@ class HiSparseBackend:
     # [T, K] int32 the last full layer's top-k of this forward; a shared layer (``reuse_topk``)
     # swaps these positions into its own buffer instead of running an indexer pass
     last_topk: torch.Tensor | None = None
+    # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
+    # the same for every layer of the forward, so found once
+    _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
@@ -120,8 +123,7 @@ class HiSparseBackend:
             return sparse_mla(inputs.q_latent, inputs.q_rope, kv, dense, inputs.attn_scale, check=False)
         out = torch.empty_like(inputs.q_latent)
         own = (top < 0) | (top.long() >= starts[:, None])  # -1 padding or a position of the chunk
-        for a, b in _groups(self.req_rows):
-            start = int(starts[a])
+        for a, b, start, scratch in self._prefill_chunks(starts):
             if start == 0:
                 out[a:b] = sparse_mla(
                     inputs.q_latent[a:b], inputs.q_rope[a:b], kv, dense[a:b], inputs.attn_scale, check=False
@@ -129,7 +131,6 @@ class HiSparseBackend:
                 continue
             past = torch.where(own[a:b], -1, top[a:b])  # [S, K] the earlier positions
             row = int(self.req_rows[a])
-            scratch = self.coord.spare_chunk_rows(row, start, start + (b - a))
             for lo, hi, slots in prefill_swap_rounds(self.coord, layer, row, past, start, scratch):
                 tok = slice(a + lo, a + hi)
                 chosen = torch.where(own[tok], dense[tok], slots)
@@ -137,6 +138,17 @@ class HiSparseBackend:
                     inputs.q_latent[tok], inputs.q_rope[tok], kv, chosen, inputs.attn_scale, check=False
                 )
         return out
+
+    def _prefill_chunks(self, starts: torch.Tensor) -> list[tuple[int, int, int, torch.Tensor | None]]:
+        """The batch's chunks: token range, start, and the chunk rows the chunk leaves unused."""
+        if self._chunks is None:
+            self._chunks = []
+            for a, b in _groups(self.req_rows):
+                start = int(starts[a])
+                row = int(self.req_rows[a])
+                spare = self.coord.spare_chunk_rows(row, start, start + (b - a)) if start else None
+                self._chunks.append((a, b, start, spare))
+        return self._chunks
 
     def _attend_swapped(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
