@@ -31,6 +31,7 @@ import attrs
 import structlog
 import torch
 
+from kernels.kv_copy import copy_rows
 from kernels.swap_in import SwapInResult, swap_in
 from pipeline.config import MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend
@@ -256,8 +257,8 @@ class HiSparseCoordinator:
         positions = torch.arange(count)
         host_slots = self.host.req_to_host[row, positions]
         dev_slots = self.buffers.locs[row, positions.to(self.device)]
+        copy_rows(self.device_kv, dev_slots, self.host.kv, host_slots, validate=False)  # every layer
         for layer in range(self.num_layers):
-            self.device_kv[layer, dev_slots] = self.host.kv[layer, host_slots].to(self.device)
             self.counters.add_prefill_loads(layer, 0, count, count * self.host.row_bytes)
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
