@@ -65,6 +65,7 @@ from pipeline.messages import (
 )
 from pipeline.model import DeepseekV32, load_model
 from pipeline.model.checkpoint import parse_dtype
+from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
 from pipeline.sampling import SamplingParams, make_generator, sample
 from pipeline.speculative import round as spec_round
@@ -134,6 +135,7 @@ class Executor:
         self.model = (
             model if model is not None else load_model(config.model, dtype=self.dtype, device=self.device)
         )
+        fuse_for_inference(self.model)  # fewer torch calls per layer, same arithmetic (``fused.py``)
         cfg = self.model.cfg
         self.config = config = resolve_for_model(config, cfg)  # "auto" speculation, max_context_len=None
         if self.model.dtype != self.dtype:

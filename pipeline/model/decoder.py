@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from pipeline.model.attention import MlaAttention
 from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.config import ModelConfig
+from pipeline.model.fused import FusedLayer
 from pipeline.model.layers import DenseMLP, RMSNorm
 from pipeline.model.moe import MoE
 
@@ -34,8 +35,12 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             MoE(cfg) if cfg.mlp_kind(layer) == "sparse" else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         )
+        self.fused: FusedLayer | None = None  # the inference fast path (``fuse_for_inference``)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+        fused = self.fused
+        if fused is not None and not torch.is_grad_enabled() and fused.current():
+            return fused(x, cos, sin, backend, layer)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 

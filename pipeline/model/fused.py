@@ -1,0 +1,237 @@
+"""The inference fast path of a decoder layer: the same arithmetic in far fewer torch calls.
+
+On a small model, or a small batch, a forward costs what its torch calls cost to dispatch, not what
+they compute. The module path (``DecoderLayer.forward``) stays the definition (training and the
+tests read it); ``fuse_for_inference`` gives each plain layer a ``FusedLayer`` that the layer runs
+instead whenever no gradient is recorded. What it changes:
+
+* **Projections that read the same input are one matmul.** ``q_a_proj``, ``kv_a_proj_with_mqa`` and
+  the indexer's ``wk`` (and ``weights_proj`` when it is in the model dtype) read the normed hidden
+  state; ``q_b_proj`` and the indexer's ``wq_b`` read the query latent; an MLP's ``gate_proj`` and
+  ``up_proj`` read the same input. Their weights are concatenated into one tensor and the modules'
+  parameters become row slices of it (views: no second copy; loading into a parameter in place
+  writes the fused tensor). Each output element is the same dot product as before.
+* **Few-token MoE computes every expert densely** when the experts are few (``E <= 4 k``) and the
+  tokens few (``T * E <= DENSE_EXPERT_ROWS``): one matmul over all experts' ``gate_up``, one batched
+  matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
+  experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
+  chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
+  Larger batches (prefill) keep the per-expert path, which computes only the chosen rows.
+* **Normalisation** in the model's wide dtype (float32, float64) is one ``torch.rms_norm`` call.
+
+A fused module's parameter replaced after fusion (a new ``Parameter``, or ``.data`` re-pointed) no
+longer feeds the fused tensor; every call checks those modules' data pointers and falls back to the
+module path when one moved, so stale weights are never used (``fuse_for_inference`` again re-fuses). Layers whose modules are not plain
+``nn.Linear`` (tensor-parallel shards) are left unfused.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pipeline.model.attention_api import AttentionBackend, AttentionInputs
+from pipeline.model.layers import DenseMLP, RMSNorm, rope_half_split, rope_interleaved, wide_dtype
+
+# the most token x expert rows the dense expert path computes (beyond it, only the chosen rows)
+DENSE_EXPERT_ROWS = 1024
+
+
+def _fuse(linears: list[nn.Linear], views: list[tuple[nn.Linear, int]]) -> Tensor:
+    """Concatenate the weights of ``linears`` (same input width, dtype, device) and make each
+    module's weight a row slice of the result. Returns the fused ``[sum(out), in]`` weight; appends
+    each module and its slice's data pointer to ``views`` (``FusedLayer.current`` checks them)."""
+    fused = torch.cat([m.weight.detach() for m in linears], dim=0)
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight.data = fused[start : start + rows]
+        views.append((m, m.weight.data_ptr()))
+        start += rows
+    return fused
+
+
+def _plain(*modules: nn.Module | None) -> bool:
+    return all(type(m) is nn.Linear and m.bias is None for m in modules if m is not None)
+
+
+class _Norm:
+    """An ``RMSNorm`` as one call where its wide dtype is the activations' (else the module)."""
+
+    def __init__(self, norm: RMSNorm) -> None:
+        self.norm = norm
+
+    def __call__(self, x: Tensor) -> Tensor:
+        w = self.norm.weight
+        if x.dtype == wide_dtype(x.dtype) and w.dtype == x.dtype:
+            return torch.rms_norm(x, (x.shape[-1],), w, self.norm.eps)
+        return self.norm(x)
+
+
+class FusedLayer:
+    """A ``DecoderLayer``'s inference forward (see the module docstring)."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        attn = layer.self_attn
+        cfg = attn.cfg
+        self.cfg = cfg
+        self.attn = attn
+        self.heads = attn.num_heads
+        idx = attn.indexer
+        self.has_indexer = idx is not None
+        self.input_norm = _Norm(layer.input_layernorm)
+        self.post_norm = _Norm(layer.post_attention_layernorm)
+        self.q_norm = _Norm(attn.q_a_layernorm)
+        self.kv_norm = _Norm(attn.kv_a_layernorm)
+        dtype = attn.q_a_proj.weight.dtype
+        # the indexer's per-head weights join the first matmul when they share the model's dtype
+        self.w_in_weights = idx is not None and idx.weights_proj.weight.dtype == dtype
+        first = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
+        if idx is not None:
+            first.append(idx.wk)
+            if self.w_in_weights:
+                first.append(idx.weights_proj)
+        self._views: list[tuple[nn.Linear, int]] = []
+        self.splits_in = [m.weight.shape[0] for m in first]
+        self.w_in = _fuse(first, self._views)
+        second = [attn.q_b_proj] + ([idx.wq_b] if idx is not None else [])
+        self.splits_q = [m.weight.shape[0] for m in second]
+        self.w_q = _fuse(second, self._views)
+        self.mlp = _fused_mlp(layer.mlp, self._views)
+
+    @staticmethod
+    def fits(layer: nn.Module) -> bool:
+        attn = layer.self_attn
+        idx = attn.indexer
+        mods = [attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
+        if idx is not None:
+            mods += [idx.wq_b, idx.wk, idx.weights_proj]
+        return (
+            _plain(*mods)
+            and attn.num_heads == attn.cfg.num_attention_heads
+            and (isinstance(layer.mlp, DenseMLP) and _plain(layer.mlp.gate_proj, layer.mlp.up_proj)
+                 or hasattr(layer.mlp, "experts"))
+        )
+
+    def current(self) -> bool:
+        """The fused modules' weights are still slices of the fused tensors (the other modules are
+        called as they are, so they cannot go stale)."""
+        return all(m.weight.data_ptr() == ptr for m, ptr in self._views)
+
+    def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+        x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
+        return x + self.mlp(self.post_norm(x))
+
+    def _attention(self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+        cfg, attn, heads = self.cfg, self.attn, self.heads
+        r, nope, c = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        parts = F.linear(h, self.w_in).split(self.splits_in, dim=-1)
+        q_resid = self.q_norm(parts[0])
+        latent, k_rope = parts[1].split([c, r], dim=-1)
+        qs = F.linear(q_resid, self.w_q).split(self.splits_q, dim=-1)
+        q = qs[0].unflatten(-1, (heads, cfg.qk_head_dim))
+        q_nope, q_rope = q.split([nope, r], dim=-1)
+        w_uk, w_uv = attn.up_weights()
+        index_q = index_w = index_k = None
+        if self.has_indexer:
+            idx = attn.indexer
+            rope = rope_interleaved if cfg.indexer_rope == "interleaved" else rope_half_split
+            iq = qs[1].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
+            index_q = torch.cat([rope(iq[..., :r], cos, sin), iq[..., r:]], dim=-1)
+            ik = idx.k_norm(parts[2])
+            index_k = torch.cat([rope(ik[..., None, :r], cos, sin)[..., 0, :], ik[..., r:]], dim=-1)
+            if self.w_in_weights:
+                index_w = parts[3] * cfg.index_n_heads**-0.5
+            else:
+                wide = wide_dtype(h.dtype)
+                index_w = F.linear(h.to(wide), idx.weights_proj.weight.to(wide)) * cfg.index_n_heads**-0.5
+        inputs = AttentionInputs(
+            layer=layer,
+            q_latent=torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous(),  # [T, H, C]
+            q_rope=rope_interleaved(q_rope, cos, sin),
+            kv_rows=torch.cat([self.kv_norm(latent), rope_interleaved(k_rope[..., None, :], cos, sin)[..., 0, :]], -1),
+            index_q=index_q,
+            index_w=index_w,
+            index_k=index_k,
+            attn_scale=cfg.attn_scale,
+            index_scale=cfg.index_scale,
+            top_k=cfg.index_topk,
+            reuse_topk=not self.has_indexer,
+        )
+        out = backend.attend(inputs).to(h.dtype)  # [T, H, C]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return attn.o_proj(out.reshape(out.shape[0], -1))
+
+
+class _FusedDense:
+    """A SwiGLU MLP over one fused ``[gate; up]`` weight."""
+
+    def __init__(self, mlp: DenseMLP, views: list[tuple[nn.Linear, int]]) -> None:
+        self.inner = mlp.gate_proj.weight.shape[0]
+        self.w_gate_up = _fuse([mlp.gate_proj, mlp.up_proj], views)
+        self.down = mlp.down_proj
+
+    def __call__(self, x: Tensor) -> Tensor:
+        gate, up = F.linear(x, self.w_gate_up).split(self.inner, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class _FusedMoE:
+    """Routed experts, dense over every expert for few tokens (module docstring), plus shared experts."""
+
+    def __init__(self, moe: nn.Module, views: list[tuple[nn.Linear, int]]) -> None:
+        self.moe = moe
+        cfg = moe.gate.cfg
+        self.experts = cfg.n_routed_experts
+        self.dense_ok = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
+        shared = moe.shared_experts
+        plain = shared is not None and _plain(shared.gate_proj, shared.up_proj)
+        self.shared = _FusedDense(shared, views) if plain else shared
+
+    def __call__(self, x: Tensor) -> Tensor:
+        moe = self.moe
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, weights = moe.gate(flat)
+        if self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
+            out = self._dense(flat, ids, weights)
+        else:
+            out = moe.experts(flat, ids, weights)
+        out = out.view(shape)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out
+
+    def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        experts = self.moe.experts
+        e, two_i, d = experts.gate_up_proj.shape
+        n = x.shape[0]
+        gate, up = F.linear(x, experts.gate_up_proj.view(e * two_i, d)).view(n, e, two_i).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, N, D]
+        dense = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)  # [N, E]
+        # as the module path: the expert's output times its wide-dtype weight, cast back, then summed
+        return (y * dense.t()[:, :, None]).to(x.dtype).sum(dim=0)
+
+
+def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Linear, int]]):
+    if isinstance(mlp, DenseMLP):
+        return _FusedDense(mlp, views)
+    return _FusedMoE(mlp, views)
+
+
+def fuse_for_inference(model: nn.Module) -> int:
+    """Give every plain decoder layer of ``model`` (target and MTP) its fused inference path.
+    Idempotent; returns the number of layers fused."""
+    layers = list(model.model.layers) + [m.block for m in model.mtp]
+    count = 0
+    for layer in layers:
+        fused = getattr(layer, "fused", None)
+        if fused is not None and fused.current():
+            count += 1
+            continue
+        if FusedLayer.fits(layer):
+            layer.fused = FusedLayer(layer)
+            count += 1
+    return count

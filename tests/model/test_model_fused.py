@@ -1,0 +1,122 @@
+"""The fused inference path (``pipeline/model/fused.py``) against the module path it replaces.
+
+Same weights, same backend state: every layer's fused forward gives the module path's output (float64:
+to rounding; the dense-expert sum is exact), for dense and MoE layers, a GLM-style shared indexer
+layer, batches that take the dense expert path and ones that take the per-expert path, and a
+bfloat16 model (whose router and indexer weights stay float32, so they are not fused). A parameter
+replaced after fusion makes the layer fall back to the module path, never use stale weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _model_util import new_backend, random_model, run, tiny_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.model.fused import DENSE_EXPERT_ROWS, fuse_for_inference
+
+
+def _pair(cfg, dtype=torch.float64, seed=0):
+    module = random_model(cfg, seed=seed).to_dtype(dtype)
+    fused = random_model(cfg, seed=seed).to_dtype(dtype)
+    assert fuse_for_inference(fused) == cfg.num_hidden_layers + cfg.num_nextn_predict_layers
+    return module, fused
+
+
+def _logits(model, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
+    """A prefill of ``batch`` requests of ``n`` tokens, then one decode token each: both forwards'
+    logits (the decode forward is the few-token one)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.cfg.vocab_size - 1, (batch, n + 1), generator=gen)
+    backend = new_backend(model, num_rows=batch * (n + 1), num_requests=batch, max_ctx=n + 1)
+    rows = torch.arange(batch).repeat_interleave(n)
+    positions = torch.arange(n).repeat(batch)
+    locs = rows * (n + 1) + positions
+    prefill = run(model, backend, ids[:, :n].reshape(-1), positions, rows, locs)
+    rows1 = torch.arange(batch)
+    decode = run(model, backend, ids[:, n], torch.full((batch,), n), rows1, rows1 * (n + 1) + n)
+    return torch.cat([prefill, decode])
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    n=st.integers(1, 40),
+    batch=st.integers(1, 5),
+    shared=st.booleans(),
+    experts=st.sampled_from([(4, 2), (8, 2), (16, 2)]),  # (routed experts, per token): the last stays per-expert
+    seed=st.integers(0, 3),
+)
+def test_fused_equals_module_path(n, batch, shared, experts, seed):
+    e, k = experts
+    over = dict(n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1)
+    if shared:  # GLM-5: the second layer reuses the first one's selection
+        over.update(indexer_types=("full", "shared"))
+    module, fused = _pair(tiny_config(**over), seed=seed)
+    torch.testing.assert_close(_logits(fused, n, seed, batch), _logits(module, n, seed, batch), rtol=0, atol=1e-10)
+
+
+def test_large_batches_take_the_per_expert_path():
+    """Beyond ``DENSE_EXPERT_ROWS`` token x expert rows the fused MoE runs the module's experts."""
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    n = DENSE_EXPERT_ROWS // cfg.n_routed_experts + 1
+    calls = []
+    experts = fused.model.layers[1].mlp.experts
+    original = experts.forward
+    experts.forward = lambda *a: calls.append(a[0].shape[0]) or original(*a)
+    torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
+    assert calls == [n]  # the prefill went through the experts, the one-token decode did not
+
+
+def test_bfloat16_model_keeps_wide_weights_apart():
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg, dtype=torch.bfloat16)
+    layer = fused.model.layers[0].fused
+    assert not layer.w_in_weights  # indexer weights_proj is float32: its own matmul
+    torch.testing.assert_close(_logits(fused, 12).float(), _logits(module, 12).float(), rtol=0, atol=0)
+
+
+def test_module_weights_are_views_of_the_fused_weights():
+    """No second copy: loading into a module parameter in place changes what the fused path reads."""
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    attn = fused.model.layers[0].self_attn
+    assert attn.q_a_proj.weight.data_ptr() == fused.model.layers[0].fused.w_in.data_ptr()
+    with torch.no_grad():
+        for m in (module, fused):
+            m.model.layers[0].self_attn.kv_a_proj_with_mqa.weight.mul_(1.5)
+    assert fused.model.layers[0].fused.current()
+    torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
+
+
+def test_replaced_parameter_falls_back_to_the_module_path():
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    for m in (module, fused):
+        q_b = m.model.layers[1].self_attn.q_b_proj
+        q_b.weight = torch.nn.Parameter(q_b.weight.detach() * 0.5)
+    assert not fused.model.layers[1].fused.current()
+    torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
+    assert fuse_for_inference(fused) == 3 and fused.model.layers[1].fused.current()  # fused again
+    torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_training_reads_the_module_path(grad):
+    """With gradients recorded the layer runs its modules (the fused path is inference only)."""
+    cfg = tiny_config(n_group=1, topk_group=1)
+    _, fused = _pair(cfg)
+    seen = []
+    layer = fused.model.layers[0]
+    original = layer.fused.__call__
+    layer.fused = type("Spy", (), {"current": lambda self: True, "__call__": lambda self, *a: seen.append(1) or original(*a)})()
+    with torch.set_grad_enabled(grad):
+        backend = new_backend(fused, num_rows=8, num_requests=1, max_ctx=8)
+        from pipeline.model import ForwardLayout
+
+        backend.begin(ForwardLayout(req_rows=torch.zeros(4, dtype=torch.int64), positions=torch.arange(4),
+                                    write_locs=torch.arange(4)))
+        fused(torch.arange(4), torch.arange(4), backend)
+    assert bool(seen) is (not grad)
