@@ -107,12 +107,9 @@ class FusedLayer:
         mods = [attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
         if idx is not None:
             mods += [idx.wq_b, idx.wk, idx.weights_proj]
-        return (
-            _plain(*mods)
-            and attn.num_heads == attn.cfg.num_attention_heads
-            and (isinstance(layer.mlp, DenseMLP) and _plain(layer.mlp.gate_proj, layer.mlp.up_proj)
-                 or hasattr(layer.mlp, "experts"))
-        )
+        mlp = layer.mlp
+        mlp_fits = hasattr(mlp, "experts") or (isinstance(mlp, DenseMLP) and _plain(mlp.gate_proj, mlp.up_proj))
+        return _plain(*mods) and attn.num_heads == attn.cfg.num_attention_heads and mlp_fits
 
     def current(self) -> bool:
         """The fused modules' weights are still slices of the fused tensors (the other modules are
