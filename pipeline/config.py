@@ -113,9 +113,14 @@ class SpeculativeConfig:
     # the same either way); the batch-size rule keeps a request served alone reproducible.
     min_accept_length: float | None = None
     probe_every: int = 16
+    # ... and, for 2..max_batch_size requests, while rounds have delivered more tokens per second
+    # than plain steps at about that batch size (both measured as the engine runs; the losing mode is
+    # tried again every ``probe_every`` turns). A batch of one always speculates.
+    timed: bool = True
 
     def __attrs_post_init__(self) -> None:
         _require_int("speculative.num_steps", self.num_steps, 1)
+        _require(isinstance(self.timed, bool), "speculative.timed", self.timed, "must be a bool")
         _require_int("speculative.eagle_topk", self.eagle_topk, 1)
         if self.max_batch_size is not None:
             _require_int("speculative.max_batch_size", self.max_batch_size, 1)

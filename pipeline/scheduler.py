@@ -396,18 +396,30 @@ class SpecPolicy:
     (the measured accept length, a moving average over rounds). When acceptance turns speculation
     off, a probe round every ``probe_every`` plain steps measures it again. Either choice leaves the
     output unchanged: the executor keeps each request's MTP state current across plain steps.
+
+    ``timed``: between 2 and ``max_batch_size`` requests, the choice goes to whichever mode has
+    delivered more tokens per second at about this batch size (batches grouped by powers of two;
+    each mode's rate a moving average of its turns, wall time from the turn's first command to its
+    outcome). A mode not yet measured at a size is tried first (rounds, then plain steps); the losing
+    mode runs again every ``probe_every`` turns of the winner, so a change in acceptance or cost is
+    seen. A batch of one always speculates (so a seeded request served alone stays reproducible).
     """
 
     max_batch_size: int | None = None  # speculate only while the batch has at most this many requests
     min_accept_length: float | None = None  # ... and the measured accept length is at least this
     probe_every: int = 16
+    timed: bool = False  # ... and (2+ requests) while rounds deliver more tokens/s than plain steps
     accept_length: float | None = None  # the moving average (None: nothing measured yet)
     plain_steps: int = 0  # plain steps since the last round
     weight: float = 0.2  # of the newest round in the moving average
+    # timed: per batch-size group, tokens/s of [rounds, plain steps] (None: not measured yet) and the
+    # winner's turns since the loser last ran
+    rates: dict[int, list[float | None]] = attrs.Factory(dict)
+    since_probe: dict[int, int] = attrs.Factory(dict)
 
     @classmethod
     def from_config(cls, spec) -> SpecPolicy:
-        return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every)
+        return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every, spec.timed)
 
     def speculate(self, batch_size: int) -> bool:
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
@@ -415,7 +427,14 @@ class SpecPolicy:
         low = self.min_accept_length is not None and self.accept_length is not None
         if low and self.accept_length < self.min_accept_length:
             return self.plain_steps >= self.probe_every
-        return True
+        if not self.timed or batch_size < 2:
+            return True
+        group = batch_size.bit_length()
+        spec, plain = self.rates.get(group, (None, None))
+        if spec is None or plain is None:
+            return spec is None
+        winner = spec >= plain
+        return winner if self.since_probe.get(group, 0) < self.probe_every else not winner
 
     def record_round(self, accept_lengths: list[int]) -> None:
         """Tokens each request committed in one round (accepted drafts + 1)."""
@@ -428,6 +447,19 @@ class SpecPolicy:
 
     def record_plain_step(self) -> None:
         self.plain_steps += 1
+
+    def record_time(self, batch_size: int, tokens: int, seconds: float, *, speculative: bool) -> None:
+        """A turn over ``batch_size`` requests committed ``tokens`` in ``seconds`` (timed rule)."""
+        if not self.timed or batch_size < 2 or tokens <= 0 or seconds <= 0:
+            return
+        group = batch_size.bit_length()
+        rates = self.rates.setdefault(group, [None, None])
+        spec, plain = rates
+        ran_winner = spec is not None and plain is not None and (spec >= plain) == speculative
+        self.since_probe[group] = self.since_probe.get(group, 0) + 1 if ran_winner else 0
+        mode = 0 if speculative else 1
+        rate, old = tokens / seconds, rates[mode]
+        rates[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
 
 
 @attrs.define(eq=False)
@@ -447,6 +479,7 @@ class DecodePart:
     pace: PrefillPace | None = None  # told each step's device time (the prefill part paces by it)
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
+    _committed: int = 0  # tokens the current turn committed (the timed speculation rule reads it)
 
     @property
     def speculative(self) -> bool:
@@ -477,13 +510,17 @@ class DecodePart:
         reqs = [r for r in (runnable if runnable is not None else self.members.values()) if not r.is_finished]
         if not reqs:
             return done
-        if self.speculative and self.policy.speculate(len(reqs)):
+        speculative = self.speculative and self.policy.speculate(len(reqs))
+        if speculative:
             step = self._round(reqs)
         else:
             if self.speculative:
                 self.policy.record_plain_step()
             step = self._step(reqs)
+        start, self._committed = time.perf_counter(), 0
         done.merge((yield from step))
+        if self.speculative:
+            self.policy.record_time(len(reqs), self._committed, time.perf_counter() - start, speculative=speculative)
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
         return done
@@ -544,6 +581,7 @@ class DecodePart:
             self.policy.record_round([len(tokens) for tokens in result.tokens.values()])
         ending: list[tuple[Request, Event]] = []
         notify: list[Request] = []
+        self._committed += sum(len(tokens) for tokens in result.tokens.values())
         for rid, tokens in result.tokens.items():
             req = self.members[rid]
             if verified:

@@ -220,8 +220,11 @@ def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Linear, int]]):
 
 def fuse_for_inference(model: nn.Module) -> int:
     """Give every plain decoder layer of ``model`` (target and MTP) its fused inference path.
-    Idempotent; returns the number of layers fused."""
-    layers = list(model.model.layers) + [m.block for m in model.mtp]
+    Idempotent; returns the number of layers fused (0 for a model of another shape)."""
+    backbone = getattr(model, "model", None)
+    if not isinstance(model, nn.Module) or not hasattr(backbone, "layers"):
+        return 0
+    layers = list(backbone.layers) + [m.block for m in getattr(model, "mtp", ())]
     count = 0
     for layer in layers:
         fused = getattr(layer, "fused", None)

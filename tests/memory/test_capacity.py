@@ -55,7 +55,7 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
         page_size=kw.pop("page_size", PAGE),
         device_memory_bytes=budget,
         hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False) if num_steps else None,
         **kw,
     )
 

@@ -390,6 +390,44 @@ def test_spec_policy_acceptance_rule_with_probes():
     assert policy.accept_length > 1.5 and policy.speculate(4)
 
 
+def test_spec_policy_timed_rule_follows_the_faster_mode_and_probes_the_slower():
+    policy = SpecPolicy(max_batch_size=8, probe_every=3, timed=True)
+    assert policy.speculate(1)  # a request served alone always speculates
+    policy.record_time(1, 10, 1.0, speculative=False)  # and batches of one are not timed
+    assert policy.rates == {}
+    assert policy.speculate(4)  # nothing measured at 4..7: a round first
+    policy.record_time(4, 8, 1.0, speculative=True)  # rounds: 8 tokens/s
+    assert not policy.speculate(5)  # then a plain step (same group 4..7)
+    policy.record_time(5, 20, 1.0, speculative=False)  # plain: 20 tokens/s
+    assert policy.speculate(2)  # another group (2..3) measures for itself
+    choices = []
+    for _ in range(8):
+        spec = policy.speculate(6)
+        choices.append(spec)
+        policy.record_time(6, 8 if spec else 20, 1.0, speculative=spec)
+    # plain wins; after probe_every plain turns one round runs again, and plain resumes
+    assert choices == [False, False, False, True, False, False, False, True]
+    for _ in range(20):  # rounds get cheaper (acceptance rose): the lead changes hands
+        spec = policy.speculate(6)
+        policy.record_time(6, 40 if spec else 20, 1.0, speculative=spec)
+    assert policy.speculate(6) and policy.rates[3][0] > policy.rates[3][1]
+    assert not policy.speculate(9)  # above max_batch_size, plain whatever was measured
+
+
+def test_decode_part_times_its_turns_for_the_policy():
+    aborts = AbortBook()
+    part = DecodePart(aborts, 2, SpecPolicy(timed=True))
+    reqs = [in_state(rid, State.READY, ignore_eos=True) for rid in "ab"]
+    part.accept(reqs)
+    script = Script(part.turn(), {Reserve: RoomResult(("a", "b"), ()), Draft: StepResult({}),
+                                  Verify: StepResult({"a": (7, 8), "b": (9,)}, accepted={"a": 1, "b": 0})})
+    script.run()
+    assert part.policy.rates[2][0] is not None and part.policy.rates[2][1] is None
+    script = Script(part.turn(), {Decode: StepResult({"a": (5,), "b": (6,)})})
+    script.run()
+    assert script.kinds() == ["Decode"] and part.policy.rates[2][1] is not None
+
+
 def test_decode_part_takes_a_plain_step_when_the_policy_says_so():
     aborts = AbortBook()
     part = DecodePart(aborts, 2, SpecPolicy(max_batch_size=1))

@@ -38,7 +38,7 @@ def config(hisparse: bool, num_steps: int | None) -> EngineConfig:
         max_running_requests=3,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, min_accept_length=None) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None) if num_steps else None,
     )
 
 
