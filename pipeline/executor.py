@@ -76,6 +76,9 @@ from pipeline.validation import validate_request
 from statemachines.request import State
 
 log = structlog.get_logger(__name__)
+# plain steps a speculative request decodes before the MTP layer is caught up over them (bounds the
+# target hidden states it keeps while adaptive speculation decodes plainly)
+CATCH_UP_AFTER = 32
 
 # which residency a row must have while its request is in each state (the rest hold no row)
 RESIDENCY: dict[State, Residency] = {
@@ -102,7 +105,8 @@ class Sequence:
     plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
     # speculative mode, plain steps since the last draft state: (position, target hidden there, the
-    # token after it); the next round's draft extend catches the MTP layer up over them first
+    # token after it); the next round's draft extend catches the MTP layer up over them first, or a
+    # plain step once CATCH_UP_AFTER of them are held
     behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
 
     @property
@@ -437,7 +441,17 @@ class Executor:
                 seq.behind.append((position, hidden.clone(), seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
             seq.produced.append(seq.plain_next)
+        due = [self.seqs[rid] for rid in out if len(self.seqs[rid].behind) >= CATCH_UP_AFTER]
+        if due:  # bound what a long run of plain steps keeps: the MTP layer catches up now
+            _, errors = self.isolate(due, self._catch_up_group, "draft catch-up")
+            for rid, why in errors.items():
+                failed[rid] = why
+                out.pop(rid, None)
         return StepResult(out, refused, failed=failed)
+
+    def _catch_up_group(self, seqs: list[Sequence]) -> list[Sequence]:
+        self._catch_up(seqs)
+        return seqs
 
     def _decode_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, tuple[torch.Tensor, torch.Tensor]]]:
         row_list = [s.row for s in seqs]

@@ -137,3 +137,36 @@ def test_default_adaptive_rule_decodes_plainly_above_its_batch_size(tiny_model):
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert executor.spec_counters.verify_rounds == 0  # 8 requests stepped together: never a round
     executor.close()
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_model, monkeypatch, hisparse):
+    """Two requests over ``max_batch_size`` 1 decode plainly for dozens of steps: the MTP layer is
+    caught up every ``CATCH_UP_AFTER`` plain steps (the hidden states a request keeps stay bounded),
+    and once the short one finishes the long one speculates alone, with plain decoding's tokens."""
+    from pipeline.executor import CATCH_UP_AFTER
+
+    prompts = make_prompts(2, seed=5)
+    lengths = (CATCH_UP_AFTER * 2 + 20, CATCH_UP_AFTER + 10)
+    plain_ex = Executor(config(hisparse, None), model=tiny_model)
+    plain_driver = SyncDriver(plain_ex, check=True)
+    with quiet_logs():
+        plain = [plain_driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        plain_driver.run()
+    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+    cfg = config(hisparse, 3)
+    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
+                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
+                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False)})
+    executor = Executor(cfg, model=tiny_model)
+    oracle_drafter(monkeypatch, executor, truth)
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        most = 0
+        while driver.step():
+            most = max([most, *(len(s.behind) for s in executor.seqs.values())])
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert 0 < most < CATCH_UP_AFTER  # caught up as soon as CATCH_UP_AFTER were held
+    assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
+    executor.close()
