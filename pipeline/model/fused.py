@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
-from pipeline.model.layers import DenseMLP, RMSNorm, rope_half_split, rope_interleaved, wide_dtype
+from pipeline.model.layers import DenseMLP, RMSNorm, wide_dtype
 
 # the most token x expert rows the dense expert path computes (beyond it, only the chosen rows)
 DENSE_EXPERT_ROWS = 1024
@@ -99,6 +99,7 @@ class FusedLayer:
         self.splits_q = [m.weight.shape[0] for m in second]
         self.w_q = _fuse(second, self._views)
         self.mlp = _fused_mlp(layer.mlp, self._views)
+        self.attn_scale, self.index_scale = cfg.attn_scale, cfg.index_scale
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
@@ -123,42 +124,79 @@ class FusedLayer:
     def _attention(self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         cfg, attn, heads = self.cfg, self.attn, self.heads
         r, nope, c = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        rope = _RopeTables.of(cos, sin)
         parts = F.linear(h, self.w_in).split(self.splits_in, dim=-1)
         q_resid = self.q_norm(parts[0])
         latent, k_rope = parts[1].split([c, r], dim=-1)
         qs = F.linear(q_resid, self.w_q).split(self.splits_q, dim=-1)
         q = qs[0].unflatten(-1, (heads, cfg.qk_head_dim))
         q_nope, q_rope = q.split([nope, r], dim=-1)
+        # the query heads' and the new key's rope channels, rotated together: [T, H + 1, R]
+        rotated = rope.rotate(torch.cat([q_rope, k_rope[:, None, :]], dim=1), interleaved=True)
         w_uk, w_uv = attn.up_weights()
         index_q = index_w = index_k = None
         if self.has_indexer:
             idx = attn.indexer
-            rope = rope_interleaved if cfg.indexer_rope == "interleaved" else rope_half_split
-            iq = qs[1].unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))
-            index_q = torch.cat([rope(iq[..., :r], cos, sin), iq[..., r:]], dim=-1)
+            hi = cfg.index_n_heads
+            iq = qs[1].unflatten(-1, (hi, cfg.index_head_dim))
             ik = idx.k_norm(parts[2])
-            index_k = torch.cat([rope(ik[..., None, :r], cos, sin)[..., 0, :], ik[..., r:]], dim=-1)
+            both = torch.cat([iq[..., :r], ik[:, None, :r]], dim=1)  # [T, Hi + 1, R]
+            both = rope.rotate(both, interleaved=cfg.indexer_rope == "interleaved")
+            index_q = torch.cat([both[:, :hi], iq[..., r:]], dim=-1)
+            index_k = torch.cat([both[:, hi], ik[:, r:]], dim=-1)
             if self.w_in_weights:
-                index_w = parts[3] * cfg.index_n_heads**-0.5
+                index_w = parts[3] * hi**-0.5
             else:
                 wide = wide_dtype(h.dtype)
-                index_w = F.linear(h.to(wide), idx.weights_proj.weight.to(wide)) * cfg.index_n_heads**-0.5
+                index_w = F.linear(h.to(wide), idx.weights_proj.weight.to(wide)) * hi**-0.5
         inputs = AttentionInputs(
             layer=layer,
             q_latent=torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1).contiguous(),  # [T, H, C]
-            q_rope=rope_interleaved(q_rope, cos, sin),
-            kv_rows=torch.cat([self.kv_norm(latent), rope_interleaved(k_rope[..., None, :], cos, sin)[..., 0, :]], -1),
+            q_rope=rotated[:, :heads],
+            kv_rows=torch.cat([self.kv_norm(latent), rotated[:, heads]], dim=-1),
             index_q=index_q,
             index_w=index_w,
             index_k=index_k,
-            attn_scale=cfg.attn_scale,
-            index_scale=cfg.index_scale,
+            attn_scale=self.attn_scale,
+            index_scale=self.index_scale,
             top_k=cfg.index_topk,
             reuse_topk=not self.has_indexer,
         )
         out = backend.attend(inputs).to(h.dtype)  # [T, H, C]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return attn.o_proj(out.reshape(out.shape[0], -1))
+
+
+class _RopeTables:
+    """A forward's cos/sin in the form ``rotate`` needs, built once for all its layers.
+
+    ``rope_cos_sin`` repeats the R/2 angles (``cos = [c | c]``), so both of the model's rotations
+    are ``x' * cos + roll(x', R/2) * [-s | s]`` over ``x'``: the channels themselves for half-split
+    pairs, the channels de-interleaved (``[even | odd]``) for interleaved ones, which is also the
+    layout the interleaved rotation writes. Each element is the product and sum the layers'
+    ``rope_half_split`` / ``rope_interleaved`` compute (a sign moved from a factor to the other)."""
+
+    _last: _RopeTables | None = None  # the latest forward's (holding its cos, so ids cannot recur)
+
+    def __init__(self, cos: Tensor, sin: Tensor) -> None:
+        self.cos, self.sin_in = cos, sin
+        half = cos.shape[-1] // 2
+        self.half = half
+        self.c = cos[:, None, :]
+        self.s = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None, :]
+
+    @classmethod
+    def of(cls, cos: Tensor, sin: Tensor) -> _RopeTables:
+        last = cls._last
+        if last is None or last.cos is not cos or last.sin_in is not sin:
+            last = cls._last = cls(cos, sin)
+        return last
+
+    def rotate(self, x: Tensor, *, interleaved: bool) -> Tensor:
+        """``x [T, heads, R]`` rotated (de-interleaved first when ``interleaved``)."""
+        if interleaved:
+            x = x.unflatten(-1, (self.half, 2)).transpose(-1, -2).reshape(x.shape)
+        return x * self.c + x.roll(self.half, dims=-1) * self.s
 
 
 class _FusedDense:

@@ -120,3 +120,21 @@ def test_training_reads_the_module_path(grad):
                                     write_locs=torch.arange(4)))
         fused(torch.arange(4), torch.arange(4), backend)
     assert bool(seen) is (not grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scale", [1.0, 1.3])  # 1.3: a YaRN attention factor
+def test_rope_tables_rotate_exactly_as_the_layers_do(dtype, scale):
+    from pipeline.model.fused import _RopeTables
+    from pipeline.model.layers import rope_cos_sin, rope_half_split, rope_interleaved, rope_inv_freq
+
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.tensor([0, 1, 7, 300, 4095])
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(16, 10000.0), dtype, scale)
+    x = torch.randn(5, 3, 16, generator=gen, dtype=torch.float64).to(dtype)
+    x[0, 0, :4] = 0.0  # signed zeros: the sign moved between factors must not change them
+    tables = _RopeTables.of(cos, sin)
+    assert _RopeTables.of(cos, sin) is tables  # built once per forward
+    for interleaved, rope in ((True, rope_interleaved), (False, rope_half_split)):
+        got, want = tables.rotate(x, interleaved=interleaved), rope(x, cos, sin)
+        assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
