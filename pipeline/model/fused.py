@@ -18,6 +18,8 @@ instead whenever no gradient is recorded. What it changes:
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
   Larger batches (prefill) keep the per-expert path, which computes only the chosen rows.
 * **Normalisation** in the model's wide dtype (float32, float64) is one ``torch.rms_norm`` call.
+* **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
+  built once, and a layer rotates its query heads' and new key's rope channels in one go.
 
 A fused module's parameter replaced after fusion (a new ``Parameter``, or ``.data`` re-pointed) no
 longer feeds the fused tensor; every call checks those modules' data pointers and falls back to the
@@ -220,6 +222,9 @@ class _FusedMoE:
         cfg = moe.gate.cfg
         self.experts = cfg.n_routed_experts
         self.dense_ok = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
+        # every group kept (one group, or topk_group of all): the router's group mask changes nothing
+        self.ungrouped = cfg.topk_group >= cfg.n_group
+        self.cfg = cfg
         shared = moe.shared_experts
         plain = shared is not None and _plain(shared.gate_proj, shared.up_proj)
         self.shared = _FusedDense(shared, views) if plain else shared
@@ -228,7 +233,7 @@ class _FusedMoE:
         moe = self.moe
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = moe.gate(flat)
+        ids, weights = self._route(flat) if self.ungrouped else moe.gate(flat)
         if self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
             out = self._dense(flat, ids, weights)
         else:
@@ -237,6 +242,19 @@ class _FusedMoE:
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+    def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """``TopkRouter.forward`` without its group mask (which keeps every expert here)."""
+        cfg, gate = self.cfg, self.moe.gate
+        scores = gate.scores(x)
+        choice = scores + gate.e_score_correction_bias.to(scores.dtype)
+        ids = torch.topk(choice, k=cfg.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if cfg.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
+        return ids, weights
 
     def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         experts = self.moe.experts

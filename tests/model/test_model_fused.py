@@ -40,17 +40,18 @@ def _logits(model, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     return torch.cat([prefill, decode])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     n=st.integers(1, 40),
     batch=st.integers(1, 5),
     shared=st.booleans(),
     experts=st.sampled_from([(4, 2), (8, 2), (16, 2)]),  # (routed experts, per token): the last stays per-expert
+    groups=st.sampled_from([(1, 1), (2, 1), (2, 2)]),  # (n_group, topk_group): (2, 1) masks a group
     seed=st.integers(0, 3),
 )
-def test_fused_equals_module_path(n, batch, shared, experts, seed):
+def test_fused_equals_module_path(n, batch, shared, experts, groups, seed):
     e, k = experts
-    over = dict(n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1)
+    over = dict(n_routed_experts=e, num_experts_per_tok=k, n_group=groups[0], topk_group=groups[1])
     if shared:  # GLM-5: the second layer reuses the first one's selection
         over.update(indexer_types=("full", "shared"))
     module, fused = _pair(tiny_config(**over), seed=seed)
