@@ -392,6 +392,8 @@ class HiSparseCoordinator:
         if self._mem[row].length + new_tokens > self.plan.max_request_len:
             return None
         needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        if needs == (0, 0, 0):  # the usual step: the row already has the room
+            return needs
         logical, physical, host = needs
         if self.cache is not None and self.alloc.physical.can_allocate(physical):
             self.cache.make_room((logical, host))  # cached pages nobody shares give way
