@@ -76,9 +76,10 @@ from pipeline.validation import validate_request
 from statemachines.request import State
 
 log = structlog.get_logger(__name__)
-# plain steps a speculative request decodes before the MTP layer is caught up over them (bounds the
-# target hidden states it keeps while adaptive speculation decodes plainly)
-CATCH_UP_AFTER = 32
+# plain steps a speculative request decodes before the MTP layer is caught up over them: bounds the
+# target hidden states it keeps while adaptive speculation decodes plainly, and is large enough that
+# a busy spell of plain steps (a batch over max_batch_size) seldom pays for the MTP layer at all
+CATCH_UP_AFTER = 256
 
 # which residency a row must have while its request is in each state (the rest hold no row)
 RESIDENCY: dict[State, Residency] = {
@@ -106,7 +107,7 @@ class Sequence:
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
     # speculative mode, plain steps since the last draft state: (position, target hidden there, the
     # token after it); the next round's draft extend catches the MTP layer up over them first, or a
-    # plain step once CATCH_UP_AFTER of them are held
+    # plain step once ``Executor.catch_up_after`` of them are held
     behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
 
     @property
@@ -175,6 +176,7 @@ class Executor:
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
         self.prefill_counters = PrefillCounters()
+        self.catch_up_after = CATCH_UP_AFTER  # plain steps held before the MTP layer catches up
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
         # generators of retracted requests, kept for their re-admission
@@ -441,7 +443,7 @@ class Executor:
                 seq.behind.append((position, hidden.clone(), seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
             seq.produced.append(seq.plain_next)
-        due = [self.seqs[rid] for rid in out if len(self.seqs[rid].behind) >= CATCH_UP_AFTER]
+        due = [self.seqs[rid] for rid in out if len(self.seqs[rid].behind) >= self.catch_up_after]
         if due:  # bound what a long run of plain steps keeps: the MTP layer catches up now
             _, errors = self.isolate(due, self._catch_up_group, "draft catch-up")
             for rid, why in errors.items():

@@ -142,12 +142,11 @@ def test_default_adaptive_rule_decodes_plainly_above_its_batch_size(tiny_model):
 @pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
 def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_model, monkeypatch, hisparse):
     """Two requests over ``max_batch_size`` 1 decode plainly for dozens of steps: the MTP layer is
-    caught up every ``CATCH_UP_AFTER`` plain steps (the hidden states a request keeps stay bounded),
+    caught up every ``catch_up_after`` plain steps (the hidden states a request keeps stay bounded),
     and once the short one finishes the long one speculates alone, with plain decoding's tokens."""
-    from pipeline.executor import CATCH_UP_AFTER
-
+    catch_up_after = 16
     prompts = make_prompts(2, seed=5)
-    lengths = (CATCH_UP_AFTER * 2 + 20, CATCH_UP_AFTER + 10)
+    lengths = (catch_up_after * 2 + 20, catch_up_after * 2 + 6)
     plain_ex = Executor(config(hisparse, None), model=tiny_model)
     plain_driver = SyncDriver(plain_ex, check=True)
     with quiet_logs():
@@ -159,6 +158,7 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
                                                           "max_running_requests", "device_pool_tokens", "hisparse")},
                           "speculative": SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False)})
     executor = Executor(cfg, model=tiny_model)
+    executor.catch_up_after = catch_up_after
     oracle_drafter(monkeypatch, executor, truth)
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
@@ -167,6 +167,6 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
         while driver.step():
             most = max([most, *(len(s.behind) for s in executor.seqs.values())])
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
-    assert 0 < most < CATCH_UP_AFTER  # caught up as soon as CATCH_UP_AFTER were held
+    assert 0 < most < catch_up_after  # caught up as soon as catch_up_after were held
     assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
     executor.close()
