@@ -408,7 +408,8 @@ class HiSparseCoordinator:
         return self._room(row, new_tokens, speculative) is not None
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
-        """Locations for the next ``new_tokens`` positions and a buffer wide enough for them.
+        """Locations for the next ``new_tokens`` positions, a buffer wide enough for them, and host
+        pages for their copies.
 
         Raises ``OutOfMemory`` before changing anything when a pool is short. Computes the needs
         once; a row that already has the room (a second call in the same step) changes nothing.
@@ -416,11 +417,14 @@ class HiSparseCoordinator:
         needs = self._room(row, new_tokens, speculative)
         if needs is None:
             raise OutOfMemory("hisparse decode", new_tokens, self.free_pages())
-        logical, physical, _ = needs
+        logical, physical, host = needs
+        end = self._mem[row].length + new_tokens
         if logical:
-            self.alloc.extend(row, self._mem[row].length + new_tokens)
+            self.alloc.extend(row, end)
         if physical:
             self.buffers.grow(row, self.alloc.alloc_physical(row, physical))
+        if host:  # taken now, so that rows checked one after another cannot count the same pages
+            self.host.reserve(row, end)
 
     def prepare_decode(self, rows: list[int]) -> WriteTargets:
         """Where each row's next token (position = its length) writes; raises ``OutOfMemory``.
@@ -459,16 +463,15 @@ class HiSparseCoordinator:
         One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
         """
         num_new = num_new or [1] * len(rows)
-        host_slots = []
+        starts = [self._mem[row].length for row in rows]
+        for row, start, count in zip(rows, starts, num_new):
+            self.host.reserve(row, start + count)
+        host_slots = self.host.record_runs(rows, starts, num_new)
         for row, count in zip(rows, num_new):
-            mem = self._mem[row]
-            positions = torch.arange(mem.length, mem.length + count)
-            self.host.reserve(row, mem.length + count)
-            host_slots.append(self.host.record(row, positions))
-            mem.length += count
+            self._mem[row].length += count
         # a copy of its own: the backup may run after the caller has reused ``slots``
         dev_slots = slots[: sum(num_new)].to(self.device, copy=True)
-        handle = self._backup_stream.copy_rows(self.host.kv, torch.cat(host_slots), self.device_kv, dev_slots)
+        handle = self._backup_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
         self.counters.add_backup(sum(num_new) * self.host.row_bytes)
         for row in rows:
             self._mem[row].backup = handle

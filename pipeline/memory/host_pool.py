@@ -68,6 +68,10 @@ class HostPool:
         """Record that ``positions`` (already reserved) are being copied; returns their host slots."""
         return self.map.record(row, positions)
 
+    def record_runs(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
+        """``record`` of ``[start, start + count)`` of each row in one write; their host slots."""
+        return self.map.record_runs(rows, starts, counts)
+
     def slots(self, row: int, positions: torch.Tensor) -> torch.Tensor:
         return self.map.slots(row, positions)
 

@@ -34,9 +34,11 @@ def test_host_exhaustion_in_finalize_fails_only_that_request(tiny_model, monkeyp
     real_reserve = HostPool.reserve
     seen = {}
 
+    finalizing = []
+
     def reserve(self, row, length):
-        # the victim's 4th verify round finds the host pool full
-        if executor.seqs.get(victim.request_id) and row == executor.seqs[victim.request_id].row:
+        # the victim's 4th verify round finds the host pool full in finalize
+        if finalizing and executor.seqs.get(victim.request_id) and row == executor.seqs[victim.request_id].row:
             seen[row] = seen.get(row, 0) + 1
             if seen[row] == 4:
                 raise OutOfMemory("host", 1, 0)
@@ -47,7 +49,11 @@ def test_host_exhaustion_in_finalize_fails_only_that_request(tiny_model, monkeyp
 
     def finalize(self, rows, accepted, layout):
         mappings_before.update({r: coord.alloc.logical_to_physical.clone() for r in rows})
-        failed = real_finalize(self, rows, accepted, layout)
+        finalizing.append(True)
+        try:
+            failed = real_finalize(self, rows, accepted, layout)
+        finally:
+            finalizing.pop()
         for row in failed:
             d = layout.draft_tokens
             n = coord.length(row)
