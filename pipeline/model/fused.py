@@ -17,7 +17,6 @@ instead whenever no gradient is recorded. What it changes:
   experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
   Larger batches (prefill) keep the per-expert path, which computes only the chosen rows.
-* **Normalisation** in the model's wide dtype (float32, float64) is one ``torch.rms_norm`` call.
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
 
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
-from pipeline.model.layers import DenseMLP, RMSNorm, wide_dtype
+from pipeline.model.layers import DenseMLP, wide_dtype
 
 # the most token x expert rows the dense expert path computes (beyond it, only the chosen rows)
 DENSE_EXPERT_ROWS = 1024
@@ -58,19 +57,6 @@ def _plain(*modules: nn.Module | None) -> bool:
     return all(type(m) is nn.Linear and m.bias is None for m in modules if m is not None)
 
 
-class _Norm:
-    """An ``RMSNorm`` as one call where its wide dtype is the activations' (else the module)."""
-
-    def __init__(self, norm: RMSNorm) -> None:
-        self.norm = norm
-
-    def __call__(self, x: Tensor) -> Tensor:
-        w = self.norm.weight
-        if x.dtype == wide_dtype(x.dtype) and w.dtype == x.dtype:
-            return torch.rms_norm(x, (x.shape[-1],), w, self.norm.eps)
-        return self.norm(x)
-
-
 class FusedLayer:
     """A ``DecoderLayer``'s inference forward (see the module docstring)."""
 
@@ -82,10 +68,10 @@ class FusedLayer:
         self.heads = attn.num_heads
         idx = attn.indexer
         self.has_indexer = idx is not None
-        self.input_norm = _Norm(layer.input_layernorm)
-        self.post_norm = _Norm(layer.post_attention_layernorm)
-        self.q_norm = _Norm(attn.q_a_layernorm)
-        self.kv_norm = _Norm(attn.kv_a_layernorm)
+        self.input_norm = layer.input_layernorm
+        self.post_norm = layer.post_attention_layernorm
+        self.q_norm = attn.q_a_layernorm
+        self.kv_norm = attn.kv_a_layernorm
         dtype = attn.q_a_proj.weight.dtype
         # the indexer's per-head weights join the first matmul when they share the model's dtype
         self.w_in_weights = idx is not None and idx.weights_proj.weight.dtype == dtype
