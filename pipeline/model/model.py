@@ -74,8 +74,12 @@ class DeepseekV32(nn.Module):
 
         Plain RoPE or YaRN (``ModelConfig.rope``); attention and indexer share these.
         """
-        rope = self.cfg.rope
-        return rope_cos_sin(positions, rope.inv_freq(self.cfg.qk_rope_head_dim), dtype, rope.cos_sin_factor())
+        cached = self.__dict__.get("_rope_freqs")  # the config is frozen: computed once
+        if cached is None or cached[0].device != positions.device:
+            rope = self.cfg.rope
+            inv_freq = rope.inv_freq(self.cfg.qk_rope_head_dim).to(positions.device)
+            cached = self.__dict__["_rope_freqs"] = (inv_freq, rope.cos_sin_factor())
+        return rope_cos_sin(positions, cached[0], dtype, cached[1])
 
     def forward(self, input_ids: Tensor, positions: Tensor, backend: AttentionBackend) -> Tensor:
         """``input_ids, positions [T] int64`` -> final-normed hidden states ``[T, D]``."""
