@@ -38,7 +38,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--no-hisparse", action="store_true")
     parser.add_argument(
-        "--hot", type=int, default=64, help="HiSparse device buffer (hot columns; >= the model's index_topk)"
+        "--hot", type=int, default=128,
+        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)

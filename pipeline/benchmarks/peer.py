@@ -45,8 +45,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--spec-steps", type=int, default=3, help="draft tokens per verify round")
-    parser.add_argument("--hot", type=int, default=64,
-                        help="HiSparse device buffer (hot columns; >= the model's index_topk)")
+    parser.add_argument("--hot", type=int, default=128,
+                        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-peer.json")
