@@ -204,6 +204,8 @@ class Executor:
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
             return Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start)
+        finally:
+            self.memory.end_forward()  # whatever forward the command left unfinished
         after = self._swap_totals()
         figures = StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES
         return Outcome(result, figures, changed, None, time.perf_counter() - start)
@@ -339,7 +341,10 @@ class Executor:
         backend = self.memory.backend(
             rows, positions, locs, slots, chunk_starts=starts, trace=self.trace, labels=self._labels()
         )
-        hidden = self.model(ids, positions, backend)  # [T, D]
+        try:
+            hidden = self.model(ids, positions, backend)  # [T, D]
+        finally:
+            self.memory.end_forward()  # swap-in workspace lent to this forward goes back
         lens = [end - start for _, start, end in items]
         ends = torch.cumsum(torch.tensor(lens), 0) - 1
         logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]

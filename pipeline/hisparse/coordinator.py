@@ -87,6 +87,9 @@ class HiSparseCoordinator:
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     verify: VerifyBuffers = attrs.field(init=False)  # verify binding and finalize (speculative rounds)
     _staging_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # row -> why its copy failed
+    # device pages lent to a prefill forward as swap-in workspace (``spare_chunk_rows``), by row; all
+    # returned when the forward ends (``end_forward``)
+    _lent: dict[int, list[int]] = attrs.field(init=False, factory=dict)
     cache: PrefixCache | None = attrs.field(init=False)  # pages of finished requests, by their tokens
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
@@ -289,11 +292,30 @@ class HiSparseCoordinator:
         return torch.cat([self.buffers.locs[row, self.hot :].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)])
 
     def spare_chunk_rows(self, row: int, start: int, end: int) -> torch.Tensor:
-        """Slots of the chunk area that the chunk ``[start, end)`` does not write (its positions past
-        HOT take the first ones): free for the chunk's swap-in to use during the forward."""
+        """Device slots the chunk ``[start, end)``'s swap-in may use as workspace during the forward:
+        the chunk area the chunk does not write (its positions past HOT take the first ones), then
+        free device rows lent for the forward, as many as the earlier positions need (so their
+        groups seldom have to take turns in the hot region), as far as the pool has them free.
+
+        Lent rows hold no mapping and nothing outlives the forward in them; ``end_forward`` returns
+        them, so between forwards a request holds no more than its buffer and one chunk."""
         used = max(0, end - max(start, self.hot))
-        area = self._chunk_area(row)
-        return area[used:].to(self.device)
+        spare = self._chunk_area(row)[used:]
+        page = self.plan.page_size
+        lent = self._lent.setdefault(row, [])  # (asked again within one forward: nothing more)
+        more = min(-(-max(0, start - spare.numel()) // page) - len(lent), self.alloc.physical.num_free_pages)
+        if more > 0:
+            lent.extend(self.alloc.alloc_physical(row, more))
+        if not lent:
+            return spare.to(self.device)
+        return torch.cat([spare, page_slots(lent, page)]).to(self.device)
+
+    def end_forward(self) -> None:
+        """A forward has ended (however it ended): return every device row lent to it."""
+        for row, pages in self._lent.items():
+            if pages:
+                self.alloc.free_physical(row, pages)
+        self._lent.clear()
 
     def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:
         """The forward computed positions ``[start, end)``. A chunk that is not the prompt's last is
@@ -561,6 +583,9 @@ class HiSparseCoordinator:
         With ``tokens`` (the request's known tokens) and a prefix cache, a decoding row's full pages
         whose KV and host copies exist are left to the cache instead of being freed."""
         mem = self._mem.pop(row)
+        lent = self._lent.pop(row, [])
+        if lent:
+            self.alloc.free_physical(row, lent)
         if mem.residency is Residency.STAGING:
             self._staging.remove(row)
         _wait_logged(mem.staging, row, "staging")

@@ -167,6 +167,9 @@ class KVMemory(Protocol):
         """The prefix cache's counters (None without one)."""
         ...
 
+    def end_forward(self) -> None:
+        """A forward has ended (however it ended): return any workspace lent to it."""
+
     def close(self) -> None:
         """Wait for the copies in flight and stop the transfer workers."""
         ...

@@ -229,6 +229,9 @@ class ResidentMemory:
         self.store.req_to_token[row] = 0
         self.rows.free(row)
 
+    def end_forward(self) -> None:
+        """Nothing is lent to a resident forward."""
+
     def close(self) -> None:
         return None
 
