@@ -37,10 +37,14 @@ class PrefillStage:
 
     async def run(self) -> None:
         async with self._inbox, self._staging_out, self._client:
-            while await absorb(self._inbox, self._accept, lambda: len(self.part) > 0):
+            # busy (``Pairing``) from a turn's start until the stage waits: the actor may hold a
+            # decode step for this stage's next Prefill meanwhile
+            while await absorb(self._inbox, self._accept, lambda: len(self.part) > 0, self._client.pause):
+                self._client.busy()
                 handoff = await drive(self.part.turn(), self._client)
                 self.ctx.settle(handoff)
                 if handoff.onward:
+                    self._client.pause()  # staging may be slow to take them
                     await self._staging_out.send(Staged(tuple(handoff.onward)))
             # the engine closes its ends only once nothing is live; anything left is aborted
             leftover = list(self.part.owned.values())

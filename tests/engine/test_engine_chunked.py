@@ -30,6 +30,20 @@ def continuing(rid: str, *, after: int = 0):
 IDS = ("running", "long")
 
 
+def chunk_sizes(executor, rid: str) -> list[int]:
+    """The sizes of ``rid``'s chunks as the executor runs them (alone or in a mixed step), in order."""
+    sizes: list[int] = []
+    for method in ("prefill_chunks", "mixed"):
+        real = getattr(executor, method)
+
+        def recorded(*args, real=real):
+            sizes.extend(c.end - c.start for c in args[-1] if c.request_id == rid)
+            return real(*args)
+
+        setattr(executor, method, recorded)
+    return sizes
+
+
 async def running_then_long(engine, prompts, params, meanwhile=None) -> dict:
     """Start ``running``; once it decodes, start ``long`` (then await ``meanwhile()``, if given);
     returns both results by request id."""
@@ -80,7 +94,9 @@ async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate(continuing("victim", after=3 * CHUNK)).install(engine.executor, "prefill_chunks")
+        gate = Gate(lambda *args: continuing("victim", after=3 * CHUNK)(args[-1]))
+        for method in ("prefill_chunks", "mixed"):  # the chunk runs alone or in the decode step's forward
+            gate.install(engine.executor, method)
         results = {}
 
         async def other():
@@ -115,15 +131,8 @@ async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
     prompts = make_prompts([6, 200], seed=6)
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
-    chunks: list[int] = []
     async with Engine(cfg, model=tiny_model, prefill_pacing=True) as engine:
-        real = engine.executor.prefill_chunks
-
-        def recorded(command_chunks):
-            chunks.extend(c.end - c.start for c in command_chunks if c.request_id == "long")
-            return real(command_chunks)
-
-        engine.executor.prefill_chunks = recorded
+        chunks = chunk_sizes(engine.executor, "long")
         tokens = await running_then_long(engine, prompts, params)
     assert engine.executor.pool_counts() == engine.initial_pool_counts
     assert tokens == expected
