@@ -1,8 +1,10 @@
 """The synchronous driver: the scheduling core's turns in a plain loop, no asyncio.
 
 Each iteration runs one turn of every part of the core in pipeline order (admission, prefill: one
-forward, a chunk of each head prompt; staging, decode), executing their commands directly on the executor, and passes each turn's hand-off
-to the next part. Staging copies are waited for before staging's turn, so which requests join which
+forward, a chunk of each head prompt; staging, decode), executing their commands directly on the
+executor, and passes each turn's hand-off to the next part. While requests decode and a prompt is
+being prefilled (mixed steps on), the prefill and decode turns run side by side instead, their
+``Prefill`` and ``Decode`` in one mixed forward (``Executor.run_together``), then staging's turn. Staging copies are waited for before staging's turn, so which requests join which
 step does not depend on copy timing (the async engine overlaps them instead). It is the oracle and
 the baseline of the async engine, and what many tests drive directly.
 """

@@ -12,9 +12,14 @@ command; the executor runs one command at a time (``run``) and reports what happ
   (``pipeline/speculative/round.py``);
 * ``Release``: every resource of a request goes back, in any state.
 
+``run_together`` runs a ``Decode`` and a ``Prefill`` as one *mixed* forward (``mixed``): the decode
+tokens and the chunks' tokens in one flat batch, attention dispatched per segment
+(``pipeline/memory/mixed.py``); each command gets its own ``Outcome``.
+
 Fault isolation. Work for one request (sampling, acceptance) is guarded request by request; a batched
 forward that raises is retried on halves of its batch until the requests that make it fail are
-found, and only those are reported ``failed``. The retries redo nothing that was committed: a forward
+found, and only those are reported ``failed`` (a mixed forward is bisected over its decode and
+prefill requests together). The retries redo nothing that was committed: a forward
 commits only after it returns, and everything before the commit is idempotent.
 
 Each request samples with its own generator, so its tokens do not depend on its batch companions; a

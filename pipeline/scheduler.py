@@ -255,16 +255,20 @@ class PrefillPace:
     engine is not slowed. The async engine paces (its stages measure real device time); the
     synchronous driver keeps fixed chunks, so that what it does never depends on timing.
 
-    A mixed step (the chunk in the decode step's forward, ``Outcome.mixed``) measures both at once:
-    it leaves ``decode_seconds`` at the latest decode step of its own, and the chunk's share of the
-    step is what it took beyond that step, so a mixed step costs about two decode steps' worth of
-    work for one forward's fixed cost.
+    Mixed steps (the chunk in the decode step's forward, ``Outcome.mixed``): a mixed step leaves
+    ``decode_seconds`` at the latest decode step of its own, and the chunk's share of it is what it
+    took beyond that step. The chunk then gets ``mixed_share`` of a decode step's time: the step
+    costs about 1.5 decode steps, which keeps the running requests' inter-token latency clear of
+    two decode steps, and since the forward's fixed cost is paid once the chunk is still about as
+    large as a chunk of its own forward would be.
     """
 
     min_tokens: int = 16
+    mixed_share: float = 0.5  # of a decode step's time, a mixed step's chunk may add
     decoding: bool = False  # the decode part has members (it says so after each of its turns)
     decode_seconds: float | None = None  # the latest decode step's (or verify's) device time
     seconds_per_token: float | None = None  # the latest prefill forward's device time per token
+    mixing: bool = False  # the latest prefill forward was a mixed step's
 
     def record_decode(self, outcome: Outcome) -> None:
         if not outcome.mixed:
@@ -275,11 +279,13 @@ class PrefillPace:
         if outcome.mixed and self.decode_seconds:  # the chunk's share (a tenth at least: noise)
             seconds = max(seconds - self.decode_seconds, seconds / 10)
         self.seconds_per_token = seconds / tokens
+        self.mixing = outcome.mixed
 
     def budget(self, limit: int | None) -> int | None:
         if not self.decoding or not self.decode_seconds or not self.seconds_per_token:
             return limit
-        fit = max(self.min_tokens, int(self.decode_seconds / self.seconds_per_token))
+        seconds = self.decode_seconds * (self.mixed_share if self.mixing else 1.0)
+        fit = max(self.min_tokens, int(seconds / self.seconds_per_token))
         return fit if limit is None else min(limit, fit)
 
 

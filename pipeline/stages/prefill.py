@@ -3,7 +3,8 @@
 Admitted batches join its part; while the part holds requests it runs one turn after another (one
 prefill forward each: a chunk of each head prompt) and hands the requests whose prompt is done to
 the staging stage. Each turn is one executor command, so the decode stage's commands run between
-the chunks of a long prompt.
+the chunks of a long prompt, or (mixed steps) a chunk runs in the decode step's forward: the stage
+is *busy* (``Pairing``) from a turn's start until it waits for anything but the executor.
 """
 
 from __future__ import annotations
