@@ -153,15 +153,13 @@ class ExecutorActor:
         self.batches = BatchCounters()
         mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
         self.pairing = pairing if mixes else None  # None: every command runs alone
-        self.mixed_steps = 0
+        self._held: Envelope | None = None  # a Decode or Prefill waiting for its partner's
 
     async def run(self) -> None:
-        held: Envelope | None = None  # a Decode or Prefill waiting for its partner's
         async with self._inbox:
             while True:
-                if held is not None and not self._worth_holding(held):
-                    await self._run(held)
-                    held = None
+                if self._held is not None and not self._worth_holding(self._held):
+                    await self._run_held()
                     continue
                 try:
                     envelope = await self._inbox.receive()
@@ -169,21 +167,25 @@ class ExecutorActor:
                     break
                 if envelope.command is None:  # a notice: a stage stopped being busy
                     continue
+                held = self._held
                 if held is not None and _partners(held, envelope):
+                    self._held = None
                     await self._run(held, envelope)
-                    held = None
                 elif held is None and self._worth_holding(envelope):
-                    held = envelope
+                    self._held = envelope
                 else:
                     await self._run(envelope)
                     # the partner's turn took another way than a Decode / Prefill (a speculative
                     # round): the held command runs now; a Release keeps the hold (its turn goes on)
-                    partner = held is not None and envelope.source == PARTNER.get(held.source or "")
-                    if partner and not isinstance(envelope.command, Release):
-                        await self._run(held)
-                        held = None
-        if held is not None:  # never: its stage waits for the reply, so the inbox cannot end
-            await self._run(held)
+                    from_partner = held is not None and envelope.source == PARTNER.get(held.source or "")
+                    if from_partner and not isinstance(envelope.command, Release):
+                        await self._run_held()
+        if self._held is not None:  # never: its stage waits for the reply, so the inbox cannot end
+            await self._run_held()
+
+    async def _run_held(self) -> None:
+        held, self._held = self._held, None
+        await self._run(held)
 
     def _worth_holding(self, envelope: Envelope) -> bool:
         """A Decode or Prefill whose partner stage is busy: its next command may join it."""
@@ -195,12 +197,11 @@ class ExecutorActor:
     async def _run(self, *envelopes: Envelope) -> None:
         """Run one command, or two together (one mixed forward); answer each."""
         stats = self._inbox.statistics()
-        idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0
+        idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0 and self._held is None
         commands = [e.command for e in envelopes]
         outcomes, snapshot = await anyio.to_thread.run_sync(self._execute, commands, idle, limiter=self._limiter)
         self.num_commands += len(commands)
         self.busy_s += outcomes[0].seconds if outcomes[0].mixed else sum(o.seconds for o in outcomes)
-        self.mixed_steps += outcomes[0].mixed
         if snapshot is not None:
             self.snapshot = snapshot
         for envelope, outcome in zip(envelopes, outcomes):
