@@ -509,7 +509,7 @@ class Executor:
         start = time.perf_counter()
         before = self._decode_totals(), self._prefill_totals()
         try:
-            step, chunks = self.mixed(list(decode.request_ids), prefill.chunks)
+            step, chunks, shared = self.mixed(list(decode.request_ids), prefill.chunks)
         except Exception as exc:  # the whole step failed: the requests of both commands fail
             log.error("executor.command_failed", command="Mixed", exc_info=True)
             failed = Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start, mixed=True)
@@ -518,16 +518,20 @@ class Executor:
         after = self._decode_totals(), self._prefill_totals()
         figures = [StepFigures(*(a - b for a, b in zip(x, y))) for x, y in zip(after, before)]
         by_kind = {
-            Decode: Outcome(step, figures[0], True, None, seconds, mixed=True),
-            Prefill: Outcome(chunks, figures[1], True, None, seconds, mixed=True),
+            Decode: Outcome(step, figures[0], True, None, seconds, mixed=shared),
+            Prefill: Outcome(chunks, figures[1], True, None, seconds, mixed=shared),
         }
         return tuple(by_kind[type(c)] for c in commands)
 
     @torch.inference_mode()
-    def mixed(self, request_ids: list[str], chunks: Seq[PrefillChunk]) -> tuple[StepResult, PrefillResult]:
+    def mixed(
+        self, request_ids: list[str], chunks: Seq[PrefillChunk]
+    ) -> tuple[StepResult, PrefillResult, bool]:
         """A decode step of ``request_ids`` and a prefill forward of ``chunks`` in one model forward
         (``pipeline/memory/mixed.py``): the decode tokens, then the chunks' tokens. A failing forward
-        is bisected over both kinds of request together, so a request that fails, fails alone."""
+        is bisected over both kinds of request together, so a request that fails, fails alone.
+        Returns both results and whether the forward really carried both (no decode request may
+        have had room)."""
         items = self._chunk_items(chunks)  # checked before anything is reserved
         runnable, refused = self.reserve(request_ids, new_tokens=1, speculative=False)
         seqs: list = [self.seqs[rid] for rid in runnable]
@@ -537,10 +541,11 @@ class Executor:
         prefilled = [r for r in ran if not isinstance(r[0], Sequence)]
         decode_failed = {rid: why for rid, why in failed.items() if rid in runnable}
         chunk_failed = {rid: why for rid, why in failed.items() if rid not in runnable}
+        shared = bool(seqs) and bool(items)
         if items:
-            self.prefill_counters.record(items, self._prefill_totals(), before, mixed=bool(seqs))
+            self.prefill_counters.record(items, self._prefill_totals(), before, mixed=shared)
         step = self._finish_decode(decoded, decode_failed, refused) if runnable else StepResult({}, refused)
-        return step, self._finish_prefill(prefilled, chunk_failed)
+        return step, self._finish_prefill(prefilled, chunk_failed), shared
 
     def _mixed_forward(self, items: list) -> list:
         """One forward over decode items (``Sequence``) and prefill items (``(Sequence, start, end)``);

@@ -210,3 +210,17 @@ async def test_an_abort_in_the_middle_of_a_mixed_step_releases_everything(tiny_m
         assert engine.stats()["requests"]["ended"].get("abort") == 2
         assert list(results["other"].token_ids) == expected["other"]
         assert engine.executor.pool_counts() == engine.initial_pool_counts
+
+
+def test_no_mixed_steps_on_the_command_line():
+    from pipeline.generate import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--no-mixed-steps", "hi"])).mixed_steps is False
+    assert engine_config(build_parser().parse_args(["hi"])).mixed_steps is True
+
+
+def test_mixed_steps_must_be_a_bool():
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mixed_steps"):
+        attrs.evolve(config(), mixed_steps="yes")
