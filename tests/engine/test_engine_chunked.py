@@ -224,3 +224,21 @@ def test_mixed_steps_must_be_a_bool():
 
     with pytest.raises(ConfigError, match="mixed_steps"):
         attrs.evolve(config(), mixed_steps="yes")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_steps", [None, 2], ids=["plain", "speculative"])
+async def test_a_chunk_whose_decode_partner_stops_coming_still_runs(tiny_model, num_steps):
+    """The running request ends a few steps into the long prompt's chunks (plain), or decodes in
+    speculative rounds, which are never mixed: a chunk the actor holds for the next Decode runs
+    alone once the decode stage waits for work or takes a round. No hang; the driver's tokens."""
+    cfg = attrs.evolve(config(num_steps=num_steps), chunked_prefill_tokens=CHUNK)
+    prompts = make_prompts([6, 120], seed=8)
+    running = SamplingParams(max_new_tokens=4 if num_steps is None else 30, ignore_eos=True)
+    params = [running, SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
+    async with Engine(cfg, model=tiny_model) as engine:
+        with anyio.fail_after(60):  # a hang guard, not a timing assertion
+            tokens = await running_then_long(engine, prompts, params)
+    assert tokens == expected
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
