@@ -37,14 +37,24 @@ class PrefillCounters:
     """Engine-wide prefill figures (``Executor.stats()["prefill"]``)."""
 
     forwards: int = 0  # prefill forwards run
+    mixed_forwards: int = 0  # of those, forwards that carried running requests' decode tokens too
     chunks: int = 0  # request chunks computed (a prompt prefilled whole is one chunk)
     continued_chunks: int = 0  # chunks that do not start their prompt: they read the earlier ones
     misses: int = 0  # rows prefill forwards swapped in host -> device (HiSparse)
     h2d_bytes: int = 0  # bytes those rows moved
 
-    def record(self, items: list[tuple[object, int, int]], after: tuple[int, int, int], before: tuple[int, int, int]) -> None:
-        """One forward over ``items`` (request, start, end); swap-in totals after and before it."""
+    def record(
+        self,
+        items: list[tuple[object, int, int]],
+        after: tuple[int, int, int],
+        before: tuple[int, int, int],
+        *,
+        mixed: bool = False,
+    ) -> None:
+        """One forward over ``items`` (request, start, end); the prefill's swap-in totals after and
+        before it; ``mixed``: the forward carried decode tokens too."""
         self.forwards += 1
+        self.mixed_forwards += mixed
         self.chunks += len(items)
         self.continued_chunks += sum(1 for _, start, _ in items if start > 0)
         self.misses += after[1] - before[1]

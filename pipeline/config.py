@@ -229,6 +229,9 @@ class EngineConfig:
     # None prefills every prompt whole. With HiSparse a request holds at most this chunk plus its
     # buffer in device rows while it is prefilled, whatever its length.
     chunked_prefill_tokens: int | None = DEFAULT_CHUNK
+    # mixed steps: while requests decode, the next prefill chunk runs in the same forward as their
+    # decode step (the step pays its fixed cost once); False runs the two as separate forwards
+    mixed_steps: bool = True
     # prefix caching: a finished (or retracted) request's full pages stay cached, and a prompt that
     # starts with the same tokens shares them and prefills only the rest
     prefix_cache: bool = True
@@ -273,6 +276,7 @@ class EngineConfig:
         if self.chunked_prefill_tokens is not None:
             _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
         _require(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False")
+        _require(isinstance(self.mixed_steps, bool), "mixed_steps", self.mixed_steps, "must be True or False")
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -1,8 +1,10 @@
 """The synchronous driver: the scheduling core's turns in a plain loop, no asyncio.
 
 Each iteration runs one turn of every part of the core in pipeline order (admission, prefill: one
-forward, a chunk of each head prompt; staging, decode), executing their commands directly on the executor, and passes each turn's hand-off
-to the next part. Staging copies are waited for before staging's turn, so which requests join which
+forward, a chunk of each head prompt; staging, decode), executing their commands directly on the
+executor, and passes each turn's hand-off to the next part. While requests decode and a prompt is
+being prefilled (mixed steps on), the prefill and decode turns run side by side instead, their
+``Prefill`` and ``Decode`` in one mixed forward (``Executor.run_together``), then staging's turn. Staging copies are waited for before staging's turn, so which requests join which
 step does not depend on copy timing (the async engine overlaps them instead). It is the oracle and
 the baseline of the async engine, and what many tests drive directly.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import itertools
 
 from pipeline.executor import Executor
+from pipeline.messages import Command, Decode, Outcome, Prefill
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Handoff, Scheduler, SpecPolicy, Turn, end
@@ -41,6 +44,8 @@ class SyncDriver:
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # a prefill chunk shares its forward with the decode step (``Executor.run_together``)
+        self.mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
 
     @property
     def speculative(self) -> bool:
@@ -93,12 +98,19 @@ class SyncDriver:
         """One scheduler iteration; False once nothing is left to do."""
         core = self.core
         self._route(self._drive(core.admission.turn()), "admission")
-        if len(core.prefill):  # one prefill forward: a chunk of each head prompt
-            self._route(self._drive(core.prefill.turn()), "prefill")
-        self.executor.wait_staging()
-        self._route(self._drive(core.staging.turn()), "staging")
-        if len(core.decode):
-            self._route(self._drive(core.decode.turn()), "decode")
+        if self.mixes and len(core.prefill) and len(core.decode):  # one mixed step, then staging
+            handoffs = self._drive_together({"prefill": core.prefill.turn(), "decode": core.decode.turn()})
+            for part in ("prefill", "decode"):
+                self._route(handoffs[part], part)
+            self.executor.wait_staging()
+            self._route(self._drive(core.staging.turn()), "staging")
+        else:
+            if len(core.prefill):  # one prefill forward: a chunk of each head prompt
+                self._route(self._drive(core.prefill.turn()), "prefill")
+            self.executor.wait_staging()
+            self._route(self._drive(core.staging.turn()), "staging")
+            if len(core.decode):
+                self._route(self._drive(core.decode.turn()), "decode")
         if self.check:
             self.check_integrity()
         return any(not r.is_finished for r in self.requests.values())
@@ -111,6 +123,36 @@ class SyncDriver:
                 command = turn.send(self.executor.run(command))
         except StopIteration as stop:
             return stop.value
+
+    def _drive_together(self, turns: dict[str, Turn]) -> dict[str, Handoff]:
+        """Run turns side by side until each returns its hand-off: a ``Decode`` of one and a
+        ``Prefill`` of the other go to the executor together (one mixed forward); any other command
+        runs alone as soon as it is yielded, and a command left without its partner (the other turn
+        ended, or yields a speculative round) runs alone."""
+        pending: dict[str, Command] = {}
+        handoffs: dict[str, Handoff] = {}
+
+        def advance(name: str, outcome: Outcome | None) -> None:
+            turn = turns[name]
+            try:
+                pending[name] = next(turn) if outcome is None else turn.send(outcome)
+            except StopIteration as stop:
+                pending.pop(name, None)
+                handoffs[name] = stop.value
+
+        for name in turns:
+            advance(name, None)
+        while pending:
+            alone = [n for n, c in pending.items() if not isinstance(c, (Decode, Prefill))]
+            kinds = {type(c) for c in pending.values()}
+            if not alone and kinds == {Decode, Prefill}:
+                names = list(pending)
+                for name, outcome in zip(names, self.executor.run_together([pending[n] for n in names])):
+                    advance(name, outcome)
+                continue
+            name = alone[0] if alone else next(iter(pending))
+            advance(name, self.executor.run(pending[name]))
+        return handoffs
 
     def _route(self, handoff: Handoff, part: str) -> None:
         core = self.core

@@ -62,7 +62,8 @@ class Engine:
     ``on_exit``: what leaving the block does to requests in flight, ``"abort"`` or ``"finish"``.
     ``trace_path``: record every top-k selection for offline cache-policy replay.
     ``prefill_pacing``: while requests decode, keep each prefill chunk to about one decode step's
-    device time (``PrefillPace``): the running requests' inter-token latency stays near two decode
+    device time (``PrefillPace``; in a mixed step, ``EngineConfig.mixed_steps``, about half a decode
+    step's on top of the step): the running requests' inter-token latency stays below two decode
     steps, and a long prompt takes longer to its first token. False (default): chunks of
     ``chunked_prefill_tokens`` always.
     """

@@ -12,9 +12,14 @@ command; the executor runs one command at a time (``run``) and reports what happ
   (``pipeline/speculative/round.py``);
 * ``Release``: every resource of a request goes back, in any state.
 
+``run_together`` runs a ``Decode`` and a ``Prefill`` as one *mixed* forward (``mixed``): the decode
+tokens and the chunks' tokens in one flat batch, attention dispatched per segment
+(``pipeline/memory/mixed.py``); each command gets its own ``Outcome``.
+
 Fault isolation. Work for one request (sampling, acceptance) is guarded request by request; a batched
 forward that raises is retried on halves of its batch until the requests that make it fail are
-found, and only those are reported ``failed``. The retries redo nothing that was committed: a forward
+found, and only those are reported ``failed`` (a mixed forward is bisected over its decode and
+prefill requests together). The retries redo nothing that was committed: a forward
 commits only after it returns, and everything before the commit is idempotent.
 
 Each request samples with its own generator, so its tokens do not depend on its batch companions; a
@@ -40,6 +45,7 @@ from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace, trace_meta
 from pipeline.hisparse.transfer import TransferStream
 from pipeline.memory.interface import KVMemory, Residency
+from pipeline.memory.mixed import MixedBackend
 from pipeline.memory.resident import ResidentMemory
 from pipeline.messages import (
     NO_FIGURES,
@@ -64,6 +70,7 @@ from pipeline.messages import (
     Verify,
 )
 from pipeline.model import DeepseekV32, load_model
+from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
@@ -278,6 +285,13 @@ class Executor:
         """One forward over a chunk of each request's prompt (a failing forward is bisected). A
         request whose chunk ends its prompt samples its first token, draft-extends (speculative; the
         MTP rows of earlier chunks are written with their chunk) and starts staging."""
+        items = self._chunk_items(chunks)
+        before = self._prefill_totals()
+        ran, failed = self.isolate(items, self._prefill_forward, "prefill")
+        self.prefill_counters.record(items, self._prefill_totals(), before)
+        return self._finish_prefill(ran, failed)
+
+    def _chunk_items(self, chunks: Seq[PrefillChunk]) -> list[tuple[Sequence, int, int]]:
         items = []
         for chunk in chunks:
             seq = self.seqs[chunk.request_id]
@@ -287,9 +301,11 @@ class Executor:
                     f"prefill ({seq.prefilled} of {len(seq.token_ids)} positions computed)"
                 )
             items.append((seq, chunk.start, chunk.end))
-        before = self._swap_totals()
-        ran, failed = self.isolate(items, self._prefill_forward, "prefill")
-        self.prefill_counters.record(items, self._swap_totals(), before)
+        return items
+
+    def _finish_prefill(self, ran: list, failed: dict[str, str]) -> PrefillResult:
+        """After a prefill forward: commit each chunk; a prompt's last chunk samples its first token,
+        draft-extends (speculative) and starts staging."""
         first: dict[str, int] = {}
         extend: list[tuple[Sequence, ExtendInput]] = []
         for (seq, start, end), hidden, logits in ran:
@@ -330,6 +346,14 @@ class Executor:
     def _prefill_forward(
         self, items: list[tuple[Sequence, int, int]]
     ) -> list[tuple[tuple[Sequence, int, int], torch.Tensor | None, torch.Tensor]]:
+        batch = self._prefill_batch(items)
+        try:
+            hidden = self.model(batch.ids, batch.positions, batch.backend)  # [T, D]
+        finally:
+            self.memory.end_forward()  # swap-in workspace lent to this forward goes back
+        return self._prefill_outputs(items, hidden)
+
+    def _prefill_batch(self, items: list[tuple[Sequence, int, int]]) -> _Batch:
         dev = self.device
         targets = [self.memory.prefill_targets(seq.row, start, end) for seq, start, end in items]
         ids = torch.tensor([t for seq, start, end in items for t in seq.token_ids[start:end]], device=dev)
@@ -341,10 +365,14 @@ class Executor:
         backend = self.memory.backend(
             rows, positions, locs, slots, chunk_starts=starts, trace=self.trace, labels=self._labels()
         )
-        try:
-            hidden = self.model(ids, positions, backend)  # [T, D]
-        finally:
-            self.memory.end_forward()  # swap-in workspace lent to this forward goes back
+        return _Batch(ids, positions, backend)
+
+    def _prefill_outputs(
+        self, items: list[tuple[Sequence, int, int]], hidden: torch.Tensor
+    ) -> list[tuple[tuple[Sequence, int, int], torch.Tensor | None, torch.Tensor]]:
+        """Per chunk: (the item, its hidden states (speculative: the draft extend's input), the
+        logits of its last token)."""
+        dev = self.device
         lens = [end - start for _, start, end in items]
         ends = torch.cumsum(torch.tensor(lens), 0) - 1
         logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
@@ -433,6 +461,10 @@ class Executor:
             return StepResult({}, refused)
         seqs = [self.seqs[rid] for rid in runnable]
         ran, failed = self.isolate(seqs, self._decode_forward, "decode")
+        return self._finish_decode(ran, failed, refused)
+
+    def _finish_decode(self, ran: list, failed: dict[str, str], refused: tuple[str, ...]) -> StepResult:
+        """After a decode forward: commit the new rows, sample each request's next token."""
         out: dict[str, tuple[int, ...]] = {}
         if ran:
             self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
@@ -461,6 +493,11 @@ class Executor:
         return seqs
 
     def _decode_forward(self, seqs: list[Sequence]) -> list[tuple[Sequence, tuple[torch.Tensor, torch.Tensor]]]:
+        batch = self._decode_batch(seqs)
+        hidden = self.model(batch.ids, batch.positions, batch.backend)  # [B, D]
+        return self._decode_outputs(seqs, batch, hidden)
+
+    def _decode_batch(self, seqs: list[Sequence]) -> _Batch:
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
         dev = self.device
@@ -470,9 +507,87 @@ class Executor:
         backend = self.memory.backend(
             rows, positions, targets.locs, targets.slots, steps=1, trace=self.trace, labels=self._labels()
         )
-        hidden = self.model(ids, positions, backend)  # [B, D]
+        return _Batch(ids, positions, backend, targets.slots)
+
+    def _decode_outputs(self, seqs: list[Sequence], batch: _Batch, hidden: torch.Tensor) -> list:
         logits = self.model.logits(hidden)  # [B, V]
-        return [(s, (targets.slots[i : i + 1], logits[i], hidden[i])) for i, s in enumerate(seqs)]
+        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i])) for i, s in enumerate(seqs)]
+
+    # --- a mixed step -------------------------------------------------------------------------------
+
+    def run_together(self, commands: Seq[Command], *, idle: bool = False) -> tuple[Outcome, ...]:
+        """Run ``commands`` and return each one's own ``Outcome``, in order. One ``Decode`` and one
+        ``Prefill`` (and mixed steps on) run as one mixed forward (``mixed``): the outcome of each
+        says ``mixed`` and carries the shared forward's seconds and its own swap-in figures. Anything
+        else runs one command after the other (``run``)."""
+        kinds = sorted(type(c).__name__ for c in commands)
+        if kinds != ["Decode", "Prefill"] or not self.config.mixed_steps:
+            return tuple(self.run(c, idle=idle) for c in commands)
+        decode = next(c for c in commands if isinstance(c, Decode))
+        prefill = next(c for c in commands if isinstance(c, Prefill))
+        try:
+            self._chunk_items(prefill.chunks)
+        except Exception:  # a chunk that does not continue its prompt fails its command alone
+            return tuple(self.run(c, idle=idle) for c in commands)
+        start = time.perf_counter()
+        before = self._decode_totals(), self._prefill_totals()
+        try:
+            step, chunks, shared = self.mixed(list(decode.request_ids), prefill.chunks)
+        except Exception as exc:  # the whole step failed: the requests of both commands fail
+            log.error("executor.command_failed", command="Mixed", exc_info=True)
+            failed = Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start, mixed=True)
+            return tuple(failed for _ in commands)
+        seconds = time.perf_counter() - start
+        after = self._decode_totals(), self._prefill_totals()
+        figures = [StepFigures(*(a - b for a, b in zip(x, y))) for x, y in zip(after, before)]
+        by_kind = {
+            Decode: Outcome(step, figures[0], True, None, seconds, mixed=shared),
+            Prefill: Outcome(chunks, figures[1], True, None, seconds, mixed=shared),
+        }
+        return tuple(by_kind[type(c)] for c in commands)
+
+    @torch.inference_mode()
+    def mixed(
+        self, request_ids: list[str], chunks: Seq[PrefillChunk]
+    ) -> tuple[StepResult, PrefillResult, bool]:
+        """A decode step of ``request_ids`` and a prefill forward of ``chunks`` in one model forward
+        (``pipeline/memory/mixed.py``): the decode tokens, then the chunks' tokens. A failing forward
+        is bisected over both kinds of request together, so a request that fails, fails alone.
+        Returns both results and whether the forward really carried both (no decode request may
+        have had room)."""
+        items = self._chunk_items(chunks)  # checked before anything is reserved
+        runnable, refused = self.reserve(request_ids, new_tokens=1, speculative=False)
+        seqs: list = [self.seqs[rid] for rid in runnable]
+        before = self._prefill_totals()
+        ran, failed = self.isolate(seqs + items, self._mixed_forward, "mixed step")
+        decoded = [r for r in ran if isinstance(r[0], Sequence)]
+        prefilled = [r for r in ran if not isinstance(r[0], Sequence)]
+        decode_failed = {rid: why for rid, why in failed.items() if rid in runnable}
+        chunk_failed = {rid: why for rid, why in failed.items() if rid not in runnable}
+        shared = bool(seqs) and bool(items)
+        if items:
+            self.prefill_counters.record(items, self._prefill_totals(), before, mixed=shared)
+        step = self._finish_decode(decoded, decode_failed, refused) if runnable else StepResult({}, refused)
+        return step, self._finish_prefill(prefilled, chunk_failed), shared
+
+    def _mixed_forward(self, items: list) -> list:
+        """One forward over decode items (``Sequence``) and prefill items (``(Sequence, start, end)``);
+        the results of ``_decode_forward`` and of ``_prefill_forward``, decode first."""
+        seqs = [x for x in items if isinstance(x, Sequence)]
+        chunks = [x for x in items if not isinstance(x, Sequence)]
+        if not chunks:
+            return self._decode_forward(seqs)
+        if not seqs:
+            return self._prefill_forward(chunks)
+        decode, prefill = self._decode_batch(seqs), self._prefill_batch(chunks)
+        backend = MixedBackend(decode.backend, prefill.backend, len(seqs))
+        ids = torch.cat([decode.ids, prefill.ids])
+        try:
+            hidden = self.model(ids, torch.cat([decode.positions, prefill.positions]), backend)  # [B + T, D]
+        finally:
+            self.memory.end_forward()  # swap-in workspace lent to the chunks goes back
+        n = len(seqs)
+        return self._decode_outputs(seqs, decode, hidden[:n]) + self._prefill_outputs(chunks, hidden[n:])
 
     # --- a speculative round ------------------------------------------------------------------------
 
@@ -650,15 +765,32 @@ class Executor:
         return dict(self._by_row) if self.trace is not None else None
 
     def _swap_totals(self) -> tuple[int, int, int]:
+        """A command's figures: the swap-ins of decode and verify, and a prefill's loads."""
+        return tuple(a + b for a, b in zip(self._decode_totals(), self._prefill_totals()))
+
+    def _decode_totals(self) -> tuple[int, int, int]:
+        """Swap-in totals of decode and verify (hits, misses, bytes); zeros without HiSparse."""
         counters = getattr(self.memory, "counters", None)
         if counters is None:
             return 0, 0, 0
-        # a command's figures: the swap-ins of decode and verify, and a prefill's loads
-        return (
-            sum(counters.hits) + sum(counters.prefill_hits),
-            sum(counters.misses) + sum(counters.prefill_loads),
-            sum(counters.h2d_bytes) + sum(counters.prefill_h2d_bytes),
-        )
+        return sum(counters.hits), sum(counters.misses), sum(counters.h2d_bytes)
+
+    def _prefill_totals(self) -> tuple[int, int, int]:
+        """A prefill's earlier positions found on the device, loaded from host, and their bytes."""
+        counters = getattr(self.memory, "counters", None)
+        if counters is None:
+            return 0, 0, 0
+        return sum(counters.prefill_hits), sum(counters.prefill_loads), sum(counters.prefill_h2d_bytes)
+
+
+@attrs.frozen
+class _Batch:
+    """The model inputs of one forward's tokens and the backend prepared for them."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    backend: AttentionBackend
+    slots: torch.Tensor | None = None  # decode: the device slot of each token's new row
 
 
 def _request_id(item: object) -> str:

@@ -84,8 +84,12 @@ def add_budget_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_chunk_argument(p: argparse.ArgumentParser) -> None:
-    """``--chunked-prefill-tokens`` and ``--no-prefix-cache`` (generate, chat and serve)."""
+    """``--chunked-prefill-tokens``, ``--no-mixed-steps`` and ``--no-prefix-cache`` (generate, chat
+    and serve)."""
     p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt (no prefix caching)")
+    p.add_argument(
+        "--no-mixed-steps", action="store_true", help="run prefill chunks and decode steps as separate forwards"
+    )
     p.add_argument(
         "--chunked-prefill-tokens",
         type=int,
@@ -121,6 +125,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
+        mixed_steps=not args.no_mixed_steps,
         prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
         tensor_parallel_size=args.tp,

@@ -191,6 +191,9 @@ class Outcome:
     changed: bool = False  # memory or request state changed (stages waiting for memory look again)
     error: str | None = None  # the command raised outside any one request: exception type and message
     seconds: float = 0.0  # wall time of the command
+    # the command ran in one forward with another (``Executor.run_together``): ``seconds`` is the
+    # shared forward's
+    mixed: bool = False
 
 
 # --- between stages (async engine) ----------------------------------------------------------------

@@ -254,17 +254,38 @@ class PrefillPace:
     A running request then waits about one decode step for a chunk, and a prompt arriving at an idle
     engine is not slowed. The async engine paces (its stages measure real device time); the
     synchronous driver keeps fixed chunks, so that what it does never depends on timing.
+
+    Mixed steps (the chunk in the decode step's forward, ``Outcome.mixed``): a mixed step leaves
+    ``decode_seconds`` at the latest decode step of its own, and the chunk's share of it is what it
+    took beyond that step. The chunk then gets ``mixed_share`` of a decode step's time: the step
+    costs about 1.5 decode steps, which keeps the running requests' inter-token latency clear of
+    two decode steps, and since the forward's fixed cost is paid once the chunk is still about as
+    large as a chunk of its own forward would be.
     """
 
     min_tokens: int = 16
+    mixed_share: float = 0.5  # of a decode step's time, a mixed step's chunk may add
     decoding: bool = False  # the decode part has members (it says so after each of its turns)
     decode_seconds: float | None = None  # the latest decode step's (or verify's) device time
     seconds_per_token: float | None = None  # the latest prefill forward's device time per token
+    mixing: bool = False  # the latest prefill forward was a mixed step's
+
+    def record_decode(self, outcome: Outcome) -> None:
+        if not outcome.mixed:
+            self.decode_seconds = outcome.seconds
+
+    def record_prefill(self, outcome: Outcome, tokens: int) -> None:
+        seconds = outcome.seconds
+        if outcome.mixed and self.decode_seconds:  # the chunk's share (a tenth at least: noise)
+            seconds = max(seconds - self.decode_seconds, seconds / 10)
+        self.seconds_per_token = seconds / tokens
+        self.mixing = outcome.mixed
 
     def budget(self, limit: int | None) -> int | None:
         if not self.decoding or not self.decode_seconds or not self.seconds_per_token:
             return limit
-        fit = max(self.min_tokens, int(self.decode_seconds / self.seconds_per_token))
+        seconds = self.decode_seconds * (self.mixed_share if self.mixing else 1.0)
+        fit = max(self.min_tokens, int(seconds / self.seconds_per_token))
         return fit if limit is None else min(limit, fit)
 
 
@@ -312,7 +333,7 @@ class PrefillPart:
         reqs = [self.owned[c.request_id] for c in chunks]
         outcome = yield Prefill(chunks)
         if self.pace is not None and outcome.error is None:
-            self.pace.seconds_per_token = outcome.seconds / sum(c.end - c.start for c in chunks)
+            self.pace.record_prefill(outcome, sum(c.end - c.start for c in chunks))
         if outcome.error is not None:
             for req in reqs:
                 self.remove(req.request_id)
@@ -576,7 +597,7 @@ class DecodePart:
         that finished or failed."""
         figures = figures_of(outcome, batch_size)
         if self.pace is not None:
-            self.pace.decode_seconds = outcome.seconds
+            self.pace.record_decode(outcome)
         if verified:
             self.policy.record_round([len(tokens) for tokens in result.tokens.values()])
         ending: list[tuple[Request, Event]] = []

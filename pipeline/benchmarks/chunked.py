@@ -10,10 +10,12 @@ Two measurements, each alternating its configurations repeat by repeat in one pr
 2. **Inter-token latency while a long prompt arrives** (the async engine): ``--running`` requests
    decode; once each has streamed a few tokens a ``--long``-token prompt is submitted. The gaps
    between the running requests' deltas while that prompt is prefilled (from its submission to its
-   first token) are the inter-token latencies reported, p50 and p99: chunks paced by the decode
-   steps (``Engine(prefill_pacing=True)``), fixed chunks (the default) and whole prompts, beside
-   the same running requests with no prompt arriving (the same number of gaps); and the long
-   prompt's own time to first token in each.
+   first token) are the inter-token latencies reported, p50 and p99: mixed steps (each chunk in the
+   running requests' decode forward, the default), with fixed chunks and with chunks paced by the
+   decode steps (``Engine(prefill_pacing=True)``); separate chunk and decode forwards
+   (``mixed_steps=False``), fixed and paced; and whole prompts; beside the same running requests
+   with no prompt arriving (the same number of gaps); and the long prompt's own time to first token
+   in each.
 """
 
 from __future__ import annotations
@@ -44,7 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
 
 
-def config(args: argparse.Namespace, *, chunk: int | None, pool: int, rows: int = 2) -> EngineConfig:
+def config(
+    args: argparse.Namespace, *, chunk: int | None, pool: int, rows: int = 2, mixed: bool = False
+) -> EngineConfig:
     context = min(args.long + 64, 4096) if args.model == "tiny" else args.long + 64
     ratio = -(-(context * rows + 1024) // pool)  # the host and logical pools hold every request
     return EngineConfig(
@@ -54,6 +58,7 @@ def config(args: argparse.Namespace, *, chunk: int | None, pool: int, rows: int 
         max_running_requests=rows,
         device_pool_tokens=pool,
         chunked_prefill_tokens=chunk,
+        mixed_steps=mixed,
         hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=max(1, ratio)),
         speculative=None,
         seed=args.seed,
@@ -193,16 +198,19 @@ def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[
     pool = (args.long + 64) + rows * (args.hot + 64)
     pool = -(-pool // 16) * 16
     cfgs = {
+        "mixed_paced": config(args, chunk=args.chunk, pool=pool, rows=rows, mixed=True),
+        "mixed": config(args, chunk=args.chunk, pool=pool, rows=rows, mixed=True),
         "paced": config(args, chunk=args.chunk, pool=pool, rows=rows),
         "chunked": config(args, chunk=args.chunk, pool=pool, rows=rows),
         "whole": config(args, chunk=None, pool=pool, rows=rows),
     }
-    samples: dict[str, list[float]] = {"none": [], "paced": [], "chunked": [], "whole": []}
+    paced = {"mixed_paced", "paced"}
+    samples: dict[str, list[float]] = {"none": [], **{name: [] for name in cfgs}}
     windows: dict[str, list[float]] = {name: [] for name in cfgs}
     for repeat in range(args.repeats):
-        order = ("paced", "chunked", "whole") if repeat % 2 == 0 else ("whole", "chunked", "paced")
+        order = list(cfgs) if repeat % 2 == 0 else list(reversed(cfgs))
         for name in order:
-            run = itl_run(model, cfgs[name], running, long, None, pacing=name == "paced")
+            run = itl_run(model, cfgs[name], running, long, None, pacing=name in paced)
             samples[name].extend(run["gaps"])
             windows[name].append(run["window_s"])
         # the same running requests, no prompt arriving: as many gaps as the chunked window had
@@ -246,11 +254,17 @@ def main(argv: list[str]) -> int:
           f"{first['ttft_ratio_min_max'][1]:.2f}); same first token: {'yes' if first['same_first_token'] else 'NO'}")
     print()
     print(f"inter-token latency of {args.running} running requests while the prompt is prefilled")
-    labels = {"paced": f"chunks of {args.chunk}, paced", "chunked": f"chunks of {args.chunk}", "whole": "whole"}
+    labels = {
+        "mixed_paced": f"mixed steps, chunks of {args.chunk}, paced",
+        "mixed": f"mixed steps, chunks of {args.chunk}",
+        "paced": f"chunks of {args.chunk}, paced",
+        "chunked": f"chunks of {args.chunk}",
+        "whole": "whole",
+    }
     print(table(
         ["prompt arriving", "p50 (ms)", "p99 (ms)", "max (ms)", "gaps", "p99 / no prompt", "its TTFT (s)"],
         [["none", itl["none"]["p50_ms"], itl["none"]["p99_ms"], itl["none"]["max_ms"], itl["none"]["gaps"], 1.0, "-"]]
         + [[labels[n], itl[n]["p50_ms"], itl[n]["p99_ms"], itl[n]["max_ms"], itl[n]["gaps"], itl[f"{n}_p99_over_none"],
-            itl[n]["ttft_s"]] for n in ("paced", "chunked", "whole")],
+            itl[n]["ttft_s"]] for n in labels],
     ))  # fmt: skip
     return 0

@@ -99,6 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
         speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
         chunked_prefill_tokens=chunk_tokens(args),
+        mixed_steps=not args.no_mixed_steps,
         prefix_cache=not args.no_prefix_cache,
         seed=args.seed,
         tensor_parallel_size=args.tp,

@@ -26,11 +26,16 @@ def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
 
 
 async def absorb(
-    inbox: MemoryObjectReceiveStream, accept: Callable[[object], None], has_work: Callable[[], bool]
+    inbox: MemoryObjectReceiveStream,
+    accept: Callable[[object], None],
+    has_work: Callable[[], bool],
+    before_wait: Callable[[], None] | None = None,
 ) -> bool:
-    """A stage's wait: with nothing to do, wait for one message; then take every message already
-    waiting. False once the inbox has ended (the stage ends)."""
+    """A stage's wait: with nothing to do, wait for one message (``before_wait`` is called first);
+    then take every message already waiting. False once the inbox has ended (the stage ends)."""
     if not has_work():
+        if before_wait is not None:
+            before_wait()
         try:
             accept(await inbox.receive())
         except anyio.EndOfStream:

@@ -40,9 +40,12 @@ class DecodeStage:
 
     async def run(self) -> None:
         async with self._inbox, self._client:
-            while await absorb(self._inbox, self._accept, self._has_work):
+            # busy (``Pairing``) from a turn's start until the stage waits: the actor may hold a
+            # prefill chunk for this stage's next Decode meanwhile
+            while await absorb(self._inbox, self._accept, self._has_work, self._client.pause):
                 if not self._has_work():
                     continue
+                self._client.busy()
                 handoff = await drive(self.part.turn(self._runnable()), self._client)
                 self.ctx.settle(handoff)
                 if handoff.requeue:

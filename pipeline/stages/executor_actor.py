@@ -9,6 +9,16 @@ while the engine runs. ``Executor.run`` is the same entry point the synchronous 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
 for memory look again) and refreshes the statistics snapshot that ``Engine.stats()`` reads without
 crossing threads.
+
+Mixed steps. The decode stage's ``Decode`` and the prefill stage's ``Prefill`` run as one forward
+(``Executor.run_together``) when both are at hand. The two stages run concurrently, so one command
+usually arrives a moment before the other; the actor then *holds* it, but only while the other
+stage is busy (``Pairing``): it is inside its loop and will send its next command without waiting for
+anything but the actor's replies. A stage stops being busy, and says so, before every other wait
+(an empty inbox, a full hand-off to the next stage) and before it ends, and the actor looks again
+then. While it holds one command the actor runs every other command as it comes; the partner's
+``Release`` keeps the hold (its turn goes on), any other command of the partner (a speculative
+round) ends it: the held command then runs alone, so a chunk makes progress beside speculation.
 """
 
 from __future__ import annotations
@@ -21,7 +31,10 @@ import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.executor import Executor
-from pipeline.messages import Command, Decode, Outcome, Verify
+from pipeline.messages import Command, Decode, Outcome, Prefill, Release, Verify
+
+# the stage whose commands may share a forward with each stage's: its partner
+PARTNER = {"decode": "prefill", "prefill": "decode"}
 
 
 @attrs.define
@@ -53,23 +66,52 @@ class BatchCounters:
 
 @attrs.frozen
 class Envelope:
-    """A command and where its outcome goes."""
+    """A command and where its outcome goes; a *notice* (no command) only wakes the actor."""
 
-    command: Command
-    reply: MemoryObjectSendStream[Outcome]  # one-shot, buffer 1: the actor never waits on a reply
+    command: Command | None
+    reply: MemoryObjectSendStream[Outcome] | None  # one-shot, buffer 1: the actor never waits on a reply
+    source: str | None = None  # the sending stage's name
+
+
+@attrs.define(eq=False)
+class Pairing:
+    """Which of the stages whose commands may be mixed (decode, prefill) are *busy*: inside their
+    loop, about to send the actor their next command without waiting for anything else."""
+
+    busy: dict[str, bool] = attrs.Factory(lambda: dict.fromkeys(PARTNER, False))
 
 
 class ExecutorClient:
     """A stage's handle on the executor actor: ``await client.call(command)``. Each stage owns one
-    (a clone of the actor's inbox send end) and closes it when the stage ends."""
+    (a clone of the actor's inbox send end) and closes it when the stage ends. The decode and
+    prefill stages' clients also carry the ``Pairing`` they set their busy flag in."""
 
-    def __init__(self, send: MemoryObjectSendStream[Envelope]) -> None:
+    def __init__(
+        self, send: MemoryObjectSendStream[Envelope], name: str | None = None, pairing: Pairing | None = None
+    ) -> None:
         self._send = send
+        self.name = name
+        self._pairing = pairing
+
+    def busy(self) -> None:
+        """The stage is about to send commands back to back (its turn starts)."""
+        if self._pairing is not None:
+            self._pairing.busy[self.name] = True
+
+    def pause(self) -> None:
+        """The stage is about to wait for something other than the actor (or to end): an actor
+        holding a command for this stage's next one looks again."""
+        if self._pairing is None or not self._pairing.busy[self.name]:
+            return
+        self._pairing.busy[self.name] = False
+        # a full inbox wakes the actor anyway; the flag is what it reads
+        with suppress(anyio.WouldBlock, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            self._send.send_nowait(Envelope(None, None, self.name))
 
     async def call(self, command: Command) -> Outcome:
         reply_send, reply_receive = anyio.create_memory_object_stream[Outcome](1)
         with reply_receive:
-            envelope = Envelope(command, reply_send)
+            envelope = Envelope(command, reply_send, self.name)
             try:
                 self._send.send_nowait(envelope)  # the usual case: room in the inbox, no extra loop turn
             except anyio.WouldBlock:
@@ -77,9 +119,11 @@ class ExecutorClient:
             return await reply_receive.receive()
 
     async def aclose(self) -> None:
+        self.pause()  # an ending stage is never waited for
         await self._send.aclose()
 
     def close(self) -> None:
+        self.pause()
         self._send.close()
 
     async def __aenter__(self) -> ExecutorClient:
@@ -97,6 +141,7 @@ class ExecutorActor:
         executor: Executor,
         inbox: MemoryObjectReceiveStream[Envelope],
         on_change: Callable[[], None],
+        pairing: Pairing | None = None,
     ) -> None:
         self.executor = executor
         self._inbox = inbox
@@ -106,27 +151,78 @@ class ExecutorActor:
         self.num_commands = 0
         self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)
         self.batches = BatchCounters()
+        mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
+        self.pairing = pairing if mixes else None  # None: every command runs alone
+        self._held: Envelope | None = None  # a Decode or Prefill waiting for its partner's
 
     async def run(self) -> None:
         async with self._inbox:
-            async for envelope in self._inbox:
-                stats = self._inbox.statistics()
-                idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0
-                outcome, snapshot = await anyio.to_thread.run_sync(
-                    self._execute, envelope.command, idle, limiter=self._limiter
-                )
-                self.num_commands += 1
-                self.busy_s += outcome.seconds
-                if snapshot is not None:
-                    self.snapshot = snapshot
-                with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    envelope.reply.send_nowait(outcome)  # the caller may have been cancelled
-                envelope.reply.close()
-                if outcome.changed:
-                    self._on_change()
+            while True:
+                if self._held is not None and not self._worth_holding(self._held):
+                    await self._run_held()
+                    continue
+                try:
+                    envelope = await self._inbox.receive()
+                except anyio.EndOfStream:
+                    break
+                if envelope.command is None:  # a notice: a stage stopped being busy
+                    continue
+                held = self._held
+                if held is not None and _partners(held, envelope):
+                    self._held = None
+                    await self._run(held, envelope)
+                elif held is None and self._worth_holding(envelope):
+                    self._held = envelope
+                else:
+                    await self._run(envelope)
+                    # the partner's turn took another way than a Decode / Prefill (a speculative
+                    # round): the held command runs now; a Release keeps the hold (its turn goes on)
+                    from_partner = held is not None and envelope.source == PARTNER.get(held.source or "")
+                    if from_partner and not isinstance(envelope.command, Release):
+                        await self._run_held()
+        if self._held is not None:  # never: its stage waits for the reply, so the inbox cannot end
+            await self._run_held()
 
-    def _execute(self, command: Command, idle: bool) -> tuple[Outcome, dict[str, object] | None]:
-        """In the worker thread: the command, then (if it changed anything) fresh statistics."""
-        outcome = self.executor.run(command, idle=idle)
-        self.batches.record(command, len(self.executor.seqs))
-        return outcome, (self.executor.stats() if outcome.changed else None)
+    async def _run_held(self) -> None:
+        held, self._held = self._held, None
+        await self._run(held)
+
+    def _worth_holding(self, envelope: Envelope) -> bool:
+        """A Decode or Prefill whose partner stage is busy: its next command may join it."""
+        if self.pairing is None or not isinstance(envelope.command, (Decode, Prefill)):
+            return False
+        partner = PARTNER.get(envelope.source or "")
+        return partner is not None and self.pairing.busy[partner]
+
+    async def _run(self, *envelopes: Envelope) -> None:
+        """Run one command, or two together (one mixed forward); answer each."""
+        stats = self._inbox.statistics()
+        idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0 and self._held is None
+        commands = [e.command for e in envelopes]
+        outcomes, snapshot = await anyio.to_thread.run_sync(self._execute, commands, idle, limiter=self._limiter)
+        self.num_commands += len(commands)
+        self.busy_s += outcomes[0].seconds if outcomes[0].mixed else sum(o.seconds for o in outcomes)
+        if snapshot is not None:
+            self.snapshot = snapshot
+        for envelope, outcome in zip(envelopes, outcomes):
+            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                envelope.reply.send_nowait(outcome)  # the caller may have been cancelled
+            envelope.reply.close()
+        if any(o.changed for o in outcomes):
+            self._on_change()
+
+    def _execute(self, commands: list[Command], idle: bool) -> tuple[tuple[Outcome, ...], dict[str, object] | None]:
+        """In the worker thread: the command(s), then (if anything changed) fresh statistics."""
+        if len(commands) == 1:
+            outcomes = (self.executor.run(commands[0], idle=idle),)
+        else:
+            outcomes = self.executor.run_together(commands, idle=idle)
+        for command in commands:
+            self.batches.record(command, len(self.executor.seqs))
+        return outcomes, (self.executor.stats() if any(o.changed for o in outcomes) else None)
+
+
+def _partners(held: Envelope, envelope: Envelope) -> bool:
+    """``envelope`` is the held command's partner: a Decode with a Prefill, from the partner stage."""
+    kinds = {type(held.command), type(envelope.command)}
+    return kinds == {Decode, Prefill} and envelope.source == PARTNER.get(held.source or "")

@@ -34,7 +34,7 @@ from pipeline.scheduler import Scheduler
 from pipeline.stages.admission import AdmissionStage
 from pipeline.stages.context import Bells, Registry, StageContext
 from pipeline.stages.decode import DecodeStage
-from pipeline.stages.executor_actor import Envelope, ExecutorActor, ExecutorClient
+from pipeline.stages.executor_actor import Envelope, ExecutorActor, ExecutorClient, Pairing
 from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.staging import StagingStage
 from statemachines.request import AbortRequested
@@ -164,17 +164,18 @@ def build_pipeline(
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens
     )
-    actor = ExecutorActor(executor, executor_inbox, on_change=bells.ring_wanted)
+    pairing = Pairing()  # the decode and prefill stages' busy flags: their commands may be mixed
+    actor = ExecutorActor(executor, executor_inbox, on_change=bells.ring_wanted, pairing=pairing)
 
-    def client() -> ExecutorClient:
-        return ExecutorClient(executor_end.clone())
+    def client(name: str | None = None) -> ExecutorClient:
+        return ExecutorClient(executor_end.clone(), name, pairing if name is not None else None)
 
     slots = anyio.Semaphore(queue_size)
     requeue_end = admission_end.clone()
     admission = AdmissionStage(ctx, core.admission, client(), admission_inbox, prefill_end, slots)
-    prefill = PrefillStage(ctx, core.prefill, client(), prefill_inbox, staging_end)
+    prefill = PrefillStage(ctx, core.prefill, client("prefill"), prefill_inbox, staging_end)
     staging = StagingStage(ctx, core.staging, client(), staging_inbox, decode_end)
-    decode = DecodeStage(ctx, core.decode, client(), decode_inbox, requeue_end)
+    decode = DecodeStage(ctx, core.decode, client("decode"), decode_inbox, requeue_end)
     control = client()
     executor_end.close()  # only the stages' clones remain: the actor ends when the last stage does
     return Pipeline(ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots, control)

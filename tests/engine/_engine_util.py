@@ -115,7 +115,9 @@ class Hold:
             if not self._used and isinstance(command, self.types) and self.match(command):
                 self._used = True
                 self.entered.set()
+                client.pause()  # it waits for the test, not for the executor: nobody waits for it
                 await self._open.wait()
+                client.busy()
             return await real(command)
 
         client.call = held

@@ -30,6 +30,20 @@ def continuing(rid: str, *, after: int = 0):
 IDS = ("running", "long")
 
 
+def chunk_sizes(executor, rid: str) -> list[int]:
+    """The sizes of ``rid``'s chunks as the executor runs them (alone or in a mixed step), in order."""
+    sizes: list[int] = []
+    for method in ("prefill_chunks", "mixed"):
+        real = getattr(executor, method)
+
+        def recorded(*args, real=real):
+            sizes.extend(c.end - c.start for c in args[-1] if c.request_id == rid)
+            return real(*args)
+
+        setattr(executor, method, recorded)
+    return sizes
+
+
 async def running_then_long(engine, prompts, params, meanwhile=None) -> dict:
     """Start ``running``; once it decodes, start ``long`` (then await ``meanwhile()``, if given);
     returns both results by request id."""
@@ -80,7 +94,9 @@ async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate(continuing("victim", after=3 * CHUNK)).install(engine.executor, "prefill_chunks")
+        gate = Gate(lambda *args: continuing("victim", after=3 * CHUNK)(args[-1]))
+        for method in ("prefill_chunks", "mixed"):  # the chunk runs alone or in the decode step's forward
+            gate.install(engine.executor, method)
         results = {}
 
         async def other():
@@ -115,16 +131,114 @@ async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
     prompts = make_prompts([6, 200], seed=6)
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
-    chunks: list[int] = []
     async with Engine(cfg, model=tiny_model, prefill_pacing=True) as engine:
-        real = engine.executor.prefill_chunks
-
-        def recorded(command_chunks):
-            chunks.extend(c.end - c.start for c in command_chunks if c.request_id == "long")
-            return real(command_chunks)
-
-        engine.executor.prefill_chunks = recorded
+        chunks = chunk_sizes(engine.executor, "long")
         tokens = await running_then_long(engine, prompts, params)
     assert engine.executor.pool_counts() == engine.initial_pool_counts
     assert tokens == expected
     assert sum(chunks) == 200 and max(chunks) <= 64 and len(chunks) >= 4
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("pacing", [False, True], ids=["fixed", "paced"])
+async def test_the_engine_runs_chunks_in_the_decode_steps_forward(tiny_model, pacing):
+    """Mixed steps (the default): the actor holds the chunk for the running request's next Decode and
+    runs both as one forward; most of the long prompt's chunks are mixed, the tokens are the
+    driver's, and the pools come back."""
+    cfg = chunked()
+    prompts = make_prompts([6, 120], seed=5)
+    params = [SamplingParams(max_new_tokens=60, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
+    async with Engine(cfg, model=tiny_model, prefill_pacing=pacing) as engine:
+        tokens = await running_then_long(engine, prompts, params)
+        stats = engine.stats()
+    assert tokens == expected
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
+    mixed, forwards = stats["prefill"]["mixed_forwards"], stats["prefill"]["forwards"]
+    assert mixed >= forwards // 2, f"{mixed} of {forwards} prefill forwards were mixed"
+
+
+@pytest.mark.asyncio
+async def test_without_mixed_steps_the_engine_alternates_forwards(tiny_model):
+    cfg = attrs.evolve(chunked(), mixed_steps=False)
+    prompts = make_prompts([6, 120], seed=5)
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
+    async with Engine(cfg, model=tiny_model) as engine:
+        tokens = await running_then_long(engine, prompts, params)
+        assert engine.stats()["prefill"]["mixed_forwards"] == 0
+    assert tokens == expected
+
+
+@pytest.mark.asyncio
+async def test_an_abort_in_the_middle_of_a_mixed_step_releases_everything(tiny_model):
+    """Both consumers leave while one mixed forward runs: the long prompt's (its chunk in the
+    forward) and a decoding request's (its token in the same forward). Both end ABORTED once the
+    step returns, the third request's tokens are the driver's, every pool is back."""
+    cfg = chunked()
+    prompts = make_prompts([6, 9, 120], seed=7)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
+    async with Engine(cfg, model=tiny_model) as engine:
+
+        def victims_inside(ids, chunks) -> bool:
+            return "decoder" in ids and continuing("victim", after=2 * CHUNK)(chunks)
+
+        gate = Gate(victims_inside).install(engine.executor, "mixed")
+        results = {}
+        scopes = {rid: anyio.CancelScope() for rid in ("decoder", "victim")}
+
+        async def run(rid, prompt):
+            with scopes.get(rid, anyio.CancelScope()):
+                results[rid] = await engine.generate_text(prompt, params, request_id=rid)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run, "other", prompts[0])
+            tg.start_soon(run, "decoder", prompts[1])
+            await until(lambda: all(
+                (r := live_request(engine, rid)) is not None and r.state is State.DECODE for rid in ("other", "decoder")
+            ))
+            tg.start_soon(run, "victim", prompts[2])
+            await gate.wait_entered()
+            assert live_request(engine, "victim").state is State.PREFILL
+            assert live_request(engine, "decoder").state is State.DECODE
+            for scope in scopes.values():  # both consumers leave while the mixed forward runs
+                scope.cancel()
+            await anyio.sleep(0.01)
+            gate.open()
+        await engine.wait_idle()
+        assert engine.stats()["requests"]["ended"].get("abort") == 2
+        assert list(results["other"].token_ids) == expected["other"]
+        assert engine.executor.pool_counts() == engine.initial_pool_counts
+
+
+def test_no_mixed_steps_on_the_command_line():
+    from pipeline.generate import build_parser, engine_config
+
+    assert engine_config(build_parser().parse_args(["--no-mixed-steps", "hi"])).mixed_steps is False
+    assert engine_config(build_parser().parse_args(["hi"])).mixed_steps is True
+
+
+def test_mixed_steps_must_be_a_bool():
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mixed_steps"):
+        attrs.evolve(config(), mixed_steps="yes")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("num_steps", [None, 2], ids=["plain", "speculative"])
+async def test_a_chunk_whose_decode_partner_stops_coming_still_runs(tiny_model, num_steps):
+    """The running request ends a few steps into the long prompt's chunks (plain), or decodes in
+    speculative rounds, which are never mixed: a chunk the actor holds for the next Decode runs
+    alone once the decode stage waits for work or takes a round. No hang; the driver's tokens."""
+    cfg = attrs.evolve(config(num_steps=num_steps), chunked_prefill_tokens=CHUNK)
+    prompts = make_prompts([6, 120], seed=8)
+    running = SamplingParams(max_new_tokens=4 if num_steps is None else 30, ignore_eos=True)
+    params = [running, SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
+    async with Engine(cfg, model=tiny_model) as engine:
+        with anyio.fail_after(60):  # a hang guard, not a timing assertion
+            tokens = await running_then_long(engine, prompts, params)
+    assert tokens == expected
+    assert engine.executor.pool_counts() == engine.initial_pool_counts

@@ -1,12 +1,13 @@
 """Stateful property test of the scheduler with chunked prefill, HiSparse and memory pressure.
 
 Requests of prompts from a few tokens to several chunks (and past HOT) arrive while others are
-prefilled chunk by chunk or decode; scheduler steps, aborts in any state and retractions (the pools
-are small: decode runs out of room) interleave. After every step the synchronous driver checks
-every invariant (``check=True``: the core's ownership, the executor's rows, each row's residency
-against its request's state, the memory's I1-I8); once everything has ended every pool is back at
-its initial count, and every request that finished has the tokens the same prompt gets alone from
-the all-resident engine with whole-prompt prefill.
+prefilled chunk by chunk or decode (a chunk in the decode step's forward: mixed steps); scheduler
+steps, aborts in any state (applied at once, or asked for and applied at the owning part's next
+turn) and retractions (the pools are small: decode runs out of room) interleave. After every step
+the synchronous driver checks every invariant (``check=True``: the core's ownership, the executor's
+rows, each row's residency against its request's state, the memory's I1-I8); once everything has
+ended every pool is back at its initial count, and every request that finished has the tokens the
+same prompt gets alone from the all-resident engine with whole-prompt prefill.
 """
 
 from __future__ import annotations
@@ -89,9 +90,19 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         self.driver.abort(data.draw(st.sampled_from(live)))
         self.driver.check_integrity()
 
+    @precondition(lambda self: any(not r.is_finished for r in self.driver.requests.values()))
+    @rule(data=st.data())
+    def ask_abort(self, data) -> None:
+        """An abort asked for as the engine asks: the owning part applies it at its next turn (a
+        mixed step's parts included)."""
+        live = sorted(rid for rid, r in self.driver.requests.items() if not r.is_finished)
+        self.driver.core.aborts.add(data.draw(st.sampled_from(live)))
+
     def teardown(self) -> None:
         self.driver.run()
         reqs = self.driver.requests.values()
+        mixed = self.executor.stats()["prefill"]["mixed_forwards"]
+        event("a chunk shared a decode step's forward" if mixed else "no mixed step")
         event("a request was retracted" if any(r.metrics.num_retractions for r in reqs) else "no retraction")
         event("a prompt took several chunks" if any(len(p) > 7 for p in self.prompts.values()) else "one chunk each")
         assert self.executor.pool_counts() == self.initial, "a pool did not return to its initial count"
