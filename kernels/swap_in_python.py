@@ -52,7 +52,7 @@ def _fast(top, n, tokens, locs, hot, out, protected) -> tuple[int, int]:
     return resolved, unresolved
 
 
-def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
+def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy, near):
     """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing
     changed), else
     (hits, loads [(col, pos)], their host slots, unrecoverable, new order, returned hot columns)."""
@@ -88,7 +88,8 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
         selected = sorted(t for t in set(top) if 0 <= t < n)
         recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
         keys = step_policy(policy, list(wanted), recent)
-        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
+        close = [t for t in near if 0 <= t < n]
+        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot, close)
         chosen = set(picked)
         victims = [evictable[i] for i in picked]
         untouched = [c for i, c in enumerate(evictable) if i not in chosen]
@@ -121,10 +122,12 @@ def swap_in_python(
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
     policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
     """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
     tops = top_k_pos.tolist()
+    nears = near.tolist() if near is not None else None
     lens = seq_lens.tolist()
     slots: list[int] = []  # flat [B, S, K]
     counts: list[int] = []  # flat [B, 4]: steps_done, hits, misses, unrecoverable
@@ -147,7 +150,8 @@ def swap_in_python(
                 hits += resolved
                 lost += unresolved
             else:
-                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out, policy)
+                close = nears[b][s] if nears is not None else []
+                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out, policy, close)
                 if step is None:
                     done = s
                     slots += [-1] * (top_k * (num_steps - s))

@@ -48,6 +48,7 @@ class Step:
     long: bool  # n > hot (a fast step only protects its positions for the rest of the call)
     call_start: bool  # first step of a swap-in call: protection starts afresh
     reset: bool  # the request's buffer was (re)assigned before this step: identity hot region
+    near: tuple[int, ...] = ()  # valid positions the indexer ranked next after the top-k (version 3)
 
 
 def _check(rec: object) -> tuple[str, int, str, int, list[int]]:
@@ -94,7 +95,8 @@ def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], li
         if phase == "verify":
             held.update(range(max(call[key], hot), n))  # the call's verify tokens in the draft zone
         want = tuple(t for t in valid if t not in held) if n > hot else ()
-        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh))
+        near = tuple(t for t in rec.get("near", ()) if 0 <= t < n)
+        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh, near))
         fresh.discard(key)
     return streams
 
@@ -131,7 +133,7 @@ def online_misses(steps: list[Step], hot: int, policy: str, top_k: int | None = 
         missed = [t for t in step.want if t not in resident]
         misses += len(missed)
         keys = step_policy(policy, list(step.want), order[max(0, hot - recent_width) :]) if missed else policy
-        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot))
+        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot, step.near))
         order = [p for i, p in enumerate(evictable) if i not in chosen] + kept + missed + hits
     return misses
 
