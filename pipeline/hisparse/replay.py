@@ -16,8 +16,9 @@ swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves t
   attention backend's rounds).
 
 Policies: the engine's online ones (``kernels.swap_in_policy``: ``lru``, ``slide``, ``slide-lru``,
-``adaptive``, exactly the engine's rule, so a trace recorded with a policy reproduces the engine's miss counters
-for it), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
+``adaptive``, ``near``, ``near-adaptive``, exactly the engine's rule, so a trace recorded with a policy
+reproduces the engine's miss counters for it; the near-policies read each record's ``near`` positions,
+none in a trace without them, as an engine with ``near_margin=0``), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
 first unreferenced slot the step does not hold), and **MIN** (Belady: evicts the evictable position
 whose next use lies farthest in the future; offline, the optimum under the same rules).
 """
@@ -314,6 +315,7 @@ def main(argv: list[str]) -> int:
         return 0
     for result in results:
         recorded = f" (recorded with HOT={header['hot']}, policy {engine})" if header.get("hot") else ""
+        recorded += f", {header.get('near_margin', 0)} near positions per step"
         print(f"HOT={result.hot}{recorded}: {result.steps} long swap-in steps (request x layer), "
               f"{result.wanted} positions wanted from the hot region")
         ran = engine if header.get("hot") == result.hot else None
