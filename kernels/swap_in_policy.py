@@ -83,13 +83,13 @@ def slide_distance(token: int, selected: list[int]) -> int:
     return token - selected[at - 1] if at > 0 else FAR
 
 
-def priority(policy: str, token: int, selected: list[int], hot: int, near: frozenset[int] = frozenset()) -> int:
+def priority(policy: str, token: int, selected: list[int], hot: int, keep: frozenset[int] = frozenset()) -> int:
     """The policy's eviction priority of a column holding ``token`` (smaller: evicted sooner);
-    ``near``: the step's near positions and selected ones (what ``near`` keeps)."""
+    ``keep``: the step's selected and near positions (what ``near`` keeps)."""
     if policy == "lru":
         return 0
     if policy == "near":
-        return 1 if token in near else 0
+        return 1 if token in keep else 0
     d = slide_distance(token, selected)
     if policy == "slide":
         return FAR - d
@@ -107,6 +107,9 @@ def choose_victims(
     """
     if policy == "lru" or count == 0:
         return list(range(min(count, len(held))))
-    keep = frozenset(near).union(selected) if policy == "near" else frozenset()
-    ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot, keep), i))
+    if policy == "near":  # two classes, each in LRU order: no sort needed
+        keep = frozenset(near).union(selected)
+        ranked = [i for i, t in enumerate(held) if t not in keep] + [i for i, t in enumerate(held) if t in keep]
+        return sorted(ranked[:count])
+    ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot), i))
     return sorted(ranked[:count])
