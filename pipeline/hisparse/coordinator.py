@@ -489,7 +489,9 @@ class HiSparseCoordinator:
     ) -> HiSparseBackend:
         """The attention backend of one forward: ``steps`` = 0 for a prefill (``chunk_starts``: the
         first position of each token's chunk), else tokens per row."""
+        # decode / verify only: what the near-policies and the trace read (a prefill's swap-in does not)
         margin = near_margin(self.plan.near_margin, self.plan.policy, self.plan.top_k, tracing=trace is not None)
+        margin = margin if steps else 0
         return HiSparseBackend(
             self, rows, positions, locs, slots, steps=steps, chunk_starts=chunk_starts, trace=trace, labels=labels,
             near_margin=margin,
