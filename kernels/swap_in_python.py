@@ -52,6 +52,28 @@ def _fast(top, n, tokens, locs, hot, out, protected) -> tuple[int, int]:
     return resolved, unresolved
 
 
+def _near_victims(evictable, tokens, top, near, n, count):
+    """``near``'s choice (``kernels.swap_in_policy``), in one pass: the ``count`` least recent
+    evictable columns holding neither a selected nor a near position, then the least recent of the
+    others. Returns (victims, untouched), each in LRU order."""
+    keep = {t for t in top if 0 <= t < n}
+    keep.update(t for t in near if 0 <= t < n)
+    free = [tokens[c] not in keep for c in evictable]
+    from_free = min(count, sum(free))
+    from_kept = count - from_free
+    victims, untouched = [], []
+    for col, is_free in zip(evictable, free):
+        if is_free and from_free:
+            from_free -= 1
+            victims.append(col)
+        elif not is_free and from_kept:
+            from_kept -= 1
+            victims.append(col)
+        else:
+            untouched.append(col)
+    return victims, untouched
+
+
 def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy, near):
     """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing
     changed), else
@@ -85,14 +107,18 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy, ne
         victims = evictable[: len(loadable)]
         untouched = evictable[len(loadable) :]
     else:
-        selected = sorted(t for t in set(top) if 0 <= t < n)
-        recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
-        keys = step_policy(policy, list(wanted), recent)
-        close = [t for t in near if 0 <= t < n]
-        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot, close)
-        chosen = set(picked)
-        victims = [evictable[i] for i in picked]
-        untouched = [c for i, c in enumerate(evictable) if i not in chosen]
+        keys = policy
+        if policy in ("adaptive", "near-adaptive"):
+            recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
+            keys = step_policy(policy, list(wanted), recent)
+        if keys == "near":
+            victims, untouched = _near_victims(evictable, tokens, top, near, n, len(loadable))
+        else:
+            selected = sorted(t for t in set(top) if 0 <= t < n)
+            picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
+            chosen = set(picked)
+            victims = [evictable[i] for i in picked]
+            untouched = [c for i, c in enumerate(evictable) if i not in chosen]
     for col in hit_cols:
         out[tokens[col]] = locs[col]
     for col, (t, _) in zip(victims, loadable):
