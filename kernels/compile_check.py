@@ -20,7 +20,8 @@ P = "*"  # pointer prefix in Triton signatures
 
 _SWAP_IN = dict(pos_ptr="*i32", seq_ptr="*i64", rows_ptr="*i64", tok_ptr="*i32", loc_ptr="*i64", lru_ptr="*i32",
                 host_ptr="*i64", prot_ptr="*i32", slot_ptr="*i32", src_ptr="*i64", dst_ptr="*i64",
-                count_ptr="*i32", S="i32", K="i32", HOT="i32", W="i32", seq_stride_b="i32", tok_stride="i32",
+                count_ptr="*i32", near_ptr="*i32", S="i32", K="i32", HOT="i32", W="i32", M="i32",
+                seq_stride_b="i32", tok_stride="i32",
                 loc_stride="i32", lru_stride="i32", host_stride="i32")
 _SELECT = dict(score_ptr="*fp32", lens_ptr="*i64", out_ptr="*i32", max_len="i32", top_k="i32")
 
@@ -48,10 +49,15 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
 
     bf16 = tl.bfloat16
     small = [
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=0), 8),
-        # a policy other than LRU (kernels.swap_in_policy: 3 = adaptive, slide's path and more) takes
-        # the key-search path
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, POLICY=3), 8),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=1, POLICY=0), 8),
+        # a policy other than LRU (kernels.swap_in_policy: 3 = adaptive, slide's path and more; 5 =
+        # near-adaptive, which compares the hot columns with the step's near row too) takes the
+        # key-search path
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=1, POLICY=3), 8),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=64, POLICY=5), 8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=64), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16), 4),
@@ -63,8 +69,12 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         return small
     return [
         *small,
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, POLICY=0), 16),
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, POLICY=2), 16),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=1, POLICY=0), 16),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=1, POLICY=2), 16),
+        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
+         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=128, POLICY=5), 16),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=2048), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=bf16), 4),

@@ -60,13 +60,14 @@ from __future__ import annotations
 import torch
 
 from kernels.checks import check_index_range, check_same_device, check_tensor, check_unique, resolve_impl
-from kernels.swap_in_policy import POLICIES
+from kernels.swap_in_policy import NEAR_POLICIES, POLICIES
 from kernels.swap_in_result import SwapInResult
 
 # Triton kernel size limits: one program per request holds [HOT, K] and [K, K] compare tiles.
 TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
+TRITON_MAX_NEAR = 128  # near positions per step
 # On a CPU, ``impl="auto"`` runs the plain-Python implementation for calls of at most this many
 # requests and top-k entries (requests x steps x top_k), and the batched numpy one otherwise: Python
 # pays per request, numpy about a fixed ~150 small array ops per step whatever the batch, and they
@@ -157,6 +158,7 @@ def swap_in(
     *,
     impl: str = "auto",
     policy: str = "lru",
+    near: torch.Tensor | None = None,
     validate: bool = False,
     check: bool = True,
 ) -> SwapInResult:
@@ -177,12 +179,19 @@ def swap_in(
         check_swap_in_args(
             top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
         )
+        if near is not None:
+            check_tensor("near", near, ndim=3, dtype=torch.int32, shape=(*top_k_pos.shape[:2], None),
+                         contiguous_last=True)
+            check_same_device(("top_k_pos", "near"), (top_k_pos, near))
+    if policy not in NEAR_POLICIES or (near is not None and near.shape[2] == 0):
+        near = None  # only the near-policies read it
     if validate:
         check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_kv, device_kv)
     fits = (
         hot <= TRITON_MAX_HOT
         and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
         and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA
+        and (near is None or near.shape[2] <= TRITON_MAX_NEAR)
     )
     args = (
         top_k_pos,
@@ -201,17 +210,17 @@ def swap_in(
     if impl == "python":
         from kernels.swap_in_python import swap_in_python
 
-        return swap_in_python(*args, policy)
+        return swap_in_python(*args, policy, near)
     if impl == "numpy":
         if top_k_pos.device.type != "cpu":
             raise ValueError(f"impl='numpy' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
         from kernels.swap_in_numpy import swap_in_numpy
 
-        return swap_in_numpy(*args, policy)
+        return swap_in_numpy(*args, policy, near)
     if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
         from kernels.swap_in_triton import swap_in_triton
 
-        return swap_in_triton(*args, policy)
+        return swap_in_triton(*args, policy, near)
     from kernels.swap_in_reference import swap_in_reference
 
-    return swap_in_reference(*args, policy)
+    return swap_in_reference(*args, policy, near)

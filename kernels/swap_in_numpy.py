@@ -99,32 +99,42 @@ def _fast_step(st: _State, pos, valid, is_first, found, draft_slot, fast, hot):
     return slots
 
 
-def _victims(st: _State, pos, valid, want_first, evict, evict_rank, num_load):
+def _near_keep(tok, pos, valid, near, n):
+    """[B, HOT]: the LRU position holds a selected or a near position of the step."""
+    keep = ((tok[:, :, None] == pos[:, None, :]) & valid[:, None, :]).any(axis=2)
+    if near is not None:
+        close = (near >= 0) & (near < n[:, None])
+        keep |= ((tok[:, :, None] == near[:, None, :]) & close[:, None, :]).any(axis=2)
+    return keep.astype(np.int64)
+
+
+def _victims(st: _State, pos, valid, want_first, evict, evict_rank, num_load, near, n):
     """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
     if st.policy == "lru":
         return evict & (evict_rank < num_load[:, None])
     hot = st.order.shape[1]
     tok = st.tokens[st.b_idx, st.order]  # [B, HOT] position of each LRU position
-    below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
-    nearest = np.where(below, pos[:, None, :], -1).max(axis=2)
-    d = np.where(nearest >= 0, tok - nearest, FAR)
-    if st.policy == "slide-lru":
-        prio = np.where(d > hot, 0, 1 + hot - d)
+    if st.policy == "near":
+        prio = _near_keep(tok, pos, valid, near, n)
     else:
-        prio = FAR - d
-    if st.policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+        below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
+        nearest = np.where(below, pos[:, None, :], -1).max(axis=2)
+        d = np.where(nearest >= 0, tok - nearest, FAR)
+        prio = np.where(d > hot, 0, 1 + hot - d) if st.policy == "slide-lru" else FAR - d
+    if st.policy in ("adaptive", "near-adaptive"):  # slide's keys where the selection slid, else LRU's / near's
         recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
         recent = np.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
         slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(axis=2) & want_first
         stayed = (pos[:, :, None] == recent[:, None, :]).any(axis=2) & want_first
-        prio = np.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
+        other = 0 if st.policy == "adaptive" else _near_keep(tok, pos, valid, near, n)
+        prio = np.where((slid.sum(1) > stayed.sum(1))[:, None], prio, other)
     key = np.where(evict, (prio << KEY_SHIFT) | np.arange(hot), np.iinfo(np.int64).max)
     rank = np.empty_like(key)
     rank[st.b_idx, np.argsort(key, axis=1, kind="stable")] = np.arange(hot)
     return evict & (rank < num_load[:, None])
 
 
-def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long, step):
+def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long, step, near, n):
     """Long path (n > hot) for the rows in ``long``: slots [B, K] (-1 for rows that overflow)."""
     hot, width, bi = st.order.shape[1], st.column_of.shape[1] - 1, st.b_idx
     wanted = valid & long[:, None] & ~found
@@ -147,7 +157,7 @@ def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long,
     overflow = long & (num_load > num_evict)
     apply = long & ~overflow
     evict_rank = np.cumsum(evict, axis=1) - evict
-    victim = _victims(st, pos, valid, wanted & is_first, evict, evict_rank, num_load)
+    victim = _victims(st, pos, valid, wanted & is_first, evict, evict_rank, num_load, near, n)
     cls = np.where(lru_hit, _HIT, np.where(lru_prot, _PROTECTED, np.where(victim, _LOADED, _KEPT)))
     moved = st.order[bi, np.argsort(cls.astype(np.int8), axis=1, kind="stable")]
     order = np.where(apply[:, None], moved, st.order)  # rows not applied keep their order
@@ -178,7 +188,7 @@ def _long_step(st: _State, pos, valid, first, is_first, found, draft_slot, long,
     return np.where(applied, slots, -1)
 
 
-def _step(st: _State, pos: np.ndarray, n: np.ndarray, hot: int, step: int) -> np.ndarray:
+def _step(st: _State, pos: np.ndarray, n: np.ndarray, hot: int, step: int, near: np.ndarray | None) -> np.ndarray:
     """One step for every request of the batch: slots [B, K]; mutates ``st``."""
     run = (n > 0) & ~st.frozen
     if not run.any():
@@ -193,8 +203,8 @@ def _step(st: _State, pos: np.ndarray, n: np.ndarray, hot: int, step: int) -> np
     if fast.any():
         slots = np.where(fast[:, None], _fast_step(st, pos, valid, is_first, found, draft_slot, fast, hot), slots)
     if long.any():
-        slots = np.where(long[:, None], _long_step(st, pos, valid, first, is_first, found, draft_slot, long, step),
-                         slots)
+        slots = np.where(long[:, None],
+                         _long_step(st, pos, valid, first, is_first, found, draft_slot, long, step, near, n), slots)
     return np.where(valid, slots, -1)
 
 
@@ -210,6 +220,7 @@ def swap_in_numpy(
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
     policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
     """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -217,6 +228,7 @@ def swap_in_numpy(
     tokens_np, lru_np = buffer_tokens.numpy(), lru.numpy()  # views: writes land in the tensors
     rows = req_rows.numpy()
     top, lens = top_k_pos.numpy().astype(np.int64), seq_lens.numpy()
+    close = near.numpy().astype(np.int64) if near is not None else None
     tokens = tokens_np[rows].astype(np.int64)
     b_idx = np.arange(num_reqs)[:, None]
     # only the long path looks positions up in the hot columns
@@ -239,7 +251,7 @@ def swap_in_numpy(
     st.counts[:, 0] = num_steps
     slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)
     for s in range(num_steps):
-        slots[:, s] = _step(st, top[:, s], lens[:, s], hot, s)
+        slots[:, s] = _step(st, top[:, s], lens[:, s], hot, s, None if close is None else close[:, s])
     if num_reqs:
         tokens_np[rows] = st.tokens
         lru_np[rows] = st.order

@@ -64,7 +64,7 @@ def _fast_step(top: list[int], n: int, req: _Request, hot: int) -> _Step:
     return _Step(slots, resolved, len(slot_of) - resolved, list(req.lru), [], returned)
 
 
-def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str) -> _Step | None:
+def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str, near: list[int]) -> _Step | None:
     """seq_len > hot: the LRU rules, victims chosen by ``policy``; ``None`` when the misses need more
     evictable columns than exist."""
     slot_of: dict[int, int] = {}
@@ -90,7 +90,8 @@ def _long_step(top: list[int], n: int, req: _Request, hot: int, policy: str) -> 
     selected = sorted(t for t in set(top) if 0 <= t < n)
     recent = [req.tokens[c] for c in req.lru[max(0, hot - len(top)) :]]  # the K most recent columns
     keys = step_policy(policy, wanted, recent)
-    picked = choose_victims(keys, [req.tokens[c] for c in evictable], selected, len(loadable), hot)
+    close = [t for t in near if 0 <= t < n]  # the step's valid near positions
+    picked = choose_victims(keys, [req.tokens[c] for c in evictable], selected, len(loadable), hot, close)
     victims = [evictable[i] for i in picked]
     for c in hit_cols:
         slot_of[req.tokens[c]] = req.locs[c]
@@ -115,6 +116,7 @@ def swap_in_oracle(
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
     policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
     """Per-request Python loop implementing the contract of ``kernels.swap_in.swap_in``."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -128,7 +130,8 @@ def swap_in_oracle(
             if n == 0:
                 continue  # padding step: -1, no state change
             top = top_k_pos[b, s].tolist()
-            step = _fast_step(top, n, req, hot) if n <= hot else _long_step(top, n, req, hot, policy)
+            close = near[b, s].tolist() if near is not None else []
+            step = _fast_step(top, n, req, hot) if n <= hot else _long_step(top, n, req, hot, policy, close)
             if step is None:
                 counts[b][0] = s  # stop before this step: it and later steps stay -1
                 break

@@ -30,11 +30,27 @@ O(HOT). Packed as one int64 (``key_of``), a smaller key is evicted first.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
-POLICIES = ("lru", "slide", "slide-lru", "adaptive")
+POLICIES = ("lru", "slide", "slide-lru", "adaptive", "near", "near-adaptive")
+# the policies that read the positions the indexer ranked just past the top-k (``near``)
+NEAR_POLICIES = ("near", "near-adaptive")
 DEFAULT_POLICY = "lru"
 FAR = 1 << 30  # the predicted distance of a position with no selected position below it
 KEY_SHIFT = 32  # key = priority << KEY_SHIFT | LRU index
+
+
+def default_near_margin(top_k: int) -> int:
+    """How many positions past the top-k the indexer ranks for the near-policies by default."""
+    return top_k
+
+
+def near_margin(configured: int | None, policy: str, top_k: int, *, tracing: bool = False) -> int:
+    """The margin a forward ranks: ``configured`` when given, else the default under a near-policy
+    or while a trace is recorded (the trace then serves every policy), else 0."""
+    if configured is not None:
+        return configured
+    return default_near_margin(top_k) if policy in NEAR_POLICIES or tracing else 0
 
 
 def policy_code(policy: str) -> int:
@@ -46,16 +62,19 @@ def policy_code(policy: str) -> int:
 
 
 def step_policy(policy: str, wanted: list[int], recent: list[int]) -> str:
-    """The keys a step uses: ``policy`` itself, or for ``adaptive`` ``slide`` or ``lru``.
+    """The keys a step uses: ``policy`` itself, or for ``adaptive`` ``slide`` or ``lru``, for
+    ``near-adaptive`` ``slide`` or ``near``.
 
     ``wanted``: the step's unique wanted positions; ``recent``: the positions of its ``K`` most
     recently used hot columns before the step."""
-    if policy != "adaptive":
+    if policy not in ("adaptive", "near-adaptive"):
         return policy
     held = {p for p in recent if p >= 0}
     slid = sum(1 for t in wanted if t - 1 in held)
     stayed = sum(1 for t in wanted if t in held)
-    return "slide" if slid > stayed else "lru"
+    if slid > stayed:
+        return "slide"
+    return "lru" if policy == "adaptive" else "near"
 
 
 def slide_distance(token: int, selected: list[int]) -> int:
@@ -64,24 +83,33 @@ def slide_distance(token: int, selected: list[int]) -> int:
     return token - selected[at - 1] if at > 0 else FAR
 
 
-def priority(policy: str, token: int, selected: list[int], hot: int) -> int:
-    """The policy's eviction priority of a column holding ``token`` (smaller: evicted sooner)."""
+def priority(policy: str, token: int, selected: list[int], hot: int, keep: frozenset[int] = frozenset()) -> int:
+    """The policy's eviction priority of a column holding ``token`` (smaller: evicted sooner);
+    ``keep``: the step's selected and near positions (what ``near`` keeps)."""
     if policy == "lru":
         return 0
+    if policy == "near":
+        return 1 if token in keep else 0
     d = slide_distance(token, selected)
     if policy == "slide":
         return FAR - d
     return 0 if d > hot else 1 + hot - d  # slide-lru
 
 
-def choose_victims(policy: str, held: list[int], selected: list[int], count: int, hot: int) -> list[int]:
+def choose_victims(
+    policy: str, held: list[int], selected: list[int], count: int, hot: int, near: Iterable[int] = ()
+) -> list[int]:
     """Indices into ``held`` of the ``count`` evictable columns the policy evicts, ascending.
 
     ``held`` is the position each evictable column holds, the columns in LRU order (least recent
     first; ties of priority go to the earlier one); ``selected`` the step's valid top-k positions,
-    sorted ascending.
+    sorted ascending; ``near`` the step's valid near positions (any order; ``near`` reads them).
     """
     if policy == "lru" or count == 0:
         return list(range(min(count, len(held))))
+    if policy == "near":  # two classes, each in LRU order: no sort needed
+        keep = frozenset(near).union(selected)
+        ranked = [i for i, t in enumerate(held) if t not in keep] + [i for i, t in enumerate(held) if t in keep]
+        return sorted(ranked[:count])
     ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot), i))
     return sorted(ranked[:count])

@@ -52,7 +52,29 @@ def _fast(top, n, tokens, locs, hot, out, protected) -> tuple[int, int]:
     return resolved, unresolved
 
 
-def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
+def _near_victims(evictable, tokens, top, near, n, count):
+    """``near``'s choice (``kernels.swap_in_policy``), in one pass: the ``count`` least recent
+    evictable columns holding neither a selected nor a near position, then the least recent of the
+    others. Returns (victims, untouched), each in LRU order."""
+    keep = {t for t in top if 0 <= t < n}
+    keep.update(t for t in near if 0 <= t < n)
+    free = [tokens[c] not in keep for c in evictable]
+    from_free = min(count, sum(free))
+    from_kept = count - from_free
+    victims, untouched = [], []
+    for col, is_free in zip(evictable, free):
+        if is_free and from_free:
+            from_free -= 1
+            victims.append(col)
+        elif not is_free and from_kept:
+            from_kept -= 1
+            victims.append(col)
+        else:
+            untouched.append(col)
+    return victims, untouched
+
+
+def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy, near):
     """The LRU rules for one step, victims chosen by ``policy``; ``None`` on overflow (nothing
     changed), else
     (hits, loads [(col, pos)], their host slots, unrecoverable, new order, returned hot columns)."""
@@ -85,13 +107,18 @@ def _long(top, n, tokens, locs, order, protected, host_row, hot, out, policy):
         victims = evictable[: len(loadable)]
         untouched = evictable[len(loadable) :]
     else:
-        selected = sorted(t for t in set(top) if 0 <= t < n)
-        recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
-        keys = step_policy(policy, list(wanted), recent)
-        picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
-        chosen = set(picked)
-        victims = [evictable[i] for i in picked]
-        untouched = [c for i, c in enumerate(evictable) if i not in chosen]
+        keys = policy
+        if policy in ("adaptive", "near-adaptive"):
+            recent = [tokens[c] for c in order[max(0, hot - len(top)) :]]  # the K most recent columns
+            keys = step_policy(policy, list(wanted), recent)
+        if keys == "near":
+            victims, untouched = _near_victims(evictable, tokens, top, near, n, len(loadable))
+        else:
+            selected = sorted(t for t in set(top) if 0 <= t < n)
+            picked = choose_victims(keys, [tokens[c] for c in evictable], selected, len(loadable), hot)
+            chosen = set(picked)
+            victims = [evictable[i] for i in picked]
+            untouched = [c for i, c in enumerate(evictable) if i not in chosen]
     for col in hit_cols:
         out[tokens[col]] = locs[col]
     for col, (t, _) in zip(victims, loadable):
@@ -121,10 +148,12 @@ def swap_in_python(
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
     policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
     """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
     tops = top_k_pos.tolist()
+    nears = near.tolist() if near is not None else None
     lens = seq_lens.tolist()
     slots: list[int] = []  # flat [B, S, K]
     counts: list[int] = []  # flat [B, 4]: steps_done, hits, misses, unrecoverable
@@ -147,7 +176,8 @@ def swap_in_python(
                 hits += resolved
                 lost += unresolved
             else:
-                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out, policy)
+                close = nears[b][s] if nears is not None else []
+                step = _long(top, n, tokens, locs, order, protected, req_to_host[row], hot, out, policy, close)
                 if step is None:
                     done = s
                     slots += [-1] * (top_k * (num_steps - s))

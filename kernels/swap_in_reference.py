@@ -4,7 +4,8 @@ Steps run one after another (each sees the state the previous one left); within 
 of the batch is handled at once with masks, in the same stages as the Triton kernel:
 
     entries --dedup--> draft-column lookup --> hot-column lookup (sort + searchsorted) --> misses
-    misses --rank--> victims (the policy's choice of evictables) --> new LRU order (one scatter)
+    misses --rank--> victims (the policy's choice of evictables; ``near``: the step's near row)
+           --> new LRU order (one scatter)
 
 A request whose step overflows (more loadable misses than evictable columns) is frozen: the step and
 the rest of the call leave its state untouched. Row copies are gathered into one host->device copy
@@ -122,28 +123,41 @@ class _LongPlan:
     victim_loc: torch.Tensor  # its physical slot
 
 
-def _victims(policy, pos, valid, want_first, tok, evict, num_load):
+def _near_keep(tok, pos, valid, near, n):
+    """[B, HOT]: the LRU position holds a selected or a near position of the step."""
+    keep = ((tok[:, :, None] == pos[:, None, :]) & valid[:, None, :]).any(dim=2)
+    if near is not None:
+        close = (near >= 0) & (near < n[:, None])
+        keep |= ((tok[:, :, None] == near[:, None, :]) & close[:, None, :]).any(dim=2)
+    return keep.long()
+
+
+def _victims(policy, pos, valid, want_first, tok, evict, num_load, near, n):
     """[B, HOT] by LRU position: the evictable columns the policy gives this step's loads."""
     hot = evict.shape[1]
     if policy == "lru":
         return evict & (_exclusive_cumsum(evict) < num_load[:, None])
-    below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
-    nearest = torch.where(below, pos[:, None, :], -1).amax(dim=2)
-    d = torch.where(nearest >= 0, tok - nearest, FAR)
-    prio = torch.where(d > hot, 0, 1 + hot - d) if policy == "slide-lru" else FAR - d
-    if policy == "adaptive":  # slide's keys where the selection slid, else LRU's (priority 0)
+    if policy == "near":
+        prio = _near_keep(tok, pos, valid, near, n)
+    else:
+        below = valid[:, None, :] & (pos[:, None, :] < tok[:, :, None])  # [B, HOT, K]
+        nearest = torch.where(below, pos[:, None, :], -1).amax(dim=2)
+        d = torch.where(nearest >= 0, tok - nearest, FAR)
+        prio = torch.where(d > hot, 0, 1 + hot - d) if policy == "slide-lru" else FAR - d
+    if policy in ("adaptive", "near-adaptive"):  # slide's keys where the selection slid, else LRU's / near's
         recent = tok[:, max(0, hot - pos.shape[1]) :]  # the K most recently used columns
         recent = torch.where(recent >= 0, recent, -2)  # -2 matches no position and no position - 1
         slid = ((pos[:, :, None] - 1) == recent[:, None, :]).any(dim=2) & want_first
         stayed = (pos[:, :, None] == recent[:, None, :]).any(dim=2) & want_first
-        prio = torch.where((slid.sum(1) > stayed.sum(1))[:, None], prio, 0)
+        other = 0 if policy == "adaptive" else _near_keep(tok, pos, valid, near, n)
+        prio = torch.where((slid.sum(1) > stayed.sum(1))[:, None], prio, other)
     index = torch.arange(hot, device=tok.device)
     key = torch.where(evict, (prio << KEY_SHIFT) | index, torch.iinfo(torch.int64).max)
     rank = torch.empty_like(key).scatter_(1, torch.argsort(key, dim=1, stable=True), index.expand_as(key))
     return evict & (rank < num_load[:, None])
 
 
-def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot, policy) -> _LongPlan:
+def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot, policy, near, n) -> _LongPlan:
     wanted = valid & long[:, None] & ~x_found
     hit, hit_at, col_hit = _hot_lookup(pos, wanted, st.tokens.gather(1, st.order))
     col_prot = st.protected.gather(1, st.order)  # [B, HOT] by LRU position
@@ -157,7 +171,8 @@ def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot,
     protu = ~col_hit & col_prot
     overflow = long & (num_load > evict.sum(1))
     apply = long & ~overflow
-    victim = _victims(policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load)
+    victim = _victims(policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load,
+                      near, n)
     dest = _lru_dest(evict, victim, protu, col_hit, num_load, apply)
     new_order = torch.empty_like(st.order).scatter_(1, dest, st.order)
     victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order
@@ -167,7 +182,8 @@ def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot,
 
 
 def _step(
-    st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int, policy: str
+    st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int, policy: str,
+    near: torch.Tensor | None = None,
 ) -> _StepOut:
     """One step for every request of the batch; mutates ``st`` for the requests it resolves."""
     b, k = pos.shape
@@ -185,7 +201,7 @@ def _step(
     use_id = valid & fast[:, None] & (id_loc >= 0)
     fast_slot = torch.where(use_id, id_loc, torch.where(x_found, x_slot, -1))
 
-    lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot, policy)
+    lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot, policy, near, n)
     long_slot = torch.where(x_found, x_slot, torch.where(lp.hit, st.locs.gather(1, lp.hit_col),
                                                          torch.where(lp.load, lp.victim_loc, -1)))
     slots = torch.where(fast[:, None], fast_slot, long_slot)
@@ -220,6 +236,7 @@ def swap_in_reference(
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
     policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
     """Torch reference of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -240,7 +257,8 @@ def swap_in_reference(
     active = torch.ones(num_reqs, dtype=torch.bool, device=dev)
     srcs, dsts = [], []
     for s in range(num_steps):
-        out = _step(st, top_k_pos[:, s].long(), seq_lens[:, s], active, hot, policy)
+        near_s = None if near is None else near[:, s].long()
+        out = _step(st, top_k_pos[:, s].long(), seq_lens[:, s], active, hot, policy, near_s)
         slots[:, s] = out.slots.to(torch.int32)
         counts[:, 1:] += out.counts
         counts[:, 0] = torch.where(out.overflow, s, counts[:, 0])

@@ -14,7 +14,8 @@ between the hot columns' tokens and the wanted positions. The new LRU order is a
 (exclusive cumsums of the kept / victim / protected / hit masks) scattered back into the ``lru``
 row; the m-th miss's victim is read back from that row. A policy other than LRU picks its victims
 by a binary search for the ``m``-th smallest eviction key (``kernels.swap_in_policy``), which needs
-the ``[BLOCK_HOT, BLOCK_K]`` compare once more and no sort. Size limits (``TRITON_MAX_*`` in ``swap_in``)
+the ``[BLOCK_HOT, BLOCK_K]`` compare once more (and, for the near-policies, a ``[BLOCK_HOT, BLOCK_M]``
+compare against the step's near row) and no sort. Size limits (``TRITON_MAX_*`` in ``swap_in``)
 keep those tiles at <= 1024 x 128.
 
 State lives in global memory between phases, so every phase that reads what another thread wrote
@@ -78,7 +79,19 @@ def _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row, slot_ou
 
 
 @triton.jit
-def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HOT, K, POLICY: tl.constexpr):
+def _near_keep(pos, valid, tok_k, h_in, near_row, n, M, BLOCK_M: tl.constexpr):
+    """[BH] 0/1: the LRU position holds a selected or a near position of the step."""
+    im = tl.arange(0, BLOCK_M)
+    close = tl.load(near_row + im, mask=im < M, other=-1)
+    close_ok = (im < M) & (close >= 0) & (close < n)
+    by_sel = tl.max(((tok_k[:, None] == pos[None, :]) & valid[None, :]).to(tl.int32), axis=1)
+    by_near = tl.max(((tok_k[:, None] == close[None, :]) & close_ok[None, :]).to(tl.int32), axis=1)
+    return tl.where(h_in, tl.maximum(by_sel, by_near), 0)
+
+
+@triton.jit
+def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HOT, K, near_row, n, M,
+                    BLOCK_M: tl.constexpr, POLICY: tl.constexpr):
     """The evictable columns (by LRU position) the policy gives this step's ``num_load`` loads.
 
     LRU: the first ``num_load``. Otherwise each evictable gets its key (``kernels.swap_in_policy``)
@@ -87,19 +100,25 @@ def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HO
     if POLICY == 0:
         victim = evict & (_excl_cumsum(evict.to(tl.int32)) < num_load)
     else:
-        below = valid[None, :] & (pos[None, :] < tok_k[:, None]) & h_in[:, None]  # [BH, BK]
-        nearest = tl.max(tl.where(below, pos[None, :], -1), axis=1)
-        d = tl.where(nearest >= 0, tok_k - nearest, FAR)
-        if POLICY == 2:
-            prio = tl.where(d > HOT, 0, 1 + HOT - d)
+        if POLICY == 4:  # near: columns holding neither a selected nor a near position go first
+            prio = _near_keep(pos, valid, tok_k, h_in, near_row, n, M, BLOCK_M)
         else:
-            prio = FAR - d
-        if POLICY == 3:  # adaptive: slide's keys where the selection slid, else LRU's (priority 0)
+            below = valid[None, :] & (pos[None, :] < tok_k[:, None]) & h_in[:, None]  # [BH, BK]
+            nearest = tl.max(tl.where(below, pos[None, :], -1), axis=1)
+            d = tl.where(nearest >= 0, tok_k - nearest, FAR)
+            if POLICY == 2:
+                prio = tl.where(d > HOT, 0, 1 + HOT - d)
+            else:
+                prio = FAR - d
+        if (POLICY == 3) | (POLICY == 5):  # adaptive: slide's keys where the selection slid, else LRU's / near's
             recent = h_in & (ih >= HOT - K) & (tok_k >= 0)  # the K most recently used columns
             slid = tl.max(((tok_k[:, None] == pos[None, :] - 1) & recent[:, None]).to(tl.int32), axis=0) > 0
             stayed = tl.max(((tok_k[:, None] == pos[None, :]) & recent[:, None]).to(tl.int32), axis=0) > 0
             slides = tl.sum((slid & want_first).to(tl.int32)) > tl.sum((stayed & want_first).to(tl.int32))
-            prio = tl.where(slides, prio, 0)
+            if POLICY == 3:
+                prio = tl.where(slides, prio, 0)
+            else:
+                prio = tl.where(slides, prio, _near_keep(pos, valid, tok_k, h_in, near_row, n, M, BLOCK_M))
         key = (prio.to(tl.int64) << KEY_SHIFT) | ih.to(tl.int64)
         lo = tl.zeros((), dtype=tl.int64)
         hi = lo + KEY_END
@@ -114,7 +133,8 @@ def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HO
 
 @triton.jit
 def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-               slot_out, src_out, dst_out, ik, k_in, HOT, K, BLOCK_HOT: tl.constexpr, POLICY: tl.constexpr):
+               slot_out, src_out, dst_out, ik, k_in, HOT, K, near_row, n, M, BLOCK_HOT: tl.constexpr,
+               BLOCK_M: tl.constexpr, POLICY: tl.constexpr):
     """n > HOT: the LRU rules, victims chosen by the policy. Returns (fits, hits, misses,
     unrecoverable); writes nothing unless it fits."""
     ih = tl.arange(0, BLOCK_HOT)
@@ -144,7 +164,7 @@ def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, l
     if fits:
         # new order [evictables kept | protected, unwanted | loaded | hits], by stable compaction
         victim = _policy_victims(pos, valid, wanted & is_first, tok_k, ih, h_in, evict != 0, num_load, HOT, K,
-                                 POLICY)
+                                 near_row, n, M, BLOCK_M, POLICY)
         num_protu = tl.sum(protu)
         loaded_at = num_evict - num_load + num_protu  # start of the "newly loaded" block
         dest = tl.where(victim, loaded_at + _excl_cumsum(victim.to(tl.int32)),
@@ -173,9 +193,11 @@ def _swap_in_kernel(
     prot_ptr,  # [B, HOT] i32 scratch, zeros
     slot_ptr, src_ptr, dst_ptr,  # [B, S, K] i32 / i64 / i64 outputs, prefilled with -1
     count_ptr,  # [B, 4] i32: steps_done, hits, misses, unrecoverable
-    S, K, HOT, W,
+    near_ptr,  # [B, S, M] i32 the near positions (M = 0: none)
+    S, K, HOT, W, M,
     seq_stride_b, tok_stride, loc_stride, lru_stride, host_stride,
-    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr, POLICY: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_M: tl.constexpr,
+    POLICY: tl.constexpr,
 ):
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b)
@@ -211,7 +233,8 @@ def _swap_in_kernel(
             else:
                 fits, step_hits, step_misses, step_unrec = _long_step(
                     pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, K, BLOCK_HOT, POLICY)
+                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, K, near_ptr + (b * S + s) * M, n, M,
+                    BLOCK_HOT, BLOCK_M, POLICY)
                 if fits:
                     hits += step_hits
                     misses += step_misses
@@ -240,7 +263,7 @@ def _run_plan(host_kv, device_kv, src, dst) -> None:
 
 def swap_in_triton(
     top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot: int,
-    policy: str = "lru",
+    policy: str = "lru", near: torch.Tensor | None = None,
 ) -> SwapInResult:
     """Launch the Triton swap-in (arguments checked by ``kernels.swap_in.swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -257,13 +280,16 @@ def swap_in_triton(
     prot = torch.zeros(num_reqs, hot, dtype=torch.int32, device=dev)
     block_k, block_hot = next_power_of_2(top_k), next_power_of_2(hot)
     pos = top_k_pos.contiguous()
+    near = torch.full((1,), -1, dtype=torch.int32, device=dev) if near is None else near.contiguous()
+    margin = near.shape[2] if near.dim() == 3 else 0
     _swap_in_kernel[(num_reqs,)](
         pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, prot,
-        slots, src, dst, counts,
-        num_steps, top_k, hot, width,
+        slots, src, dst, counts, near,
+        num_steps, top_k, hot, width, margin,
         seq_lens.stride(0), buffer_tokens.stride(0), buffer_locs.stride(0),
         lru.stride(0), req_to_host.stride(0),
-        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot), POLICY=policy_code(policy),
+        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot),
+        BLOCK_M=next_power_of_2(max(margin, 1)), POLICY=policy_code(policy),
         num_warps=16 if block_hot * block_k > 32768 else 8,  # ptxas: fewer spills on the big tiles
     )
     _run_plan(host_kv, device_kv, src.view(-1), dst.view(-1))

@@ -75,9 +75,15 @@ class HiSparseConfig:
     top_k: int | None = None
     # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md)
     policy: str = DEFAULT_POLICY
+    # positions the indexer ranks past its top-k for the swap-in (the near-policies' hint; recorded
+    # in a top-k trace). None: ``default_near_margin(top_k)`` under a near-policy or while a trace is
+    # recorded, else 0 (kernels.swap_in_policy)
+    near_margin: int | None = None
 
     def __attrs_post_init__(self) -> None:
         _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
+        if self.near_margin is not None:
+            _require_int("hisparse.near_margin", self.near_margin, 0)
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
         if self.host_to_device_ratio is not None:
             _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
@@ -175,6 +181,7 @@ class MemoryPlan:
     prefill_chunk: int = 0
     prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
     policy: str = DEFAULT_POLICY  # the hot region's replacement policy
+    near_margin: int | None = None  # HiSparseConfig.near_margin (None: resolved per forward)
 
     def chunk_area(self, num_tokens: int) -> int:
         """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
@@ -459,6 +466,7 @@ class EngineConfig:
             prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
             prefix_cache=self.prefix_cache,
             policy=DEFAULT_POLICY if hs is None else hs.policy,
+            near_margin=None if hs is None else hs.near_margin,
         )
 
 

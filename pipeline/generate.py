@@ -58,6 +58,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
         "--policy", default=DEFAULT_POLICY, choices=POLICIES, help="HiSparse replacement policy (docs/cache-policy.md)"
     )
     p.add_argument(
+        "--near-margin", type=int, default=None, metavar="M",
+        help="positions ranked past the top-k for the near-policies (default: top_k under one, or with a trace)",
+    )
+    p.add_argument(
         "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
     )
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
@@ -122,7 +126,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         device_pool_tokens=pool,
         device_memory_bytes=args.device_memory,
         device_memory_fraction=args.device_memory_fraction,
-        hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy),
+        hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy, near_margin=args.near_margin),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
         mixed_steps=not args.no_mixed_steps,

@@ -174,11 +174,11 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
         patch(executor_module, "sample", sample)
 
         def swap_in(real):
-            def run(self, layer, top_k_pos, seq_lens, rows):
+            def run(self, layer, top_k_pos, seq_lens, rows, **kwargs):
                 if self is ex.memory and rows_of("swap_in") & set(rows.tolist()):
                     fired.counts["swap_in"] += 1
                     raise RuntimeError("injected swap-in fault")
-                return real(self, layer, top_k_pos, seq_lens, rows)
+                return real(self, layer, top_k_pos, seq_lens, rows, **kwargs)
 
             return run
 

@@ -53,7 +53,8 @@ class SwapInMemory(Protocol):
     def req_to_token_device(self) -> torch.Tensor: ...  # the same table, where the kernels run
 
     def swap_in(
-        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+        *, near: torch.Tensor | None = None,
     ) -> SwapInResult: ...
 
 
@@ -75,6 +76,10 @@ class HiSparseBackend:
     # [T, K] int32 the last full layer's top-k of this forward; a shared layer (``reuse_topk``)
     # swaps these positions into its own buffer instead of running an indexer pass
     last_topk: torch.Tensor | None = None
+    # positions the indexer ranks just past the top-k, per token (the near-policies' hint; the
+    # trace records them): ``near_margin`` of them, ``last_near [T, margin]`` int32, -1 padded
+    near_margin: int = 0
+    last_near: torch.Tensor | None = None
     # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
     # the same for every layer of the forward, so found once
     _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
@@ -96,10 +101,12 @@ class HiSparseBackend:
             self.coord.req_to_token_device,
             self.req_rows,
             self.positions + 1,
-            inputs.top_k,
+            inputs.top_k + self.near_margin,
             inputs.index_scale,
             check=False,
-        )  # [T, K] int32 positions
+        )  # [T, K + margin] int32 positions; the first K are the selection (contract order)
+        if self.near_margin:
+            top, self.last_near = top[:, : inputs.top_k].contiguous(), top[:, inputs.top_k :].contiguous()
         self.last_topk = top
         return self._attend_selected(inputs, layer, kv, top)
 
@@ -108,7 +115,7 @@ class HiSparseBackend:
     ) -> torch.Tensor:
         if self.trace is not None:
             phase = "prefill" if self.steps == 0 else "decode" if self.steps == 1 else "verify"
-            self.trace.record(layer, phase, self._trace_labels(), self.positions, top)
+            self.trace.record(layer, phase, self._trace_labels(), self.positions, top, near=self.last_near)
         if self.steps == 0:
             return self._attend_prefill(inputs, layer, kv, top)
         return self._attend_swapped(inputs, layer, kv, top)
@@ -158,8 +165,9 @@ class HiSparseBackend:
         rows = self.req_rows.reshape(batch, steps)[:, 0].contiguous()
         top3 = top.reshape(batch, steps, -1)  # [B, S, K]
         seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
+        near3 = None if self.last_near is None else self.last_near.reshape(batch, steps, -1)
         out: torch.Tensor | None = None
-        for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows):
+        for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows, near3):
             if out is None and idx.numel() == top.shape[0]:  # the common case: one call resolved all
                 return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
             if out is None:
@@ -169,13 +177,14 @@ class HiSparseBackend:
         return out
 
     def _swap_rounds(
-        self, layer: int, top3: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+        self, layer: int, top3: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+        near3: torch.Tensor | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Swap-in of ``top3 [B, S, K]``, in as many calls as the hot region needs: yields (flat
         indices of the steps resolved by one call, their slots ``[n, K]``). The caller attends over
         them before resuming, because the next call may evict their columns."""
         batch, steps = top3.shape[:2]
-        result = self.coord.swap_in(layer, top3, seq_lens, rows)
+        result = self.coord.swap_in(layer, top3, seq_lens, rows, near=near3)
         flat = result.slots.reshape(batch * steps, -1)
         if bool((result.steps_done == steps).all()):
             yield torch.arange(batch * steps, device=top3.device), flat
@@ -189,7 +198,7 @@ class HiSparseBackend:
             pending &= ~done_now
             if not bool(pending.any()):
                 return
-            result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows)
+            result = self.coord.swap_in(layer, top3, torch.where(pending, seq_lens, 0), rows, near=near3)
 
     def _trace_labels(self) -> list[str]:
         labels = self.labels or {}

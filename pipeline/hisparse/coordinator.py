@@ -33,6 +33,7 @@ import torch
 
 from kernels.kv_copy import copy_rows
 from kernels.swap_in import SwapInResult, swap_in
+from kernels.swap_in_policy import near_margin
 from pipeline.config import MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.hisparse.buffers import DeviceBuffers
@@ -515,8 +516,12 @@ class HiSparseCoordinator:
     ) -> HiSparseBackend:
         """The attention backend of one forward: ``steps`` = 0 for a prefill (``chunk_starts``: the
         first position of each token's chunk), else tokens per row."""
+        # decode / verify only: what the near-policies and the trace read (a prefill's swap-in does not)
+        margin = near_margin(self.plan.near_margin, self.plan.policy, self.plan.top_k, tracing=trace is not None)
+        margin = margin if steps else 0
         return HiSparseBackend(
-            self, rows, positions, locs, slots, steps=steps, chunk_starts=chunk_starts, trace=trace, labels=labels
+            self, rows, positions, locs, slots, steps=steps, chunk_starts=chunk_starts, trace=trace, labels=labels,
+            near_margin=margin,
         )
 
     def draft_backend(
@@ -540,9 +545,11 @@ class HiSparseCoordinator:
     # --- swap-in --------------------------------------------------------------------------------
 
     def swap_in(
-        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+        *, near: torch.Tensor | None = None,
     ) -> SwapInResult:
-        """Resolve ``top_k_pos [B, S, K]`` of ``layer`` to device slots, loading misses from host."""
+        """Resolve ``top_k_pos [B, S, K]`` of ``layer`` to device slots, loading misses from host;
+        ``near [B, S, M]``: the positions the indexer ranked next (what the near-policies read)."""
         result = swap_in(
             top_k_pos,
             seq_lens,
@@ -555,6 +562,7 @@ class HiSparseCoordinator:
             self.device_kv[layer],
             hot=self.hot,
             policy=self.plan.policy,
+            near=near,
             check=False,  # the coordinator built every argument
         )
         self.counters.add_swap_in(layer, result)

@@ -16,8 +16,9 @@ swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves t
   attention backend's rounds).
 
 Policies: the engine's online ones (``kernels.swap_in_policy``: ``lru``, ``slide``, ``slide-lru``,
-``adaptive``, exactly the engine's rule, so a trace recorded with a policy reproduces the engine's miss counters
-for it), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
+``adaptive``, ``near``, ``near-adaptive``, exactly the engine's rule, so a trace recorded with a policy
+reproduces the engine's miss counters for it; the near-policies read each record's ``near`` positions,
+none in a trace without them, as an engine with ``near_margin=0``), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
 first unreferenced slot the step does not hold), and **MIN** (Belady: evicts the evictable position
 whose next use lies farthest in the future; offline, the optimum under the same rules).
 """
@@ -48,6 +49,7 @@ class Step:
     long: bool  # n > hot (a fast step only protects its positions for the rest of the call)
     call_start: bool  # first step of a swap-in call: protection starts afresh
     reset: bool  # the request's buffer was (re)assigned before this step: identity hot region
+    near: tuple[int, ...] = ()  # valid positions the indexer ranked next after the top-k (version 3)
 
 
 def _check(rec: object) -> tuple[str, int, str, int, list[int]]:
@@ -94,7 +96,8 @@ def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], li
         if phase == "verify":
             held.update(range(max(call[key], hot), n))  # the call's verify tokens in the draft zone
         want = tuple(t for t in valid if t not in held) if n > hot else ()
-        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh))
+        near = tuple(t for t in rec.get("near", ()) if 0 <= t < n)
+        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh, near))
         fresh.discard(key)
     return streams
 
@@ -131,7 +134,7 @@ def online_misses(steps: list[Step], hot: int, policy: str, top_k: int | None = 
         missed = [t for t in step.want if t not in resident]
         misses += len(missed)
         keys = step_policy(policy, list(step.want), order[max(0, hot - recent_width) :]) if missed else policy
-        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot))
+        chosen = set(choose_victims(keys, evictable, list(step.selected), len(missed), hot, step.near))
         order = [p for i, p in enumerate(evictable) if i not in chosen] + kept + missed + hits
     return misses
 
@@ -312,6 +315,7 @@ def main(argv: list[str]) -> int:
         return 0
     for result in results:
         recorded = f" (recorded with HOT={header['hot']}, policy {engine})" if header.get("hot") else ""
+        recorded += f", {header.get('near_margin', 0)} near positions per step"
         print(f"HOT={result.hot}{recorded}: {result.steps} long swap-in steps (request x layer), "
               f"{result.wanted} positions wanted from the hot region")
         ran = engine if header.get("hot") == result.hot else None

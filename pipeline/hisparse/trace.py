@@ -5,13 +5,15 @@ the configuration the engine ran with, every other line one selection::
 
     {"trace": "hispec-topk", "version": 2, "hot": 128, "policy": "lru", "row_bytes": 320, ...}
     {"request": "r3", "layer": 1, "phase": "decode", "position": 812, "top_k": [805, 3, 811, ...]}
-    {"request": "r3", "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...]}
+    {"request": "r3", "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...], "near": [...]}
 
 ``position`` is the query token's position (its visible length is ``position + 1``); ``top_k`` is in
 contract order with the -1 padding dropped; ``phase`` is ``prefill`` (a prefill chunk's queries),
 ``decode`` (one step per request) or ``verify`` (D steps per request, ``step`` = 0..D-1 within the
-swap-in call). The file is what ``hispec replay`` reads to compare replacement policies on the same
-selections. A file without a header (version 1) holds records only, and no ``step``.
+swap-in call); ``near`` (decode and verify, from version 3) the positions the indexer ranked next
+after the top-k (``near_margin`` of them, header), in the same order. The file is what ``hispec
+replay`` reads to compare replacement policies on the same selections. A file without a header
+(version 1) holds records only, and no ``step``; a version 2 file no ``near``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from typing import Any, TextIO
 
 import torch
 
+from kernels.swap_in_policy import near_margin
+
 FORMAT = "hispec-topk"
-VERSION = 2
+VERSION = 3
 
 
 def trace_meta(config: Any, model_cfg: Any, dtype: torch.dtype) -> dict[str, object]:
@@ -31,7 +35,9 @@ def trace_meta(config: Any, model_cfg: Any, dtype: torch.dtype) -> dict[str, obj
     ``model_cfg``: what a replay needs to model the engine's swap-in."""
     hs = config.hisparse
     spec = config.speculative
+    margin = near_margin(hs.near_margin, hs.policy, model_cfg.index_topk, tracing=True) if hs is not None else 0
     return {
+        "near_margin": margin,
         "hot": hs.device_buffer_size if hs is not None else None,
         "policy": hs.policy if hs is not None else None,
         "page_size": config.page_size,
@@ -53,19 +59,30 @@ class TopKTrace:
         self._file.write(json.dumps(header, separators=(",", ":")) + "\n")
 
     def record(
-        self, layer: int, phase: str, labels: list[str], positions: torch.Tensor, top_k: torch.Tensor
+        self,
+        layer: int,
+        phase: str,
+        labels: list[str],
+        positions: torch.Tensor,
+        top_k: torch.Tensor,
+        *,
+        near: torch.Tensor | None = None,
     ) -> None:
         """One forward's selections of ``layer``: row i is request ``labels[i]``'s token at
-        ``positions[i]``; a verify's rows are request-major, a request's D steps in order."""
+        ``positions[i]``; a verify's rows are request-major, a request's D steps in order.
+        ``near [T, M]``: the positions ranked next (recorded for decode and verify)."""
         rows = top_k.cpu().tolist()
+        nears = near.cpu().tolist() if near is not None and phase != "prefill" else [None] * len(rows)
         steps: dict[str, int] = {}  # verify: rows of each request so far in this call
-        for label, pos, picked in zip(labels, positions.tolist(), rows):
+        for label, pos, picked, close in zip(labels, positions.tolist(), rows, nears):
             entry: dict[str, object] = {"request": label, "layer": layer, "phase": phase}
             if phase == "verify":
                 entry["step"] = steps.get(label, 0)
                 steps[label] = entry["step"] + 1
             entry["position"] = pos
             entry["top_k"] = [t for t in picked if t >= 0]
+            if close is not None:
+                entry["near"] = [t for t in close if t >= 0]
             self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
         self.num_records += len(rows)
 

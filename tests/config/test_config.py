@@ -107,6 +107,12 @@ RULES = [
         "must be one of",
     ),
     (
+        "hisparse.near_margin",
+        lambda: dict(hisparse=HS(policy="near-adaptive", near_margin=0)),
+        lambda: dict(hisparse=HS(policy="near", near_margin=-1)),
+        "must be >= 0",
+    ),
+    (
         "hisparse.top_k",
         lambda: dict(hisparse=HS(top_k=1)),
         lambda: dict(hisparse=HS(top_k=0)),

@@ -11,7 +11,7 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kernels.swap_in_policy import POLICIES
+from kernels.swap_in_policy import NEAR_POLICIES, POLICIES
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
@@ -78,6 +78,9 @@ def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, po
     assert ("verify" in {r["phase"] for r in records}) == bool(num_steps)
     if num_steps == 3:  # 4 verify steps of top-k 8 do not all fit HOT 16: the backend's rounds run
         assert _round_restarts(swap_in_steps(records, HOT)) > 0
+    # the near positions are recorded whatever the policy (the default margin while tracing: top_k)
+    assert header["near_margin"] == header["top_k"]
+    assert all(len(r["near"]) > 0 for r in records if r["phase"] != "prefill" and r["position"] > header["top_k"])
     result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"])
     assert result.misses[policy] == engine_misses
     assert sum(engine_misses) > 0
@@ -190,3 +193,18 @@ def test_min_is_the_optimum_and_a_floor_on_small_streams(raw, hot):
     assert floor == _brute_force(steps, hot)
     for name in ALL_POLICIES:
         assert floor <= policy_function(name)(steps, hot)
+
+
+@pytest.mark.parametrize("policy", NEAR_POLICIES)
+def test_a_near_policy_reads_the_recorded_near_positions(tiny_model, tmp_path, policy):
+    # the engine ran the near-policy: replay reproduces it with the recorded near positions, and a
+    # trace without them (a version 2 file: the near-policies then see none, as with near_margin 0)
+    # replays the engine's misses no more: the near positions changed which columns were evicted
+    path = tmp_path / "topk.jsonl"
+    engine_misses, _ = _record(tiny_model, path, policy=policy, num_steps=None)
+    records = read_trace(path)
+    stripped = [{k: v for k, v in r.items() if k != "near"} for r in records]
+    with_near = replay(records, HOT, policies=[policy]).misses[policy]
+    without = replay(stripped, HOT, policies=[policy]).misses[policy]
+    assert with_near == engine_misses
+    assert without != engine_misses

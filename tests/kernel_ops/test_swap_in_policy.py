@@ -12,7 +12,15 @@ from test_swap_in import _hand_world
 
 from kernels.swap_in import swap_in
 from kernels.swap_in_oracle import swap_in_oracle
-from kernels.swap_in_policy import FAR, POLICIES, choose_victims, policy_code, slide_distance
+from kernels.swap_in_policy import (
+    FAR,
+    NEAR_POLICIES,
+    POLICIES,
+    choose_victims,
+    near_margin,
+    policy_code,
+    slide_distance,
+)
 
 IMPLS = ["torch", "python", "numpy", pytest.param("triton", marks=pytest.mark.interpreter)]
 OTHER_POLICIES = [p for p in POLICIES if p != "lru"]
@@ -62,10 +70,10 @@ def test_choose_victims_keeps_lru_order_among_the_chosen():
     assert choose_victims("slide-lru", held, [8], 2, hot=10) == [1, 2]
 
 
-def _equal_to_oracle(world, impl, policy):
+def _equal_to_oracle(world, impl, policy, near=None):
     a, b = world.clone(), world.clone()
-    expected = swap_in_oracle(*a.args(), policy=policy)
-    got = swap_in(*b.args(), impl=impl, policy=policy, validate=True)
+    expected = swap_in_oracle(*a.args(), policy=policy, near=near)
+    got = swap_in(*b.args(), impl=impl, policy=policy, near=near, validate=True)
     assert_same(a, expected, b, got, f"{impl} vs oracle under {policy}")
     assert_canaries(world, b)
     return expected
@@ -123,3 +131,72 @@ def test_adaptive_follows_slide_only_when_the_selection_slid(impl):
         assert res.misses.tolist() == [3]
         assert w.lru[0, 0] == kept_col, policy  # the one column kept comes first in the new order
         assert w.buffer_tokens[0, kept_col] == [31, 29, 10, 49][kept_col]
+
+
+def _near_rows(world, seed: int, margin: int) -> torch.Tensor:
+    """``[B, S, margin]`` near positions: held tokens, fresh positions, -1 and out-of-range ones."""
+    g = torch.Generator().manual_seed(seed)
+    b, steps, _ = world.top_k_pos.shape
+    out = torch.full((b, steps, margin), -1, dtype=torch.int32)
+    for i, row in enumerate(world.req_rows.tolist()):
+        for s in range(steps):
+            n = max(int(world.seq_lens[i, s]), 1)
+            pool = torch.cat([world.buffer_tokens[row].long(), torch.randint(-2, n + 3, (margin + 1,), generator=g)])
+            out[i, s] = pool[torch.randint(0, pool.numel(), (margin,), generator=g)].int()
+    return out
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("policy", NEAR_POLICIES)
+@pytest.mark.parametrize("near,evicted", [(None, 0), ([[31, -1]], 2), ([[10, 70]], 0), ([[31, 10]], 0)])
+def test_worked_example_near_keeps_what_the_indexer_ranked_next(impl, policy, near, evicted):
+    # _example's world: the one miss (55) takes column 0 (31) or column 2 (10). ``near`` evicts
+    # first the columns holding a position neither selected nor near, least recent first: with 31
+    # near it takes column 2; with 10 near (70 is out of range) or both near, LRU's column 0. The
+    # selection does not slide (30 and 50 stay), so near-adaptive keeps near's victims.
+    w = _hand_world([31, 30, 10, 50, 60, -1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
+                    top=[[30, 50, 60, 55]], lens=[61], hot=4, max_ctx=64)
+    rows = None if near is None else torch.tensor([near], dtype=torch.int32)
+    res = swap_in(*w.args(), impl=impl, policy=policy, near=rows, validate=True)
+    assert (res.hits.tolist(), res.misses.tolist()) == ([3], [1])
+    assert w.buffer_tokens[0, evicted] == 55
+    assert w.lru.tolist() == [[2 - evicted, evicted, 1, 3]]
+
+
+def test_choose_victims_near_evicts_the_unranked_first_in_lru_order():
+    held = [9, 21, 20, 5]  # LRU order; selected [8], near {20, 9}
+    assert choose_victims("near", held, [8], 1, hot=16, near=[20, 9]) == [1]
+    assert choose_victims("near", held, [8], 3, hot=16, near=[20, 9]) == [0, 1, 3]
+    assert choose_victims("near", held, [8, 21], 2, hot=16, near=[]) == [0, 2]  # a selected one stays too
+
+
+def test_the_near_margin_defaults_to_top_k_under_a_near_policy_or_a_trace():
+    assert near_margin(None, "near", 64) == near_margin(None, "near-adaptive", 64) == 64
+    assert near_margin(None, "lru", 64) == 0
+    assert near_margin(None, "lru", 64, tracing=True) == 64
+    assert near_margin(8, "lru", 64) == 8
+
+
+def test_swap_in_checks_the_near_rows():
+    _, w = _example("lru", "torch")
+    with pytest.raises(ValueError, match="near"):
+        swap_in(*w.args(), impl="torch", policy="near", near=torch.zeros(1, 2, 3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="near"):
+        swap_in(*w.args(), impl="torch", policy="near", near=torch.zeros(1, 1, 3, dtype=torch.int64))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=6, max_steps=4), policy=st.sampled_from(NEAR_POLICIES),
+       seed=st.integers(0, 2**31 - 1), margin=st.integers(0, 9))
+def test_cpu_implementations_equal_the_oracle_under_the_near_policies(world, policy, seed, margin):
+    near = _near_rows(world, seed, margin)
+    for impl in ("torch", "python", "numpy"):
+        _equal_to_oracle(world, impl, policy, near)
+
+
+@pytest.mark.interpreter
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=3, max_steps=3), policy=st.sampled_from(NEAR_POLICIES),
+       seed=st.integers(0, 2**31 - 1), margin=st.integers(0, 6))
+def test_triton_equals_the_oracle_under_the_near_policies(world, policy, seed, margin):
+    _equal_to_oracle(world, "triton", policy, _near_rows(world, seed, margin))

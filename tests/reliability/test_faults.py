@@ -124,10 +124,10 @@ async def test_a_swap_in_fault_fails_the_request_it_was_for(tiny_model, monkeypa
     real = HiSparseCoordinator.swap_in
     culprit_rows: set[int] = set()
 
-    def swap_in(self, layer, top_k_pos, seq_lens, rows):
+    def swap_in(self, layer, top_k_pos, seq_lens, rows, **kwargs):
         if culprit_rows & set(rows.tolist()) and int(seq_lens.max()) > 42:
             raise RuntimeError("injected swap-in fault")
-        return real(self, layer, top_k_pos, seq_lens, rows)
+        return real(self, layer, top_k_pos, seq_lens, rows, **kwargs)
 
     monkeypatch.setattr(HiSparseCoordinator, "swap_in", swap_in)
     real_admit = Executor.admit
