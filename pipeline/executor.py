@@ -326,7 +326,13 @@ class Executor:
             seq.produced.append(token)
             if self.speculative:
                 next_ids = (*seq.token_ids[start + 1 :], token)
-                extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
+                if len(seq.behind) + end - start < self.catch_up_after:
+                    # the MTP layer catches up when a round first needs it (or the bound is reached):
+                    # a request that never speculates (a busy batch) never pays for its draft extend
+                    seq.plain_next, seq.draft = token, None
+                    seq.behind.extend(zip(range(start, end), hidden, next_ids))
+                else:
+                    extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
             else:
                 seq.plain_next = token
         if extend:

@@ -170,3 +170,26 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
     assert 0 < most < catch_up_after  # caught up as soon as catch_up_after were held
     assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
     executor.close()
+
+
+def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, monkeypatch):
+    """The MTP layer's draft extend is deferred from prefill to the first round that needs it: over
+    ``max_batch_size`` requests that never comes (in fewer than ``catch_up_after`` steps), so the
+    speculative config costs what plain decoding does; the tokens are plain decoding's."""
+    import pipeline.executor as executor_module
+
+    calls = []
+    real = executor_module.draft_extend
+    monkeypatch.setattr(executor_module, "draft_extend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    prompts = make_prompts(3, seed=9)
+    plain, _ = generate(tiny_model, config(True, None), prompts)
+    cfg = config(True, 3)
+    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
+                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
+                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=2)})
+    reqs, executor = generate(tiny_model, cfg, prompts)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert executor.spec_counters.verify_rounds == 0 and calls == []
+    reqs, executor = generate(tiny_model, cfg, prompts[:1])  # alone: rounds, the first one catches up
+    assert reqs[0].output_ids == plain[0].output_ids
+    assert executor.spec_counters.verify_rounds > 0 and calls
