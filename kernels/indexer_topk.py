@@ -67,12 +67,14 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """``stable_topk_positions`` without sorting whole rows (equal output for any scores, NaN excluded),
     over the last dim of ``scores [..., n]``: int32 ``[..., top_k]``, -1 where fewer are visible.
 
-    ``torch.topk`` picks the right set except among the entries equal to its k-th value ``v``, of
-    which it takes an arbitrary subset. Where more entries equal ``v`` than it took (the ties
-    straddle the cut; ``-0.0 == 0.0``, so the two tie), the row is repaired: every entry ``> v`` and
-    the lowest positions among those ``== v``. A stable descending sort of the k positions, taken in
-    position order, then gives the contract's order. Rows whose ``v`` is ``-inf`` need no repair:
-    whichever invisible positions are picked, they come last and come out as -1.
+    ``torch.topk`` (sorted) picks the right set and order except among equal values: of the entries
+    equal to its k-th value ``v`` it takes an arbitrary subset, and equal values it took come in an
+    arbitrary order. A row without either case (no two finite picked values equal, and no entry
+    ``== v`` left out; ``-0.0 == 0.0``, so the two tie) is final as it comes, which is the usual
+    case. The others are repaired: every entry ``> v`` and the lowest positions among those
+    ``== v``, then a stable descending sort of the k positions taken in position order, which gives
+    the contract's order. Rows whose ``v`` is ``-inf`` need no repair of the cut: whichever
+    invisible positions are picked, they come last and come out as -1.
     """
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows, k = lead.numel(), min(top_k, n)
@@ -80,16 +82,22 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or rows == 0:
         return out.view(*lead, top_k)
-    values, pos = torch.topk(scores, k, dim=-1, sorted=False)  # [rows, k]
-    kth = values.amin(dim=-1, keepdim=True)  # [rows, 1]
-    straddle = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & (kth[:, 0] > float("-inf"))
-    if bool(straddle.any()):
-        pos[straddle] = _lowest_tied(scores[straddle], kth[straddle], k)
-    pos = torch.sort(pos, dim=-1).values  # position order, so that the stable sort breaks ties by it
-    picked = torch.gather(scores, -1, pos)
-    order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
-    pos = torch.gather(pos, -1, order)
-    out[:, :k] = torch.where(torch.gather(picked, -1, order) == float("-inf"), -1, pos).to(torch.int32)
+    values, pos = torch.topk(scores, k, dim=-1, sorted=True)  # [rows, k], values descending
+    kth = values[:, -1:]
+    finite = kth[:, 0] > float("-inf")
+    straddle = ((scores == kth).sum(-1) > (values == kth).sum(-1)) & finite
+    tied = ((values[:, 1:] == values[:, :-1]) & (values[:, 1:] > float("-inf"))).any(-1)
+    repair = straddle | tied
+    if bool(repair.any()):
+        idx = repair.nonzero()[:, 0]
+        sub, sub_kth = scores[idx], kth[idx]
+        picked_pos = torch.where(straddle[idx, None], _lowest_tied(sub, sub_kth, k), pos[idx])
+        picked_pos = torch.sort(picked_pos, dim=-1).values  # position order: the stable sort breaks ties by it
+        picked = torch.gather(sub, -1, picked_pos)
+        order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
+        pos[idx] = torch.gather(picked_pos, -1, order)
+        values[idx] = torch.gather(picked, -1, order)
+    out[:, :k] = torch.where(values == float("-inf"), -1, pos).to(torch.int32)
     return out.view(*lead, top_k)
 
 
