@@ -524,7 +524,7 @@ def check_engine_options(
     on_exit: object,
     trace_path: object,
     queue_size: object,
-    prefill_pacing: object = True,
+    prefill_pacing: object = False,
 ) -> None:
     """The keyword arguments of ``Engine(config, ...)``; raises ``ConfigError`` naming the first bad one.
 

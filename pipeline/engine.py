@@ -64,9 +64,11 @@ class Engine:
     ``prefill_pacing``: while requests decode, keep each prefill chunk to about one decode step's
     device time (``PrefillPace``; in a mixed step, ``EngineConfig.mixed_steps``, about half a decode
     step's on top of the step): the running requests' inter-token latency stays below two decode
-    steps, and a long prompt takes longer to its first token. True by default; with nothing
-    decoding (a request served alone) chunks are ``chunked_prefill_tokens``, so what a lone request
-    computes does not depend on timing. False: chunks of ``chunked_prefill_tokens`` always.
+    steps, but a long prompt takes longer to its first token and prompts arriving in numbers get
+    through prefill more slowly (throughput). With nothing decoding (a request served alone) chunks
+    are ``chunked_prefill_tokens``, so what a lone request computes does not depend on timing.
+    False (default): chunks of ``chunked_prefill_tokens`` always, riding on the decode steps
+    (``mixed_steps``), as vLLM's token budget does.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class Engine:
         on_exit: Literal["abort", "finish"] = "abort",
         trace_path: str | None = None,
         queue_size: int = 64,
-        prefill_pacing: bool = True,
+        prefill_pacing: bool = False,
     ) -> None:
         check_engine_options(  # ConfigError naming the argument
             config,

@@ -145,7 +145,7 @@ def build_pipeline(
     queue_size: int,
     max_prefill_tokens: int,
     max_undelivered_tokens: int | None,
-    prefill_pacing: bool = True,
+    prefill_pacing: bool = False,
 ) -> Pipeline:
     admission_end, admission_inbox = anyio.create_memory_object_stream[StageMessage](math.inf)
     prefill_end, prefill_inbox = anyio.create_memory_object_stream[PrefillBatch](0)
