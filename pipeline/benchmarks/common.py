@@ -19,7 +19,9 @@ from pipeline.model.corpus import build_corpus
 def add_common_args(parser: argparse.ArgumentParser, out: str) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (0 = torch's default; 1 by default: two busy threads on "
+                        "a shared small machine run far slower)")
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats; the median is reported")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=out, help="JSON results")
