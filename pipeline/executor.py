@@ -543,23 +543,29 @@ class Executor:
             log.error("executor.command_failed", command="Mixed", exc_info=True)
             failed = Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start, mixed=True)
             return tuple(failed for _ in commands)
+        finally:
+            self.memory.end_forward()
         seconds = time.perf_counter() - start
         after = self._decode_totals(), self._prefill_totals()
         figures = [StepFigures(*(a - b for a, b in zip(x, y))) for x, y in zip(after, before)]
+        # the chunks' own finishing failed as a whole (as their Prefill alone would): they fail, the
+        # decode step's result stands
+        prefill_error = _reason(chunks) if isinstance(chunks, Exception) else None
         by_kind = {
             Decode: Outcome(step, figures[0], True, None, seconds, mixed=shared),
-            Prefill: Outcome(chunks, figures[1], True, None, seconds, mixed=shared),
+            Prefill: Outcome(None if prefill_error else chunks, figures[1], True, prefill_error, seconds, mixed=shared),
         }
         return tuple(by_kind[type(c)] for c in commands)
 
     @torch.inference_mode()
     def mixed(
         self, request_ids: list[str], chunks: Seq[PrefillChunk]
-    ) -> tuple[StepResult, PrefillResult, bool]:
+    ) -> tuple[StepResult, PrefillResult | Exception, bool]:
         """A decode step of ``request_ids`` and a prefill forward of ``chunks`` in one model forward
         (``pipeline/memory/mixed.py``): the decode tokens, then the chunks' tokens. A failing forward
         is bisected over both kinds of request together, so a request that fails, fails alone.
-        Returns both results and whether the forward really carried both (no decode request may
+        Returns both results (the prefill's is the exception when finishing its chunks failed as a
+        whole) and whether the forward really carried both (no decode request may
         have had room)."""
         items = self._chunk_items(chunks)  # checked before anything is reserved
         runnable, refused = self.reserve(request_ids, new_tokens=1, speculative=False)
@@ -574,7 +580,12 @@ class Executor:
         if items:
             self.prefill_counters.record(items, self._prefill_totals(), before, mixed=shared)
         step = self._finish_decode(decoded, decode_failed, refused) if runnable else StepResult({}, refused)
-        return step, self._finish_prefill(prefilled, chunk_failed), shared
+        try:
+            chunk_result: PrefillResult | Exception = self._finish_prefill(prefilled, chunk_failed)
+        except Exception as exc:  # the chunks' commit or staging: their command fails, not the decode step
+            log.error("executor.command_failed", command="Prefill", mixed=True, exc_info=True)
+            chunk_result = exc
+        return step, chunk_result, shared
 
     def _mixed_forward(self, items: list) -> list:
         """One forward over decode items (``Sequence``) and prefill items (``(Sequence, start, end)``);
@@ -682,8 +693,22 @@ class Executor:
         if keep_sampling_state:
             self._sampling_state[request_id] = seq.generator
         self._by_row.pop(seq.row, None)
-        tokens = self._cache_tokens(seq) if cache and self.config.prefix_cache else None
+        caching = cache and self.config.prefix_cache
+        # (not a retraction: the catch-up would draw from the generator the request keeps)
+        if caching and seq.behind and not keep_sampling_state and self.memory.residency(seq.row) is Residency.RESIDENT:
+            self._catch_up_for_cache(seq)
+        tokens = self._cache_tokens(seq) if caching else None
         self.memory.release(seq.row, tokens=tokens)
+
+    def _catch_up_for_cache(self, seq: Sequence) -> None:
+        """A decoding request leaving with its MTP layer behind (it never speculated since): catch
+        the layer up first, so that its pages, MTP rows included, can go to the prefix cache. If
+        that fails, the request just leaves fewer pages cached."""
+        try:
+            with torch.inference_mode():
+                self._catch_up([seq])
+        except Exception:
+            log.warning("executor.catch_up_failed", request_id=seq.request_id, exc_info=True)
 
     def _cache_tokens(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens whose pages may be cached: every known token, or, while the MTP layer is behind

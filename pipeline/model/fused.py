@@ -20,9 +20,10 @@ instead whenever no gradient is recorded. What it changes:
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
 
-A fused module's parameter replaced after fusion (a new ``Parameter``, or ``.data`` re-pointed) no
-longer feeds the fused tensor; every call checks those modules' data pointers and falls back to the
-module path when one moved, so stale weights are never used (``fuse_for_inference`` again re-fuses). Layers whose modules are not plain
+A module replaced after fusion, or a fused module's parameter replaced (a new ``Parameter``, or
+``.data`` re-pointed), no longer feeds the fused path; every call checks that each module it holds
+is still in place and that the fused weights' data pointers did not move, and falls back to the
+module path otherwise, so stale weights are never used (``fuse_for_inference`` again re-fuses). Layers whose modules are not plain
 ``nn.Linear`` (tensor-parallel shards) are left unfused.
 """
 
@@ -88,6 +89,18 @@ class FusedLayer:
         self.w_q = _fuse(second, self._views)
         self.mlp = _fused_mlp(layer.mlp, self._views)
         self.attn_scale, self.index_scale = cfg.attn_scale, cfg.index_scale
+        # every module this object holds, by where it sits: a replaced one means stale weights
+        names = {layer: ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"],
+                 attn: ["q_a_layernorm", "kv_a_layernorm", "indexer", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj"]}
+        if idx is not None:
+            names[idx] = ["wk", "wq_b", "weights_proj"]
+        mlp = layer.mlp
+        dense = mlp if isinstance(mlp, DenseMLP) else getattr(mlp, "shared_experts", None)
+        if not isinstance(mlp, DenseMLP):
+            names[mlp] = ["shared_experts"]
+        if dense is not None:
+            names[dense] = ["gate_proj", "up_proj", "down_proj"]
+        self._links = [(parent, name, getattr(parent, name)) for parent, attrs_ in names.items() for name in attrs_]
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
@@ -101,9 +114,11 @@ class FusedLayer:
         return _plain(*mods) and attn.num_heads == attn.cfg.num_attention_heads and mlp_fits
 
     def current(self) -> bool:
-        """The fused modules' weights are still slices of the fused tensors (the other modules are
-        called as they are, so they cannot go stale)."""
-        return all(m.weight.data_ptr() == ptr for m, ptr in self._views)
+        """Every module this object holds is still where it was, and the fused modules' weights are
+        still slices of the fused tensors (what it reads through those modules is read live)."""
+        return all(getattr(parent, name) is module for parent, name, module in self._links) and all(
+            m.weight.data_ptr() == ptr for m, ptr in self._views
+        )
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
@@ -250,8 +265,13 @@ class _FusedMoE:
         act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
         y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, N, D]
         dense = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)  # [N, E]
-        # as the module path: the expert's output times its wide-dtype weight, cast back, then summed
-        return (y * dense.t()[:, :, None]).to(x.dtype).sum(dim=0)
+        # as the module path: each expert's output times its wide-dtype weight, cast back, added in
+        # expert order in the activations' dtype (a skipped expert adds an exact zero)
+        parts = (y * dense.t()[:, :, None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        for part in parts:
+            out = out + part
+        return out
 
 
 def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Linear, int]]):

@@ -172,3 +172,29 @@ def test_a_sampled_request_gives_the_same_tokens_mixed_and_not(tiny_model):
     assert [r.output_ids for r in runs[0][0]] == [r.output_ids for r in runs[1][0]]
     assert runs[0][1]["prefill"]["mixed_forwards"] > 0
 
+
+
+def test_chunks_failing_as_a_whole_after_a_mixed_forward_leave_the_decode_step(tiny_model, reference, monkeypatch):
+    """Finishing a mixed step's chunks fails outside any one request (injected in staging): their
+    Prefill fails, as it would alone; the decode step's tokens stand and the running requests go on."""
+    from pipeline.hisparse.coordinator import HiSparseCoordinator
+
+    real = HiSparseCoordinator.start_staging
+    hit = []
+
+    def start_staging(self, row, length):
+        if length == LONG[0] and not hit:
+            hit.append(row)
+            raise RuntimeError("injected staging fault")
+        return real(self, row, length)
+
+    monkeypatch.setattr(HiSparseCoordinator, "start_staging", start_staging)
+    reqs, stats, initial, final = serve(tiny_model, config(hisparse=True, chunk=7))
+    assert hit, "the fault was not reached"
+    failed = [r for r in reqs if r.state is State.FAILED]
+    assert failed and all(r.request_id.startswith("long-") for r in failed)
+    assert all("injected staging fault" in r.error for r in failed)
+    for req, want in zip(reqs, reference):
+        if req.state is not State.FAILED:
+            assert req.output_ids == want, req.request_id
+    assert stats["prefill"]["mixed_forwards"] > 0 and final == initial

@@ -71,8 +71,12 @@ def test_large_batches_take_the_per_expert_path():
     assert calls == [n]  # the prefill went through the experts, the one-token decode did not
 
 
-def test_bfloat16_model_keeps_wide_weights_apart():
-    cfg = tiny_config(n_group=1, topk_group=1)
+@pytest.mark.parametrize("experts", [(4, 2), (8, 3), (8, 4), (16, 4)])
+def test_bfloat16_model_keeps_wide_weights_apart(experts):
+    """bf16: the router and indexer weights stay float32 (not fused), and the dense expert path adds
+    the experts' contributions one by one in bf16, as the module path's index_add does."""
+    e, k = experts
+    cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=e, num_experts_per_tok=k)
     module, fused = _pair(cfg, dtype=torch.bfloat16)
     layer = fused.model.layers[0].fused
     assert not layer.w_in_weights  # indexer weights_proj is float32: its own matmul
@@ -101,6 +105,27 @@ def test_replaced_parameter_falls_back_to_the_module_path():
     assert not fused.model.layers[1].fused.current()
     torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
     assert fuse_for_inference(fused) == 3 and fused.model.layers[1].fused.current()  # fused again
+    torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("where", ["q_b_proj", "mlp", "norm"])
+def test_replaced_module_falls_back_to_the_module_path(where):
+    """A module swapped for a new one after fusion is never read through the fused path's copy."""
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    for m in (module, fused):
+        layer = m.model.layers[0]
+        torch.manual_seed(3)
+        if where == "q_b_proj":
+            old = layer.self_attn.q_b_proj
+            layer.self_attn.q_b_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False).double()
+        elif where == "mlp":
+            layer.mlp = type(layer.mlp)(cfg.hidden_size, cfg.intermediate_size).double()
+        else:
+            layer.post_attention_layernorm = type(layer.post_attention_layernorm)(cfg.hidden_size).double()
+            with torch.no_grad():
+                layer.post_attention_layernorm.weight.mul_(0.5)
+    assert not fused.model.layers[0].fused.current()
     torch.testing.assert_close(_logits(fused, 10), _logits(module, 10), rtol=0, atol=1e-10)
 
 

@@ -175,7 +175,8 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
 def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, monkeypatch):
     """The MTP layer's draft extend is deferred from prefill to the first round that needs it: over
     ``max_batch_size`` requests that never comes (in fewer than ``catch_up_after`` steps), so the
-    speculative config costs what plain decoding does; the tokens are plain decoding's."""
+    speculative config costs what plain decoding does (without a prefix cache, which would want the
+    MTP rows of the pages it keeps); the tokens are plain decoding's."""
     import pipeline.executor as executor_module
 
     calls = []
@@ -186,10 +187,30 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
     cfg = config(True, 3)
     cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
                                                           "max_running_requests", "device_pool_tokens", "hisparse")},
-                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=2)})
+                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=2), "prefix_cache": False})
     reqs, executor = generate(tiny_model, cfg, prompts)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert executor.spec_counters.verify_rounds == 0 and calls == []
     reqs, executor = generate(tiny_model, cfg, prompts[:1])  # alone: rounds, the first one catches up
     assert reqs[0].output_ids == plain[0].output_ids
     assert executor.spec_counters.verify_rounds > 0 and calls
+
+
+def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_cache(tiny_model):
+    """Its MTP layer is caught up as it leaves, so the next request with the same prompt hits."""
+    cfg = config(True, 3)
+    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
+                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
+                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=1), "prefix_cache": True})
+    executor = Executor(cfg, model=tiny_model)
+    prompt = make_prompts(4, seed=11)[3]  # 37 tokens
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        first = [driver.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)) for _ in range(2)]
+        driver.run()  # two at once over max_batch_size 1: plain steps only, the extend deferred
+        assert executor.spec_counters.verify_rounds == 0
+        again = driver.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
+        driver.run()
+    assert again.metrics.cached_tokens >= PAGE * (len(prompt) // PAGE) - PAGE
+    assert again.output_ids == first[0].output_ids == first[1].output_ids
+    executor.close()
