@@ -211,8 +211,6 @@ class Executor:
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
             return Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start)
-        finally:
-            self.memory.end_forward()  # whatever forward the command left unfinished
         after = self._swap_totals()
         figures = StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES
         return Outcome(result, figures, changed, None, time.perf_counter() - start)
@@ -543,8 +541,6 @@ class Executor:
             log.error("executor.command_failed", command="Mixed", exc_info=True)
             failed = Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start, mixed=True)
             return tuple(failed for _ in commands)
-        finally:
-            self.memory.end_forward()
         seconds = time.perf_counter() - start
         after = self._decode_totals(), self._prefill_totals()
         figures = [StepFigures(*(a - b for a, b in zip(x, y))) for x, y in zip(after, before)]

@@ -484,11 +484,10 @@ class HiSparseCoordinator:
         """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up.
 
         One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
+        The host pages were taken with the step's room (``ensure_capacity``, via ``prepare_decode``).
         """
         num_new = num_new or [1] * len(rows)
         starts = [self._mem[row].length for row in rows]
-        for row, start, count in zip(rows, starts, num_new):
-            self.host.reserve(row, start + count)
         host_slots = self.host.record_runs(rows, starts, num_new)
         for row, count in zip(rows, num_new):
             self._mem[row].length += count

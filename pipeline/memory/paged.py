@@ -337,21 +337,23 @@ class PagedTable:
         """Slots of covered ``positions`` of ``row`` (computed from the pages, not the table)."""
         p, pages = self.page_size, self._pages[row]
         if positions.numel() <= 16:  # a decode step's few positions: plain Python is cheaper
-            return torch.tensor([pages[t // p] * p + t % p for t in positions.tolist()], dtype=torch.int64)
+            return torch.tensor(self._slot_list(row, positions.tolist()), dtype=torch.int64)
         table = torch.tensor(pages, dtype=torch.int64)
         return table[positions // p] * p + positions % p
+
+    def _slot_list(self, row: int, positions) -> list[int]:
+        """Slots of covered ``positions`` (ints) of ``row``, in plain Python."""
+        p, pages = self.page_size, self._pages[row]
+        return [pages[t // p] * p + t % p for t in positions]
 
     def record_runs(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
         """``record`` of positions ``[start, start + count)`` of each row, all in one table write
         (a decode step's few new positions per request); returns the slots, row after row."""
-        p = self.page_size
         row_ids, positions, slots = [], [], []
         for row, start, count in zip(rows, starts, counts):
-            pages = self._pages[row]
-            for t in range(start, start + count):
-                row_ids.append(row)
-                positions.append(t)
-                slots.append(pages[t // p] * p + t % p)
+            row_ids += [row] * count
+            positions += range(start, start + count)
+            slots += self._slot_list(row, range(start, start + count))
         index = (torch.tensor(row_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
         values = torch.tensor(slots, dtype=torch.int64)
         self.table[index] = values

@@ -10,6 +10,7 @@ head in ``test_bundled.py``.
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from _spec_util import RandomSwitch, oracle_drafter, quiet_logs
@@ -153,10 +154,7 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
         plain = [plain_driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
         plain_driver.run()
     truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
-    cfg = config(hisparse, 3)
-    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
-                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
-                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False)})
+    cfg = attrs.evolve(config(hisparse, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False))
     executor = Executor(cfg, model=tiny_model)
     executor.catch_up_after = catch_up_after
     oracle_drafter(monkeypatch, executor, truth)
@@ -184,10 +182,7 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
     monkeypatch.setattr(executor_module, "draft_extend", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = make_prompts(3, seed=9)
     plain, _ = generate(tiny_model, config(True, None), prompts)
-    cfg = config(True, 3)
-    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
-                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
-                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=2), "prefix_cache": False})
+    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=2), prefix_cache=False)
     reqs, executor = generate(tiny_model, cfg, prompts)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert executor.spec_counters.verify_rounds == 0 and calls == []
@@ -198,10 +193,7 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
 
 def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_cache(tiny_model):
     """Its MTP layer is caught up as it leaves, so the next request with the same prompt hits."""
-    cfg = config(True, 3)
-    cfg = EngineConfig(**{**{f: getattr(cfg, f) for f in ("dtype", "page_size", "max_context_len",
-                                                          "max_running_requests", "device_pool_tokens", "hisparse")},
-                          "speculative": SpeculativeConfig(num_steps=3, max_batch_size=1), "prefix_cache": True})
+    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
     prompt = make_prompts(4, seed=11)[3]  # 37 tokens
     driver = SyncDriver(executor, check=True)
