@@ -144,6 +144,44 @@ def cpu_impl(num_reqs: int, num_steps: int, top_k: int) -> str:
     return "python" if small else "numpy"
 
 
+def identity_only(
+    top_k_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    req_rows: torch.Tensor,
+    buffer_locs: torch.Tensor,
+    hot: int,
+) -> SwapInResult | None:
+    """The whole call on the fast path, as a few tensor ops, when it can be (CPU tensors): every
+    step sees at most ``hot`` positions and every valid entry's identity column has a slot. Then
+    each valid entry maps to its identity column, every unique one counts as a hit, and nothing
+    else changes (no draft column is consulted, no LRU order or token moves), which is exactly what
+    the implementations do on such a call. None when the call needs them (some step is long, or an
+    identity column has no slot yet)."""
+    if seq_lens.numel() == 0 or int(seq_lens.max()) > hot:
+        return None
+    pos = top_k_pos.long()
+    valid = (pos >= 0) & (pos < seq_lens[..., None])  # [B, S, K]
+    locs = buffer_locs.index_select(0, req_rows)[:, None, :].expand(-1, pos.shape[1], -1)  # [B, S, HOT+P]
+    slots = torch.gather(locs, 2, pos.clamp(0, hot - 1))
+    if bool((valid & (slots < 0)).any()):
+        return None
+    # unique valid positions per step: the marks they leave in a [B, S, hot] table (invalid -> column hot)
+    seen = torch.zeros(*pos.shape[:2], hot + 1, dtype=torch.int32)
+    seen.scatter_(2, torch.where(valid, pos, hot), 1)
+    hits = seen[..., :hot].sum(dim=(1, 2), dtype=torch.int32)
+    zeros = torch.zeros_like(hits)
+    total = int(hits.sum())
+    return SwapInResult(
+        slots=torch.where(valid, slots, -1).to(torch.int32),
+        steps_done=torch.full_like(hits, pos.shape[1]),
+        hits=hits,
+        misses=zeros,
+        unrecoverable=zeros.clone(),
+        bytes_copied=zeros.to(torch.int64),
+        totals=(total, 0, 0, 0),
+    )
+
+
 def swap_in(
     top_k_pos: torch.Tensor,  # [B, S, K] int32, -1 = none, duplicates allowed
     seq_lens: torch.Tensor,  # [B, S] int64 visible length of each step's query, 0 = padding
@@ -166,8 +204,9 @@ def swap_in(
 
     ``impl``: ``"torch"`` (reference), ``"triton"``, ``"python"`` (small CPU batches), ``"numpy"``
     (CPU batches) or ``"auto"`` (Triton when the metadata is on CUDA and the shapes fit
-    ``TRITON_MAX_*``, else torch; on CPU, ``cpu_impl``: Python for at most ``PYTHON_MAX_REQS``
-    requests and ``PYTHON_MAX_ENTRIES`` top-k entries, numpy otherwise). ``host_kv`` may live on
+    ``TRITON_MAX_*``, else torch; on CPU, ``identity_only`` when the whole call is on the fast path,
+    else ``cpu_impl``: Python for at most ``PYTHON_MAX_REQS`` requests and ``PYTHON_MAX_ENTRIES``
+    top-k entries, numpy otherwise). ``host_kv`` may live on
     another device (pinned host memory); the row copies then go through torch.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
     themselves (the engine's attention backends), where the checks are per-call overhead only.
@@ -206,6 +245,9 @@ def swap_in(
         hot,
     )
     if impl == "auto" and top_k_pos.device.type == "cpu":
+        short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot)
+        if short is not None:
+            return short
         impl = cpu_impl(*top_k_pos.shape)
     if impl == "python":
         from kernels.swap_in_python import swap_in_python

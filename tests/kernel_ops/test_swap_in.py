@@ -197,6 +197,34 @@ def test_numpy_resumes_after_a_stop_like_the_oracle(world):
         b.seq_lens = a.seq_lens.clone()
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds(max_reqs=6, max_steps=4, hots=(4, 8, 16)))
+def test_auto_equals_oracle_on_short_calls(world):
+    # every step at most HOT long: ``identity_only`` takes the call unless an identity column lacks a slot
+    world.seq_lens = world.seq_lens.clamp(max=world.hot)
+    expected_world, got_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*expected_world.args())
+    got = swap_in(*got_world.args(), impl="auto", validate=True)
+    assert_same(expected_world, expected, got_world, got, "auto vs oracle")
+    assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
+
+
+def test_identity_only_takes_short_calls_with_slots_and_leaves_the_rest():
+    from kernels.swap_in import identity_only
+
+    locs = torch.arange(2 * 6).view(2, 6)  # HOT 4 + 2 newest/draft columns, every column a slot
+    top = torch.tensor([[[2, 0, 2, -1]], [[3, 5, 1, 1]]], dtype=torch.int32)
+    rows = torch.tensor([1, 0])
+    res = identity_only(top, torch.tensor([[3], [4]]), rows, locs, 4)
+    assert res is not None
+    assert res.slots.tolist() == [[[8, 6, 8, -1]], [[3, -1, 1, 1]]]  # 5 >= n: invalid; duplicates share
+    assert res.hits.tolist() == [2, 2] and res.totals == (4, 0, 0, 0)
+    assert identity_only(top, torch.tensor([[3], [5]]), rows, locs, 4) is None  # a long step
+    holed = locs.clone()
+    holed[1, 2] = -1
+    assert identity_only(top, torch.tensor([[3], [4]]), rows, holed, 4) is None  # its draft columns decide
+
+
 def test_auto_on_cpu_picks_python_for_a_few_requests_and_numpy_for_batches():
     from kernels.swap_in import PYTHON_MAX_REQS, cpu_impl
 
