@@ -238,6 +238,8 @@ class Executor:
             case Verify(request_ids=ids):
                 return self.verify(list(ids)), True
             case Release(request_ids=ids, keep_sampling_state=keep, cache=cache):
+                if cache:  # the leaving requests' catch-ups in one draft extend
+                    self._catch_up_for_cache([self.seqs[rid] for rid in ids if rid in self.seqs])
                 for rid in ids:
                     self._release_logged(rid, keep, cache)
                 return None, bool(ids)
@@ -618,9 +620,11 @@ class Executor:
         _, failed = self.isolate(seqs, chain, "draft")
         return StepResult({}, failed=failed)
 
-    def _catch_up(self, seqs: list[Sequence]) -> None:
+    def _catch_up(self, seqs: list[Sequence], *, propose: bool = True) -> None:
         """Requests that decoded plainly since their last round: the MTP layer's draft extend over
-        those positions (their target hidden states and next tokens), leaving a fresh draft state."""
+        those positions (their target hidden states and next tokens), leaving a fresh draft state
+        (none without ``propose``: for requests that are leaving, which draw nothing from their
+        generators)."""
         if not seqs:
             return
         inputs = []
@@ -628,7 +632,7 @@ class Executor:
             start = seq.behind[0][0]
             hidden = torch.stack([h for _, h, _ in seq.behind])
             next_ids = tuple(t for *_, t in seq.behind)
-            inputs.append(ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator))
+            inputs.append(ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator, propose=propose))
         for seq, state in zip(seqs, draft_extend(self.model, self.memory, inputs)):
             seq.draft, seq.behind = state, []
 
@@ -690,21 +694,27 @@ class Executor:
             self._sampling_state[request_id] = seq.generator
         self._by_row.pop(seq.row, None)
         caching = cache and self.config.prefix_cache
-        # (not a retraction: the catch-up would draw from the generator the request keeps)
-        if caching and seq.behind and not keep_sampling_state and self.memory.residency(seq.row) is Residency.RESIDENT:
-            self._catch_up_for_cache(seq)
+        if caching:  # (it draws nothing from the generator a retracted request keeps)
+            self._catch_up_for_cache([seq])
         tokens = self._cache_tokens(seq) if caching else None
         self.memory.release(seq.row, tokens=tokens)
 
-    def _catch_up_for_cache(self, seq: Sequence) -> None:
-        """A decoding request leaving with its MTP layer behind (it never speculated since): catch
-        the layer up first, so that its pages, MTP rows included, can go to the prefix cache. If
-        that fails, the request just leaves fewer pages cached."""
+    def _catch_up_for_cache(self, seqs: list[Sequence]) -> None:
+        """Decoding requests leaving with their MTP layer behind (they never speculated since): their
+        MTP rows first, in one draft extend that proposes nothing, so that their pages, MTP rows
+        included, can go to the prefix cache. If that fails, a request leaving alone (``release``)
+        tries again, and one whose catch-up fails just leaves fewer pages cached."""
+        if not self.config.prefix_cache:
+            return
+        behind = [s for s in seqs if s.behind and self.memory.residency(s.row) is Residency.RESIDENT]
+        if not behind:
+            return
         try:
             with torch.inference_mode():
-                self._catch_up([seq])
+                self._catch_up(behind, propose=False)
         except Exception:
-            log.warning("executor.catch_up_failed", request_id=seq.request_id, exc_info=True)
+            ids = [s.request_id for s in behind]
+            log.warning("executor.catch_up_failed", request_id=ids[0] if len(ids) == 1 else ids, exc_info=True)
 
     def _cache_tokens(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens whose pages may be cached: every known token, or, while the MTP layer is behind

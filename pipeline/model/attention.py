@@ -60,12 +60,17 @@ class Indexer(nn.Module):
         rope = rope_interleaved if cfg.indexer_rope == "interleaved" else rope_half_split
         q = self.wq_b(q_resid).unflatten(-1, (cfg.index_n_heads, cfg.index_head_dim))  # [..., Hi, Di]
         q = torch.cat([rope(q[..., :r], cos, sin), q[..., r:]], dim=-1)
-        k = self.k_norm(self.wk(x))  # [..., Di]
-        k_rot = rope(k[..., None, :r], cos, sin)[..., 0, :]
-        k = torch.cat([k_rot, k[..., r:]], dim=-1)
         wide = wide_dtype(x.dtype)
         w = F.linear(x.to(wide), self.weights_proj.weight.to(wide)) * cfg.index_n_heads**-0.5
-        return IndexerProjection(q=q, w=w, k=k)
+        return IndexerProjection(q=q, w=w, k=self.key(x, cos, sin))
+
+    def key(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """``[..., Di]``: each token's indexer key (normed, rotated)."""
+        r = self.cfg.qk_rope_head_dim
+        rope = rope_interleaved if self.cfg.indexer_rope == "interleaved" else rope_half_split
+        k = self.k_norm(self.wk(x))  # [..., Di]
+        k_rot = rope(k[..., None, :r], cos, sin)[..., 0, :]
+        return torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
 class MlaAttention(nn.Module):
@@ -108,6 +113,17 @@ class MlaAttention(nn.Module):
         cfg = self.cfg
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``x [T, D]`` (normed) -> the rows ``forward`` hands its backend: cache rows ``[T, C + R]``
+        and indexer keys ``[T, Di]`` (None without an indexer)."""
+        cfg = self.cfg
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        k_rope = rope_interleaved(k_rope[..., None, :], cos, sin)[..., 0, :]
+        kv_rows = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)
+        if self.indexer is None:
+            return kv_rows, None
+        return kv_rows, self.indexer.key(x, cos, sin)
 
     # ----- inference (absorbed) -----------------------------------------------------------------
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:

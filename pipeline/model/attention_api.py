@@ -54,3 +54,12 @@ class AttentionBackend(Protocol):
     def attend(self, inputs: AttentionInputs) -> Tensor:
         """Store the new rows, select the top-k positions, attend. Returns ``[T, H, kv_lora_rank]``."""
         ...
+
+
+class RowStore(Protocol):
+    """A backend that also stores tokens' rows without attending (the MTP layer's backends): for
+    the tokens of a forward whose outputs nobody reads, only their cache rows matter."""
+
+    def store_rows(self, layer: int, kv_rows: Tensor, index_k: Tensor | None) -> None:
+        """Write ``kv_rows [T, C + R]`` and ``index_k [T, Di]`` at the forward's tokens' locations."""
+        ...

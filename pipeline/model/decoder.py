@@ -44,6 +44,15 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """``x [T, D]`` -> the cache rows ``[T, C + R]`` and indexer keys ``[T, Di]`` (None for a
+        shared layer) that ``forward`` hands its backend, computed alone: what a backend stores
+        for tokens whose outputs nobody reads."""
+        fused = self.fused
+        if fused is not None and not torch.is_grad_enabled() and fused.current():
+            return fused.cache_rows(x, cos, sin)
+        return self.self_attn.cache_rows(self.input_layernorm(x), cos, sin)
+
 
 class SharedHead(nn.Module):
     """The MTP layer's output norm (``shared_head.norm``); the head itself is the target's ``lm_head``."""
@@ -73,3 +82,7 @@ class MtpLayer(nn.Module):
     ) -> Tensor:
         h = self.block(self.combine(embeds, prev_hidden), cos, sin, backend, layer)
         return self.shared_head.norm(h)
+
+    def cache_rows(self, embeds: Tensor, prev_hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """What ``forward`` stores in the MTP layer's cache for these tokens, computed alone."""
+        return self.block.cache_rows(self.combine(embeds, prev_hidden), cos, sin)

@@ -124,6 +124,23 @@ class FusedLayer:
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_norm(x))
 
+    def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The cache rows and indexer keys ``__call__`` writes for ``x`` (the layer's input), and
+        nothing else: the same matmul and element-wise ops (rotating a key alone or with the query
+        heads is the same product per element), without the queries, the attention or the MLP."""
+        cfg = self.cfg
+        r, c = cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        rope = _RopeTables.of(cos, sin)
+        parts = F.linear(self.input_norm(x), self.w_in).split(self.splits_in, dim=-1)
+        latent, k_rope = parts[1].split([c, r], dim=-1)
+        k_rope = rope.rotate(k_rope[:, None, :], interleaved=True)[:, 0]
+        kv_rows = torch.cat([self.kv_norm(latent), k_rope], dim=-1)
+        if not self.has_indexer:
+            return kv_rows, None
+        ik = self.attn.indexer.k_norm(parts[2])
+        ik_rope = rope.rotate(ik[:, None, :r], interleaved=cfg.indexer_rope == "interleaved")[:, 0]
+        return kv_rows, torch.cat([ik_rope, ik[:, r:]], dim=-1)
+
     def _attention(self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         cfg, attn, heads = self.cfg, self.attn, self.heads
         r, nope, c = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank

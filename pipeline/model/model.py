@@ -5,6 +5,7 @@ Inference interface (flat batches, one code path for prefill, decode and multi-t
     hidden = model.forward(input_ids [T], positions [T], backend)        # [T, D], final-normed
     logits = model.logits(hidden)                                        # [T, V]
     out    = model.mtp_forward(next_token_ids [T], positions [T], hidden, backend)   # MtpOutput
+    model.mtp_store(next_token_ids [T], positions [T], hidden, backend)            # MTP rows only
 
 ``hidden`` serves both the head and the MTP layer (HF's MTP reads the final-normed hidden state).
 The backend is prepared by the caller for this forward (which request, position and location each
@@ -22,7 +23,7 @@ import attrs
 import torch
 from torch import Tensor, nn
 
-from pipeline.model.attention_api import AttentionBackend
+from pipeline.model.attention_api import AttentionBackend, RowStore
 from pipeline.model.config import ModelConfig
 from pipeline.model.decoder import DecoderLayer, MtpLayer
 from pipeline.model.layers import RMSNorm, rope_cos_sin, wide_dtype
@@ -115,6 +116,24 @@ class DeepseekV32(nn.Module):
         layer = self.cfg.num_hidden_layers + depth
         hidden = self.mtp[depth](embeds, prev_hidden.to(embeds.dtype), cos, sin, backend, layer)
         return MtpOutput(hidden=hidden, logits=self.logits(hidden))
+
+    def mtp_store(
+        self,
+        next_token_ids: Tensor,
+        positions: Tensor,
+        prev_hidden: Tensor,
+        backend: RowStore,
+        depth: int = 0,
+    ) -> None:
+        """The MTP layer's cache rows of ``mtp_forward`` over the same inputs, stored through
+        ``backend.store_rows`` and nothing more: no attention, MLP or head. For the tokens of a
+        draft extend whose proposals nobody reads (a row depends on its own token alone)."""
+        if not 0 <= depth < len(self.mtp):
+            raise ValueError(f"model has {len(self.mtp)} MTP layers, asked for depth {depth}")
+        embeds = self.model.embed_tokens(next_token_ids)
+        cos, sin = self.rope(positions, embeds.dtype)
+        kv_rows, index_k = self.mtp[depth].cache_rows(embeds, prev_hidden.to(embeds.dtype), cos, sin)
+        backend.store_rows(self.cfg.num_hidden_layers + depth, kv_rows, index_k)
 
     def to_dtype(self, dtype: torch.dtype) -> DeepseekV32:
         """Cast in place; the router and indexer weights stay in the wide dtype (as HF keeps them in float32)."""

@@ -103,6 +103,17 @@ class ResidentBackend:
         slots = self.select_slots(inputs, keys)  # [T, K]
         return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
 
+    def store_rows(self, layer: int, kv_rows: Tensor, index_k: Tensor | None) -> None:
+        """Write the forward's rows (``RowStore``), as ``attend`` does before it selects."""
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("ResidentBackend.store_rows called before begin(layout)")
+        kv = self.store.kv[layer]
+        kv[layout.write_locs] = kv_rows.to(kv.dtype)
+        if index_k is not None:
+            keys = self.store.index_k[layer]
+            keys[layout.write_locs] = index_k.to(keys.dtype)
+
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""
         layout = self.layout

@@ -28,6 +28,9 @@ class ShiftedBackend:
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         return self.inner.attend(attrs.evolve(inputs, layer=inputs.layer - self.offset))
 
+    def store_rows(self, layer: int, kv_rows: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        self.inner.store_rows(layer - self.offset, kv_rows, index_k)
+
 
 @attrs.define(eq=False)
 class DraftPool:

@@ -30,6 +30,11 @@ if TYPE_CHECKING:
     from pipeline.model.model import DeepseekV32
 
 
+# a draft extend with at least this many positions whose outputs are not read stores their rows
+# alone first (``draft_extend``); below it, one forward over every position costs less
+ROWS_ONLY_MIN = 16
+
+
 @attrs.frozen(eq=False)
 class ExtendInput:
     """One request's rows of a draft extend."""
@@ -61,22 +66,39 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
 
 
 def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState | None]:
-    """MTP rows over each request's new positions; one flat forward for the batch. Each input that
-    ``propose``s gets its draft state; the others None."""
+    """MTP rows over each request's new positions. Each input that ``propose``s gets its draft
+    state (from its last position's output); the others None.
+
+    Only the proposing positions' outputs are read, and a row depends on its own token alone, so
+    when many positions are not read (a prompt, a catch-up) the rows of all of them are stored
+    first (``mtp_store``: no attention, MLP or head) and the full forward runs over the proposing
+    positions only; otherwise one flat forward computes everything."""
     dev = model.device
     rows = torch.cat([torch.full((len(x.next_ids),), x.row, dtype=torch.int64) for x in inputs])
     positions = torch.cat([torch.arange(x.start, x.start + len(x.next_ids)) for x in inputs])
     locs = memory.req_to_token[rows, positions]
     ids = torch.tensor([t for x in inputs for t in x.next_ids], device=dev)
     hidden = torch.cat([x.hidden for x in inputs])
-    backend = memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev))
-    out = model.mtp_forward(ids, positions.to(dev), hidden, backend)
-    ends = torch.cumsum(torch.tensor([len(x.next_ids) for x in inputs]), 0) - 1
+    ends = (torch.cumsum(torch.tensor([len(x.next_ids) for x in inputs]), 0) - 1).tolist()
+    read = [end for x, end in zip(inputs, ends) if x.propose]  # the positions whose outputs are read
+    if len(ends) and ends[-1] + 1 - len(read) >= ROWS_ONLY_MIN:
+        model.mtp_store(ids, positions.to(dev), hidden, memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev)))
+        if not read:
+            return [None] * len(inputs)
+        at = torch.tensor(read)
+        backend = memory.draft_backend(rows[at].to(dev), positions[at].to(dev), locs[at].to(dev))
+        out = model.mtp_forward(ids[at.to(dev)], positions[at].to(dev), hidden[at.to(hidden.device)], backend)
+        where = dict(zip(read, range(len(read))))
+    else:
+        backend = memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev))
+        out = model.mtp_forward(ids, positions.to(dev), hidden, backend)
+        where = {end: end for end in read}
     states = []
-    for x, end in zip(inputs, ends.tolist()):
+    for x, end in zip(inputs, ends):
         if not x.propose:
             states.append(None)
             continue
+        end = where[end]
         token, q = propose(out.logits[end], x.params, x.generator)
         # a copy: a view would keep the whole batch's hidden states alive as long as this request
         hidden = out.hidden[end].clone()

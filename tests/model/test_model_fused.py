@@ -164,3 +164,42 @@ def test_rope_tables_rotate_exactly_as_the_layers_do(dtype, scale):
     for interleaved, rope in ((True, rope_interleaved), (False, rope_half_split)):
         got, want = tables.rotate(x, interleaved=interleaved), rope(x, cos, sin)
         assert torch.equal(got, want) and torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+class _Capture:
+    """A backend that keeps what it is given: the rows ``attend`` stores, and ``store_rows``'s."""
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.attended: tuple | None = None
+        self.stored: tuple | None = None
+
+    def attend(self, inputs):
+        self.attended = (inputs.layer, inputs.kv_rows.clone(), inputs.index_k.clone())
+        return inputs.q_latent.new_zeros(inputs.q_latent.shape)
+
+    def store_rows(self, layer, kv_rows, index_k):
+        self.stored = (layer, kv_rows.clone(), index_k.clone())
+
+
+@pytest.mark.parametrize("path", ["fused", "module"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 40])
+def test_mtp_store_writes_exactly_the_rows_mtp_forward_writes(path, dtype, n):
+    # the rows alone (no attention, MLP or head) are the very rows a full MTP forward stores
+    cfg = tiny_config()
+    model = random_model(cfg, seed=3).to_dtype(dtype)
+    if path == "fused":
+        fuse_for_inference(model)
+    gen = torch.Generator().manual_seed(n)
+    ids = torch.randint(0, cfg.vocab_size - 1, (n,), generator=gen)
+    positions = torch.arange(7, 7 + n)
+    hidden = torch.randn(n, cfg.hidden_size, generator=gen).to(dtype)
+    capture = _Capture(cfg)
+    with torch.inference_mode():
+        model.mtp_forward(ids, positions, hidden, capture)
+        model.mtp_store(ids, positions, hidden, capture)
+    assert capture.attended is not None and capture.stored is not None
+    assert capture.stored[0] == capture.attended[0] == cfg.num_hidden_layers
+    assert torch.equal(capture.stored[1], capture.attended[1])
+    assert torch.equal(capture.stored[2], capture.attended[2])

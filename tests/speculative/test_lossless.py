@@ -206,3 +206,60 @@ def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_ca
     assert again.metrics.cached_tokens >= PAGE * (len(prompt) // PAGE) - PAGE
     assert again.output_ids == first[0].output_ids == first[1].output_ids
     executor.close()
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_rows_only_draft_extend_proposes_what_one_forward_proposes(tiny_model, monkeypatch, hisparse):
+    """A draft extend stores the rows of the positions whose outputs it does not read alone, then runs
+    the full forward over the proposing positions only. With the model's own MTP head (float64) it
+    proposes every draft a single forward over all positions proposes, round after round."""
+    from pipeline.speculative import rounds as rounds_module
+
+    drafted: dict[int, list[int]] = {}
+    real = rounds_module.propose
+
+    def run(rows_only_min: int) -> list[list[int]]:
+        monkeypatch.setattr(rounds_module, "ROWS_ONLY_MIN", rows_only_min)
+        seen = drafted.setdefault(rows_only_min, [])
+        monkeypatch.setattr(rounds_module, "propose", lambda *a: seen.append((out := real(*a))[0]) or out)
+        reqs, _ = generate(tiny_model, config(hisparse, 3), make_prompts(6, seed=13))
+        return [r.output_ids for r in reqs]
+
+    split, whole = run(1), run(10**9)
+    assert split == whole
+    assert len(drafted[1]) > 50 and drafted[1] == drafted[10**9]
+
+
+def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(tiny_model, monkeypatch):
+    """Requests that never speculated and leave in one ``Release`` get their MTP rows in a single
+    draft extend, which proposes nothing (their generators are left alone); their pages go to the
+    prefix cache, and a request retracted the same way leaves its pages too."""
+    import pipeline.executor as executor_module
+    from pipeline.executor import NewSequence
+    from pipeline.messages import Release
+
+    calls = []
+    real = executor_module.draft_extend
+    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: calls.append(inputs) or real(m, mem, inputs))
+    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
+    executor = Executor(cfg, model=tiny_model)
+    prompts = make_prompts(8, seed=17)[3:6]  # 37, 145 and 7 tokens
+    params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=5)
+    ids = [f"r{i}" for i in range(3)]
+    with quiet_logs():
+        executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
+        executor.wait_staging()
+        executor.collect_ready()
+        for _ in range(20):
+            executor.decode(ids)  # plain steps: every MTP row behind
+        states = [executor.seqs[rid].generator.get_state() for rid in ids]
+        assert calls == []
+        executor.run(Release(tuple(ids[:2])))
+        assert len(calls) == 1 and len(calls[0]) == 2
+        assert not any(x.propose for x in calls[0])
+        executor.run(Release((ids[2],), keep_sampling_state=True))  # a retraction
+        assert len(calls) == 2 and not calls[1][0].propose
+    assert torch.equal(executor._sampling_state[ids[2]].get_state(), states[2])  # its generator untouched
+    full = sum((len(p) + 20) // PAGE for p in prompts)
+    assert executor.memory.cache_stats()["pages_held"] == full
+    executor.close()
