@@ -245,7 +245,8 @@ def swap_in(
         hot,
     )
     if impl == "auto" and top_k_pos.device.type == "cpu":
-        short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot)
+        # (one step of one request costs the Python implementation less than these tensor ops)
+        short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot) if seq_lens.numel() > 1 else None
         if short is not None:
             return short
         impl = cpu_impl(*top_k_pos.shape)
