@@ -15,7 +15,8 @@ costs about a microsecond:
 Requests whose step overflows are frozen for the rest of the call. Every row copy of the call goes
 through one torch ``index_copy_`` at the end (destinations are distinct within a call), so
 ``device_kv`` may have any dtype and ``host_kv`` may live elsewhere. ``swap_in(impl="auto")`` picks
-this on CPU for all but calls of a few requests (``kernels.swap_in.cpu_impl``).
+this on CPU for all but calls of a few requests when the compiled implementation cannot run
+(numba missing, or a policy other than LRU; ``kernels.swap_in.cpu_impl``).
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from kernels.indexer_topk import indexer_topk
 from kernels.kv_copy import copy_rows
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import swap_in
+from kernels.swap_in_numba import AVAILABLE as NUMBA
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
@@ -194,8 +195,9 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
         if only and op not in only:
             continue
         prepared = build()
-        # on a CPU, swap-in also has the plain-Python and numpy paths that `auto` chooses between
-        for impl in impls + (["python", "numpy"] if op == "swap_in" and device.type == "cpu" else []):
+        # on a CPU, swap-in also has the plain-Python, numpy and compiled paths that `auto` chooses between
+        cpu_paths = ["python", "numpy"] + (["numba"] if NUMBA else [])
+        for impl in impls + (cpu_paths if op == "swap_in" and device.type == "cpu" else []):
             seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
             results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,

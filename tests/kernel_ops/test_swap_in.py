@@ -15,6 +15,7 @@ IMPLS = [
     "torch",
     "python",
     "numpy",
+    "numba",
     pytest.param("triton", marks=pytest.mark.interpreter),
 ]
 
@@ -169,13 +170,25 @@ def test_numpy_equals_oracle(world):
     assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
 
 
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(world=worlds())
+def test_numba_equals_oracle(world):
+    oracle_world, nb_world = world.clone(), world.clone()
+    expected = swap_in_oracle(*oracle_world.args())
+    got = swap_in(*nb_world.args(), impl="numba", validate=True)
+    assert_same(oracle_world, expected, nb_world, got, "numba vs oracle")
+    assert_canaries(world, nb_world)
+    _check_world_invariants(nb_world, got)
+    assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=12, max_steps=3, hots=(8, 16, 32)))
 def test_batched_implementations_equal_oracle_on_wide_batches(world):
     # many requests of different lengths in one call: fast and long paths, stops and misses side by side
     expected_world = world.clone()
     expected = swap_in_oracle(*expected_world.args())
-    for impl in ("numpy", "python", "torch"):
+    for impl in ("numpy", "numba", "python", "torch"):
         got_world = world.clone()
         got = swap_in(*got_world.args(), impl=impl, validate=True)
         assert_same(expected_world, expected, got_world, got, f"{impl} vs oracle")
@@ -183,13 +196,14 @@ def test_batched_implementations_equal_oracle_on_wide_batches(world):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=6, max_steps=4))
-def test_numpy_resumes_after_a_stop_like_the_oracle(world):
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_cpu_implementations_resume_after_a_stop_like_the_oracle(world, impl):
     # the caller's protocol after a stop: call again with the resolved steps turned into padding
     a, b = world.clone(), world.clone()
     for _ in range(world.seq_lens.shape[1] + 1):
         ra = swap_in_oracle(*a.args())
-        rb = swap_in(*b.args(), impl="numpy", validate=True)
-        assert_same(a, ra, b, rb, "numpy vs oracle, resumed")
+        rb = swap_in(*b.args(), impl=impl, validate=True)
+        assert_same(a, ra, b, rb, f"{impl} vs oracle, resumed")
         done = torch.arange(a.seq_lens.shape[1])[None, :] < ra.steps_done[:, None].long()
         if bool(done.all()):
             break
@@ -225,9 +239,15 @@ def test_identity_only_takes_short_calls_with_slots_and_leaves_the_rest():
     assert identity_only(top, torch.tensor([[3], [4]]), rows, holed, 4) is None  # its draft columns decide
 
 
-def test_auto_on_cpu_picks_python_for_a_few_requests_and_numpy_for_batches():
+def test_auto_on_cpu_picks_numba_under_lru_and_python_or_numpy_otherwise(monkeypatch):
+    import kernels.swap_in_numba
     from kernels.swap_in import PYTHON_MAX_REQS, cpu_impl
 
+    assert kernels.swap_in_numba.AVAILABLE  # a dependency of the project
+    assert cpu_impl(1, 1, 64) == cpu_impl(64, 4, 2048) == "numba"
+    assert cpu_impl(1, 1, 64, policy="near") == "python"
+    assert cpu_impl(PYTHON_MAX_REQS + 1, 1, 64, policy="slide") == "numpy"
+    monkeypatch.setattr(kernels.swap_in_numba, "AVAILABLE", False)  # without numba: by the call's shape
     assert cpu_impl(1, 1, 64) == "python"
     assert cpu_impl(PYTHON_MAX_REQS, 4, 64) == "python"
     assert cpu_impl(PYTHON_MAX_REQS + 1, 1, 64) == "numpy"

@@ -1,0 +1,237 @@
+"""Swap-in on a CPU as compiled loops: the contract of ``kernels.swap_in`` (LRU policy) with numba.
+
+The numpy implementation pays a microsecond or more for each of its hundred-odd array ops per
+call, whatever the batch; here each request's steps are one loop over its top-k entries and hot
+columns, compiled once (numba's on-disk cache keeps the machine code between processes). The
+bookkeeping per request:
+
+* ``col_of[t]``: the hot column holding position ``t`` (-1 none), built from the request's hot
+  tokens when it starts and updated on every load, reset when it ends;
+* ``draft_of[t]``: the slot of the first newest/draft column holding ``t`` (loads never touch
+  those columns, so it is built once per request);
+* ``seen[t] == stamp``: ``t`` already appeared in this step (duplicates resolve to ``res[t]`` and
+  count once); a fresh stamp per step makes clearing unnecessary.
+
+The LRU order of each step is rebuilt as the contract lists it (kept evictables, protected
+unwanted, loaded in miss order, hits). Row copies are returned as (host slot, device slot) pairs for
+one torch copy after the loop, so the KV tensors keep any dtype and place. Only the ``lru`` policy is
+compiled; ``swap_in(impl="auto")`` takes this path on CPU when numba is installed (the ``cpu``
+extra) and the policy is LRU, and the numpy one otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels.swap_in_result import SwapInResult
+
+try:
+    import numba
+except ImportError:  # the optional ``cpu`` extra
+    numba = None
+
+AVAILABLE = numba is not None
+
+
+def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_src, copy_dst):  # pragma: no cover
+    num_reqs, num_steps, top_k = top.shape
+    width = host.shape[1]
+    cols = tokens.shape[1]
+    col_of = np.full(width, -1, np.int64)
+    draft_of = np.full(width, -1, np.int64)
+    seen = np.zeros(width, np.int64)
+    res = np.full(width, -1, np.int64)
+    protected = np.zeros(hot, np.bool_)
+    is_hit = np.zeros(hot, np.bool_)
+    order = np.empty(hot, np.int64)
+    new_order = np.empty(hot, np.int64)
+    evictable = np.empty(hot, np.int64)
+    missed = np.empty(top_k, np.int64)
+    loadable = np.empty(top_k, np.int64)
+    loadable_host = np.empty(top_k, np.int64)
+    stamp = 0
+    copies = 0
+    for b in range(num_reqs):
+        row = rows[b]
+        for c in range(hot):
+            order[c] = lru[row, c]
+            protected[c] = False
+            t = tokens[row, c]
+            if 0 <= t < width:
+                col_of[t] = c
+        for c in range(cols - 1, hot - 1, -1):  # the first matching column wins: fill from the last
+            t = tokens[row, c]
+            if 0 <= t < width and locs[row, c] >= 0:
+                draft_of[t] = locs[row, c]
+        done, hits, misses, lost = num_steps, 0, 0, 0
+        for s in range(num_steps):
+            n = lens[b, s]
+            if n == 0:
+                for k in range(top_k):
+                    slots[b, s, k] = -1
+                continue
+            stamp += 1
+            if n <= hot:  # fast path: identity columns, then the newest/draft columns
+                for k in range(top_k):
+                    t = top[b, s, k]
+                    if t < 0 or t >= n or seen[t] == stamp:
+                        continue
+                    seen[t] = stamp
+                    if locs[row, t] >= 0:
+                        res[t] = locs[row, t]
+                        protected[t] = True
+                        hits += 1
+                    elif draft_of[t] >= 0:
+                        res[t] = draft_of[t]
+                        hits += 1
+                    else:
+                        res[t] = -1
+                        lost += 1
+            else:
+                num_missed = 0
+                step_hits = 0
+                for c in range(hot):
+                    is_hit[c] = False
+                for k in range(top_k):
+                    t = top[b, s, k]
+                    if t < 0 or t >= n or seen[t] == stamp:
+                        continue
+                    seen[t] = stamp
+                    if draft_of[t] >= 0:
+                        res[t] = draft_of[t]
+                        step_hits += 1
+                    elif col_of[t] >= 0:
+                        is_hit[col_of[t]] = True
+                        res[t] = locs[row, col_of[t]]
+                        step_hits += 1
+                    else:
+                        missed[num_missed] = t
+                        num_missed += 1
+                num_load = 0
+                for i in range(num_missed):
+                    t = missed[i]
+                    h = host[row, t]
+                    if h >= 0:
+                        loadable[num_load] = t
+                        loadable_host[num_load] = h
+                        num_load += 1
+                    else:
+                        res[t] = -1
+                num_evict = 0
+                for i in range(hot):
+                    c = order[i]
+                    if not is_hit[c] and not protected[c]:
+                        evictable[num_evict] = c
+                        num_evict += 1
+                if num_load > num_evict:  # stop before this step: it leaves no trace
+                    done = s
+                    for s2 in range(s, num_steps):
+                        for k in range(top_k):
+                            slots[b, s2, k] = -1
+                    break
+                # [evictables kept | protected, unwanted | loaded (miss order) | hits], old order within
+                j = 0
+                for i in range(num_load, num_evict):
+                    new_order[j] = evictable[i]
+                    j += 1
+                for i in range(hot):
+                    c = order[i]
+                    if protected[c] and not is_hit[c]:
+                        new_order[j] = c
+                        j += 1
+                for i in range(num_load):
+                    c = evictable[i]
+                    t = loadable[i]
+                    old = tokens[row, c]
+                    if 0 <= old < width and col_of[old] == c:
+                        col_of[old] = -1
+                    tokens[row, c] = t
+                    col_of[t] = c
+                    res[t] = locs[row, c]
+                    copy_src[copies] = loadable_host[i]
+                    copy_dst[copies] = locs[row, c]
+                    copies += 1
+                    new_order[j] = c
+                    j += 1
+                    protected[c] = True
+                for i in range(hot):
+                    c = order[i]
+                    if is_hit[c]:
+                        new_order[j] = c
+                        j += 1
+                        protected[c] = True
+                for i in range(hot):
+                    order[i] = new_order[i]
+                hits += step_hits
+                misses += num_load
+                lost += num_missed - num_load
+            for k in range(top_k):
+                t = top[b, s, k]
+                slots[b, s, k] = res[t] if 0 <= t < n else -1
+        for c in range(hot):
+            lru[row, c] = order[c]
+            t = tokens[row, c]
+            if 0 <= t < width:
+                col_of[t] = -1
+        for c in range(hot, cols):
+            t = tokens[row, c]
+            if 0 <= t < width:
+                draft_of[t] = -1
+        counts[b, 0] = done
+        counts[b, 1] = hits
+        counts[b, 2] = misses
+        counts[b, 3] = lost
+    return copies
+
+
+_compiled = None
+
+
+def _compiled_kernel():
+    global _compiled
+    if _compiled is None:
+        _compiled = numba.njit(cache=True, nogil=True)(_kernel)
+    return _compiled
+
+
+def swap_in_numba(
+    top_k_pos: torch.Tensor,  # [B, S, K] int32
+    seq_lens: torch.Tensor,  # [B, S] int64
+    req_rows: torch.Tensor,  # [B] int64
+    buffer_tokens: torch.Tensor,  # [N, HOT+P] int32, mutated
+    buffer_locs: torch.Tensor,  # [N, HOT+P] int64
+    lru: torch.Tensor,  # [N, HOT] int32, mutated
+    req_to_host: torch.Tensor,  # [N, max_ctx] int64
+    host_kv: torch.Tensor,  # [host_rows, dim]
+    device_kv: torch.Tensor,  # [dev_rows, dim], mutated
+    hot: int,
+) -> SwapInResult:
+    """CPU implementation of ``kernels.swap_in.swap_in`` under the LRU policy (no argument checks:
+    call ``swap_in``); needs numba (``AVAILABLE``)."""
+    num_reqs, num_steps, top_k = top_k_pos.shape
+    slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)
+    counts = np.zeros((num_reqs, 4), dtype=np.int64)
+    most = num_reqs * num_steps * top_k
+    copy_src = np.empty(most, dtype=np.int64)
+    copy_dst = np.empty(most, dtype=np.int64)
+    copies = _compiled_kernel()(
+        top_k_pos.numpy(), seq_lens.numpy(), req_rows.numpy(), buffer_tokens.numpy(), buffer_locs.numpy(),
+        lru.numpy(), req_to_host.numpy(), hot, slots, counts, copy_src, copy_dst,
+    )
+    if copies:
+        src = torch.from_numpy(copy_src[:copies]).to(host_kv.device)
+        dst = torch.from_numpy(copy_dst[:copies]).to(device_kv.device)
+        device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
+    row_bytes = device_kv.shape[-1] * device_kv.element_size()
+    hits, loaded, lost = (int(v) for v in counts[:, 1:].sum(0))
+    table = torch.from_numpy(counts.astype(np.int32))
+    return SwapInResult(
+        slots=torch.from_numpy(slots),
+        steps_done=table[:, 0],
+        hits=table[:, 1],
+        misses=table[:, 2],
+        unrecoverable=table[:, 3],
+        bytes_copied=torch.from_numpy(counts[:, 2] * row_bytes),
+        totals=(hits, loaded, lost, loaded * row_bytes),
+    )
