@@ -141,10 +141,11 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
 
 def cpu_impl(num_reqs: int, num_steps: int, top_k: int, policy: str = "lru") -> str:
     """The implementation ``impl="auto"`` runs on a CPU for a call of this shape: the compiled one
-    under LRU when numba is installed, else Python for small calls and numpy for the others."""
+    under LRU when numba is installed (but for one step of one request, where Python costs as
+    little), else Python for small calls and numpy for the others."""
     from kernels.swap_in_numba import AVAILABLE
 
-    if AVAILABLE and policy == "lru":
+    if AVAILABLE and policy == "lru" and num_reqs * num_steps > 1:  # (one step of one request: Python's)
         return "numba"
     small = num_reqs <= PYTHON_MAX_REQS and num_reqs * num_steps * top_k <= PYTHON_MAX_ENTRIES
     return "python" if small else "numpy"

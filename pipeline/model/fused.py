@@ -116,9 +116,16 @@ class FusedLayer:
     def current(self) -> bool:
         """Every module this object holds is still where it was, and the fused modules' weights are
         still slices of the fused tensors (what it reads through those modules is read live)."""
-        return all(getattr(parent, name) is module for parent, name, module in self._links) and all(
-            m.weight.data_ptr() == ptr for m, ptr in self._views
-        )
+        # read the registries directly: ``getattr`` on a module takes the slow ``__getattr__`` path,
+        # and this runs for every layer of every forward (an attribute set to None outside the
+        # registry, as a missing indexer is, reads as None here too)
+        for parent, name, module in self._links:
+            if parent._modules.get(name) is not module:
+                return False
+        for m, ptr in self._views:
+            if m._parameters["weight"].data_ptr() != ptr:
+                return False
+        return True
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)

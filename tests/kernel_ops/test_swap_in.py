@@ -244,7 +244,8 @@ def test_auto_on_cpu_picks_numba_under_lru_and_python_or_numpy_otherwise(monkeyp
     from kernels.swap_in import PYTHON_MAX_REQS, cpu_impl
 
     assert kernels.swap_in_numba.AVAILABLE  # a dependency of the project
-    assert cpu_impl(1, 1, 64) == cpu_impl(64, 4, 2048) == "numba"
+    assert cpu_impl(1, 2, 64) == cpu_impl(2, 1, 64) == cpu_impl(64, 4, 2048) == "numba"
+    assert cpu_impl(1, 1, 64) == "python"  # one step of one request: no cheaper
     assert cpu_impl(1, 1, 64, policy="near") == "python"
     assert cpu_impl(PYTHON_MAX_REQS + 1, 1, 64, policy="slide") == "numpy"
     monkeypatch.setattr(kernels.swap_in_numba, "AVAILABLE", False)  # without numba: by the call's shape
