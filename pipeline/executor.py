@@ -44,6 +44,7 @@ from pipeline.errors import ConfigError
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace, trace_meta
 from pipeline.hisparse.transfer import TransferStream
+from pipeline.memory import OutOfMemory
 from pipeline.memory.interface import KVMemory, Residency
 from pipeline.memory.mixed import MixedBackend
 from pipeline.memory.resident import ResidentMemory
@@ -443,21 +444,21 @@ class Executor:
 
     # --- decode -----------------------------------------------------------------------------------
 
-    def can_step(self, request_id: str, new_tokens: int = 1) -> bool:
-        row = self.seqs[request_id].row
-        return self.memory.can_decode(row, new_tokens=new_tokens, speculative=self.speculative)
-
     def reserve(
         self, request_ids: list[str], *, new_tokens: int, speculative: bool
     ) -> tuple[list[str], tuple[str, ...]]:
         """Room for ``new_tokens`` more positions, request by request, each reservation counting
         against the next: (the requests that got it, the refused ones). Reserving again is a no-op."""
         runnable: list[str] = []
+        refused: list[str] = []
         for rid in request_ids:
-            if self.can_step(rid, new_tokens):
+            try:  # (it raises before changing anything when the room is not there)
                 self.memory.ensure_capacity(self.seqs[rid].row, new_tokens=new_tokens, speculative=speculative)
+            except OutOfMemory:
+                refused.append(rid)
+            else:
                 runnable.append(rid)
-        return runnable, tuple(rid for rid in request_ids if rid not in runnable)
+        return runnable, tuple(refused)
 
     @torch.inference_mode()
     def decode(self, request_ids: list[str]) -> StepResult:

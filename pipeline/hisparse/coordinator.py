@@ -455,7 +455,7 @@ class HiSparseCoordinator:
         While short the token goes to its identity column; once long it replaces the newest column,
         after the backup that reads the previous newest token has completed.
         """
-        positions, cols = [], []
+        positions, cols, long_rows, long_positions = [], [], [], []
         for row in rows:
             self.ensure_capacity(row, new_tokens=1, speculative=False)
             mem = self._mem[row]
@@ -463,16 +463,30 @@ class HiSparseCoordinator:
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:
                 mem.backup.wait()  # the previous newest token's copy reads this column
-                self._forget_newest(row)
-                self.buffers.tokens[:, row, col] = pos
+                long_rows.append(row)
+                long_positions.append(pos)
             positions.append(pos)
             cols.append(col)
+        if long_rows:  # their newest columns change hands, all at once
+            self._replace_newest(long_rows, long_positions)
         # one lookup and one bind for the whole step (the rows' locations are disjoint)
         row_t = torch.tensor(rows, dtype=torch.int64)
         locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
         slots = self.buffers.locs[row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)]
         self.alloc.bind(locs, slots.cpu())
         return WriteTargets(locs.to(self.device), slots)
+
+    def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
+        """``_forget_newest`` for each of ``rows`` (distinct), then each newest column holds its
+        row's next position in every layer: one read of the held tokens, one clear, one write."""
+        newest = self.buffers.newest
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        held = self.buffers.tokens[0, row_t.to(self.device), newest].cpu().long()
+        kept = held >= 0
+        if bool(kept.any()):
+            self.alloc.clear(self.req_to_token[row_t[kept], held[kept]])
+        new = torch.tensor(positions, dtype=torch.int32, device=self.device)
+        self.buffers.tokens[:, row_t.to(self.device), newest] = new
 
     def _forget_newest(self, row: int) -> None:
         """The newest column is about to be overwritten: its token keeps only its host copy."""

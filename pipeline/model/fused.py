@@ -122,10 +122,7 @@ class FusedLayer:
         for parent, name, module in self._links:
             if parent._modules.get(name) is not module:
                 return False
-        for m, ptr in self._views:
-            if m._parameters["weight"].data_ptr() != ptr:
-                return False
-        return True
+        return all(m._parameters["weight"].data_ptr() == ptr for m, ptr in self._views)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
