@@ -7,8 +7,8 @@ tensors only, never request objects, and this package imports nothing from ``pip
 
 Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
 are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise; swap-in also
-has ``"numba"``, ``"python"`` and ``"numpy"``: on a CPU ``auto`` runs the compiled numba loops under
-the LRU policy, and otherwise chooses between the other two by the batch size.
+has ``"numba"``, ``"python"`` and ``"numpy"``: on a CPU ``auto`` runs the compiled numba loops, and
+without numba chooses between the other two by the batch size.
 """
 
 from kernels.indexer_topk import (

@@ -68,7 +68,7 @@ TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
 TRITON_MAX_NEAR = 128  # near positions per step
-# On a CPU without numba (or under a policy other than LRU), ``impl="auto"`` runs the plain-Python
+# On a CPU without numba, ``impl="auto"`` runs the plain-Python
 # implementation for calls of at most this many requests and top-k entries (requests x steps x
 # top_k), and the batched numpy one otherwise: Python
 # pays per request, numpy about a fixed ~150 small array ops per step whatever the batch, and they
@@ -141,11 +141,11 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
 
 def cpu_impl(num_reqs: int, num_steps: int, top_k: int, policy: str = "lru") -> str:
     """The implementation ``impl="auto"`` runs on a CPU for a call of this shape: the compiled one
-    under LRU when numba is installed (but for one step of one request, where Python costs as
-    little), else Python for small calls and numpy for the others."""
+    when numba is installed (but for one LRU step of one request, where Python costs as little),
+    else Python for small calls and numpy for the others."""
     from kernels.swap_in_numba import AVAILABLE
 
-    if AVAILABLE and policy == "lru" and num_reqs * num_steps > 1:  # (one step of one request: Python's)
+    if AVAILABLE and (num_reqs * num_steps > 1 or policy != "lru"):  # (one LRU step of one request: Python's)
         return "numba"
     small = num_reqs <= PYTHON_MAX_REQS and num_reqs * num_steps * top_k <= PYTHON_MAX_ENTRIES
     return "python" if small else "numpy"
@@ -209,11 +209,11 @@ def swap_in(
 ) -> SwapInResult:
     """Resolve top-k positions to device slots for one layer (contract: module docstring).
 
-    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"numba"`` (CPU, compiled, LRU), ``"python"``
+    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"numba"`` (CPU, compiled), ``"python"``
     (small CPU batches), ``"numpy"`` (CPU batches) or ``"auto"`` (Triton when the metadata is on CUDA and the shapes fit
     ``TRITON_MAX_*``, else torch; on CPU, ``identity_only`` when the whole call is on the fast path,
-    else ``cpu_impl``: numba under LRU, otherwise Python for at most ``PYTHON_MAX_REQS`` requests
-    and ``PYTHON_MAX_ENTRIES`` top-k entries, numpy beyond). ``"numba"`` runs the LRU policy only. ``host_kv`` may live on
+    else ``cpu_impl``: numba, or without it Python for at most ``PYTHON_MAX_REQS`` requests and
+    ``PYTHON_MAX_ENTRIES`` top-k entries, numpy beyond). ``host_kv`` may live on
     another device (pinned host memory); the row copies then go through torch.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
     themselves (the engine's attention backends), where the checks are per-call overhead only.
@@ -266,9 +266,9 @@ def swap_in(
 
         if not AVAILABLE:
             raise ValueError("impl='numba' needs numba installed (the 'cpu' extra)")
-        if top_k_pos.device.type != "cpu" or policy != "lru":
-            raise ValueError(f"impl='numba' runs the lru policy on CPU tensors, got {policy!r} on {top_k_pos.device}")
-        return swap_in_numba(*args)
+        if top_k_pos.device.type != "cpu":
+            raise ValueError(f"impl='numba' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
+        return swap_in_numba(*args, policy, near)
     if impl == "numpy":
         if top_k_pos.device.type != "cpu":
             raise ValueError(f"impl='numpy' needs CPU tensors, got top_k_pos on {top_k_pos.device}")

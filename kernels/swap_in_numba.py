@@ -1,4 +1,4 @@
-"""Swap-in on a CPU as compiled loops: the contract of ``kernels.swap_in`` (LRU policy) with numba.
+"""Swap-in on a CPU as compiled loops: the contract of ``kernels.swap_in``, every policy, with numba.
 
 The numpy implementation pays a microsecond or more for each of its hundred-odd array ops per
 call, whatever the batch; here each request's steps are one loop over its top-k entries and hot
@@ -13,10 +13,11 @@ bookkeeping per request:
   count once); a fresh stamp per step makes clearing unnecessary.
 
 The LRU order of each step is rebuilt as the contract lists it (kept evictables, protected
-unwanted, loaded in miss order, hits). Row copies are returned as (host slot, device slot) pairs for
-one torch copy after the loop, so the KV tensors keep any dtype and place. Only the ``lru`` policy is
-compiled; ``swap_in(impl="auto")`` takes this path on CPU when numba is installed (the ``cpu``
-extra) and the policy is LRU, and the numpy one otherwise.
+unwanted, loaded in miss order, hits); every policy of ``kernels.swap_in_policy`` chooses its
+victims among the evictable columns here, with the step's selected and near positions marked in a
+position table like the others. Row copies are returned as (host slot, device slot) pairs for one
+torch copy after the loop, so the KV tensors keep any dtype and place. ``swap_in(impl="auto")``
+takes this path on CPU when numba (a dependency) is installed, numpy or Python otherwise.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.swap_in_policy import FAR, KEY_SHIFT, POLICIES, policy_code
 from kernels.swap_in_result import SwapInResult
 
 try:
@@ -32,9 +34,11 @@ except ImportError:  # the optional ``cpu`` extra
     numba = None
 
 AVAILABLE = numba is not None
+# the policies' codes (their order in ``POLICIES``)
+LRU, SLIDE, SLIDE_LRU, ADAPTIVE, NEAR, NEAR_ADAPTIVE = (policy_code(p) for p in POLICIES)
 
 
-def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_src, copy_dst):  # pragma: no cover
+def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, counts, copy_src, copy_dst):  # pragma: no cover
     num_reqs, num_steps, top_k = top.shape
     width = host.shape[1]
     cols = tokens.shape[1]
@@ -47,9 +51,15 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_s
     order = np.empty(hot, np.int64)
     new_order = np.empty(hot, np.int64)
     evictable = np.empty(hot, np.int64)
+    victims = np.empty(hot, np.int64)
     missed = np.empty(top_k, np.int64)
     loadable = np.empty(top_k, np.int64)
     loadable_host = np.empty(top_k, np.int64)
+    wanted = np.empty(top_k, np.int64)  # the step's unique valid positions not in a draft column
+    selected = np.empty(top_k, np.int64)  # the step's unique valid positions
+    chosen = np.zeros(hot, np.bool_)  # by index into ``evictable``: a victim
+    keys = np.empty(hot, np.int64)
+    mark = np.zeros(width, np.int64)  # mark[t] == stamp: t is recent (adaptive) or kept (near)
     stamp = 0
     copies = 0
     for b in range(num_reqs):
@@ -90,6 +100,8 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_s
                         lost += 1
             else:
                 num_missed = 0
+                num_wanted = 0
+                num_selected = 0
                 step_hits = 0
                 for c in range(hot):
                     is_hit[c] = False
@@ -98,10 +110,15 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_s
                     if t < 0 or t >= n or seen[t] == stamp:
                         continue
                     seen[t] = stamp
+                    selected[num_selected] = t
+                    num_selected += 1
                     if draft_of[t] >= 0:
                         res[t] = draft_of[t]
                         step_hits += 1
-                    elif col_of[t] >= 0:
+                        continue
+                    wanted[num_wanted] = t
+                    num_wanted += 1
+                    if col_of[t] >= 0:
                         is_hit[col_of[t]] = True
                         res[t] = locs[row, col_of[t]]
                         step_hits += 1
@@ -130,18 +147,78 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, slots, counts, copy_s
                         for k in range(top_k):
                             slots[b, s2, k] = -1
                     break
+                keys_of = policy
+                if num_load and policy in (ADAPTIVE, NEAR_ADAPTIVE):
+                    stamp += 1  # the K most recently used hot columns' positions
+                    for i in range(max(0, hot - top_k), hot):
+                        p = tokens[row, order[i]]
+                        if 0 <= p < width:
+                            mark[p] = stamp
+                    slid = 0
+                    stayed = 0
+                    for i in range(num_wanted):
+                        t = wanted[i]
+                        if t >= 1 and mark[t - 1] == stamp:
+                            slid += 1
+                        if mark[t] == stamp:
+                            stayed += 1
+                    keys_of = SLIDE if slid > stayed else (LRU if policy == ADAPTIVE else NEAR)
+                for i in range(num_evict):
+                    chosen[i] = i < num_load
+                if num_load and keys_of == NEAR:  # the columns holding neither a selected nor a near position first
+                    stamp += 1
+                    for i in range(num_selected):
+                        mark[selected[i]] = stamp
+                    for k in range(near.shape[2]):
+                        t = near[b, s, k]
+                        if 0 <= t < n:
+                            mark[t] = stamp
+                    left = num_load
+                    for i in range(num_evict):
+                        t = tokens[row, evictable[i]]
+                        chosen[i] = left > 0 and not (0 <= t < width and mark[t] == stamp)
+                        if chosen[i]:
+                            left -= 1
+                    for i in range(num_evict):
+                        t = tokens[row, evictable[i]]
+                        if left > 0 and not chosen[i] and 0 <= t < width and mark[t] == stamp:
+                            chosen[i] = True
+                            left -= 1
+                elif num_load and keys_of in (SLIDE, SLIDE_LRU):  # farthest predicted use first
+                    ranked = np.sort(selected[:num_selected])
+                    for i in range(num_evict):
+                        t = tokens[row, evictable[i]]
+                        at = np.searchsorted(ranked, t)  # the first selected >= t
+                        d = t - ranked[at - 1] if at > 0 else FAR
+                        if keys_of == SLIDE:
+                            prio = FAR - d
+                        else:
+                            prio = 0 if d > hot else 1 + hot - d
+                        keys[i] = (prio << KEY_SHIFT) | i
+                    picked = np.argsort(keys[:num_evict])
+                    for i in range(num_evict):
+                        chosen[i] = False
+                    for i in range(num_load):
+                        chosen[picked[i]] = True
+                # the victims in LRU order: the m-th loadable miss takes the m-th
+                num_victims = 0
+                for i in range(num_evict):
+                    if chosen[i]:
+                        victims[num_victims] = evictable[i]
+                        num_victims += 1
                 # [evictables kept | protected, unwanted | loaded (miss order) | hits], old order within
                 j = 0
-                for i in range(num_load, num_evict):
-                    new_order[j] = evictable[i]
-                    j += 1
+                for i in range(num_evict):
+                    if not chosen[i]:
+                        new_order[j] = evictable[i]
+                        j += 1
                 for i in range(hot):
                     c = order[i]
                     if protected[c] and not is_hit[c]:
                         new_order[j] = c
                         j += 1
                 for i in range(num_load):
-                    c = evictable[i]
+                    c = victims[i]
                     t = loadable[i]
                     old = tokens[row, c]
                     if 0 <= old < width and col_of[old] == c:
@@ -206,10 +283,13 @@ def swap_in_numba(
     host_kv: torch.Tensor,  # [host_rows, dim]
     device_kv: torch.Tensor,  # [dev_rows, dim], mutated
     hot: int,
+    policy: str = "lru",
+    near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
-    """CPU implementation of ``kernels.swap_in.swap_in`` under the LRU policy (no argument checks:
-    call ``swap_in``); needs numba (``AVAILABLE``)."""
+    """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``);
+    needs numba (``AVAILABLE``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
+    close = near.numpy() if near is not None else np.empty((num_reqs, num_steps, 0), dtype=np.int32)
     slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)
     counts = np.zeros((num_reqs, 4), dtype=np.int64)
     most = num_reqs * num_steps * top_k
@@ -217,7 +297,7 @@ def swap_in_numba(
     copy_dst = np.empty(most, dtype=np.int64)
     copies = _compiled_kernel()(
         top_k_pos.numpy(), seq_lens.numpy(), req_rows.numpy(), buffer_tokens.numpy(), buffer_locs.numpy(),
-        lru.numpy(), req_to_host.numpy(), hot, slots, counts, copy_src, copy_dst,
+        lru.numpy(), req_to_host.numpy(), hot, policy_code(policy), close, slots, counts, copy_src, copy_dst,
     )
     if copies:
         src = torch.from_numpy(copy_src[:copies]).to(host_kv.device)

@@ -22,7 +22,7 @@ from kernels.swap_in_policy import (
     slide_distance,
 )
 
-IMPLS = ["torch", "python", "numpy", pytest.param("triton", marks=pytest.mark.interpreter)]
+IMPLS = ["torch", "python", "numpy", "numba", pytest.param("triton", marks=pytest.mark.interpreter)]
 OTHER_POLICIES = [p for p in POLICIES if p != "lru"]
 
 
@@ -82,7 +82,7 @@ def _equal_to_oracle(world, impl, policy, near=None):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=6, max_steps=4), policy=st.sampled_from(OTHER_POLICIES))
 def test_cpu_implementations_equal_the_oracle_under_every_policy(world, policy):
-    for impl in ("torch", "python", "numpy"):
+    for impl in ("torch", "python", "numpy", "numba"):
         _equal_to_oracle(world, impl, policy)
 
 
@@ -95,13 +95,14 @@ def test_triton_equals_the_oracle_under_every_policy(world, policy):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=4, max_steps=4), policy=st.sampled_from(OTHER_POLICIES))
-def test_resumed_calls_equal_the_oracle_under_every_policy(world, policy):
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_resumed_calls_equal_the_oracle_under_every_policy(world, policy, impl):
     # the caller's protocol after a stop: call again with the resolved steps turned into padding
     a, b = world.clone(), world.clone()
     for _ in range(world.seq_lens.shape[1] + 1):
         ra = swap_in_oracle(*a.args(), policy=policy)
-        rb = swap_in(*b.args(), impl="numpy", policy=policy, validate=True)
-        assert_same(a, ra, b, rb, f"numpy vs oracle under {policy}, resumed")
+        rb = swap_in(*b.args(), impl=impl, policy=policy, validate=True)
+        assert_same(a, ra, b, rb, f"{impl} vs oracle under {policy}, resumed")
         done = torch.arange(a.seq_lens.shape[1])[None, :] < ra.steps_done[:, None].long()
         if bool(done.all()):
             break
@@ -190,7 +191,7 @@ def test_swap_in_checks_the_near_rows():
        seed=st.integers(0, 2**31 - 1), margin=st.integers(0, 9))
 def test_cpu_implementations_equal_the_oracle_under_the_near_policies(world, policy, seed, margin):
     near = _near_rows(world, seed, margin)
-    for impl in ("torch", "python", "numpy"):
+    for impl in ("torch", "python", "numpy", "numba"):
         _equal_to_oracle(world, impl, policy, near)
 
 
