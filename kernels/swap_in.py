@@ -141,11 +141,10 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
 
 def cpu_impl(num_reqs: int, num_steps: int, top_k: int, policy: str = "lru") -> str:
     """The implementation ``impl="auto"`` runs on a CPU for a call of this shape: the compiled one
-    when numba is installed (but for one LRU step of one request, where Python costs as little),
-    else Python for small calls and numpy for the others."""
+    when numba is installed, else Python for small calls and numpy for the others."""
     from kernels.swap_in_numba import AVAILABLE
 
-    if AVAILABLE and (num_reqs * num_steps > 1 or policy != "lru"):  # (one LRU step of one request: Python's)
+    if AVAILABLE:
         return "numba"
     small = num_reqs <= PYTHON_MAX_REQS and num_reqs * num_steps * top_k <= PYTHON_MAX_ENTRIES
     return "python" if small else "numpy"
@@ -252,7 +251,7 @@ def swap_in(
         hot,
     )
     if impl == "auto" and top_k_pos.device.type == "cpu":
-        # (one step of one request costs the Python implementation less than these tensor ops)
+        # (one step of one request costs the per-request loops less than these tensor ops)
         short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot) if seq_lens.numel() > 1 else None
         if short is not None:
             return short
