@@ -303,15 +303,4 @@ def swap_in_numba(
         src = torch.from_numpy(copy_src[:copies]).to(host_kv.device)
         dst = torch.from_numpy(copy_dst[:copies]).to(device_kv.device)
         device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
-    row_bytes = device_kv.shape[-1] * device_kv.element_size()
-    hits, loaded, lost = (int(v) for v in counts[:, 1:].sum(0))
-    table = torch.from_numpy(counts.astype(np.int32))
-    return SwapInResult(
-        slots=torch.from_numpy(slots),
-        steps_done=table[:, 0],
-        hits=table[:, 1],
-        misses=table[:, 2],
-        unrecoverable=table[:, 3],
-        bytes_copied=torch.from_numpy(counts[:, 2] * row_bytes),
-        totals=(hits, loaded, lost, loaded * row_bytes),
-    )
+    return SwapInResult.from_arrays(slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size())

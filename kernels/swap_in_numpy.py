@@ -260,14 +260,4 @@ def swap_in_numpy(
     if src.size:
         dst = torch.from_numpy(np.concatenate(st.copy_dst))
         device_kv.index_copy_(0, dst, host_kv.index_select(0, torch.from_numpy(src).to(host_kv.device)))
-    counts = torch.from_numpy(st.counts.astype(np.int32))
-    hits, loaded, lost = (int(v) for v in st.counts[:, 1:].sum(0))
-    return SwapInResult(
-        slots=torch.from_numpy(slots),
-        steps_done=counts[:, 0],
-        hits=counts[:, 1],
-        misses=counts[:, 2],
-        unrecoverable=counts[:, 3],
-        bytes_copied=torch.from_numpy(st.counts[:, 2] * row_bytes),
-        totals=(hits, loaded, lost, loaded * row_bytes),
-    )
+    return SwapInResult.from_arrays(slots, st.counts, row_bytes=row_bytes)

@@ -4,6 +4,7 @@ the dispatcher in ``kernels.swap_in`` do not import each other)."""
 from __future__ import annotations
 
 import attrs
+import numpy as np
 import torch
 
 
@@ -32,4 +33,20 @@ class SwapInResult:
             misses=counts[:, 2].clone(),
             unrecoverable=counts[:, 3].clone(),
             bytes_copied=counts[:, 2].to(torch.int64) * row_bytes,
+        )
+
+    @classmethod
+    def from_arrays(cls, slots: np.ndarray, counts: np.ndarray, *, row_bytes: int) -> SwapInResult:
+        """Build from numpy ``slots [B, S, K]`` int32 and ``counts [B, 4]`` int64 = (steps_done,
+        hits, misses, unrecoverable), with ``totals`` (the CPU implementations)."""
+        table = torch.from_numpy(counts.astype(np.int32))
+        hits, loaded, lost = (int(v) for v in counts[:, 1:].sum(0))
+        return cls(
+            slots=torch.from_numpy(slots),
+            steps_done=table[:, 0],
+            hits=table[:, 1],
+            misses=table[:, 2],
+            unrecoverable=table[:, 3],
+            bytes_copied=torch.from_numpy(counts[:, 2] * row_bytes),
+            totals=(hits, loaded, lost, loaded * row_bytes),
         )

@@ -160,25 +160,14 @@ def test_python_equals_oracle(world):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds())
-def test_numpy_equals_oracle(world):
-    oracle_world, np_world = world.clone(), world.clone()
+@pytest.mark.parametrize("impl", ["numpy", "numba"])
+def test_array_implementations_equal_oracle(world, impl):
+    oracle_world, got_world = world.clone(), world.clone()
     expected = swap_in_oracle(*oracle_world.args())
-    got = swap_in(*np_world.args(), impl="numpy", validate=True)
-    assert_same(oracle_world, expected, np_world, got, "numpy vs oracle")
-    assert_canaries(world, np_world)
-    _check_world_invariants(np_world, got)
-    assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(world=worlds())
-def test_numba_equals_oracle(world):
-    oracle_world, nb_world = world.clone(), world.clone()
-    expected = swap_in_oracle(*oracle_world.args())
-    got = swap_in(*nb_world.args(), impl="numba", validate=True)
-    assert_same(oracle_world, expected, nb_world, got, "numba vs oracle")
-    assert_canaries(world, nb_world)
-    _check_world_invariants(nb_world, got)
+    got = swap_in(*got_world.args(), impl=impl, validate=True)
+    assert_same(oracle_world, expected, got_world, got, f"{impl} vs oracle")
+    assert_canaries(world, got_world)
+    _check_world_invariants(got_world, got)
     assert got.totals == tuple(int(v.sum()) for v in (got.hits, got.misses, got.unrecoverable, got.bytes_copied))
 
 
