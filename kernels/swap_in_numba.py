@@ -30,7 +30,7 @@ from kernels.swap_in_result import SwapInResult
 
 try:
     import numba
-except ImportError:  # the optional ``cpu`` extra
+except ImportError:  # a platform without numba's wheels: numpy and Python do the work
     numba = None
 
 AVAILABLE = numba is not None

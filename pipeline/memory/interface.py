@@ -131,7 +131,8 @@ class KVMemory(Protocol):
         ...
 
     def draft_backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> AttentionBackend:
-        """The MTP layer's backend: its own all-resident rows, addressed by logical location."""
+        """The MTP layer's backend: its own all-resident rows, addressed by logical location. It is
+        also a ``RowStore`` (``store_rows``: a draft extend stores rows nobody reads alone)."""
         ...
 
     # --- speculative verify ------------------------------------------------------------------------
