@@ -9,6 +9,10 @@ paid from the same budget); ``resident+spec`` on request (``--variants``). Repor
 peak and mean running requests (the engine's counters: requests stepped together), retractions,
 time to first token and inter-token latency p50/p99, HiSparse misses per decode step.
 
+``--repeats N`` runs the variants N times, alternating their order repeat by repeat; the table shows
+each variant's median run (by tokens/s), and the tokens/s ratios that matter (HiSparse against
+resident, speculation on against off) are paired repeat by repeat and given as median and range.
+
 ``--sweep N,N,...`` repeats the run for each number of requests at the same budget and plots output
 tokens/s against the mean running requests for each variant (``--plot``, matplotlib).
 
@@ -40,6 +44,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=32, help="requests arriving together")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {VARIANTS}")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every variant, alternating their order")
     parser.add_argument("--sweep", default="", metavar="N,N,...", help="also run these request counts")
     parser.add_argument("--plot", default="bench-capacity.png", help="the sweep's plot (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
@@ -112,11 +117,33 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
     }
 
 
-def run_all(args: argparse.Namespace, variants: list[str], count: int) -> dict[str, dict[str, Any]]:
+def run_all(args: argparse.Namespace, variants: list[str], count: int) -> dict[str, list[dict[str, Any]]]:
+    """Every variant ``args.repeats`` times, the order reversed every other repeat: each variant's
+    runs, in repeat order."""
     prompts = held_out_prompts(count, args.prompt_len, args.seed)
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for repeat in range(max(1, args.repeats)):
+        for variant in variants if repeat % 2 == 0 else variants[::-1]:
+            runs[variant].append(anyio.run(run_once, variant_config(args, variant), prompts, args.new_tokens))
+    return runs
+
+
+def median_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Each variant's median run by output tokens/s."""
+    return {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in runs.items()}
+
+
+# (numerator, denominator) variants whose tokens/s ratio is reported, paired repeat by repeat
+RATIOS = (("hisparse", "resident"), ("hisparse+spec", "hisparse"), ("resident+spec", "resident"))
+
+
+def paired_ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """``"a / b"`` -> median, low and high of the per-repeat tokens/s ratios, for the pairs present."""
     out = {}
-    for variant in variants:
-        out[variant] = anyio.run(run_once, variant_config(args, variant), prompts, args.new_tokens)
+    for a, b in RATIOS:
+        if a in runs and b in runs:
+            values = sorted(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b]))
+            out[f"{a} / {b}"] = {"median": values[len(values) // 2], "low": values[0], "high": values[-1]}
     return out
 
 
@@ -166,17 +193,26 @@ def main(argv: list[str] | None = None) -> int:
     ratio = args.ratio or "per plan"
     title = (f"{args.model}, {budget} device budget, {args.prompt_len}+{args.new_tokens} tokens, HOT {args.hot}, "
              f"ratio {ratio}")
-    results = run_all(args, variants, args.requests)
-    print(f"{title}, {args.requests} requests arriving together ({threads} threads)")
+    runs = run_all(args, variants, args.requests)
+    results = median_runs(runs)
+    repeats = f", median of {args.repeats} alternating runs" if args.repeats > 1 else ""
+    print(f"{title}, {args.requests} requests arriving together ({threads} threads{repeats})")
     print(table(HEADERS, rows_of(results)))
-    payload: dict[str, object] = {"machine": machine(), "args": vars(args), "results": strip(results)}
-    same = {v: results[v]["outputs"] == results[variants[0]]["outputs"] for v in variants[1:]}
+    ratios = paired_ratios(runs)
+    for name, r in ratios.items():
+        print(f"tokens/s {name}: {r['median']:.2f} (range {r['low']:.2f}-{r['high']:.2f})")
+    payload: dict[str, object] = {
+        "machine": machine(), "args": vars(args), "results": strip(results), "ratios": ratios,
+        "runs": {v: [{f: x for f, x in r.items() if f != "outputs"} for r in rs] for v, rs in runs.items()},
+    }
+    first = runs[variants[0]][0]["outputs"]
+    same = {v: all(r["outputs"] == first for r in runs[v]) for v in variants[1:]}
     if same:
         print(f"greedy outputs equal {variants[0]}'s: {same}")
         payload["outputs_equal"] = same
     sweep_counts = [int(n) for n in args.sweep.split(",") if n]
     if sweep_counts:
-        sweep = {n: run_all(args, variants, n) for n in sweep_counts}
+        sweep = {n: median_runs(run_all(args, variants, n)) for n in sweep_counts}
         sweep[args.requests] = results
         for n in sorted(sweep):
             print(f"\n{n} requests")

@@ -230,6 +230,31 @@ def test_bench_capacity_gives_every_variant_the_same_budget():
     assert configs["hisparse+spec"].speculative is not None and configs["resident+spec"].hisparse is None
 
 
+def test_bench_capacity_alternates_its_variants_and_pairs_the_ratios(monkeypatch):
+    from pipeline.benchmarks import capacity as bench
+
+    order = []
+    speed = {"resident": [100.0, 200.0, 150.0], "hisparse": [110.0, 180.0, 300.0], "hisparse+spec": [99.0, 210.0, 330.0]}
+
+    async def fake_run(cfg, prompts, new_tokens):
+        variant = ("hisparse" if cfg.hisparse is not None else "resident") + ("+spec" if cfg.speculative else "")
+        order.append(variant)
+        return {"tokens_per_s": speed[variant][sum(v == variant for v in order) - 1], "outputs": {}}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr(bench, "held_out_prompts", lambda *a: [])
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_args(parser)
+    args = parser.parse_args(["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24", "--repeats", "3"])
+    runs = bench.run_all(args, ["resident", "hisparse", "hisparse+spec"], 4)
+    assert order == ["resident", "hisparse", "hisparse+spec", "hisparse+spec", "hisparse", "resident",
+                     "resident", "hisparse", "hisparse+spec"]  # reversed every other repeat
+    assert [r["tokens_per_s"] for r in bench.median_runs(runs).values()] == [150.0, 180.0, 210.0]
+    ratios = bench.paired_ratios(runs)
+    assert ratios["hisparse / resident"] == {"median": 1.1, "low": 0.9, "high": 2.0}
+    assert ratios["hisparse+spec / hisparse"]["median"] == pytest.approx(1.1) and "resident+spec / resident" not in ratios
+
+
 @pytest.mark.parametrize("num_steps", [None, 2])
 def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
     """host_to_device_ratio left to the budget: no explicit ratio seats more requests of
