@@ -139,7 +139,7 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
     check_index_range("req_to_host", req_to_host[rows], host_kv.shape[0], allow_negative=True)
 
 
-def cpu_impl(num_reqs: int, num_steps: int, top_k: int, policy: str = "lru") -> str:
+def cpu_impl(num_reqs: int, num_steps: int, top_k: int) -> str:
     """The implementation ``impl="auto"`` runs on a CPU for a call of this shape: the compiled one
     when numba is installed, else Python for small calls and numpy for the others."""
     from kernels.swap_in_numba import AVAILABLE
@@ -255,7 +255,7 @@ def swap_in(
         short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot) if seq_lens.numel() > 1 else None
         if short is not None:
             return short
-        impl = cpu_impl(*top_k_pos.shape, policy=policy)
+        impl = cpu_impl(*top_k_pos.shape)
     if impl == "python":
         from kernels.swap_in_python import swap_in_python
 

@@ -233,7 +233,7 @@ def test_auto_on_cpu_picks_numba_and_without_it_python_or_numpy(monkeypatch):
     from kernels.swap_in import PYTHON_MAX_REQS, cpu_impl
 
     assert kernels.swap_in_numba.AVAILABLE  # a dependency of the project
-    assert cpu_impl(1, 1, 64) == cpu_impl(64, 4, 2048) == cpu_impl(1, 1, 64, policy="near-adaptive") == "numba"
+    assert cpu_impl(1, 1, 64) == cpu_impl(64, 4, 2048) == "numba"  # whatever the policy
     monkeypatch.setattr(kernels.swap_in_numba, "AVAILABLE", False)  # without numba: by the call's shape
     assert cpu_impl(1, 1, 64) == "python"
     assert cpu_impl(PYTHON_MAX_REQS, 4, 64) == "python"
