@@ -43,21 +43,24 @@ def _copy(dt: str) -> dict:
                 dst_stride_l="i64", dst_stride_r="i32", src_stride_l="i64", src_stride_r="i32")
 
 
+def _swap_in(block_k: int, block_hot: int, block_x: int, block_m: int, *, policy: int, warps: int) -> tuple:
+    """A swap-in launch: top-k, hot, newest/draft and near tiles, the policy's code."""
+    consts = dict(BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=block_x, BLOCK_M=block_m, POLICY=policy)
+    return ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, consts, warps)
+
+
 def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
     """(module, kernel, argument types, constexprs, num_warps): the launches the wrappers make."""
     import triton.language as tl
 
     bf16 = tl.bfloat16
     small = [
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=1, POLICY=0), 8),
+        _swap_in(64, 128, 8, 1, policy=0, warps=8),
         # a policy other than LRU (kernels.swap_in_policy: 3 = adaptive, slide's path and more; 5 =
         # near-adaptive, which compares the hot columns with the step's near row too) takes the
         # key-search path
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=1, POLICY=3), 8),
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=64, BLOCK_HOT=128, BLOCK_X=8, BLOCK_M=64, POLICY=5), 8),
+        _swap_in(64, 128, 8, 1, policy=3, warps=8),
+        _swap_in(64, 128, 8, 64, policy=5, warps=8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=64), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16), 4),
@@ -69,12 +72,9 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         return small
     return [
         *small,
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=1, POLICY=0), 16),
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=1, POLICY=2), 16),
-        ("swap_in_triton", "_swap_in_kernel", _SWAP_IN,
-         dict(BLOCK_K=128, BLOCK_HOT=1024, BLOCK_X=64, BLOCK_M=128, POLICY=5), 16),
+        _swap_in(128, 1024, 64, 1, policy=0, warps=16),
+        _swap_in(128, 1024, 64, 1, policy=2, warps=16),
+        _swap_in(128, 1024, 64, 128, policy=5, warps=16),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=2048), 4),
         ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
          dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=bf16), 4),
