@@ -225,25 +225,35 @@ def indexer_topk_reference(
     seq_lens: torch.Tensor,  # [T] int64 positions visible to each query (its position + 1)
     top_k: int,
     scale: float,
+    *,
+    few=None,
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
     """Torch reference: each request's keys are gathered once. A request with many queries
     (prefill), or the only request of the call, is scored by matmuls over its keys
-    (``_request_topk``); the others all together by a batched matmul (``_grouped_topk``)."""
+    (``_request_topk``); the others all together by a batched matmul (``_grouped_topk``).
+
+    ``few`` (same arguments and result as this function) takes the queries of the requests with at
+    most ``MATMUL_MIN_QUERIES`` queries instead, the only request's included: the compiled CPU loop
+    (``impl="auto"`` on a CPU with numba), while prefill stays on the matmuls."""
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
+    if few is not None and num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
+        return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
         return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)
-    if num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
-        return _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    few = few or _grouped_topk
+    if num_tokens <= MATMUL_MIN_QUERIES:
+        return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
     row_ids, counts = torch.unique(req_rows, return_counts=True)
     many = row_ids[counts > MATMUL_MIN_QUERIES]
-    few = ~torch.isin(req_rows, many)
-    if bool(few.any()):
-        idx = few.nonzero()[:, 0]
-        out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
-                                 top_k, scale)
+    if many.numel() == 0:
+        return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    few_queries = ~torch.isin(req_rows, many)
+    if bool(few_queries.any()):
+        idx = few_queries.nonzero()[:, 0]
+        out[idx] = few(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale)
     for row in many.tolist():
         idx = (req_rows == row).nonzero()[:, 0]
         out[idx] = _request_topk(index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale)
@@ -295,9 +305,12 @@ def indexer_topk(
     validate: bool = False,
     check: bool = True,
 ) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
-    """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"``.
+    """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"|"numba"``.
 
-    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
+    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
+    CPU with numba, float32/64 tensors of one dtype, it sends the queries of requests with few queries
+    each (decode, verify) to the compiled loop (``kernels.indexer_topk_numba``) and the others
+    (prefill) to the torch matmuls; the torch path otherwise. ``numba`` runs every query compiled.
     ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
     ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
     of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
@@ -315,8 +328,20 @@ def indexer_topk(
     _, heads, dim = index_q.shape
     fits = (index_q.dtype != torch.float64 and index_k.dtype != torch.float64 and top_k <= TRITON_MAX_TOP_K
             and heads <= TRITON_MAX_HEADS and dim <= TRITON_MAX_DIM)
+    args = (index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+    if impl == "numba":
+        from kernels import indexer_topk_numba as compiled
+
+        if not compiled.fits(index_q, index_w, index_k):
+            raise ValueError("impl='numba' needs numba installed and CPU tensors of one dtype, float32 or float64")
+        return compiled.indexer_topk_numba(*args)
+    if impl == "auto" and index_q.device.type == "cpu":
+        from kernels import indexer_topk_numba as compiled
+
+        if compiled.fits(index_q, index_w, index_k):
+            return indexer_topk_reference(*args, few=compiled.indexer_topk_numba)
     if resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "torch":
-        return indexer_topk_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
+        return indexer_topk_reference(*args)
     from kernels.indexer_topk_triton import indexer_topk_triton
 
     if index_q.shape[0] == 0:

@@ -10,6 +10,7 @@ from _kernel_canary import strided_last
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kernels import indexer_topk_numba
 from kernels.indexer_topk import (
     MATMUL_MIN_QUERIES,
     indexer_scores_reference,
@@ -153,7 +154,84 @@ def test_reference_float32_scores_close_to_float64():
     torch.testing.assert_close(s32.double(), s64, rtol=1e-5, atol=1e-5)
 
 
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+IMPLS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.interpreter)]
+needs_numba = pytest.mark.skipif(not indexer_topk_numba.AVAILABLE, reason="numba is not installed")
+
+
+@needs_numba
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 40), n_reqs=st.integers(1, 4), top_k=st.integers(1, 45),
+       heads=st.integers(1, 4), dim=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_compiled_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, heads, dim, dtype):
+    # the heap selection against the stable sort, on exact (heavily tied) scores, rows shorter than
+    # top_k, requests of different lengths in one call; junk table entries past each window unread
+    case = make_case(seed, tokens=tokens, n_reqs=n_reqs, heads=heads, dim=dim, dtype=dtype)
+    want = indexer_topk_oracle(**case, top_k=top_k, scale=0.5)
+    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), want)
+    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="auto"), want)
+
+
+@needs_numba
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10**6), top_k=st.integers(1, 24), heads=st.integers(1, 4), dim=st.integers(1, 9))
+def test_compiled_equals_dense_oracle_float64(seed, top_k, heads, dim):
+    case = make_case(seed, heads=heads, dim=dim, dtype=torch.float64, integer=seed % 2 == 0)
+    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), dense_oracle(case, top_k, 0.5))
+
+
+@needs_numba
+def test_compiled_close_to_oracle_on_random_inputs_and_strided_keys():
+    case = make_case(8, tokens=24, n_reqs=5, heads=4, dim=16, integer=False, max_ctx=300, rows=400)
+    want = indexer_topk_oracle(**case, top_k=12, scale=0.3)
+    got = indexer_topk(**case, top_k=12, scale=0.3, impl="numba")
+    assert (got == want).float().mean() > 0.99  # equal but where two scores lie within rounding
+    wide = torch.full((case["index_k"].shape[0], 40), BIG)  # keys in rows of a wider tensor
+    wide[:, :16] = case["index_k"]
+    assert torch.equal(indexer_topk(**{**case, "index_k": wide[:, :16]}, top_k=12, scale=0.3, impl="numba"), got)
+
+
+@needs_numba
+def test_compiled_heap_keeps_order_through_every_kind_of_entry():
+    # one long row: distinct values arriving in every order, runs of equal values, -0.0 beside 0.0;
+    # the heap must come out as the stable descending sort of the whole row
+    g = torch.Generator().manual_seed(3)
+    n = 500
+    keys = torch.randint(-3, 4, (n, 1), generator=g).double() * torch.rand(n, 1, generator=g).round(decimals=1)
+    case = dict(index_q=torch.ones(1, 1, 1, dtype=torch.float64), index_w=-torch.ones(1, 1, dtype=torch.float64),
+                index_k=keys, req_to_token=torch.randperm(n, generator=g)[None], req_rows=torch.tensor([0]),
+                seq_lens=torch.tensor([n]))
+    for top_k in (1, 2, 7, 64, 499, 500, 600):
+        want = indexer_topk_oracle(**case, top_k=top_k, scale=1.0)
+        assert torch.equal(indexer_topk(**case, top_k=top_k, scale=1.0, impl="numba"), want)
+
+
+@needs_numba
+def test_auto_sends_few_queries_to_the_compiled_loop_and_prefill_to_the_matmuls(monkeypatch):
+    module = importlib.import_module("kernels.indexer_topk")
+    calls = []
+    compiled = indexer_topk_numba.indexer_topk_numba
+    monkeypatch.setattr(indexer_topk_numba, "indexer_topk_numba",
+                        lambda q, *a: calls.append(("numba", q.shape[0])) or compiled(q, *a))
+    request = module._request_topk
+    monkeypatch.setattr(module, "_request_topk", lambda q, *a: calls.append(("matmul", q.shape[0])) or request(q, *a))
+    many = MATMUL_MIN_QUERIES + 3
+    # a prefill of one request (row 0) beside three decode queries and a two-step verify
+    case = make_case(2, tokens=many + 5, n_reqs=4, heads=2, dim=4, max_ctx=40)
+    case["req_rows"] = torch.tensor([0] * many + [1, 2, 3, 3, 1])
+    case["req_to_token"] = torch.randint(0, case["index_k"].shape[0], (4, 40), generator=torch.Generator().manual_seed(0))
+    want = indexer_topk_oracle(**case, top_k=9, scale=0.5)
+    assert torch.equal(indexer_topk(**case, top_k=9, scale=0.5), want)
+    assert calls == [("numba", 5), ("matmul", many)]
+    calls.clear()
+    decode = {**case, **{k: case[k][many:] for k in ("index_q", "index_w", "req_rows", "seq_lens")}}
+    indexer_topk(**decode, top_k=9, scale=0.5)  # decode and verify only: one compiled call
+    indexer_topk(**{k: v[:1] if k in ("index_q", "index_w", "req_rows", "seq_lens") else v for k, v in case.items()},
+                 top_k=9, scale=0.5)  # a batch of one
+    half = {**case, "index_q": case["index_q"].half(), "index_w": case["index_w"].half(), "index_k": case["index_k"].half()}
+    indexer_topk(**half, top_k=9, scale=0.5)  # float16: the torch path
+    assert calls == [("numba", 5), ("numba", 1), ("matmul", many)]
+    with pytest.raises(ValueError, match="numba"):
+        indexer_topk(**half, top_k=9, scale=0.5, impl="numba")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -166,6 +244,8 @@ def test_all_ties_pick_lowest_positions_and_pad(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_many_exact_ties_follow_contract(impl, dtype):
+    if impl == "numba" and dtype == torch.float16:
+        dtype = torch.float64  # the compiled loop reads float32/64 only
     # integer inputs give exact, heavily tied scores in every implementation
     case = make_case(5, tokens=4, lens=[40, 39, 12, 1], dtype=dtype)
     got = indexer_topk(**case, top_k=16, scale=0.5, impl=impl)

@@ -1,0 +1,148 @@
+"""Indexer top-k on a CPU as compiled loops (contract: ``kernels.indexer_topk``), with numba.
+
+For a decode or verify step each query sees its request's whole context, a few thousand keys, and
+selects a few dozen. The torch path gathers every request's keys into one tensor (a copy of the
+keys the size of the batch's contexts), scores them by two batched matmuls and selects with
+``torch.topk``: three passes over memory. Here each query is one loop over its visible positions:
+a key row is read where it lies (``index_k[req_to_token[row, s]]``), its dots with the query's heads
+are summed into the score, and the score goes into a bounded heap of the ``top_k`` best seen so far,
+so nothing the size of the context is written.
+
+The heap keeps the contract's order: an entry is worse than another when its score is lower, or
+equal and its position higher. Positions come in increasing order, so a new score enters a full heap
+only if it is strictly above the worst one (an equal score comes later and loses the tie). The heap
+is emptied worst first into the back of the output row, which leaves it in contract order; rows with
+fewer visible positions than ``top_k`` are padded with -1, and a ``-inf`` score is never selected
+(the torch path writes -1 for it too). ``-0.0`` equals ``0.0`` in every comparison.
+
+Scores are summed in the score dtype (float32, float64 for float64 inputs) in the order the
+compiler vectorises them (``reassoc``), so they agree with the torch path's to rounding, as the
+Triton kernel's do; the selection given the scores is exact. Float32 and float64 tensors only (the
+compiled loops read numpy views); ``indexer_topk(impl="auto")`` sends the queries of requests with
+few queries each (decode, verify) here on a CPU when numba is installed, and prefill to the matmuls.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:
+    import numba
+except ImportError:  # a platform without numba's wheels: the torch path does the work
+    numba = None
+
+AVAILABLE = numba is not None
+DTYPES = (torch.float32, torch.float64)
+
+
+def _jit(**options):
+    """Compiled on first call (and cached on disk) where numba is installed; plain Python otherwise."""
+    if numba is None:
+        return lambda fn: fn
+    return numba.njit(cache=True, nogil=True, **options)
+
+
+@_jit(inline="always")
+def _worse(score_a, pos_a, score_b, pos_b):  # pragma: no cover - compiled
+    """Entry a comes after entry b in the contract's order."""
+    return score_a < score_b or (score_a == score_b and pos_a > pos_b)
+
+
+@_jit()
+def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
+    """Put (score, pos) at the root of the min-heap ``[:size]`` (worst at the root) and restore it."""
+    i = 0
+    while True:
+        child = 2 * i + 1
+        if child >= size:
+            break
+        if child + 1 < size and _worse(heap_s[child + 1], heap_p[child + 1], heap_s[child], heap_p[child]):
+            child += 1
+        if not _worse(heap_s[child], heap_p[child], score, pos):
+            break
+        heap_s[i] = heap_s[child]
+        heap_p[i] = heap_p[child]
+        i = child
+    heap_s[i] = score
+    heap_p[i] = pos
+
+
+@_jit(fastmath={"reassoc", "contract", "nsz"})
+def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma: no cover - compiled
+    num_tokens, heads, dim = q.shape
+    zero = scale - scale  # of the score dtype (scale * 0 would be float64)
+    heap_s = np.empty(top_k, q.dtype)
+    heap_p = np.empty(top_k, np.int64)
+    dots = np.empty(heads, q.dtype)
+    for t in range(num_tokens):
+        row = rows[t]
+        size = 0
+        for s in range(lens[t]):
+            loc = req_to_token[row, s]
+            for h in range(heads):
+                dot = zero
+                for j in range(dim):
+                    dot += q[t, h, j] * keys[loc, j]
+                dots[h] = dot
+            score = zero
+            for h in range(heads):
+                dot = dots[h] * scale
+                if dot > 0:
+                    score += dot * w[t, h]
+            if score == -np.inf:
+                continue
+            if size < top_k:  # sift up from the new leaf
+                i = size
+                size += 1
+                while i > 0:
+                    parent = (i - 1) >> 1
+                    if not _worse(score, s, heap_s[parent], heap_p[parent]):
+                        break
+                    heap_s[i] = heap_s[parent]
+                    heap_p[i] = heap_p[parent]
+                    i = parent
+                heap_s[i] = score
+                heap_p[i] = s
+            elif score > heap_s[0]:
+                _sift_down(heap_s, heap_p, size, score, s)
+        for k in range(size, top_k):
+            out[t, k] = -1
+        while size > 0:  # worst first, into the back
+            out[t, size - 1] = heap_p[0]
+            size -= 1
+            _sift_down(heap_s, heap_p, size, heap_s[size], heap_p[size])
+
+
+def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> bool:
+    """This implementation takes the call: numba installed, CPU tensors of one float32/64 dtype."""
+    return (
+        AVAILABLE
+        and index_q.device.type == "cpu"
+        and index_k.device.type == "cpu"
+        and index_q.dtype in DTYPES
+        and index_q.dtype == index_w.dtype == index_k.dtype
+    )
+
+
+def indexer_topk_numba(
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    index_k: torch.Tensor,  # [rows, Di]
+    req_to_token: torch.Tensor,  # [N, max_ctx] int64 or int32
+    req_rows: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    top_k: int,
+    scale: float,
+) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
+    """Every query of the call by the compiled loop (arguments checked by ``indexer_topk``; the
+    tensors must ``fits``). A selection has no gradient: tensors that require one are read detached."""
+    out = np.empty((index_q.shape[0], top_k), dtype=np.int32)
+    if index_q.shape[0]:
+        dtype = index_q.dtype
+        scale_value = np.float64(scale) if dtype == torch.float64 else np.float32(scale)
+        _kernel(
+            index_q.detach().contiguous().numpy(), index_w.detach().contiguous().numpy(), index_k.detach().numpy(),
+            req_to_token.numpy(), req_rows.numpy(), seq_lens.numpy(), scale_value, top_k, out,
+        )
+    return torch.from_numpy(out)
