@@ -34,6 +34,7 @@ except ImportError:  # a platform without numba's wheels: the torch path does th
 
 AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
+BLOCK = 16  # positions scored together: their dots, then their scores, then the heap
 
 
 def _jit(**options):
@@ -68,44 +69,57 @@ def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
     heap_p[i] = pos
 
 
+@_jit(inline="always")
+def _offer(heap_s, heap_p, size, top_k, score, pos):  # pragma: no cover - compiled
+    """Offer position ``pos`` (later than every position offered before) to the heap ``[:size]`` of
+    at most ``top_k`` entries; returns the heap's new size."""
+    if score == -np.inf:
+        return size
+    if size < top_k:  # sift up from the new leaf
+        i = size
+        while i > 0:
+            parent = (i - 1) >> 1
+            if not _worse(score, pos, heap_s[parent], heap_p[parent]):
+                break
+            heap_s[i] = heap_s[parent]
+            heap_p[i] = heap_p[parent]
+            i = parent
+        heap_s[i] = score
+        heap_p[i] = pos
+        return size + 1
+    if score > heap_s[0]:
+        _sift_down(heap_s, heap_p, size, score, pos)
+    return size
+
+
 @_jit(fastmath={"reassoc", "contract", "nsz"})
 def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma: no cover - compiled
     num_tokens, heads, dim = q.shape
     zero = scale - scale  # of the score dtype (scale * 0 would be float64)
     heap_s = np.empty(top_k, q.dtype)
     heap_p = np.empty(top_k, np.int64)
-    dots = np.empty(heads, q.dtype)
+    dots = np.empty((BLOCK, heads), q.dtype)
+    scores = np.empty(BLOCK, q.dtype)
     for t in range(num_tokens):
         row = rows[t]
         size = 0
-        for s in range(lens[t]):
-            loc = req_to_token[row, s]
-            for h in range(heads):
-                dot = zero
-                for j in range(dim):
-                    dot += q[t, h, j] * keys[loc, j]
-                dots[h] = dot
-            score = zero
-            for h in range(heads):
-                dot = dots[h] * scale
-                if dot > 0:
-                    score += dot * w[t, h]
-            if score == -np.inf:
-                continue
-            if size < top_k:  # sift up from the new leaf
-                i = size
-                size += 1
-                while i > 0:
-                    parent = (i - 1) >> 1
-                    if not _worse(score, s, heap_s[parent], heap_p[parent]):
-                        break
-                    heap_s[i] = heap_s[parent]
-                    heap_p[i] = heap_p[parent]
-                    i = parent
-                heap_s[i] = score
-                heap_p[i] = s
-            elif score > heap_s[0]:
-                _sift_down(heap_s, heap_p, size, score, s)
+        for start in range(0, lens[t], BLOCK):
+            block = min(BLOCK, lens[t] - start)
+            for i in range(block):  # the block's dots first: its key rows load side by side
+                loc = req_to_token[row, start + i]
+                for h in range(heads):
+                    dot = zero
+                    for j in range(dim):
+                        dot += q[t, h, j] * keys[loc, j]
+                    dots[i, h] = dot
+            for i in range(block):
+                score = zero
+                for h in range(heads):
+                    score += max(dots[i, h] * scale, zero) * w[t, h]
+                scores[i] = score
+            for i in range(block):
+                if size < top_k or scores[i] > heap_s[0]:  # most are below the worst kept: skip the call
+                    size = _offer(heap_s, heap_p, size, top_k, scores[i], start + i)
         for k in range(size, top_k):
             out[t, k] = -1
         while size > 0:  # worst first, into the back
