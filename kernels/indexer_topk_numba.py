@@ -96,36 +96,53 @@ def _offer(heap_s, heap_p, size, top_k, score, pos):  # pragma: no cover - compi
 def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma: no cover - compiled
     num_tokens, heads, dim = q.shape
     zero = scale - scale  # of the score dtype (scale * 0 would be float64)
-    heap_s = np.empty(top_k, q.dtype)
-    heap_p = np.empty(top_k, np.int64)
+    heap_s = np.empty((num_tokens, top_k), q.dtype)
+    heap_p = np.empty((num_tokens, top_k), np.int64)
+    sizes = np.zeros(num_tokens, np.int64)
+    locs = np.empty(BLOCK, np.int64)
     dots = np.empty((BLOCK, heads), q.dtype)
     scores = np.empty(BLOCK, q.dtype)
+    first = 0
+    while first < num_tokens:  # a run of consecutive queries of one request shares each key block
+        row = rows[first]
+        last = first + 1
+        while last < num_tokens and rows[last] == row:
+            last += 1
+        longest = 0
+        for t in range(first, last):
+            longest = max(longest, lens[t])
+        for start in range(0, longest, BLOCK):
+            block = min(BLOCK, longest - start)
+            for i in range(block):
+                locs[i] = req_to_token[row, start + i]
+            for t in range(first, last):
+                seen = min(block, lens[t] - start)
+                for i in range(seen):  # the block's dots first: its key rows load side by side
+                    loc = locs[i]
+                    for h in range(heads):
+                        dot = zero
+                        for j in range(dim):
+                            dot += q[t, h, j] * keys[loc, j]
+                        dots[i, h] = dot
+                for i in range(seen):
+                    score = zero
+                    for h in range(heads):
+                        score += max(dots[i, h] * scale, zero) * w[t, h]
+                    scores[i] = score
+                hs, hp, size = heap_s[t], heap_p[t], sizes[t]
+                for i in range(seen):
+                    if size < top_k or scores[i] > hs[0]:  # most are below the worst kept: skip the call
+                        size = _offer(hs, hp, size, top_k, scores[i], start + i)
+                sizes[t] = size
+        first = last
     for t in range(num_tokens):
-        row = rows[t]
-        size = 0
-        for start in range(0, lens[t], BLOCK):
-            block = min(BLOCK, lens[t] - start)
-            for i in range(block):  # the block's dots first: its key rows load side by side
-                loc = req_to_token[row, start + i]
-                for h in range(heads):
-                    dot = zero
-                    for j in range(dim):
-                        dot += q[t, h, j] * keys[loc, j]
-                    dots[i, h] = dot
-            for i in range(block):
-                score = zero
-                for h in range(heads):
-                    score += max(dots[i, h] * scale, zero) * w[t, h]
-                scores[i] = score
-            for i in range(block):
-                if size < top_k or scores[i] > heap_s[0]:  # most are below the worst kept: skip the call
-                    size = _offer(heap_s, heap_p, size, top_k, scores[i], start + i)
+        hs, hp, size = heap_s[t], heap_p[t], sizes[t]
         for k in range(size, top_k):
             out[t, k] = -1
         while size > 0:  # worst first, into the back
-            out[t, size - 1] = heap_p[0]
+            out[t, size - 1] = hp[0]
             size -= 1
-            _sift_down(heap_s, heap_p, size, heap_s[size], heap_p[size])
+            _sift_down(hs, hp, size, hs[size], hp[size])
 
 
 def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> bool:

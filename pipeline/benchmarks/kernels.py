@@ -167,6 +167,7 @@ def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict
     """(op, label, shape, builder): a tiny-model shape and a DeepSeek-like one scaled for a CPU."""
     table = [
         ("indexer_topk", "small", prep_indexer, dict(tokens=8, heads=4, dim=64, ctx=1024, top_k=64)),
+        ("indexer_topk", "batch", prep_indexer, dict(tokens=32, heads=4, dim=32, ctx=2048, top_k=64)),
         ("indexer_topk", "large", prep_indexer, dict(tokens=4, heads=64, dim=128, ctx=16384, top_k=2048)),
         ("indexer_topk", "prefill", prep_indexer,
          dict(tokens=1536, heads=4, dim=32, ctx=1536, top_k=64, prefill=True)),
@@ -195,9 +196,11 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
         if only and op not in only:
             continue
         prepared = build()
-        # on a CPU, swap-in also has the plain-Python, numpy and compiled paths that `auto` chooses between
-        cpu_paths = ["python", "numpy"] + (["numba"] if NUMBA else [])
-        for impl in impls + (cpu_paths if op == "swap_in" and device.type == "cpu" else []):
+        # on a CPU, swap-in also has the plain-Python, numpy and compiled paths that `auto` chooses
+        # between, and the indexer the compiled loop that `auto` gives decode and verify
+        cpu_paths = {"swap_in": ["python", "numpy"] + (["numba"] if NUMBA else []),
+                     "indexer_topk": ["numba"] if NUMBA else []}
+        for impl in impls + (cpu_paths.get(op, []) if device.type == "cpu" else []):
             seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
             results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,
