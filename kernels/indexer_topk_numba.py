@@ -3,10 +3,12 @@
 For a decode or verify step each query sees its request's whole context, a few thousand keys, and
 selects a few dozen. The torch path gathers every request's keys into one tensor (a copy of the
 keys the size of the batch's contexts), scores them by two batched matmuls and selects with
-``torch.topk``: three passes over memory. Here each query is one loop over its visible positions:
-a key row is read where it lies (``index_k[req_to_token[row, s]]``), its dots with the query's heads
-are summed into the score, and the score goes into a bounded heap of the ``top_k`` best seen so far,
-so nothing the size of the context is written.
+``torch.topk``: three passes over memory. Here each query walks its visible positions in blocks
+of ``BLOCK``: the block's key rows are read where they lie (``index_k[req_to_token[row, s]]``) and
+dotted with the query's heads, then the block's scores are formed, then each score above the worst
+kept is offered to a bounded heap of the ``top_k`` best seen so far; nothing the size of the context
+is written. Consecutive queries of one request (a verify step's) share each block's locations, so
+the key rows the first of them read are still in cache for the others.
 
 The heap keeps the contract's order: an entry is worse than another when its score is lower, or
 equal and its position higher. Positions come in increasing order, so a new score enters a full heap

@@ -172,6 +172,24 @@ def test_compiled_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, hea
 
 
 @needs_numba
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), n_reqs=st.integers(1, 5), steps=st.integers(1, 5), top_k=st.integers(1, 30),
+       dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_compiled_verify_runs_equal_oracle(seed, n_reqs, steps, top_k, dtype):
+    # verify shapes: each request's queries consecutive, seeing one more position each (a run shares
+    # its key blocks), requests of different lengths, some queries seeing nothing (padding steps)
+    g = torch.Generator().manual_seed(seed)
+    case = make_case(seed, tokens=n_reqs * steps, n_reqs=n_reqs, heads=2, dim=5, dtype=dtype, max_ctx=40)
+    case["req_rows"] = torch.arange(n_reqs).repeat_interleave(steps)
+    base = torch.randint(0, 40 - steps + 1, (n_reqs,), generator=g).repeat_interleave(steps)
+    lens = base + torch.arange(steps).repeat(n_reqs)
+    case["seq_lens"] = torch.where(torch.rand(lens.shape, generator=g) < 0.1, 0, lens)
+    case["req_to_token"] = torch.randint(0, case["index_k"].shape[0], (n_reqs, 40), generator=g)
+    want = indexer_topk_oracle(**case, top_k=top_k, scale=0.5)
+    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), want)
+
+
+@needs_numba
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6), top_k=st.integers(1, 24), heads=st.integers(1, 4), dim=st.integers(1, 9))
 def test_compiled_equals_dense_oracle_float64(seed, top_k, heads, dim):
