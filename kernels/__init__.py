@@ -11,6 +11,8 @@ has ``"numba"``, ``"python"`` and ``"numpy"``: on a CPU ``auto`` runs the compil
 without numba chooses between the other two by the batch size.
 """
 
+import torch
+
 from kernels.indexer_topk import (
     indexer_topk,
     indexer_topk_oracle,
@@ -24,6 +26,19 @@ from kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_oracle import swap_in_oracle
 from kernels.swap_in_reference import swap_in_reference
+
+
+def warm_up(device: torch.device, dtype: torch.dtype) -> None:
+    """On a CPU, compile (or load from numba's disk cache) the compiled loops a run in ``dtype``
+    calls: the decode indexer and the swap-in. The executor calls it when it starts, so that the
+    first decode step does not pay for the compilation. Elsewhere, and without numba, nothing."""
+    if torch.device(device).type != "cpu":
+        return
+    from kernels import indexer_topk_numba, swap_in_numba
+
+    indexer_topk_numba.warm_up(dtype)
+    swap_in_numba.warm_up()
+
 
 __all__ = [
     "SwapInResult",
@@ -44,4 +59,5 @@ __all__ = [
     "swap_in_oracle",
     "swap_in_reference",
     "topk_positions",
+    "warm_up",
 ]

@@ -179,3 +179,14 @@ def indexer_topk_numba(
             req_to_token.numpy(), req_rows.numpy(), seq_lens.numpy(), scale_value, top_k, out,
         )
     return torch.from_numpy(out)
+
+
+def warm_up(dtype: torch.dtype) -> None:
+    """Compile (or load from numba's disk cache) the loop for ``dtype``'s tensors, so that a
+    process's first decode step does not pay for it (a second or more in a fresh checkout)."""
+    if not AVAILABLE or dtype not in DTYPES:
+        return
+    keys = torch.zeros(4, 1, dtype=dtype)
+    table = torch.arange(4).view(1, 4)
+    query = torch.zeros(1, 1, 1, dtype=dtype)
+    indexer_topk_numba(query, query[:, 0], keys, table, torch.zeros(1, dtype=torch.int64), torch.tensor([4]), 2, 1.0)

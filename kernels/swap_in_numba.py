@@ -304,3 +304,16 @@ def swap_in_numba(
         dst = torch.from_numpy(copy_dst[:copies]).to(device_kv.device)
         device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
     return SwapInResult.from_arrays(slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size())
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the loops, so that a process's first decode step
+    does not pay for it: one request, one step on the fast path."""
+    if not AVAILABLE:
+        return
+    swap_in_numba(
+        torch.zeros(1, 1, 1, dtype=torch.int32), torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+        torch.tensor([[0, -1]], dtype=torch.int32), torch.tensor([[1, -1]], dtype=torch.int64),
+        torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(2, 1), torch.zeros(2, 1),
+        1,
+    )

@@ -37,6 +37,7 @@ import attrs
 import structlog
 import torch
 
+import kernels
 from pipeline.capacity import DevicePlan
 from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
@@ -179,6 +180,7 @@ class Executor:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=drafts)
         self.device_plan = DevicePlan.of(config, self.plan, cfg)
         self.device_plan.check(self.memory.device_tensors())  # every allocation is what the plan says
+        kernels.warm_up(self.device, self.dtype)  # the compiled CPU loops, before the first step needs them
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain

@@ -553,6 +553,19 @@ class _Request:
             assert torch.equal(self.kv()[:, locs], want)
 
 
+def test_executor_start_up_warms_the_compiled_loops_for_its_device_and_dtype(monkeypatch):
+    """The first decode step must not pay for compiling the CPU loops: the executor asks for them
+    when it starts, with its device and dtype."""
+    import kernels
+    from pipeline.executor import Executor
+
+    calls = []
+    monkeypatch.setattr(kernels, "warm_up", lambda device, dtype: calls.append((device.type, dtype)))
+    Executor(EngineConfig(dtype="float32", page_size=8, max_context_len=64, max_running_requests=2,
+                          device_pool_tokens=256, hisparse=None, speculative=None), model=_stub_model(4))
+    assert calls == [("cpu", torch.float32)]
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
 @given(data=st.data(), seed=st.integers(0, 2**16))
 def test_every_accepted_config_serves_one_request_of_max_context_len(data, seed):

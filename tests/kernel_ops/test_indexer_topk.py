@@ -421,3 +421,16 @@ def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, sa
         assert torch.equal(bad, case[name]), "the same values, only the layout differs"
     with pytest.raises(ValueError, match=rf"^{name} {says}"):
         indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, impl=impl)
+
+
+def test_warm_up_compiles_the_loops_of_a_cpu_run_and_nothing_elsewhere(monkeypatch):
+    import kernels
+
+    kernels.warm_up(torch.device("cpu"), torch.float64)
+    if indexer_topk_numba.AVAILABLE:
+        assert any(sig[0].dtype.name == "float64" for sig in indexer_topk_numba._kernel.signatures)
+    called = []
+    monkeypatch.setattr(indexer_topk_numba, "warm_up", called.append)
+    kernels.warm_up(torch.device("cuda"), torch.float32)  # not a CPU run: nothing (no CUDA needed)
+    kernels.warm_up("cpu", torch.bfloat16)  # the indexer's compiled loop skips bfloat16 itself
+    assert called == [torch.bfloat16]
