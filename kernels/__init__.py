@@ -8,7 +8,8 @@ tensors only, never request objects, and this package imports nothing from ``pip
 Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
 are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise; swap-in also
 has ``"numba"``, ``"python"`` and ``"numpy"``: on a CPU ``auto`` runs the compiled numba loops, and
-without numba chooses between the other two by the batch size.
+without numba chooses between the other two by the batch size. The indexer also has ``"numba"``:
+on a CPU ``auto`` sends decode and verify queries there and prefill to the torch matmuls.
 """
 
 import torch
