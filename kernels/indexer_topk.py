@@ -308,9 +308,10 @@ def indexer_topk(
     """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"|"numba"``.
 
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
-    CPU with numba, float32/64 tensors of one dtype, it sends the queries of requests with few queries
-    each (decode, verify) to the compiled loop (``kernels.indexer_topk_numba``) and the others
-    (prefill) to the torch matmuls; the torch path otherwise. ``numba`` runs every query compiled.
+    CPU with numba, float32/64 tensors of one dtype and at most ``MAX_HEAD_DIMS`` head x dim products
+    (``kernels.indexer_topk_numba``), it sends the queries of requests with few queries each (decode,
+    verify) to the compiled loop and the others (prefill) to the torch matmuls; the torch path
+    otherwise. ``numba`` runs every query compiled.
     ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
     ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
     of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
@@ -338,7 +339,7 @@ def indexer_topk(
     if impl == "auto" and index_q.device.type == "cpu":
         from kernels import indexer_topk_numba as compiled
 
-        if compiled.fits(index_q, index_w, index_k):
+        if compiled.fits(index_q, index_w, index_k) and compiled.pays(index_q):
             return indexer_topk_reference(*args, few=compiled.indexer_topk_numba)
     if resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "torch":
         return indexer_topk_reference(*args)

@@ -21,7 +21,8 @@ Scores are summed in the score dtype (float32, float64 for float64 inputs) in th
 compiler vectorises them (``reassoc``), so they agree with the torch path's to rounding, as the
 Triton kernel's do; the selection given the scores is exact. Float32 and float64 tensors only (the
 compiled loops read numpy views); ``indexer_topk(impl="auto")`` sends the queries of requests with
-few queries each (decode, verify) here on a CPU when numba is installed, and prefill to the matmuls.
+few queries each (decode, verify) here on a CPU when numba is installed and the heads are small
+(``MAX_HEAD_DIMS``), and prefill to the matmuls.
 """
 
 from __future__ import annotations
@@ -37,6 +38,12 @@ except ImportError:  # a platform without numba's wheels: the torch path does th
 AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
 BLOCK = 16  # positions scored together: their dots, then their scores, then the heap
+# ``indexer_topk(impl="auto")`` runs the loop only for queries of at most this many head x dim
+# products per key: there the torch path's gather of the keys costs more than its matmuls, which
+# the loop beats; with more (16 heads of 64 and up, DeepSeek's 64 of 128) BLAS does the dots faster.
+# Measured on a 2-core x86 CPU, one thread, paged keys, 2K-8K positions: 4 x 32 and 8 x 64 ran
+# 1.6-2.7x the torch path, 16 x 64 0.88x, 64 x 128 0.6-0.8x.
+MAX_HEAD_DIMS = 512
 
 
 def _jit(**options):
@@ -156,6 +163,11 @@ def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) ->
         and index_q.dtype in DTYPES
         and index_q.dtype == index_w.dtype == index_k.dtype
     )
+
+
+def pays(index_q: torch.Tensor) -> bool:
+    """``impl="auto"`` sends these queries here (beside ``fits``): few enough dots per key."""
+    return index_q.shape[1] * index_q.shape[2] <= MAX_HEAD_DIMS
 
 
 def indexer_topk_numba(

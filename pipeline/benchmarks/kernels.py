@@ -80,16 +80,21 @@ def _nothing() -> None:
 
 
 def prep_indexer(device, dtype, *, tokens, heads, dim, ctx, top_k, prefill=False) -> Prepared:
-    """Verify-like (4 neighbouring positions per request) or one prompt's prefill (``prefill``).
-    Bytes: gathered keys + locations of every visible position, queries, weights, output."""
+    """Verify-like (4 neighbouring positions per request, each request's queries together, as the
+    engine lays them out) or one prompt's prefill (``prefill``). Keys lie in pages of 16 locations
+    in random order, as a paged pool holds them. Bytes: gathered keys + locations of every visible
+    position, queries, weights, output."""
     reqs = 1 if prefill else max(1, tokens // 4)
+    per = tokens // reqs
     size = dtype.itemsize
     q = torch.randn(tokens, heads, dim, device=device, dtype=dtype)
     w = torch.randn(tokens, heads, device=device, dtype=dtype)
     k = torch.randn(reqs * ctx, dim, device=device, dtype=dtype)
-    r2t = torch.randperm(reqs * ctx, device=device).view(reqs, ctx)
-    rows = torch.arange(tokens, device=device) % reqs
-    lens = ctx - torch.arange(tokens, device=device) // reqs  # every query its own position
+    page = 16 if ctx % 16 == 0 else 1
+    pages = torch.randperm(reqs * ctx // page, device=device)
+    r2t = (pages[:, None] * page + torch.arange(page, device=device)).view(reqs, ctx)
+    rows = torch.arange(tokens, device=device) // per
+    lens = ctx - (per - 1) + torch.arange(tokens, device=device) % per  # every query its own position
     moved = int(lens.sum()) * (dim * size + 8) + (q.numel() + w.numel()) * size + tokens * top_k * 4
 
     def run(impl):

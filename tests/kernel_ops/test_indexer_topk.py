@@ -434,3 +434,17 @@ def test_warm_up_compiles_the_loops_of_a_cpu_run_and_nothing_elsewhere(monkeypat
     kernels.warm_up(torch.device("cuda"), torch.float32)  # not a CPU run: nothing (no CUDA needed)
     kernels.warm_up("cpu", torch.bfloat16)  # the indexer's compiled loop skips bfloat16 itself
     assert called == [torch.bfloat16]
+
+
+@needs_numba
+def test_auto_keeps_wide_indexers_on_the_torch_path(monkeypatch):
+    # past MAX_HEAD_DIMS head x dim products per key BLAS does the dots faster than the loop
+    calls = []
+    compiled = indexer_topk_numba.indexer_topk_numba
+    monkeypatch.setattr(indexer_topk_numba, "indexer_topk_numba", lambda q, *a: calls.append(q.shape) or compiled(q, *a))
+    narrow = make_case(3, tokens=4, n_reqs=4, heads=4, dim=8)
+    wide_dim = indexer_topk_numba.MAX_HEAD_DIMS // 4 + 1
+    wide = make_case(3, tokens=4, n_reqs=4, heads=4, dim=wide_dim)
+    for case in (narrow, wide):
+        assert torch.equal(indexer_topk(**case, top_k=6, scale=0.5), indexer_topk_oracle(**case, top_k=6, scale=0.5))
+    assert calls == [(4, 4, 8)]
