@@ -29,16 +29,20 @@ from kernels.swap_in_oracle import swap_in_oracle
 from kernels.swap_in_reference import swap_in_reference
 
 
-def warm_up(device: torch.device, dtype: torch.dtype) -> None:
-    """On a CPU, compile (or load from numba's disk cache) the compiled loops a run in ``dtype``
-    calls: the decode indexer and the swap-in. The executor calls it when it starts, so that the
-    first decode step does not pay for the compilation. Elsewhere, and without numba, nothing."""
+def warm_up(device: torch.device, dtype: torch.dtype, *, index_heads: int, index_dim: int, swap_in: bool) -> None:
+    """On a CPU, compile (or load from numba's disk cache) the compiled loops a run will call: the
+    decode indexer when ``impl="auto"`` gives it an indexer of ``index_heads`` x ``index_dim`` in
+    ``dtype`` (``indexer_topk_numba.pays_for``), and the swap-in when the run has one (HiSparse).
+    The executor calls it when it starts, so that the first decode step does not pay for the
+    compilation. Elsewhere, and without numba, nothing."""
     if torch.device(device).type != "cpu":
         return
     from kernels import indexer_topk_numba, swap_in_numba
 
-    indexer_topk_numba.warm_up(dtype)
-    swap_in_numba.warm_up()
+    if indexer_topk_numba.pays_for(index_heads, index_dim):
+        indexer_topk_numba.warm_up(dtype)
+    if swap_in:
+        swap_in_numba.warm_up()
 
 
 __all__ = [

@@ -165,9 +165,14 @@ def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) ->
     )
 
 
+def pays_for(heads: int, dim: int) -> bool:
+    """An indexer of ``heads`` x ``dim`` has few enough dots per key for the loop to beat BLAS."""
+    return heads * dim <= MAX_HEAD_DIMS
+
+
 def pays(index_q: torch.Tensor) -> bool:
     """``impl="auto"`` sends these queries here (beside ``fits``): few enough dots per key."""
-    return index_q.shape[1] * index_q.shape[2] <= MAX_HEAD_DIMS
+    return pays_for(index_q.shape[1], index_q.shape[2])
 
 
 def indexer_topk_numba(

@@ -180,7 +180,9 @@ class Executor:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=drafts)
         self.device_plan = DevicePlan.of(config, self.plan, cfg)
         self.device_plan.check(self.memory.device_tensors())  # every allocation is what the plan says
-        kernels.warm_up(self.device, self.dtype)  # the compiled CPU loops, before the first step needs them
+        # the compiled CPU loops this run will call, before its first step needs them
+        kernels.warm_up(self.device, self.dtype, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
+                        swap_in=config.hisparse is not None)
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain

@@ -425,15 +425,19 @@ def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, sa
 
 def test_warm_up_compiles_the_loops_of_a_cpu_run_and_nothing_elsewhere(monkeypatch):
     import kernels
+    from kernels import swap_in_numba
 
-    kernels.warm_up(torch.device("cpu"), torch.float64)
+    narrow = dict(index_heads=4, index_dim=32)
+    kernels.warm_up(torch.device("cpu"), torch.float64, **narrow, swap_in=True)
     if indexer_topk_numba.AVAILABLE:
         assert any(sig[0].dtype.name == "float64" for sig in indexer_topk_numba._kernel.signatures)
     called = []
     monkeypatch.setattr(indexer_topk_numba, "warm_up", called.append)
-    kernels.warm_up(torch.device("cuda"), torch.float32)  # not a CPU run: nothing (no CUDA needed)
-    kernels.warm_up("cpu", torch.bfloat16)  # the indexer's compiled loop skips bfloat16 itself
-    assert called == [torch.bfloat16]
+    monkeypatch.setattr(swap_in_numba, "warm_up", lambda: called.append("swap_in"))
+    kernels.warm_up(torch.device("cuda"), torch.float32, **narrow, swap_in=True)  # not a CPU run: nothing
+    kernels.warm_up("cpu", torch.bfloat16, **narrow, swap_in=False)  # the loop skips bfloat16 itself
+    kernels.warm_up("cpu", torch.float32, index_heads=64, index_dim=128, swap_in=True)  # auto keeps it on torch
+    assert called == [torch.bfloat16, "swap_in"]
 
 
 @needs_numba
