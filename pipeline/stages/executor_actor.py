@@ -1,9 +1,8 @@
 """The executor actor: the one task that talks to the ``Executor``.
 
 Stages send it commands (``pipeline.messages``) through one bounded inbox, each with a one-shot reply
-stream; it runs them one at a time in a worker thread (``anyio.to_thread.run_sync`` behind a
-``CapacityLimiter(1)``), so the event loop stays free to stream outputs and take new requests while
-the device works. The executor is not thread-safe and never needs to be: no other task touches it
+stream; it runs them one at a time in its own worker thread (``CommandThread``), so the event loop
+stays free to stream outputs and take new requests while the device works. The executor is not thread-safe and never needs to be: no other task touches it
 while the engine runs. ``Executor.run`` is the same entry point the synchronous driver calls.
 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
@@ -23,8 +22,13 @@ round) ends it: the held command then runs alone, so a chunk makes progress besi
 
 from __future__ import annotations
 
+import asyncio
+import contextvars
+import queue
+import threading
 from collections.abc import Callable
 from contextlib import suppress
+from typing import Any
 
 import anyio
 import attrs
@@ -79,6 +83,67 @@ class Pairing:
     loop, about to send the actor their next command without waiting for anything else."""
 
     busy: dict[str, bool] = attrs.Factory(lambda: dict.fromkeys(PARTNER, False))
+
+
+class CommandThread:
+    """The thread the actor's commands run in: one thread, commands in the order they are given.
+
+    Under asyncio a command is handed over through a queue and its result comes back through
+    ``call_soon_threadsafe`` onto a future: one wake-up each way. ``anyio.to_thread.run_sync`` costs
+    several times that per call (a capacity limiter, a cancel scope, its worker pool's bookkeeping):
+    measured 0.3-0.5 ms a round trip on a 2-core machine, where a small decode step takes 4-6 ms
+    and the plain hand-over 0.03-0.1 ms. On another anyio backend it is used as it is.
+
+    As with ``run_sync``, the caller cannot be cancelled out of a running command (the executor's
+    state must not be left half-changed): the wait is shielded, and a command runs to its end. The
+    command runs in a copy of the caller's context (the log fields bound to it). ``close`` lets the
+    thread end after the commands already given; it is a daemon, so a process never waits on an
+    engine that was not closed.
+    """
+
+    def __init__(self, name: str = "hispec-executor") -> None:
+        self.name = name
+        self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._limiter = anyio.CapacityLimiter(1)  # the other backends' path: one command at a time
+
+    async def run(self, fn: Callable[..., Any], *args: object) -> Any:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not asyncio
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name=self.name, daemon=True)
+            self._thread.start()
+        future = loop.create_future()
+        self._queue.put((contextvars.copy_context(), fn, args, loop, future))
+        with anyio.CancelScope(shield=True):
+            return await future
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread = None
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            context, fn, args, loop, future = item
+            try:
+                value, failed = context.run(fn, *args), False
+            except BaseException as exc:  # the caller re-raises it
+                value, failed = exc, True
+            with suppress(RuntimeError):  # the loop has closed: nobody waits any more
+                loop.call_soon_threadsafe(_settle, future, value, failed)
+            del item, context, fn, args, future, value  # hold nothing of a command past its end
+
+
+def _settle(future: asyncio.Future, value: object, failed: bool) -> None:
+    if future.cancelled():  # the waiting task was cancelled by asyncio itself (not by anyio)
+        return
+    if failed:
+        future.set_exception(value)
+    else:
+        future.set_result(value)
 
 
 class ExecutorClient:
@@ -146,7 +211,7 @@ class ExecutorActor:
         self.executor = executor
         self._inbox = inbox
         self._on_change = on_change
-        self._limiter = anyio.CapacityLimiter(1)
+        self._thread = CommandThread()
         self.snapshot: dict[str, object] = executor.stats()  # replaced whole after each change
         self.num_commands = 0
         self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)
@@ -156,6 +221,12 @@ class ExecutorActor:
         self._held: Envelope | None = None  # a Decode or Prefill waiting for its partner's
 
     async def run(self) -> None:
+        try:
+            await self._serve()
+        finally:
+            self._thread.close()
+
+    async def _serve(self) -> None:
         async with self._inbox:
             while True:
                 if self._held is not None and not self._worth_holding(self._held):
@@ -199,7 +270,7 @@ class ExecutorActor:
         stats = self._inbox.statistics()
         idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0 and self._held is None
         commands = [e.command for e in envelopes]
-        outcomes, snapshot = await anyio.to_thread.run_sync(self._execute, commands, idle, limiter=self._limiter)
+        outcomes, snapshot = await self._thread.run(self._execute, commands, idle)
         self.num_commands += len(commands)
         self.busy_s += outcomes[0].seconds if outcomes[0].mixed else sum(o.seconds for o in outcomes)
         if snapshot is not None:
