@@ -62,6 +62,8 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
     mark = np.zeros(width, np.int64)  # mark[t] == stamp: t is recent (adaptive) or kept (near)
     stamp = 0
     copies = 0
+    all_hits = all_misses = all_lost = 0  # the counts summed over the call
+    complete = True  # every request handled all its steps
     for b in range(num_reqs):
         row = rows[b]
         for c in range(hot):
@@ -259,7 +261,11 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
         counts[b, 1] = hits
         counts[b, 2] = misses
         counts[b, 3] = lost
-    return copies
+        all_hits += hits
+        all_misses += misses
+        all_lost += lost
+        complete = complete and done == num_steps
+    return copies, all_hits, all_misses, all_lost, complete
 
 
 _compiled = None
@@ -291,11 +297,11 @@ def swap_in_numba(
     num_reqs, num_steps, top_k = top_k_pos.shape
     close = near.numpy() if near is not None else np.empty((num_reqs, num_steps, 0), dtype=np.int32)
     slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)
-    counts = np.zeros((num_reqs, 4), dtype=np.int64)
+    counts = np.zeros((num_reqs, 4), dtype=np.int32)
     most = num_reqs * num_steps * top_k
     copy_src = np.empty(most, dtype=np.int64)
     copy_dst = np.empty(most, dtype=np.int64)
-    copies = _compiled_kernel()(
+    copies, hits, misses, lost, complete = _compiled_kernel()(
         top_k_pos.numpy(), seq_lens.numpy(), req_rows.numpy(), buffer_tokens.numpy(), buffer_locs.numpy(),
         lru.numpy(), req_to_host.numpy(), hot, policy_code(policy), close, slots, counts, copy_src, copy_dst,
     )
@@ -303,7 +309,10 @@ def swap_in_numba(
         src = torch.from_numpy(copy_src[:copies]).to(host_kv.device)
         dst = torch.from_numpy(copy_dst[:copies]).to(device_kv.device)
         device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
-    return SwapInResult.from_arrays(slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size())
+    return SwapInResult.from_arrays(
+        slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size(), totals=(hits, misses, lost),
+        complete=complete,
+    )
 
 
 def warm_up() -> None:

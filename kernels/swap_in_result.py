@@ -21,6 +21,8 @@ class SwapInResult:
     # (hits, misses, unrecoverable, bytes) summed over the batch, when an implementation has them
     # as Python numbers anyway (saves a caller the device->host read of the sums)
     totals: tuple[int, int, int, int] | None = None
+    # every request handled all its steps (``steps_done == S`` everywhere), when known without a read
+    complete: bool | None = None
 
     @classmethod
     def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
@@ -36,17 +38,24 @@ class SwapInResult:
         )
 
     @classmethod
-    def from_arrays(cls, slots: np.ndarray, counts: np.ndarray, *, row_bytes: int) -> SwapInResult:
-        """Build from numpy ``slots [B, S, K]`` int32 and ``counts [B, 4]`` int64 = (steps_done,
-        hits, misses, unrecoverable), with ``totals`` (the CPU implementations)."""
-        table = torch.from_numpy(counts.astype(np.int32))
-        hits, loaded, lost = (int(v) for v in counts[:, 1:].sum(0))
+    def from_arrays(
+        cls, slots: np.ndarray, counts: np.ndarray, *, row_bytes: int,
+        totals: tuple[int, int, int] | None = None, complete: bool | None = None,
+    ) -> SwapInResult:
+        """Build from numpy ``slots [B, S, K]`` int32 and ``counts [B, 4]`` (int32 is taken without
+        a copy) = (steps_done, hits, misses, unrecoverable), with ``totals`` (the CPU
+        implementations): the (hits, misses, unrecoverable) sums when the caller has them already."""
+        table = torch.from_numpy(counts if counts.dtype == np.int32 else counts.astype(np.int32))
+        if totals is None:
+            totals = tuple(int(v) for v in counts[:, 1:].sum(0))
+        hits, loaded, lost = (int(v) for v in totals)
         return cls(
             slots=torch.from_numpy(slots),
             steps_done=table[:, 0],
             hits=table[:, 1],
             misses=table[:, 2],
             unrecoverable=table[:, 3],
-            bytes_copied=torch.from_numpy(counts[:, 2] * row_bytes),
+            bytes_copied=table[:, 2].to(torch.int64) * row_bytes,
             totals=(hits, loaded, lost, loaded * row_bytes),
+            complete=complete,
         )

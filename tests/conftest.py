@@ -42,3 +42,15 @@ def tiny_model():
     from tiny_models import build_tiny_model
 
     return build_tiny_model()
+
+
+@pytest.fixture(autouse=True)
+def _structlog_as_it_was():
+    """A test that configures logging (a benchmark's ``main``, the CLI) leaves structlog as it found
+    it: otherwise a later test's ``capture_logs`` sees only what that configuration's level lets
+    through, and the suite's result depends on its order."""
+    import structlog
+
+    before = structlog.get_config()
+    yield
+    structlog.configure(**before)

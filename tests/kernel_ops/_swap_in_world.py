@@ -133,6 +133,10 @@ def assert_same(world_a: World, res_a: SwapInResult, world_b: World, res_b: Swap
     for name in ("buffer_tokens", "lru", "device_full", "host_full"):
         a, b = getattr(world_a, name), getattr(world_b, name)
         assert torch.equal(a.cpu(), b.cpu()), f"{label}: {name} differs\n{a}\n{b}"
+    steps = world_a.seq_lens.shape[1]
+    for res in (res_a, res_b):  # a result that says whether every step was handled says it right
+        if res.complete is not None:
+            assert res.complete == bool((res.steps_done == steps).all()), f"{label}: complete is wrong"
 
 
 def assert_canaries(before: World, after: World) -> None:

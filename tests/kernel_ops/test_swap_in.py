@@ -294,3 +294,18 @@ def test_validate_catches_broken_state():
     w.lru[w.req_rows[0]] = torch.tensor([0, 0, 1, 2], dtype=torch.int32)
     with pytest.raises(ValueError, match="lru"):
         swap_in(*w.args(), impl="torch", validate=True)
+
+
+def test_compiled_implementation_says_when_a_call_stopped_early():
+    """The compiled path reports ``complete`` (the backend reads it instead of a tensor check):
+    False for a call that stopped before its last step, True otherwise; its sums are the counts'."""
+    stopped = complete = 0
+    for seed in range(60):
+        world = build_world(seed, num_reqs=3, num_steps=4, top_k=4, hot=4, extra=2)
+        got = swap_in(*world.clone().args(), impl="numba")
+        assert got.complete is not None
+        assert got.complete == bool((got.steps_done == 4).all())
+        assert got.steps_done.dtype == got.hits.dtype == torch.int32
+        stopped += not got.complete
+        complete += got.complete
+    assert stopped and complete  # both kinds of call were seen
