@@ -24,6 +24,13 @@ class SwapInResult:
     # every request handled all its steps (``steps_done == S`` everywhere), when known without a read
     complete: bool | None = None
 
+    def all_steps_done(self, steps: int) -> bool:
+        """Every request handled all ``steps`` of its steps: ``complete`` where the implementation
+        knew it, else read from ``steps_done``."""
+        if self.complete is not None:
+            return self.complete
+        return bool((self.steps_done == steps).all())
+
     @classmethod
     def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
         """Build from ``counts [B, 4]`` = (steps_done, hits, misses, unrecoverable)."""
@@ -46,9 +53,7 @@ class SwapInResult:
         a copy) = (steps_done, hits, misses, unrecoverable), with ``totals`` (the CPU
         implementations): the (hits, misses, unrecoverable) sums when the caller has them already."""
         table = torch.from_numpy(counts if counts.dtype == np.int32 else counts.astype(np.int32))
-        if totals is None:
-            totals = tuple(int(v) for v in counts[:, 1:].sum(0))
-        hits, loaded, lost = (int(v) for v in totals)
+        hits, loaded, lost = totals if totals is not None else (int(v) for v in counts[:, 1:].sum(0))
         return cls(
             slots=torch.from_numpy(slots),
             steps_done=table[:, 0],

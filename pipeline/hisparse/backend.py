@@ -186,7 +186,7 @@ class HiSparseBackend:
         batch, steps = top3.shape[:2]
         result = self.coord.swap_in(layer, top3, seq_lens, rows, near=near3)
         flat = result.slots.reshape(batch * steps, -1)
-        if result.complete if result.complete is not None else bool((result.steps_done == steps).all()):
+        if result.all_steps_done(steps):
             yield torch.arange(batch * steps, device=top3.device), flat
             return
         pending = torch.ones(batch, steps, dtype=torch.bool, device=top3.device)

@@ -2,8 +2,9 @@
 
 Stages send it commands (``pipeline.messages``) through one bounded inbox, each with a one-shot reply
 stream; it runs them one at a time in its own worker thread (``CommandThread``), so the event loop
-stays free to stream outputs and take new requests while the device works. The executor is not thread-safe and never needs to be: no other task touches it
-while the engine runs. ``Executor.run`` is the same entry point the synchronous driver calls.
+stays free to stream outputs and take new requests while the device works. The executor is not
+thread-safe and never needs to be: no other task touches it while the engine runs. ``Executor.run``
+is the same entry point the synchronous driver calls.
 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
 for memory look again) and refreshes the statistics snapshot that ``Engine.stats()`` reads without
