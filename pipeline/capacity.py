@@ -5,7 +5,8 @@ The memory layer allocates a handful of device tensors; each one grows with one 
 * a **device slot** (a physical KV row): the target's MLA rows, and with all-resident KV the
   indexer keys and the draft layer's rows too (a slot is a location there);
 * a **logical location** (HiSparse only): the indexer keys of every target layer, which stay on the
-  device for every token of every request, and the draft layer's rows (its KV is all resident);
+  device for every token of every request, and the draft layer's indexer keys and rows (its KV is
+  all resident; ``hisparse.draft_rows_on_host`` moves its rows to the host);
 * a **request row**: the device copies of the token tables (``[rows, max_context_len + D]`` int64)
   and the HiSparse device buffers' bookkeeping (slots, held positions, LRU order).
 
@@ -56,9 +57,10 @@ class ModelDims:
     index_dim: int  # one indexer key
     element_bytes: int  # of the run dtype (KV rows and indexer keys are stored in it)
     mtp_layers: int = 0  # MTP layers whose KV is kept (0 without speculation)
+    draft_rows_on_host: bool = False  # HiSparse: the draft layer's KV rows are host memory
 
     @classmethod
-    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool) -> ModelDims:
+    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False) -> ModelDims:
         """From a ``ModelConfig``; ``speculative``: the run drafts with the MTP layer."""
         return cls(
             num_layers=model_cfg.num_hidden_layers,
@@ -66,7 +68,15 @@ class ModelDims:
             index_dim=model_cfg.index_head_dim,
             element_bytes=ELEMENT_BYTES[dtype],
             mtp_layers=model_cfg.num_nextn_predict_layers if speculative else 0,
+            draft_rows_on_host=draft_rows_on_host and speculative,
         )
+
+    @classmethod
+    def of_config(cls, model_cfg: Any, config: Any) -> ModelDims:
+        """For an ``EngineConfig`` (its dtype, speculation and where HiSparse keeps draft rows)."""
+        hs = config.hisparse
+        return cls.of(model_cfg, config.dtype, speculative=config.speculative is not None,
+                      draft_rows_on_host=hs is not None and hs.draft_rows_on_host)
 
 
 @attrs.frozen
@@ -117,7 +127,8 @@ def _structures(
     add("token table", REQUEST, table, rows)
     add("host map", REQUEST, table, rows)
     if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location
-        add("draft layer KV rows", LOCATION, row * e, locations + page)
+        if not dims.draft_rows_on_host:
+            add("draft layer KV rows", LOCATION, row * e, locations + page)
         add("draft layer indexer keys", LOCATION, idx * e, locations + page)
         add("draft token table", REQUEST, table, rows)
     return tuple(out)
@@ -361,7 +372,7 @@ class DevicePlan:
     @classmethod
     def of(cls, config: Any, plan: Any, model_cfg: Any) -> DevicePlan:
         """For a resolved ``EngineConfig``, its ``MemoryPlan`` and the model's ``ModelConfig``."""
-        dims = ModelDims.of(model_cfg, config.dtype, speculative=config.speculative is not None)
+        dims = ModelDims.of_config(model_cfg, config)
         return cls(plan, dims, device_structures(plan, dims), config.device_memory_bytes)
 
     @property

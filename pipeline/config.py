@@ -79,9 +79,17 @@ class HiSparseConfig:
     # in a top-k trace). None: ``default_near_margin(top_k)`` under a near-policy or while a trace is
     # recorded, else 0 (kernels.swap_in_policy)
     near_margin: int | None = None
+    # with speculation, keep the draft (MTP) layer's KV rows in host memory instead of the device:
+    # the device keeps its indexer keys and token table, and each draft forward copies the rows its
+    # top-k names to the device. Frees the device bytes of one KV row per logical location (the
+    # seats a budget holds with speculation); on CUDA each draft forward then reads its top-k slots
+    # back to the host (one synchronisation) before the copy. Output unchanged either way.
+    draft_rows_on_host: bool = False
 
     def __attrs_post_init__(self) -> None:
         _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
+        _require(isinstance(self.draft_rows_on_host, bool), "hisparse.draft_rows_on_host", self.draft_rows_on_host,
+                 "must be a bool")
         if self.near_margin is not None:
             _require_int("hisparse.near_margin", self.near_margin, 0)
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
@@ -605,7 +613,7 @@ def _resolve_budget(
     max_context_len, the smallest of equals), then the device pool and request rows the budget pays
     for."""
     config = attrs.evolve(config, speculative=spec)
-    dims = ModelDims.of(model_cfg, config.dtype, speculative=spec is not None)
+    dims = ModelDims.of_config(model_cfg, config)
     budget = device_budget(config.device_memory_bytes, config.device_memory_fraction, config.device)
     hs = config.hisparse
     context = config.max_context_len

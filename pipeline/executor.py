@@ -175,7 +175,9 @@ class Executor:
         drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0  # no draft: no MTP rows
         if config.hisparse is not None:
             streams = {"transfer": transfer} if transfer is not None else {}
-            self.memory: KVMemory = HiSparseCoordinator(**memory_args, **streams, num_draft_layers=drafts)
+            self.memory: KVMemory = HiSparseCoordinator(
+                **memory_args, **streams, num_draft_layers=drafts, draft_rows_on_host=config.hisparse.draft_rows_on_host
+            )
         else:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=drafts)
         self.device_plan = DevicePlan.of(config, self.plan, cfg)

@@ -36,6 +36,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ratio", type=int, default=None,
                    help="HiSparse host_to_device_ratio (default: with a budget, the one that seats the most)")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no draft layer KV)")
+    p.add_argument("--draft-rows-on-host", action="store_true",
+                   help="HiSparse: the draft layer's KV rows in host memory (hisparse.draft_rows_on_host)")
     p.add_argument("--num-steps", type=int, default=None, help="draft steps per round (default 3 with MTP)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=DEFAULT_CHUNK, metavar="N",
                    help=f"prefill chunk (default {DEFAULT_CHUNK}; 0 = whole prompts)")
@@ -68,7 +70,8 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
         device_pool_tokens=args.device_pool_tokens,
         max_running_requests=args.max_running_requests,
         chunked_prefill_tokens=args.chunked_prefill_tokens or None,
-        hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=args.ratio) if hisparse else None,
+        hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=args.ratio,
+                                draft_rows_on_host=args.draft_rows_on_host) if hisparse else None,
         speculative=spec,
     )
 
@@ -183,9 +186,12 @@ def notes(plan: DevicePlan, context: int) -> list[str]:
                    "location stay on the device, so each location costs device memory too)")
     held = plan.request_bytes(context)
     draft = sum(v for k, v in held.items() if k.startswith("draft layer"))
-    if draft:
+    if draft and not plan.dims.draft_rows_on_host:
         out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a request's "
-                   "device bytes (--no-spec frees it)")
+                   "device bytes (--no-spec frees it; --draft-rows-on-host moves its rows to the host)")
+    elif draft:
+        out.append(f"  the draft layer's rows are on the host; its indexer keys and table take {draft / sum(held.values()):.0%} "
+                   "of a request's device bytes")
     return out
 
 

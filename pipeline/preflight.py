@@ -175,7 +175,7 @@ def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstim
     from pipeline.capacity import REQUEST, ModelDims, device_structures
 
     plan = config.memory_plan(model_cfg.index_topk or 0)
-    dims = ModelDims.of(model_cfg, config.dtype, speculative=config.speculative is not None)
+    dims = ModelDims.of_config(model_cfg, config)
     p, rows, max_len = plan.page_size, plan.max_running_requests, plan.max_request_len
     table = rows * max_len * INT64
     out = [
@@ -191,6 +191,9 @@ def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstim
     if plan.hisparse:
         logical_pages = plan.logical_tokens // p + 1
         add("host pool", dims.num_layers * plan.host_tokens * dims.row_dim * dims.element_bytes, POOL_FIELD)
+        if dims.mtp_layers and dims.draft_rows_on_host:
+            draft_rows = (plan.logical_tokens + p) * dims.row_dim * dims.element_bytes
+            add("draft layer KV rows (host)", draft_rows, POOL_FIELD)
         if separate:
             add("token and host tables", 2 * table, ROWS_FIELD)
         add("logical-to-physical map", (logical_pages * p + 1) * INT64, POOL_FIELD)

@@ -73,6 +73,7 @@ class HiSparseCoordinator:
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     num_draft_layers: int = 0  # MTP layers: each gets its own resident pool (DraftPool)
+    draft_rows_on_host: bool = False  # that pool's KV rows in host memory (hisparse.draft_rows_on_host)
     # builds the transfer streams (tests inject streams with controlled latency)
     transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
     rows: RequestRows = attrs.field(init=False)
@@ -134,6 +135,7 @@ class HiSparseCoordinator:
                 plan.max_request_len,
                 self.dtype,
                 self.device,
+                rows_on_host=self.draft_rows_on_host,
             )
             if self.num_draft_layers
             else None
@@ -659,8 +661,9 @@ class HiSparseCoordinator:
         }
         if self.draft is not None:
             store = self.draft.store
-            out.update({"draft layer KV rows": store.kv, "draft layer indexer keys": store.index_k,
-                        "draft token table": store.req_to_token})
+            out.update({"draft layer indexer keys": store.index_k, "draft token table": store.req_to_token})
+            if not self.draft.rows_on_host:
+                out["draft layer KV rows"] = store.kv
         return out
 
     def free_counts(self) -> dict[str, int]:

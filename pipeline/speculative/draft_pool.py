@@ -7,6 +7,13 @@ pool). The draft layer's row for position p of a request lives at that position'
 The pool keeps its own token table on its device: every position the draft layer reads was written
 by an earlier draft forward of the same request (the draft extend over the prompt comes first), and
 each forward records its own locations, so the table never needs the target's copy.
+
+With ``rows_on_host`` (``hisparse.draft_rows_on_host``) the rows are host memory (pinned on CUDA)
+and only the indexer keys and the token table stay on the device: a forward writes its rows to the
+host, selects its top-k over the device keys as before, and copies the rows it selected to the
+device, where sparse MLA reads them as a compact block (the same rows in the same order, so the
+same output). On CUDA the copy needs the selected slots on the host: one synchronisation per
+draft forward.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kernels import sparse_mla
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
@@ -33,6 +41,44 @@ class ShiftedBackend:
 
 
 @attrs.define(eq=False)
+class HostRowsBackend(ResidentBackend):
+    """A :class:`ResidentBackend` whose KV rows are on the host and whose indexer keys and token
+    table are on the device: rows are written to the host, and a forward's selected rows are copied
+    to the device before sparse MLA."""
+
+    def attend(self, inputs: AttentionInputs) -> torch.Tensor:
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("HostRowsBackend.attend called before begin(layout)")
+        if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
+            raise ValueError("the forward's token count does not match the layout")
+        self.store_rows(inputs.layer, inputs.kv_rows, inputs.index_k)
+        slots = self.select_slots(inputs, self.store.index_k[inputs.layer])  # [T, K] device locations
+        rows, local = gather_rows(self.store.kv[inputs.layer], slots)
+        return sparse_mla(inputs.q_latent, inputs.q_rope, rows, local, inputs.attn_scale, check=False)
+
+    def store_rows(self, layer: int, kv_rows: torch.Tensor, index_k: torch.Tensor | None) -> None:
+        layout = self.layout
+        if layout is None:
+            raise RuntimeError("HostRowsBackend.store_rows called before begin(layout)")
+        kv = self.store.kv[layer]
+        kv[layout.write_locs.to(kv.device)] = kv_rows.to(kv.device, kv.dtype)
+        if index_k is not None:
+            keys = self.store.index_k[layer]
+            keys[layout.write_locs] = index_k.to(keys.dtype)
+
+
+def gather_rows(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of host ``kv`` that ``slots`` ([T, K], -1 = none) names, on ``slots``' device as one
+    ``[T * K, row]`` block, and the slots into that block (-1 kept)."""
+    flat = slots.reshape(-1).to(kv.device).clamp(min=0).long()
+    rows = kv.index_select(0, flat)
+    rows = rows.to(slots.device)
+    local = torch.arange(flat.numel(), device=slots.device, dtype=slots.dtype).view(slots.shape)
+    return rows, torch.where(slots >= 0, local, torch.full_like(local, -1))
+
+
+@attrs.define(eq=False)
 class DraftPool:
     num_locations: int
     row_dim: int
@@ -42,11 +88,17 @@ class DraftPool:
     max_len: int  # positions per request
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    rows_on_host: bool = False  # the KV rows in host memory (HostRowsBackend)
     store: ResidentKV = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
+        if self.rows_on_host:
+            pin = self.device.type == "cuda"
+            kv = torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, pin_memory=pin)
+        else:
+            kv = torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, device=self.device)
         self.store = ResidentKV(
-            kv=torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, device=self.device),
+            kv=kv,
             index_k=torch.zeros(1, self.num_locations, self.index_dim, dtype=self.dtype, device=self.device),
             req_to_token=torch.zeros(self.num_rows, self.max_len, dtype=torch.int64, device=self.device),
         )
@@ -57,6 +109,6 @@ class DraftPool:
         self.store.req_to_token[row, : locs.numel()] = locs.to(self.device)
 
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
-        inner = ResidentBackend(self.store)
+        inner = HostRowsBackend(self.store) if self.rows_on_host else ResidentBackend(self.store)
         inner.begin(ForwardLayout(rows, positions, locs))
         return ShiftedBackend(inner, self.first_layer)

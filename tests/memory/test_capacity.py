@@ -50,11 +50,13 @@ def _storages(obj, seen: set[int], found: dict[int, torch.Tensor], depth: int = 
 def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, **kw) -> EngineConfig:
     ratio = kw.pop("ratio", 6)
     hot = kw.pop("hot", HOT)
+    on_host = kw.pop("draft_rows_on_host", False)
     return EngineConfig(
         dtype="float64",
         page_size=kw.pop("page_size", PAGE),
         device_memory_bytes=budget,
-        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio) if hisparse else None,
+        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio, draft_rows_on_host=on_host)
+        if hisparse else None,
         speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False) if num_steps else None,
         **kw,
     )
@@ -71,18 +73,20 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
     chunk=st.sampled_from([None, 16, 48]),
     budget=st.integers(400_000, 3_000_000),
     rows=st.sampled_from([None, None, 3]),
+    on_host=st.booleans(),
 )
 def test_the_allocations_are_the_plan_and_fit_the_budget(
-    tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows
+    tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows, on_host
 ):
     """For random configurations the device tensors of the memory layer add up to the plan's total
     (the start-up check compares them structure by structure), within the budget; every other
-    tensor the memory layer holds is host memory (the host pool, the logical-to-physical map)."""
+    tensor the memory layer holds is host memory (the host pool, the logical-to-physical map, and
+    with ``draft_rows_on_host`` the draft layer's rows)."""
     hot = max(hot_pages * page_size, 8)  # >= the model's index_topk
     cfg = budget_config(
         budget=budget, hisparse=hisparse, num_steps=num_steps if page_size > 2 else None,
         page_size=page_size, hot=hot, ratio=ratio, max_context_len=context, chunked_prefill_tokens=chunk,
-        max_running_requests=rows,
+        max_running_requests=rows, draft_rows_on_host=on_host,
     )
     try:
         executor = Executor(cfg, model=tiny_model)
@@ -102,6 +106,10 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
         if hisparse:
             host = {executor.memory.host.kv.untyped_storage().data_ptr(),
                     executor.memory.alloc.logical_to_physical.untyped_storage().data_ptr()}
+            draft = executor.memory.draft
+            if draft is not None and on_host:
+                assert draft.rows_on_host and "draft layer KV rows" not in device
+                host.add(draft.store.kv.untyped_storage().data_ptr())
         assert others == host
         if rows is None:  # the rows default to the requests of max_context_len the pools hold
             assert plan.seats(context).seats >= executor.plan.max_running_requests >= 1
