@@ -108,5 +108,5 @@ def test_host_rows_leave_the_device_plan_and_seat_more(model):
 
 
 def test_draft_rows_on_host_must_be_a_bool():
-    with pytest.raises(ConfigError, match="hisparse.draft_rows_on_host"):
+    with pytest.raises(ConfigError, match=r"hisparse\.draft_rows_on_host"):
         HiSparseConfig(draft_rows_on_host="yes")
