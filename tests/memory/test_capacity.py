@@ -201,6 +201,24 @@ async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
     assert hisparse[0] == resident[0]
 
 
+@pytest.mark.asyncio
+async def test_speculation_with_draft_rows_on_host_runs_its_seats(wide_model):
+    """Speculation at one budget: with the draft layer's rows on the host the plan seats more
+    requests than with them on the device, and a run offered more than that holds exactly its seats
+    at once, retracts nobody, and decodes resident's greedy tokens."""
+    context, new = 128, 24
+    common = dict(budget=1_000_000, max_context_len=context, chunked_prefill_tokens=16, num_steps=2)
+    prompts = _prompts(12, context - new)
+    device_rows = await _run(wide_model, budget_config(hisparse=True, **common), prompts[:2], new)
+    host_rows = await _run(wide_model, budget_config(hisparse=True, draft_rows_on_host=True, **common), prompts, new)
+    resident = await _run(wide_model, budget_config(hisparse=False, budget=4_000_000, max_context_len=context,
+                                                    chunked_prefill_tokens=16), prompts, new)
+    on_device, on_host = seats(device_rows[2].plan, context).seats, seats(host_rows[2].plan, context).seats
+    assert on_host > on_device >= 1 and on_host < len(prompts)
+    assert host_rows[1]["peak_live"] == on_host and host_rows[3] == 0, host_rows[1]
+    assert host_rows[0] == resident[0]
+
+
 def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
     """The bundled model at 32 MB, 2,048-token requests, no speculation: the plan's figures (the
     README's table) and its JSON agree with the library's arithmetic."""
