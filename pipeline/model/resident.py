@@ -95,21 +95,22 @@ class ResidentBackend:
             raise RuntimeError("ResidentBackend.attend called before begin(layout)")
         if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
             raise ValueError("the forward's token count does not match the layout")
-        kv = self.store.kv[inputs.layer]  # [rows, C + R]
-        keys = self.store.index_k[inputs.layer]  # [rows, Di]
-        kv[layout.write_locs] = inputs.kv_rows.to(kv.dtype)
-        if inputs.index_k is not None:
-            keys[layout.write_locs] = inputs.index_k.to(keys.dtype)
-        slots = self.select_slots(inputs, keys)  # [T, K]
+        self.store_rows(inputs.layer, inputs.kv_rows, inputs.index_k)
+        slots = self.select_slots(inputs, self.store.index_k[inputs.layer])  # [T, K]
+        return self.attend_slots(inputs, self.store.kv[inputs.layer], slots)
+
+    def attend_slots(self, inputs: AttentionInputs, kv: Tensor, slots: Tensor) -> Tensor:
+        """Sparse MLA of the forward's queries over the rows of ``kv`` (one layer's) that ``slots`` names."""
         return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
 
     def store_rows(self, layer: int, kv_rows: Tensor, index_k: Tensor | None) -> None:
-        """Write the forward's rows (``RowStore``), as ``attend`` does before it selects."""
+        """Write the forward's rows (``RowStore``), as ``attend`` does before it selects. The rows
+        go to wherever the store keeps them (the host, for a draft pool's rows on the host)."""
         layout = self.layout
         if layout is None:
             raise RuntimeError("ResidentBackend.store_rows called before begin(layout)")
         kv = self.store.kv[layer]
-        kv[layout.write_locs] = kv_rows.to(kv.dtype)
+        kv[layout.write_locs.to(kv.device)] = kv_rows.to(kv.device, kv.dtype)
         if index_k is not None:
             keys = self.store.index_k[layer]
             keys[layout.write_locs] = index_k.to(keys.dtype)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kernels import sparse_mla
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
@@ -43,29 +42,12 @@ class ShiftedBackend:
 @attrs.define(eq=False)
 class HostRowsBackend(ResidentBackend):
     """A :class:`ResidentBackend` whose KV rows are on the host and whose indexer keys and token
-    table are on the device: rows are written to the host, and a forward's selected rows are copied
-    to the device before sparse MLA."""
+    table are on the device: rows are written to the host (``store_rows`` writes where the store
+    keeps them), and a forward's selected rows are copied to the device before sparse MLA."""
 
-    def attend(self, inputs: AttentionInputs) -> torch.Tensor:
-        layout = self.layout
-        if layout is None:
-            raise RuntimeError("HostRowsBackend.attend called before begin(layout)")
-        if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
-            raise ValueError("the forward's token count does not match the layout")
-        self.store_rows(inputs.layer, inputs.kv_rows, inputs.index_k)
-        slots = self.select_slots(inputs, self.store.index_k[inputs.layer])  # [T, K] device locations
-        rows, local = gather_rows(self.store.kv[inputs.layer], slots)
-        return sparse_mla(inputs.q_latent, inputs.q_rope, rows, local, inputs.attn_scale, check=False)
-
-    def store_rows(self, layer: int, kv_rows: torch.Tensor, index_k: torch.Tensor | None) -> None:
-        layout = self.layout
-        if layout is None:
-            raise RuntimeError("HostRowsBackend.store_rows called before begin(layout)")
-        kv = self.store.kv[layer]
-        kv[layout.write_locs.to(kv.device)] = kv_rows.to(kv.device, kv.dtype)
-        if index_k is not None:
-            keys = self.store.index_k[layer]
-            keys[layout.write_locs] = index_k.to(keys.dtype)
+    def attend_slots(self, inputs: AttentionInputs, kv: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        rows, local = gather_rows(kv, slots)
+        return super().attend_slots(inputs, rows, local)
 
 
 def gather_rows(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
