@@ -8,9 +8,38 @@ import random
 from collections.abc import Iterator
 
 import structlog
+import torch
 
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.logs import configure_logging
+from pipeline.model.corpus import build_corpus
 from pipeline.scheduler import SpecPolicy
+
+BUNDLED_HOT = 64  # the bundled-model tests' HOT
+
+
+def bundled_config(hisparse: bool, num_steps: int | None, *, draft_rows_on_host: bool = False) -> EngineConfig:
+    """The bundled-model tests' config: float64, pages of 8, 3 request rows; speculation without
+    the adaptive rules (every turn a round)."""
+    return EngineConfig(
+        dtype="float64",
+        page_size=8,
+        max_context_len=512,
+        max_running_requests=3,
+        device_pool_tokens=1024,
+        hisparse=HiSparseConfig(device_buffer_size=BUNDLED_HOT, host_to_device_ratio=2,
+                                draft_rows_on_host=draft_rows_on_host) if hisparse else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None)
+        if num_steps else None,
+    )
+
+
+def bundled_prompts() -> list[list[int]]:
+    """Three held-out prompts (40, HOT + 9 and 3 * HOT tokens), each starting after a newline."""
+    held = build_corpus().held_out
+    starts = torch.nonzero(held[:-400] == 10).reshape(-1)[[3, 50, 400]] + 1
+    lens = (40, BUNDLED_HOT + 9, 3 * BUNDLED_HOT)
+    return [held[int(s) : int(s) + n].tolist() for s, n in zip(starts, lens)]
 
 
 @contextlib.contextmanager

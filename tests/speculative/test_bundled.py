@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _spec_util import bundled_config, bundled_prompts
 
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.model import load_model
-from pipeline.model.corpus import build_corpus
 from pipeline.sampling import SamplingParams
-
-HOT = 64
 
 
 @pytest.fixture(scope="module")
@@ -24,22 +21,10 @@ def model():
 
 @pytest.fixture(scope="module")
 def prompts():
-    held = build_corpus().held_out
-    starts = torch.nonzero(held[:-400] == 10).reshape(-1)[[3, 50, 400]] + 1
-    lens = (40, HOT + 9, 3 * HOT)
-    return [held[int(s) : int(s) + n].tolist() for s, n in zip(starts, lens)]
+    return bundled_prompts()
 
 
-def config(hisparse: bool, num_steps: int | None) -> EngineConfig:
-    return EngineConfig(
-        dtype="float64",
-        page_size=8,
-        max_context_len=512,
-        max_running_requests=3,
-        device_pool_tokens=1024,
-        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None) if num_steps else None,
-    )
+config = bundled_config
 
 
 def generate(model, cfg, prompts):

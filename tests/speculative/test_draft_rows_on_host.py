@@ -7,23 +7,21 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
+from _spec_util import bundled_config, bundled_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import sparse_mla
 from pipeline.capacity import device_structures
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
+from pipeline.config import EngineConfig, HiSparseConfig, resolve_for_model
 from pipeline.driver import SyncDriver
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
 from pipeline.model import load_model
-from pipeline.model.corpus import build_corpus
 from pipeline.plan import device_plan
 from pipeline.preflight import estimate_memory
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.draft_pool import gather_rows
-
-HOT = 64
 
 
 @pytest.fixture(scope="module")
@@ -32,25 +30,14 @@ def model():
 
 
 def config(*, on_host: bool, num_steps: int | None = 3) -> EngineConfig:
-    return EngineConfig(
-        dtype="float64",
-        page_size=8,
-        max_context_len=512,
-        max_running_requests=3,
-        device_pool_tokens=1024,
-        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, draft_rows_on_host=on_host),
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None)
-        if num_steps else None,
-    )
+    return bundled_config(True, num_steps, draft_rows_on_host=on_host)
 
 
 def test_host_rows_draft_what_device_rows_draft(model):
     """The trained MTP head drafts from its rows; with them on the host every round accepts what it
     accepted with them on the device (the same drafts), the tokens are plain greedy's, and every
     pool returns to its initial count."""
-    held = build_corpus().held_out
-    starts = torch.nonzero(held[:-400] == 10).reshape(-1)[[3, 50, 400]] + 1
-    prompts = [held[int(s) : int(s) + n].tolist() for s, n in zip(starts, (40, HOT + 9, 3 * HOT))]
+    prompts = bundled_prompts()
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     runs = {}
     for name, cfg in {"plain": config(on_host=False, num_steps=None), "device": config(on_host=False),
