@@ -58,9 +58,11 @@ class ModelDims:
     element_bytes: int  # of the run dtype (KV rows and indexer keys are stored in it)
     mtp_layers: int = 0  # MTP layers whose KV is kept (0 without speculation)
     draft_rows_on_host: bool = False  # HiSparse: the draft layer's KV rows are host memory
+    draft_keys_on_host: bool = False  # and its indexer keys too
 
     @classmethod
-    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False) -> ModelDims:
+    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False,
+           draft_keys_on_host: bool = False) -> ModelDims:
         """From a ``ModelConfig``; ``speculative``: the run drafts with the MTP layer."""
         return cls(
             num_layers=model_cfg.num_hidden_layers,
@@ -69,6 +71,7 @@ class ModelDims:
             element_bytes=ELEMENT_BYTES[dtype],
             mtp_layers=model_cfg.num_nextn_predict_layers if speculative else 0,
             draft_rows_on_host=draft_rows_on_host and speculative,
+            draft_keys_on_host=draft_keys_on_host and speculative,
         )
 
     @classmethod
@@ -76,7 +79,8 @@ class ModelDims:
         """For an ``EngineConfig`` (its dtype, speculation and where HiSparse keeps draft rows)."""
         hs = config.hisparse
         return cls.of(model_cfg, config.dtype, speculative=config.speculative is not None,
-                      draft_rows_on_host=hs is not None and hs.draft_rows_on_host)
+                      draft_rows_on_host=hs is not None and hs.draft_rows_on_host,
+                      draft_keys_on_host=hs is not None and hs.draft_keys_on_host)
 
 
 @attrs.frozen
@@ -129,7 +133,8 @@ def _structures(
     if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location
         if not dims.draft_rows_on_host:
             add("draft layer KV rows", LOCATION, row * e, locations + page)
-        add("draft layer indexer keys", LOCATION, idx * e, locations + page)
+        if not dims.draft_keys_on_host:
+            add("draft layer indexer keys", LOCATION, idx * e, locations + page)
         add("draft token table", REQUEST, table, rows)
     return tuple(out)
 

@@ -85,11 +85,18 @@ class HiSparseConfig:
     # seats a budget holds with speculation); on CUDA each draft forward then reads its top-k slots
     # back to the host (one synchronisation) before the copy. Output unchanged either way.
     draft_rows_on_host: bool = False
+    # with draft_rows_on_host, the draft layer's indexer keys in host memory too: the device keeps
+    # only its token table, and each draft forward's indexer scores on the host (on CUDA, on the
+    # CPU, after copying its queries there). Frees the rest of the draft layer's device bytes per
+    # logical location, so speculation seats what plain decoding seats. Output unchanged.
+    draft_keys_on_host: bool = False
 
     def __attrs_post_init__(self) -> None:
         _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
-        _require(isinstance(self.draft_rows_on_host, bool), "hisparse.draft_rows_on_host", self.draft_rows_on_host,
-                 "must be a bool")
+        for name in ("draft_rows_on_host", "draft_keys_on_host"):
+            _require(isinstance(getattr(self, name), bool), f"hisparse.{name}", getattr(self, name), "must be a bool")
+        _require(self.draft_rows_on_host or not self.draft_keys_on_host, "hisparse.draft_keys_on_host",
+                 self.draft_keys_on_host, "needs hisparse.draft_rows_on_host (the keys go to the host with the rows)")
         if self.near_margin is not None:
             _require_int("hisparse.near_margin", self.near_margin, 0)
         _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)

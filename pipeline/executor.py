@@ -175,8 +175,10 @@ class Executor:
         drafts = cfg.num_nextn_predict_layers if config.speculative is not None else 0  # no draft: no MTP rows
         if config.hisparse is not None:
             streams = {"transfer": transfer} if transfer is not None else {}
+            hs = config.hisparse
             self.memory: KVMemory = HiSparseCoordinator(
-                **memory_args, **streams, num_draft_layers=drafts, draft_rows_on_host=config.hisparse.draft_rows_on_host
+                **memory_args, **streams, num_draft_layers=drafts,
+                draft_rows_on_host=hs.draft_rows_on_host, draft_keys_on_host=hs.draft_keys_on_host,
             )
         else:
             self.memory = ResidentMemory(**memory_args, num_mtp_layers=drafts)

@@ -38,6 +38,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no draft layer KV)")
     p.add_argument("--draft-rows-on-host", action="store_true",
                    help="HiSparse: the draft layer's KV rows in host memory (hisparse.draft_rows_on_host)")
+    p.add_argument("--draft-keys-on-host", action="store_true",
+                   help="with --draft-rows-on-host, its indexer keys too (hisparse.draft_keys_on_host)")
     p.add_argument("--num-steps", type=int, default=None, help="draft steps per round (default 3 with MTP)")
     p.add_argument("--chunked-prefill-tokens", type=int, default=DEFAULT_CHUNK, metavar="N",
                    help=f"prefill chunk (default {DEFAULT_CHUNK}; 0 = whole prompts)")
@@ -71,7 +73,8 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
         max_running_requests=args.max_running_requests,
         chunked_prefill_tokens=args.chunked_prefill_tokens or None,
         hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=args.ratio,
-                                draft_rows_on_host=args.draft_rows_on_host) if hisparse else None,
+                                draft_rows_on_host=args.draft_rows_on_host,
+                                draft_keys_on_host=args.draft_keys_on_host) if hisparse else None,
         speculative=spec,
     )
 
@@ -189,8 +192,11 @@ def notes(plan: DevicePlan, context: int) -> list[str]:
     if draft and not plan.dims.draft_rows_on_host:
         out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a request's "
                    "device bytes (--no-spec frees it; --draft-rows-on-host moves its rows to the host)")
-    elif draft:
+    elif draft and not plan.dims.draft_keys_on_host:
         out.append(f"  the draft layer's rows are on the host; its indexer keys and table take {draft / sum(held.values()):.0%} "
+                   "of a request's device bytes (--draft-keys-on-host moves the keys too)")
+    elif draft:
+        out.append(f"  the draft layer's rows and indexer keys are on the host; its table takes {draft / sum(held.values()):.0%} "
                    "of a request's device bytes")
     return out
 

@@ -194,6 +194,9 @@ def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstim
         if dims.mtp_layers and dims.draft_rows_on_host:
             draft_rows = (plan.logical_tokens + p) * dims.row_dim * dims.element_bytes
             add("draft layer KV rows (host)", draft_rows, POOL_FIELD)
+        if dims.mtp_layers and dims.draft_keys_on_host:
+            draft_keys = (plan.logical_tokens + p) * dims.index_dim * dims.element_bytes
+            add("draft layer indexer keys (host)", draft_keys, POOL_FIELD)
         if separate:
             add("token and host tables", 2 * table, ROWS_FIELD)
         add("logical-to-physical map", (logical_pages * p + 1) * INT64, POOL_FIELD)

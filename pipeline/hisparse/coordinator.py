@@ -74,6 +74,7 @@ class HiSparseCoordinator:
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     num_draft_layers: int = 0  # MTP layers: each gets its own resident pool (DraftPool)
     draft_rows_on_host: bool = False  # that pool's KV rows in host memory (hisparse.draft_rows_on_host)
+    draft_keys_on_host: bool = False  # and its indexer keys (hisparse.draft_keys_on_host)
     # builds the transfer streams (tests inject streams with controlled latency)
     transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
     rows: RequestRows = attrs.field(init=False)
@@ -136,6 +137,7 @@ class HiSparseCoordinator:
                 self.dtype,
                 self.device,
                 rows_on_host=self.draft_rows_on_host,
+                keys_on_host=self.draft_keys_on_host,
             )
             if self.num_draft_layers
             else None
@@ -661,9 +663,11 @@ class HiSparseCoordinator:
         }
         if self.draft is not None:
             store = self.draft.store
-            out.update({"draft layer indexer keys": store.index_k, "draft token table": store.req_to_token})
+            out["draft token table"] = store.req_to_token
             if not self.draft.rows_on_host:
                 out["draft layer KV rows"] = store.kv
+            if not self.draft.keys_on_host:
+                out["draft layer indexer keys"] = store.index_k
         return out
 
     def free_counts(self) -> dict[str, int]:

@@ -105,7 +105,7 @@ class ResidentBackend:
 
     def store_rows(self, layer: int, kv_rows: Tensor, index_k: Tensor | None) -> None:
         """Write the forward's rows (``RowStore``), as ``attend`` does before it selects. The rows
-        go to wherever the store keeps them (the host, for a draft pool's rows on the host)."""
+        go to wherever the store keeps them (the host, for a draft pool's rows or keys on the host)."""
         layout = self.layout
         if layout is None:
             raise RuntimeError("ResidentBackend.store_rows called before begin(layout)")
@@ -113,7 +113,7 @@ class ResidentBackend:
         kv[layout.write_locs.to(kv.device)] = kv_rows.to(kv.device, kv.dtype)
         if index_k is not None:
             keys = self.store.index_k[layer]
-            keys[layout.write_locs] = index_k.to(keys.dtype)
+            keys[layout.write_locs.to(keys.device)] = index_k.to(keys.device, keys.dtype)
 
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""

@@ -14,6 +14,11 @@ host, selects its top-k over the device keys as before, and copies the rows it s
 device, where sparse MLA reads them as a compact block (the same rows in the same order, so the
 same output). On CUDA the copy needs the selected slots on the host: one synchronisation per
 draft forward.
+
+With ``keys_on_host`` as well (``hisparse.draft_keys_on_host``) the indexer keys are host memory
+too and the device keeps only the token table: a forward's indexer scores its queries over the host
+keys on the host (the rows of the token table it reads are copied there), and its top-k positions
+come back to the device. The same scores over the same keys, so the same selection.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ from __future__ import annotations
 import attrs
 import torch
 
+from kernels.indexer_topk import indexer_topk
 from pipeline.model.attention_api import AttentionInputs
-from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
+from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV, positions_to_slots
 
 
 @attrs.define(eq=False)
@@ -50,6 +56,36 @@ class HostRowsBackend(ResidentBackend):
         return super().attend_slots(inputs, rows, local)
 
 
+@attrs.define(eq=False)
+class HostKeysBackend(HostRowsBackend):
+    """A :class:`HostRowsBackend` whose indexer keys are on the host too: the indexer runs where the
+    keys are, over the token-table rows of the forward's requests (copied there, trimmed to the
+    longest visible prefix), and its positions are resolved to slots on the device's table."""
+
+    def select_slots(self, inputs: AttentionInputs, keys: torch.Tensor) -> torch.Tensor:
+        layout = self.layout
+        assert layout is not None
+        if inputs.reuse_topk or layout.req_rows.numel() == 0:
+            return super().select_slots(inputs, keys)
+        host, table = keys.device, self.store.req_to_token
+        rows, local = torch.unique(layout.req_rows, return_inverse=True)  # the same request groups
+        seq_lens = layout.positions + 1
+        width = int(seq_lens.max())
+        positions = indexer_topk(
+            inputs.index_q.to(host),
+            inputs.index_w.to(host),
+            keys,
+            table[rows, :width].to(host),
+            local.to(host),
+            seq_lens.to(host),
+            inputs.top_k,
+            inputs.index_scale,
+            check=False,
+        ).to(table.device)
+        self.last_topk = positions
+        return positions_to_slots(positions, table, layout.req_rows)
+
+
 def gather_rows(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The rows of host ``kv`` that ``slots`` ([T, K], -1 = none) names, on ``slots``' device as one
     ``[T * K, row]`` block, and the slots into that block (-1 kept)."""
@@ -71,19 +107,22 @@ class DraftPool:
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     rows_on_host: bool = False  # the KV rows in host memory (HostRowsBackend)
+    keys_on_host: bool = False  # the indexer keys too (HostKeysBackend; needs rows_on_host)
     store: ResidentKV = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
-        if self.rows_on_host:
-            pin = self.device.type == "cuda"
-            kv = torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, pin_memory=pin)
-        else:
-            kv = torch.zeros(1, self.num_locations, self.row_dim, dtype=self.dtype, device=self.device)
+        if self.keys_on_host and not self.rows_on_host:
+            raise ValueError("a draft pool with its keys on the host keeps its rows there too")
         self.store = ResidentKV(
-            kv=kv,
-            index_k=torch.zeros(1, self.num_locations, self.index_dim, dtype=self.dtype, device=self.device),
+            kv=self._zeros(self.row_dim, on_host=self.rows_on_host),
+            index_k=self._zeros(self.index_dim, on_host=self.keys_on_host),
             req_to_token=torch.zeros(self.num_rows, self.max_len, dtype=torch.int64, device=self.device),
         )
+
+    def _zeros(self, width: int, *, on_host: bool) -> torch.Tensor:
+        if on_host:  # pinned on CUDA, for the copies to and from the device
+            return torch.zeros(1, self.num_locations, width, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+        return torch.zeros(1, self.num_locations, width, dtype=self.dtype, device=self.device)
 
     def record(self, row: int, locs: torch.Tensor) -> None:
         """Positions ``[0, len(locs))`` of ``row`` are shared prefix-cache pages whose rows an
@@ -91,6 +130,7 @@ class DraftPool:
         self.store.req_to_token[row, : locs.numel()] = locs.to(self.device)
 
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
-        inner = HostRowsBackend(self.store) if self.rows_on_host else ResidentBackend(self.store)
+        kind = HostKeysBackend if self.keys_on_host else HostRowsBackend if self.rows_on_host else ResidentBackend
+        inner = kind(self.store)
         inner.begin(ForwardLayout(rows, positions, locs))
         return ShiftedBackend(inner, self.first_layer)

@@ -51,11 +51,13 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
     ratio = kw.pop("ratio", 6)
     hot = kw.pop("hot", HOT)
     on_host = kw.pop("draft_rows_on_host", False)
+    keys = kw.pop("draft_keys_on_host", False)
     return EngineConfig(
         dtype="float64",
         page_size=kw.pop("page_size", PAGE),
         device_memory_bytes=budget,
-        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio, draft_rows_on_host=on_host)
+        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio, draft_rows_on_host=on_host,
+                                draft_keys_on_host=keys)
         if hisparse else None,
         speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False) if num_steps else None,
         **kw,
@@ -73,7 +75,7 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
     chunk=st.sampled_from([None, 16, 48]),
     budget=st.integers(400_000, 3_000_000),
     rows=st.sampled_from([None, None, 3]),
-    on_host=st.booleans(),
+    on_host=st.sampled_from(["device", "rows", "keys"]),
 )
 def test_the_allocations_are_the_plan_and_fit_the_budget(
     tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows, on_host
@@ -81,12 +83,12 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
     """For random configurations the device tensors of the memory layer add up to the plan's total
     (the start-up check compares them structure by structure), within the budget; every other
     tensor the memory layer holds is host memory (the host pool, the logical-to-physical map, and
-    with ``draft_rows_on_host`` the draft layer's rows)."""
+    with ``draft_rows_on_host`` the draft layer's rows, and with ``draft_keys_on_host`` its keys)."""
     hot = max(hot_pages * page_size, 8)  # >= the model's index_topk
     cfg = budget_config(
         budget=budget, hisparse=hisparse, num_steps=num_steps if page_size > 2 else None,
         page_size=page_size, hot=hot, ratio=ratio, max_context_len=context, chunked_prefill_tokens=chunk,
-        max_running_requests=rows, draft_rows_on_host=on_host,
+        max_running_requests=rows, draft_rows_on_host=on_host != "device", draft_keys_on_host=on_host == "keys",
     )
     try:
         executor = Executor(cfg, model=tiny_model)
@@ -107,9 +109,12 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
             host = {executor.memory.host.kv.untyped_storage().data_ptr(),
                     executor.memory.alloc.logical_to_physical.untyped_storage().data_ptr()}
             draft = executor.memory.draft
-            if draft is not None and on_host:
+            if draft is not None and on_host != "device":
                 assert draft.rows_on_host and "draft layer KV rows" not in device
                 host.add(draft.store.kv.untyped_storage().data_ptr())
+            if draft is not None and on_host == "keys":
+                assert draft.keys_on_host and "draft layer indexer keys" not in device
+                host.add(draft.store.index_k.untyped_storage().data_ptr())
         assert others == host
         if rows is None:  # the rows default to the requests of max_context_len the pools hold
             assert plan.seats(context).seats >= executor.plan.max_running_requests >= 1
@@ -204,19 +209,25 @@ async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
 @pytest.mark.asyncio
 async def test_speculation_with_draft_rows_on_host_runs_its_seats(wide_model):
     """Speculation at one budget: with the draft layer's rows on the host the plan seats more
-    requests than with them on the device, and a run offered more than that holds exactly its seats
-    at once, retracts nobody, and decodes resident's greedy tokens."""
-    context, new = 128, 24
+    requests than with them on the device, and more again with its indexer keys there too; a run
+    offered more than that holds exactly its seats at once, retracts nobody, and decodes resident's
+    greedy tokens. Short prompts (two chunks each) and long decodes, so that every seat is filled
+    before the first request ends."""
+    context, new = 128, 96
     common = dict(budget=1_000_000, max_context_len=context, chunked_prefill_tokens=16, num_steps=2)
     prompts = _prompts(12, context - new)
     device_rows = await _run(wide_model, budget_config(hisparse=True, **common), prompts[:2], new)
     host_rows = await _run(wide_model, budget_config(hisparse=True, draft_rows_on_host=True, **common), prompts, new)
     resident = await _run(wide_model, budget_config(hisparse=False, budget=4_000_000, max_context_len=context,
                                                     chunked_prefill_tokens=16), prompts, new)
+    host_keys = await _run(wide_model, budget_config(hisparse=True, draft_rows_on_host=True, draft_keys_on_host=True,
+                                                     **common), prompts, new)
     on_device, on_host = seats(device_rows[2].plan, context).seats, seats(host_rows[2].plan, context).seats
-    assert on_host > on_device >= 1 and on_host < len(prompts)
-    assert host_rows[1]["peak_live"] == on_host and host_rows[3] == 0, host_rows[1]
-    assert host_rows[0] == resident[0]
+    with_keys = seats(host_keys[2].plan, context).seats
+    assert with_keys > on_host > on_device >= 1 and with_keys < len(prompts)
+    for run, held in ((host_rows, on_host), (host_keys, with_keys)):
+        assert run[1]["peak_live"] == held and run[3] == 0, run[1]
+        assert run[0] == resident[0]
 
 
 def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):

@@ -18,7 +18,8 @@ from pipeline.scheduler import SpecPolicy
 BUNDLED_HOT = 64  # the bundled-model tests' HOT
 
 
-def bundled_config(hisparse: bool, num_steps: int | None, *, draft_rows_on_host: bool = False) -> EngineConfig:
+def bundled_config(hisparse: bool, num_steps: int | None, *, draft_rows_on_host: bool = False,
+                   draft_keys_on_host: bool = False) -> EngineConfig:
     """The bundled-model tests' config: float64, pages of 8, 3 request rows; speculation without
     the adaptive rules (every turn a round)."""
     return EngineConfig(
@@ -28,7 +29,8 @@ def bundled_config(hisparse: bool, num_steps: int | None, *, draft_rows_on_host:
         max_running_requests=3,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=BUNDLED_HOT, host_to_device_ratio=2,
-                                draft_rows_on_host=draft_rows_on_host) if hisparse else None,
+                                draft_rows_on_host=draft_rows_on_host, draft_keys_on_host=draft_keys_on_host)
+        if hisparse else None,
         speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None)
         if num_steps else None,
     )

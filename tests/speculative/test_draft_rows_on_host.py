@@ -1,6 +1,7 @@
-"""``hisparse.draft_rows_on_host``: the draft layer's KV rows in host memory change where bytes live,
-never what the draft layer computes: the same drafts (so the same accept lengths) and the same
-output, fewer device bytes per request, more seats at one budget."""
+"""``hisparse.draft_rows_on_host`` (and ``draft_keys_on_host``): the draft layer's KV rows (and its
+indexer keys) in host memory change where bytes live, never what the draft layer computes: the same
+drafts (so the same accept lengths) and the same output, fewer device bytes per request, more seats
+at one budget."""
 
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ from pipeline.driver import SyncDriver
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
 from pipeline.model import load_model
+from pipeline.model.attention_api import AttentionInputs
+from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 from pipeline.plan import device_plan
 from pipeline.preflight import estimate_memory
 from pipeline.sampling import SamplingParams
-from pipeline.speculative.draft_pool import gather_rows
+from pipeline.speculative.draft_pool import HostKeysBackend, gather_rows
 
 
 @pytest.fixture(scope="module")
@@ -29,19 +32,19 @@ def model():
     return load_model("tiny", dtype=torch.float64)
 
 
-def config(*, on_host: bool, num_steps: int | None = 3) -> EngineConfig:
-    return bundled_config(True, num_steps, draft_rows_on_host=on_host)
+def config(*, on_host: bool, num_steps: int | None = 3, keys: bool = False) -> EngineConfig:
+    return bundled_config(True, num_steps, draft_rows_on_host=on_host, draft_keys_on_host=keys)
 
 
 def test_host_rows_draft_what_device_rows_draft(model):
-    """The trained MTP head drafts from its rows; with them on the host every round accepts what it
-    accepted with them on the device (the same drafts), the tokens are plain greedy's, and every
-    pool returns to its initial count."""
+    """The trained MTP head drafts from its rows; with them (and its indexer keys) on the host every
+    round accepts what it accepted with them on the device (the same drafts), the tokens are plain
+    greedy's, and every pool returns to its initial count."""
     prompts = bundled_prompts()
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     runs = {}
     for name, cfg in {"plain": config(on_host=False, num_steps=None), "device": config(on_host=False),
-                      "host": config(on_host=True)}.items():
+                      "host": config(on_host=True), "keys": config(on_host=True, keys=True)}.items():
         executor = Executor(cfg, model=model)
         reqs = SyncDriver(executor, check=True).generate(prompts, params)
         assert executor.pool_counts() == Executor(cfg, model=model).pool_counts()
@@ -50,9 +53,12 @@ def test_host_rows_draft_what_device_rows_draft(model):
         if name == "host":
             assert executor.memory.draft.rows_on_host
             assert "draft layer KV rows" not in executor.memory.device_tensors()
+        if name == "keys":
+            assert executor.memory.draft.keys_on_host
+            assert not {"draft layer KV rows", "draft layer indexer keys"} & set(executor.memory.device_tensors())
         executor.close()
-    assert runs["host"][0] == runs["device"][0] == runs["plain"][0]
-    assert runs["host"][1] == runs["device"][1]
+    assert runs["keys"][0] == runs["host"][0] == runs["device"][0] == runs["plain"][0]
+    assert runs["keys"][1] == runs["host"][1] == runs["device"][1]
     assert sum(k * v for k, v in runs["host"][1].items()) / sum(runs["host"][1].values()) > 1.5
 
 
@@ -75,25 +81,75 @@ def test_gathered_rows_attend_exactly_as_the_whole_pool(tokens, top_k, rows, see
     assert torch.equal(sparse_mla(q_latent, q_rope, block, local, 0.3), expected)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 30), min_size=1, max_size=4),
+    queries=st.integers(1, 4),
+    top_k=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_the_host_indexer_selects_what_the_device_indexer_selects(lens, queries, top_k, seed):
+    """Over the same keys, the indexer run on the host (over the forward's rows of the token table,
+    trimmed to its longest visible prefix) selects the same slots as the one over the whole table,
+    for requests in any order with several queries each (a draft extend) or one (a draft step)."""
+    gen = torch.Generator().manual_seed(seed)
+    num_rows, max_len, locs, heads, dim = 6, 40, 300, 3, 8
+    perm = torch.randperm(locs - 1, generator=gen) + 1
+    table = perm[: num_rows * max_len].view(num_rows, max_len).clone()
+    order = torch.randperm(num_rows, generator=gen)[: len(lens)]
+    req_rows, positions = [], []
+    for row, n in zip(order.tolist(), lens):
+        for p in range(max(0, n - queries), n):
+            req_rows.append(row)
+            positions.append(p)
+    req_rows, positions = torch.tensor(req_rows), torch.tensor(positions)
+    t = req_rows.numel()
+    keys = torch.randn(1, locs, dim, generator=gen, dtype=torch.float64).round(decimals=1)  # ties happen
+    inputs = AttentionInputs(
+        layer=0, q_latent=torch.zeros(t, 1, 1), q_rope=torch.zeros(t, 1, 1), kv_rows=torch.zeros(t, 2),
+        index_q=torch.randn(t, heads, dim, generator=gen, dtype=torch.float64),
+        index_w=torch.randn(t, heads, generator=gen, dtype=torch.float64), index_k=None,
+        attn_scale=1.0, index_scale=0.5, top_k=top_k,
+    )
+    selected = []
+    for kind in (ResidentBackend, HostKeysBackend):
+        backend = kind(ResidentKV(kv=torch.zeros(1, locs, 2), index_k=keys, req_to_token=table.clone()))
+        backend.begin(ForwardLayout(req_rows, positions, table[req_rows, positions]))
+        selected.append(backend.select_slots(inputs, keys[0]))
+    assert torch.equal(selected[0], selected[1])
+
+
 def test_host_rows_leave_the_device_plan_and_seat_more(model):
     """At one budget: the draft layer's rows leave the device structures (its indexer keys and table
     stay), the host estimate lists them, and the plan seats more speculative requests."""
     base = attrs.evolve(config(on_host=False), device_memory_bytes=24_000_000, device_pool_tokens=None,
                         max_running_requests=None, max_context_len=2048)
     plans, estimates = {}, {}
-    for on_host in (False, True):
-        cfg = attrs.evolve(base, hisparse=attrs.evolve(base.hisparse, draft_rows_on_host=on_host))
-        plans[on_host] = device_plan(cfg, model.cfg)
+    for where in ("device", "rows", "keys"):
+        hs = attrs.evolve(base.hisparse, draft_rows_on_host=where != "device", draft_keys_on_host=where == "keys")
+        cfg = attrs.evolve(base, hisparse=hs)
+        plans[where] = device_plan(cfg, model.cfg)
         resolved = resolve_for_model(cfg, model.cfg, log_choices=False)
-        estimates[on_host] = {a.name for a in estimate_memory(resolved, model.cfg).allocations}
+        estimates[where] = {a.name for a in estimate_memory(resolved, model.cfg).allocations}
+    plain = device_plan(attrs.evolve(base, speculative=None), model.cfg)
     names = {k: {s.name for s in device_structures(p.plan, p.dims)} for k, p in plans.items()}
-    assert "draft layer KV rows" in names[False] and "draft layer KV rows" not in names[True]
-    assert {"draft layer indexer keys", "draft token table"} <= names[True]
-    assert "draft layer KV rows (host)" in estimates[True] and "draft layer KV rows (host)" not in estimates[False]
-    assert plans[True].total_bytes <= 24_000_000 and plans[False].total_bytes <= 24_000_000
-    assert plans[True].seats(2048).running > plans[False].seats(2048).running >= 1
+    assert "draft layer KV rows" in names["device"] and "draft layer KV rows" not in names["rows"]
+    assert {"draft layer indexer keys", "draft token table"} <= names["rows"]
+    assert "draft layer indexer keys" not in names["keys"] and "draft token table" in names["keys"]
+    assert "draft layer KV rows (host)" in estimates["rows"] and "draft layer KV rows (host)" not in estimates["device"]
+    assert "draft layer indexer keys (host)" in estimates["keys"] - estimates["rows"]
+    assert all(p.total_bytes <= 24_000_000 for p in plans.values())
+    seats = {k: p.seats(2048).running for k, p in plans.items()}
+    assert plain.seats(2048).running >= seats["keys"] > seats["rows"] > seats["device"] >= 1
 
 
 def test_draft_rows_on_host_must_be_a_bool():
     with pytest.raises(ConfigError, match=r"hisparse\.draft_rows_on_host"):
         HiSparseConfig(draft_rows_on_host="yes")
+    with pytest.raises(ConfigError, match=r"hisparse\.draft_keys_on_host"):
+        HiSparseConfig(draft_rows_on_host=True, draft_keys_on_host=1)
+
+
+def test_draft_keys_on_host_need_the_rows_there():
+    with pytest.raises(ConfigError, match=r"hisparse\.draft_keys_on_host.*draft_rows_on_host"):
+        HiSparseConfig(draft_keys_on_host=True)
