@@ -130,12 +130,11 @@ def _structures(
     add("device buffer LRU", REQUEST, layers * hot * INT32, rows)
     add("token table", REQUEST, table, rows)
     add("host map", REQUEST, table, rows)
-    if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location
+    if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location (the token table's)
         if not dims.draft_rows_on_host:
             add("draft layer KV rows", LOCATION, row * e, locations + page)
         if not dims.draft_keys_on_host:
             add("draft layer indexer keys", LOCATION, idx * e, locations + page)
-        add("draft token table", REQUEST, table, rows)
     return tuple(out)
 
 

@@ -126,14 +126,14 @@ class HiSparseCoordinator:
             self.num_layers, self.alloc.logical_rows, self.index_dim, dtype=self.dtype, device=self.device
         )
         self.counters = LayerCounters(self.num_layers)
+        self.mirror_tables()  # before the draft pool, which reads the token table's mirror
         self.draft = (
             DraftPool(
                 self.alloc.logical_rows,
                 self.row_dim,
                 self.index_dim,
                 self.num_layers,
-                n_rows,
-                plan.max_request_len,
+                lambda: self.req_to_token_device,
                 self.dtype,
                 self.device,
                 rows_on_host=self.draft_rows_on_host,
@@ -151,7 +151,6 @@ class HiSparseCoordinator:
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
         self.verify = VerifyBuffers(self)
-        self.mirror_tables()
 
     def mirror_tables(self, *, separate: bool = False) -> None:
         """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row
@@ -256,8 +255,6 @@ class HiSparseCoordinator:
         self._mem[row] = RowMemory(length=cached, residency=Residency.PREFILL, chunk_pages=chunk, shared=chain)
         if cached:
             self._load_identity(row, min(cached, self.hot))
-            if self.draft is not None:
-                self.draft.record(row, self.req_to_token[row, :cached])
         return row
 
     def _load_identity(self, row: int, count: int) -> None:
@@ -662,8 +659,7 @@ class HiSparseCoordinator:
             "token table": self.req_to_token_device, "host map": self.req_to_host_device,
         }
         if self.draft is not None:
-            store = self.draft.store
-            out["draft token table"] = store.req_to_token
+            store = self.draft.store  # its token table is the target's
             if not self.draft.rows_on_host:
                 out["draft layer KV rows"] = store.kv
             if not self.draft.keys_on_host:

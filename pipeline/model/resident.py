@@ -82,10 +82,14 @@ class ResidentBackend:
     store: ResidentKV
     layout: ForwardLayout | None = None
     last_topk: Tensor | None = None  # [T, K] int32 the last full layer's positions, this forward
+    # False where ``store.req_to_token`` is another owner's table that already holds the layout's
+    # locations (a draft pool reading the target's token table): ``begin`` then leaves it alone
+    records_layout: bool = True
 
     def begin(self, layout: ForwardLayout) -> None:
         """Set the layout for the next forward and record its locations in ``req_to_token``."""
-        self.store.req_to_token[layout.req_rows, layout.positions] = layout.write_locs
+        if self.records_layout:
+            self.store.req_to_token[layout.req_rows, layout.positions] = layout.write_locs
         self.layout = layout
         self.last_topk = None
 

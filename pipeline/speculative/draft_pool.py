@@ -23,6 +23,8 @@ come back to the device. The same scores over the same keys, so the same selecti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import attrs
 import torch
 
@@ -102,8 +104,10 @@ class DraftPool:
     row_dim: int
     index_dim: int
     first_layer: int  # the model's layer index of the MTP layer (num_hidden_layers)
-    num_rows: int  # request rows
-    max_len: int  # positions per request
+    # the target's token table where the kernels read it ([rows, max_len] logical locations), read
+    # afresh at every forward (a restore may rebuild it): the draft layer's row for position p lives
+    # at the target's location of p, so the pool keeps no table of its own
+    token_table: Callable[[], torch.Tensor]
     dtype: torch.dtype = torch.float32
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     rows_on_host: bool = False  # the KV rows in host memory (HostRowsBackend)
@@ -116,7 +120,7 @@ class DraftPool:
         self.store = ResidentKV(
             kv=self._zeros(self.row_dim, on_host=self.rows_on_host),
             index_k=self._zeros(self.index_dim, on_host=self.keys_on_host),
-            req_to_token=torch.zeros(self.num_rows, self.max_len, dtype=torch.int64, device=self.device),
+            req_to_token=self.token_table(),
         )
 
     def _zeros(self, width: int, *, on_host: bool) -> torch.Tensor:
@@ -124,13 +128,11 @@ class DraftPool:
             return torch.zeros(1, self.num_locations, width, dtype=self.dtype, pin_memory=self.device.type == "cuda")
         return torch.zeros(1, self.num_locations, width, dtype=self.dtype, device=self.device)
 
-    def record(self, row: int, locs: torch.Tensor) -> None:
-        """Positions ``[0, len(locs))`` of ``row`` are shared prefix-cache pages whose rows an
-        earlier request wrote: record their locations (no forward of this request will)."""
-        self.store.req_to_token[row, : locs.numel()] = locs.to(self.device)
-
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
+        """The backend of one draft forward; ``locs`` are the target table's locations of
+        ``(rows, positions)`` (where the forward's rows are written)."""
         kind = HostKeysBackend if self.keys_on_host else HostRowsBackend if self.rows_on_host else ResidentBackend
-        inner = kind(self.store)
+        self.store.req_to_token = self.token_table()
+        inner = kind(self.store, records_layout=False)
         inner.begin(ForwardLayout(rows, positions, locs))
         return ShiftedBackend(inner, self.first_layer)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import attrs
 import pytest
 import torch
-from _spec_util import bundled_config, bundled_prompts
+from _spec_util import BUNDLED_HOT, bundled_config, bundled_prompts
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,8 +120,10 @@ def test_the_host_indexer_selects_what_the_device_indexer_selects(lens, queries,
 
 
 def test_host_rows_leave_the_device_plan_and_seat_more(model):
-    """At one budget: the draft layer's rows leave the device structures (its indexer keys and table
-    stay), the host estimate lists them, and the plan seats more speculative requests."""
+    """At one budget: the draft layer's rows leave the device structures (its indexer keys stay;
+    with ``draft_keys_on_host`` they leave too), the host estimate lists them, and the plan seats
+    more speculative requests. The draft layer has no token table of its own (it reads the
+    target's)."""
     base = attrs.evolve(config(on_host=False), device_memory_bytes=24_000_000, device_pool_tokens=None,
                         max_running_requests=None, max_context_len=2048)
     plans, estimates = {}, {}
@@ -134,8 +136,8 @@ def test_host_rows_leave_the_device_plan_and_seat_more(model):
     plain = device_plan(attrs.evolve(base, speculative=None), model.cfg)
     names = {k: {s.name for s in device_structures(p.plan, p.dims)} for k, p in plans.items()}
     assert "draft layer KV rows" in names["device"] and "draft layer KV rows" not in names["rows"]
-    assert {"draft layer indexer keys", "draft token table"} <= names["rows"]
-    assert "draft layer indexer keys" not in names["keys"] and "draft token table" in names["keys"]
+    assert "draft layer indexer keys" in names["rows"] and "draft layer indexer keys" not in names["keys"]
+    assert names["keys"] == {s.name for s in device_structures(plain.plan, plain.dims)}  # plain decoding's
     assert "draft layer KV rows (host)" in estimates["rows"] and "draft layer KV rows (host)" not in estimates["device"]
     assert "draft layer indexer keys (host)" in estimates["keys"] - estimates["rows"]
     assert all(p.total_bytes <= 24_000_000 for p in plans.values())
@@ -153,3 +155,31 @@ def test_draft_rows_on_host_must_be_a_bool():
 def test_draft_keys_on_host_need_the_rows_there():
     with pytest.raises(ConfigError, match=r"hisparse\.draft_keys_on_host.*draft_rows_on_host"):
         HiSparseConfig(draft_keys_on_host=True)
+
+
+@pytest.mark.parametrize("where", ["device", "rows", "keys"])
+def test_a_prefix_cache_hit_drafts_from_the_cached_rows(model, where):
+    """The draft layer reads the target's token table (it keeps none of its own): a request whose
+    prompt the prefix cache holds, in another request row than the one that left it, drafts from
+    the MTP rows found at the cached locations, so its rounds accept what they accept uncached."""
+    cfg = attrs.evolve(config(on_host=where != "device", keys=where == "keys"), prefix_cache=True)
+    other, prompt = bundled_prompts()[0], bundled_prompts()[2]
+    params = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+    def run(warm: bool):
+        executor = Executor(cfg, model=model)
+        driver = SyncDriver(executor, check=True)
+        if warm:  # leaves the prompt's pages in the cache, from request row 0
+            driver.generate([prompt], params)
+        before = dict(executor.spec_counters.accept_length_histogram)
+        reqs = driver.generate([other, prompt], params)  # the prompt now in row 1
+        after = executor.spec_counters.accept_length_histogram
+        assert executor.memory.draft.store.req_to_token is executor.memory.req_to_token_device
+        executor.close()
+        hist = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+        return [r.output_ids for r in reqs], hist, reqs[1].metrics.cached_tokens
+
+    cold, warm = run(False), run(True)
+    assert cold[2] == 0 and warm[2] >= 3 * BUNDLED_HOT - 8  # its whole pages came from the cache
+    assert warm[:2] == cold[:2]
+    assert sum(k * v for k, v in cold[1].items()) > 40  # the head drafts: rounds accept
