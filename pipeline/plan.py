@@ -192,12 +192,12 @@ def notes(plan: DevicePlan, context: int) -> list[str]:
     if draft and not plan.dims.draft_rows_on_host:
         out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a request's "
                    "device bytes (--no-spec frees it; --draft-rows-on-host moves its rows to the host)")
-    elif draft and not plan.dims.draft_keys_on_host:
-        out.append(f"  the draft layer's rows are on the host; its indexer keys and table take {draft / sum(held.values()):.0%} "
-                   "of a request's device bytes (--draft-keys-on-host moves the keys too)")
     elif draft:
-        out.append(f"  the draft layer's rows and indexer keys are on the host; its table takes {draft / sum(held.values()):.0%} "
-                   "of a request's device bytes")
+        out.append(f"  the draft layer's rows are on the host; its indexer keys take {draft / sum(held.values()):.0%} "
+                   "of a request's device bytes (--draft-keys-on-host moves the keys too)")
+    elif plan.dims.draft_keys_on_host:
+        out.append("  the draft layer's rows and indexer keys are on the host (it reads the target's token table): "
+                   "speculation holds no device bytes per location beyond plain decoding's")
     return out
 
 

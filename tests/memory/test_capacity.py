@@ -250,6 +250,13 @@ def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
         assert sum(s["num_bytes"] for s in plan["structures"]) == plan["total_bytes"] <= 32 * 10**6
     assert payload["plans"]["hisparse"]["seat_limit"] == "logical locations"
     assert payload["trade_offs"]["host_to_device_ratio"]["12"] == 24
+    spec = {}  # with speculation, what the draft layer holds and where: what each note says
+    for flags in ([], ["--draft-rows-on-host"], ["--draft-rows-on-host", "--draft-keys-on-host"]):
+        assert cli(["plan", "--device-memory", "32MB", "--context", "2048", *flags]) == 0
+        spec[len(flags)] = capsys.readouterr().out
+    assert "the draft layer's all-resident KV takes 42%" in spec[0] and "HiSparse seats 14 " in spec[0]
+    assert "its indexer keys take 17%" in spec[1] and "HiSparse seats 20 " in spec[1]
+    assert "no device bytes per location beyond plain decoding's" in spec[2] and "HiSparse seats 24 " in spec[2]
     assert cli(["plan", "--device-memory", "1MB", "--context", "2048"]) == 2  # too small: a ConfigError
     assert "device_memory_bytes=1000000: holds no request of max_context_len (2048)" in capsys.readouterr().err
 
