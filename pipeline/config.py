@@ -136,7 +136,8 @@ class SpeculativeConfig:
     probe_every: int = 16
     # ... and, for 2..max_batch_size requests, while rounds have delivered more tokens per second
     # than plain steps at about that batch size (both measured as the engine runs; the losing mode is
-    # tried again every ``probe_every`` turns). A batch of one always speculates.
+    # tried again every ``probe_every`` turns); a batch of one too when its request is greedy (a
+    # sampled request served alone always speculates, so a seeded one stays reproducible).
     timed: bool = True
 
     def __attrs_post_init__(self) -> None:

@@ -423,7 +423,8 @@ class SpecPolicy:
     each mode's rate a moving average of its turns, wall time from the turn's first command to its
     outcome). A mode not yet measured at a size is tried first (rounds, then plain steps); the losing
     mode runs again every ``probe_every`` turns of the winner, so a change in acceptance or cost is
-    seen. A batch of one always speculates (so a seeded request served alone stays reproducible).
+    seen. A batch of one is timed too when its request is greedy (the same tokens either way); a
+    sampled request served alone always speculates (so a seeded one stays reproducible).
     """
 
     max_batch_size: int | None = None  # speculate only while the batch has at most this many requests
@@ -442,13 +443,15 @@ class SpecPolicy:
     def from_config(cls, spec) -> SpecPolicy:
         return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every, spec.timed)
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, *, greedy: bool = False) -> bool:
+        """Whether the next turn over ``batch_size`` requests is a round; ``greedy``: all of them
+        are greedy (a batch of one is then timed as well)."""
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
             return False
         low = self.min_accept_length is not None and self.accept_length is not None
         if low and self.accept_length < self.min_accept_length:
             return self.plain_steps >= self.probe_every
-        if not self.timed or batch_size < 2:
+        if not self._timed(batch_size, greedy):
             return True
         group = batch_size.bit_length()
         spec, plain = self.rates.get(group, (None, None))
@@ -469,9 +472,14 @@ class SpecPolicy:
     def record_plain_step(self) -> None:
         self.plain_steps += 1
 
-    def record_time(self, batch_size: int, tokens: int, seconds: float, *, speculative: bool) -> None:
+    def _timed(self, batch_size: int, greedy: bool) -> bool:
+        return self.timed and (batch_size >= 2 or greedy)
+
+    def record_time(
+        self, batch_size: int, tokens: int, seconds: float, *, speculative: bool, greedy: bool = False
+    ) -> None:
         """A turn over ``batch_size`` requests committed ``tokens`` in ``seconds`` (timed rule)."""
-        if not self.timed or batch_size < 2 or tokens <= 0 or seconds <= 0:
+        if not self._timed(batch_size, greedy) or tokens <= 0 or seconds <= 0:
             return
         group = batch_size.bit_length()
         rates = self.rates.setdefault(group, [None, None])
@@ -531,7 +539,8 @@ class DecodePart:
         reqs = [r for r in (runnable if runnable is not None else self.members.values()) if not r.is_finished]
         if not reqs:
             return done
-        speculative = self.speculative and self.policy.speculate(len(reqs))
+        greedy = all(r.params.greedy for r in reqs)
+        speculative = self.speculative and self.policy.speculate(len(reqs), greedy=greedy)
         if speculative:
             step = self._round(reqs)
         else:
@@ -541,7 +550,8 @@ class DecodePart:
         start, self._committed = time.perf_counter(), 0
         done.merge((yield from step))
         if self.speculative:
-            self.policy.record_time(len(reqs), self._committed, time.perf_counter() - start, speculative=speculative)
+            self.policy.record_time(len(reqs), self._committed, time.perf_counter() - start, speculative=speculative,
+                                    greedy=greedy)
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
         return done

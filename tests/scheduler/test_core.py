@@ -414,6 +414,25 @@ def test_spec_policy_timed_rule_follows_the_faster_mode_and_probes_the_slower():
     assert not policy.speculate(9)  # above max_batch_size, plain whatever was measured
 
 
+def test_spec_policy_times_a_greedy_request_served_alone():
+    """Alone, a greedy request's tokens are the same either way, so the timed rule decides for it
+    too (a request whose drafts are rarely accepted decodes plainly); a sampled one always rounds."""
+    policy = SpecPolicy(max_batch_size=8, probe_every=2, timed=True)
+    assert policy.speculate(1, greedy=True)  # nothing measured: a round first
+    policy.record_time(1, 2, 1.0, speculative=True, greedy=True)  # rounds: 2 tokens/s
+    assert not policy.speculate(1, greedy=True)  # then a plain step
+    policy.record_time(1, 6, 1.0, speculative=False, greedy=True)  # plain: 6 tokens/s
+    choices = []
+    for _ in range(6):
+        spec = policy.speculate(1, greedy=True)
+        choices.append(spec)
+        policy.record_time(1, 2 if spec else 6, 1.0, speculative=spec, greedy=True)
+    assert choices == [False, False, True, False, False, True]  # plain, probing rounds
+    assert policy.speculate(1)  # a sampled request alone: always a round
+    policy.record_time(1, 1, 1.0, speculative=True)  # and not timed
+    assert policy.rates[1][0] < policy.rates[1][1]
+
+
 def test_decode_part_times_its_turns_for_the_policy():
     aborts = AbortBook()
     part = DecodePart(aborts, 2, SpecPolicy(timed=True))

@@ -93,7 +93,7 @@ class RandomSwitch(SpecPolicy):
         self._p = p_round
         self.rounds = self.plain = 0
 
-    def speculate(self, batch_size: int) -> bool:
+    def speculate(self, batch_size: int, *, greedy: bool = False) -> bool:
         go = self._coin.random() < self._p
         self.rounds, self.plain = self.rounds + go, self.plain + (not go)
         return go
