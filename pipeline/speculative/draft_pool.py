@@ -1,24 +1,25 @@
 """The MTP layer's own KV pool: ordinary, all resident, addressed by logical location.
 
-With HiSparse the target's rows are tiered, but the draft layer keeps every row on the device in a
-pool of its own (the reference branch let the draft read untranslated logical locations of a tiered
-pool). The draft layer's row for position p of a request lives at that position's logical location.
+With HiSparse the target's rows are tiered, but the draft layer keeps every row in a pool of its
+own, untiered (reading the target's tiered pool would need each logical location translated and
+its row swapped in). The draft layer's row for position p of a request lives at that position's
+logical location.
 
-The pool keeps its own token table on its device: every position the draft layer reads was written
-by an earlier draft forward of the same request (the draft extend over the prompt comes first), and
-each forward records its own locations, so the table never needs the target's copy.
+So the pool has no token table of its own: it reads the target's (its device mirror), which maps
+every position a draft forward reads or writes to its logical location. Every position the draft
+layer reads was written by an earlier draft forward of the same request (the draft extend over the
+prompt comes first) or, for a prefix-cache hit, by the request that left the shared pages.
 
 With ``rows_on_host`` (``hisparse.draft_rows_on_host``) the rows are host memory (pinned on CUDA)
-and only the indexer keys and the token table stay on the device: a forward writes its rows to the
-host, selects its top-k over the device keys as before, and copies the rows it selected to the
-device, where sparse MLA reads them as a compact block (the same rows in the same order, so the
-same output). On CUDA the copy needs the selected slots on the host: one synchronisation per
-draft forward.
+and only the indexer keys stay on the device: a forward writes its rows to the host, selects its
+top-k over the device keys as before, and copies the rows it selected to the device, where sparse
+MLA reads them as a compact block (the same rows in the same order, so the same output). On CUDA
+the copy needs the selected slots on the host: one synchronisation per draft forward.
 
 With ``keys_on_host`` as well (``hisparse.draft_keys_on_host``) the indexer keys are host memory
-too and the device keeps only the token table: a forward's indexer scores its queries over the host
-keys on the host (the rows of the token table it reads are copied there), and its top-k positions
-come back to the device. The same scores over the same keys, so the same selection.
+too and the pool holds no device memory: a forward's indexer scores its queries over the host keys
+on the host (the rows of the token table it reads are copied there), and its top-k positions come
+back to the device. The same scores over the same keys, so the same selection.
 """
 
 from __future__ import annotations
