@@ -85,10 +85,11 @@ class HiSparseConfig:
     # seats a budget holds with speculation); on CUDA each draft forward then reads its top-k slots
     # back to the host (one synchronisation) before the copy. Output unchanged either way.
     draft_rows_on_host: bool = False
-    # with draft_rows_on_host, the draft layer's indexer keys in host memory too: the device keeps
-    # only its token table, and each draft forward's indexer scores on the host (on CUDA, on the
-    # CPU, after copying its queries there). Frees the rest of the draft layer's device bytes per
-    # logical location, so speculation seats what plain decoding seats. Output unchanged.
+    # with draft_rows_on_host, the draft layer's indexer keys in host memory too: it then holds no
+    # device memory of its own (it reads the target's token table), and each draft forward's
+    # indexer scores on the host (on CUDA, on the CPU, after copying its queries there). Frees the
+    # rest of the draft layer's device bytes per logical location, so speculation seats what plain
+    # decoding seats. Output unchanged.
     draft_keys_on_host: bool = False
 
     def __attrs_post_init__(self) -> None:

@@ -127,7 +127,15 @@ class ResidentBackend:
             if self.last_topk is None:
                 raise RuntimeError(f"layer {inputs.layer} reuses a top-k, but no full layer ran before it")
             return positions_to_slots(self.last_topk, self.store.req_to_token, layout.req_rows)
-        positions = indexer_topk(
+        positions = self.indexer_positions(inputs, keys)
+        self.last_topk = positions
+        return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)
+
+    def indexer_positions(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
+        """The indexer's top-k positions of every token of the layout: ``[T, K]`` int32, -1 padded."""
+        layout = self.layout
+        assert layout is not None
+        return indexer_topk(
             inputs.index_q,
             inputs.index_w,
             keys,
@@ -137,9 +145,7 @@ class ResidentBackend:
             inputs.top_k,
             inputs.index_scale,
             check=False,
-        )  # [T, K] int32, -1 padded
-        self.last_topk = positions
-        return positions_to_slots(positions, self.store.req_to_token, layout.req_rows)
+        )
 
 
 def positions_to_slots(positions: Tensor, req_to_token: Tensor, req_rows: Tensor) -> Tensor:

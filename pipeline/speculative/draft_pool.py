@@ -31,7 +31,7 @@ import torch
 
 from kernels.indexer_topk import indexer_topk
 from pipeline.model.attention_api import AttentionInputs
-from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV, positions_to_slots
+from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
 
 @attrs.define(eq=False)
@@ -63,18 +63,19 @@ class HostRowsBackend(ResidentBackend):
 class HostKeysBackend(HostRowsBackend):
     """A :class:`HostRowsBackend` whose indexer keys are on the host too: the indexer runs where the
     keys are, over the token-table rows of the forward's requests (copied there, trimmed to the
-    longest visible prefix), and its positions are resolved to slots on the device's table."""
+    longest visible prefix), and its positions come back to the device (where ``select_slots``
+    resolves them on the device's table)."""
 
-    def select_slots(self, inputs: AttentionInputs, keys: torch.Tensor) -> torch.Tensor:
+    def indexer_positions(self, inputs: AttentionInputs, keys: torch.Tensor) -> torch.Tensor:
         layout = self.layout
         assert layout is not None
-        if inputs.reuse_topk or layout.req_rows.numel() == 0:
-            return super().select_slots(inputs, keys)
+        if layout.req_rows.numel() == 0:
+            return super().indexer_positions(inputs, keys)
         host, table = keys.device, self.store.req_to_token
         rows, local = torch.unique(layout.req_rows, return_inverse=True)  # the same request groups
         seq_lens = layout.positions + 1
         width = int(seq_lens.max())
-        positions = indexer_topk(
+        return indexer_topk(
             inputs.index_q.to(host),
             inputs.index_w.to(host),
             keys,
@@ -85,8 +86,6 @@ class HostKeysBackend(HostRowsBackend):
             inputs.index_scale,
             check=False,
         ).to(table.device)
-        self.last_topk = positions
-        return positions_to_slots(positions, table, layout.req_rows)
 
 
 def gather_rows(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
