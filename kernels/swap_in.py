@@ -175,16 +175,15 @@ def identity_only(
     seen = torch.zeros(*pos.shape[:2], hot + 1, dtype=torch.int32)
     seen.scatter_(2, torch.where(valid, pos, hot), 1)
     hits = seen[..., :hot].sum(dim=(1, 2), dtype=torch.int32)
-    zeros = torch.zeros_like(hits)
-    total = int(hits.sum())
+    counts = torch.zeros(hits.shape[0], 4, dtype=torch.int32)
+    counts[:, 0] = pos.shape[1]
+    counts[:, 1] = hits
     return SwapInResult(
         slots=torch.where(valid, slots, -1).to(torch.int32),
-        steps_done=torch.full_like(hits, pos.shape[1]),
-        hits=hits,
-        misses=zeros,
-        unrecoverable=zeros.clone(),
-        bytes_copied=zeros.to(torch.int64),
-        totals=(total, 0, 0, 0),
+        counts=counts,
+        row_bytes=0,  # nothing is copied
+        totals=(int(hits.sum()), 0, 0, 0),
+        complete=True,
     )
 
 

@@ -204,15 +204,10 @@ def swap_in_python(
         dst = _ints(copy_dst, torch.int64).to(device_kv.device)
         device_kv.index_copy_(0, dst, host_kv.index_select(0, src).to(device_kv.device))
     row_bytes = device_kv.shape[-1] * device_kv.element_size()
-    table = _ints(counts, torch.int32).reshape(num_reqs, 4)
-    misses = counts[2::4]
-    loaded = sum(misses)
+    loaded = sum(counts[2::4])
     return SwapInResult(
         slots=_ints(slots, torch.int32).reshape(num_reqs, num_steps, top_k),
-        steps_done=table[:, 0],
-        hits=table[:, 1],
-        misses=table[:, 2],
-        unrecoverable=table[:, 3],
-        bytes_copied=_ints([m * row_bytes for m in misses], torch.int64),
+        counts=_ints(counts, torch.int32).reshape(num_reqs, 4),
+        row_bytes=row_bytes,
         totals=(sum(counts[1::4]), loaded, sum(counts[3::4]), loaded * row_bytes),
     )

@@ -10,19 +10,40 @@ import torch
 
 @attrs.frozen(eq=False)
 class SwapInResult:
-    """The outcome of one swap-in call (tensors on the metadata's device)."""
+    """The outcome of one swap-in call (tensors on the metadata's device).
+
+    The per-request counts live in one ``[B, 4]`` table; ``steps_done``, ``hits``, ``misses``,
+    ``unrecoverable`` and ``bytes_copied`` are views of it, formed when read (a decode step reads
+    only the sums, which the CPU implementations hand over as ``totals``)."""
 
     slots: torch.Tensor  # [B, S, K] int32 physical device slot per entry, -1 invalid/unrecoverable
-    steps_done: torch.Tensor  # [B] int32 steps handled before a stop (S when none)
-    hits: torch.Tensor  # [B] int32
-    misses: torch.Tensor  # [B] int32 rows copied host->device
-    unrecoverable: torch.Tensor  # [B] int32
-    bytes_copied: torch.Tensor  # [B] int64 misses * row bytes
+    counts: torch.Tensor  # [B, 4] int32 (steps handled before a stop, hits, misses, unrecoverable)
+    row_bytes: int  # bytes of one copied row (``device_kv``'s last dimension)
     # (hits, misses, unrecoverable, bytes) summed over the batch, when an implementation has them
     # as Python numbers anyway (saves a caller the device->host read of the sums)
     totals: tuple[int, int, int, int] | None = None
     # every request handled all its steps (``steps_done == S`` everywhere), when known without a read
     complete: bool | None = None
+
+    @property
+    def steps_done(self) -> torch.Tensor:  # [B] int32 steps handled before a stop (S when none)
+        return self.counts[:, 0]
+
+    @property
+    def hits(self) -> torch.Tensor:  # [B] int32
+        return self.counts[:, 1]
+
+    @property
+    def misses(self) -> torch.Tensor:  # [B] int32 rows copied host->device
+        return self.counts[:, 2]
+
+    @property
+    def unrecoverable(self) -> torch.Tensor:  # [B] int32
+        return self.counts[:, 3]
+
+    @property
+    def bytes_copied(self) -> torch.Tensor:  # [B] int64 misses * row bytes
+        return self.counts[:, 2].to(torch.int64) * self.row_bytes
 
     def all_steps_done(self, steps: int) -> bool:
         """Every request handled all ``steps`` of its steps: ``complete`` where the implementation
@@ -32,17 +53,13 @@ class SwapInResult:
         return bool((self.steps_done == steps).all())
 
     @classmethod
-    def from_counts(cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int) -> SwapInResult:
-        """Build from ``counts [B, 4]`` = (steps_done, hits, misses, unrecoverable)."""
-        counts = counts.to(torch.int32)
-        return cls(
-            slots=slots,
-            steps_done=counts[:, 0].clone(),
-            hits=counts[:, 1].clone(),
-            misses=counts[:, 2].clone(),
-            unrecoverable=counts[:, 3].clone(),
-            bytes_copied=counts[:, 2].to(torch.int64) * row_bytes,
-        )
+    def from_counts(
+        cls, slots: torch.Tensor, counts: torch.Tensor, *, row_bytes: int,
+        totals: tuple[int, int, int, int] | None = None,
+    ) -> SwapInResult:
+        """Build from ``counts [B, 4]`` = (steps_done, hits, misses, unrecoverable), copied (the
+        caller may reuse its buffer)."""
+        return cls(slots=slots, counts=counts.to(torch.int32, copy=True), row_bytes=row_bytes, totals=totals)
 
     @classmethod
     def from_arrays(
@@ -56,11 +73,8 @@ class SwapInResult:
         hits, loaded, lost = totals if totals is not None else (int(v) for v in counts[:, 1:].sum(0))
         return cls(
             slots=torch.from_numpy(slots),
-            steps_done=table[:, 0],
-            hits=table[:, 1],
-            misses=table[:, 2],
-            unrecoverable=table[:, 3],
-            bytes_copied=table[:, 2].to(torch.int64) * row_bytes,
+            counts=table,
+            row_bytes=row_bytes,
             totals=(hits, loaded, lost, loaded * row_bytes),
             complete=complete,
         )
