@@ -1,10 +1,19 @@
 """The executor actor: the one task that talks to the ``Executor``.
 
 Stages send it commands (``pipeline.messages``) through one bounded inbox, each with a one-shot reply
-stream; it runs them one at a time in its own worker thread (``CommandThread``), so the event loop
-stays free to stream outputs and take new requests while the device works. The executor is not
-thread-safe and never needs to be: no other task touches it while the engine runs. ``Executor.run``
-is the same entry point the synchronous driver calls.
+stream; it runs them one at a time (``CommandThread``): on CUDA in a worker thread of their own, so
+the event loop stays free to stream outputs and take new requests while the device works; on a CPU
+on the event loop itself, the loop's other tasks running between commands (``EngineConfig.
+executor_thread`` says which). The executor is not thread-safe and never needs to be: no other task
+touches it while the engine runs. ``Executor.run`` is the same entry point the synchronous driver
+calls.
+
+Why not a thread on a CPU: there a forward is Python between short torch ops, holding the GIL, so
+the loop gets little done beside it anyway, and the hand-over costs more than it buys. On a 2-core
+machine, a decode step of the bundled model at batch 1 ran 1.6-1.9x slower in the worker thread
+than on the loop (or in ``SyncDriver``): the loop thread, woken on the other core several times a
+step, slowed the executor's own computation (its user time nearly doubled), which stopped as soon
+as both threads shared one core.
 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
 for memory look again) and refreshes the statistics snapshot that ``Engine.stats()`` reads without
@@ -32,7 +41,9 @@ from contextlib import suppress
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import attrs
+import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.executor import Executor
@@ -87,7 +98,9 @@ class Pairing:
 
 
 class CommandThread:
-    """The thread the actor's commands run in: one thread, commands in the order they are given.
+    """The thread the actor's commands run in: one thread, commands in the order they are given
+    (with ``inline``, the event loop's own thread: each command runs in the caller, then the loop
+    takes one turn).
 
     Under asyncio a command is handed over through a queue and its result comes back through
     ``call_soon_threadsafe`` onto a future: one wake-up each way. ``anyio.to_thread.run_sync`` costs
@@ -102,13 +115,20 @@ class CommandThread:
     engine that was not closed.
     """
 
-    def __init__(self, name: str = "hispec-executor") -> None:
+    def __init__(self, name: str = "hispec-executor", *, inline: bool = False) -> None:
         self.name = name
+        self.inline = inline  # run each command on the event loop itself (``EngineConfig.executor_thread``)
         self._queue: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._limiter = anyio.CapacityLimiter(1)  # the other backends' path: one command at a time
 
     async def run(self, fn: Callable[..., Any], *args: object) -> Any:
+        if self.inline:
+            try:
+                return fn(*args)
+            finally:  # the loop's other tasks get a turn after every command, as they would in a thread
+                with anyio.CancelScope(shield=True):
+                    await anyio.lowlevel.checkpoint()
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not asyncio
@@ -145,6 +165,14 @@ def _settle(future: asyncio.Future, value: object, failed: bool) -> None:
         future.set_exception(value)
     else:
         future.set_result(value)
+
+
+def runs_in_thread(config: Any) -> bool:
+    """``EngineConfig.executor_thread``, resolved: None is a thread on CUDA and with tensor
+    parallelism, the event loop on a CPU."""
+    if config.executor_thread is not None:
+        return config.executor_thread
+    return config.tensor_parallel_size > 1 or torch.device(config.device).type != "cpu"
 
 
 class ExecutorClient:
@@ -212,7 +240,7 @@ class ExecutorActor:
         self.executor = executor
         self._inbox = inbox
         self._on_change = on_change
-        self._thread = CommandThread()
+        self._thread = CommandThread(inline=not runs_in_thread(executor.config))
         self.snapshot: dict[str, object] = executor.stats()  # replaced whole after each change
         self.num_commands = 0
         self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)

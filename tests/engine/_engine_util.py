@@ -8,6 +8,7 @@ from collections.abc import Callable
 import anyio
 import torch
 
+from pipeline import Engine
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
@@ -58,7 +59,9 @@ class Gate:
     """Holds the first call of an executor method whose arguments match, until ``open()``.
 
     The call blocks in the executor's worker thread; the event loop keeps running, so the test can
-    act while a request sits in the state that command puts it in.
+    act while a request sits in the state that command puts it in. (On a CPU the engine runs its
+    commands on the event loop by default, where a gate would block the test too: ``install``
+    moves them to a thread of their own, as ``executor_thread=True`` would.)
     """
 
     def __init__(self, match: Callable[..., bool] = lambda *args: True) -> None:
@@ -77,8 +80,9 @@ class Gate:
 
         return gated
 
-    def install(self, executor: Executor, method: str) -> Gate:
-        setattr(executor, method, self.wrap(getattr(executor, method)))
+    def install(self, engine: Engine, method: str) -> Gate:
+        engine._pipe.actor._thread.inline = False
+        setattr(engine.executor, method, self.wrap(getattr(engine.executor, method)))
         return self
 
     def open(self) -> None:

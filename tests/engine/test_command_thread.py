@@ -7,6 +7,7 @@ import threading
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from pipeline.stages.executor_actor import CommandThread
@@ -99,3 +100,59 @@ def test_close_ends_the_thread_after_the_commands_given():
     worker.join(timeout=5)
     assert not worker.is_alive()
     assert worker.daemon  # an engine left open never keeps a process from exiting
+
+
+def test_inline_commands_run_on_the_loop_and_the_loop_gets_a_turn_after_each():
+    """``inline``: each command runs in the caller's thread (the event loop's), a failure raises
+    at the caller, and another task of the loop runs between two commands, even when the caller
+    sends them back to back."""
+    order: list[str] = []
+
+    async def main() -> list[int]:
+        thread = CommandThread(inline=True)
+        loop_thread = threading.current_thread().name
+
+        def work(i: int) -> int:
+            assert threading.current_thread().name == loop_thread
+            order.append(f"command {i}")
+            return i + 1
+
+        async def other() -> None:
+            for i in range(3):
+                order.append(f"other {i}")
+                await anyio.lowlevel.checkpoint()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(other)
+            with pytest.raises(ValueError, match="bad"):
+                await thread.run(lambda: (_ for _ in ()).throw(ValueError("bad")))
+            values = [await thread.run(work, i) for i in range(3)]
+        thread.close()  # nothing to end
+        return values
+
+    assert anyio.run(main) == [1, 2, 3]
+    commands = [i for i, what in enumerate(order) if what.startswith("command")]
+    # between any two commands the other task ran at least once
+    assert all(any(o.startswith("other") for o in order[a + 1 : b]) for a, b in zip(commands, commands[1:]))
+
+
+@pytest.mark.parametrize(("device", "tp", "setting", "thread"), [
+    ("cpu", 1, None, False), ("cuda", 1, None, True), ("cpu", 2, None, True),
+    ("cpu", 1, True, True), ("cuda", 1, False, False),
+])
+def test_where_commands_run_follows_the_config(device, tp, setting, thread):
+    from types import SimpleNamespace
+
+    from pipeline.stages.executor_actor import runs_in_thread
+
+    config = SimpleNamespace(device=device, tensor_parallel_size=tp, executor_thread=setting)
+    assert runs_in_thread(config) is thread
+
+
+def test_executor_thread_is_validated():
+    from pipeline.config import EngineConfig
+    from pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="executor_thread"):
+        EngineConfig(executor_thread=1)
+    assert EngineConfig(executor_thread=False).executor_thread is False

@@ -58,7 +58,7 @@ async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where, 
         if method is None:
             gate = Hold(Decode).install(engine._pipe.decode)
         else:
-            gate = Gate(involves(blocker)).install(engine.executor, method)
+            gate = Gate(involves(blocker)).install(engine, method)
         results = {}
         deltas = []  # what the streaming victim's consumer received
 
@@ -190,7 +190,7 @@ async def test_a_deadline_aborts_the_request(tiny_model):
     """``generate_text(timeout=...)``: the request is held in prefill past its deadline."""
     cfg = config()
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate().install(engine.executor, "prefill_chunks")
+        gate = Gate().install(engine, "prefill_chunks")
         try:
             with pytest.raises(TimeoutError):
                 await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05)

@@ -96,7 +96,7 @@ async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
     async with Engine(cfg, model=tiny_model) as engine:
         gate = Gate(lambda *args: continuing("victim", after=3 * CHUNK)(args[-1]))
         for method in ("prefill_chunks", "mixed"):  # the chunk runs alone or in the decode step's forward
-            gate.install(engine.executor, method)
+            gate.install(engine, method)
         results = {}
 
         async def other():
@@ -184,7 +184,7 @@ async def test_an_abort_in_the_middle_of_a_mixed_step_releases_everything(tiny_m
         def victims_inside(ids, chunks) -> bool:
             return "decoder" in ids and continuing("victim", after=2 * CHUNK)(chunks)
 
-        gate = Gate(victims_inside).install(engine.executor, "mixed")
+        gate = Gate(victims_inside).install(engine, "mixed")
         results = {}
         scopes = {rid: anyio.CancelScope() for rid in ("decoder", "victim")}
 

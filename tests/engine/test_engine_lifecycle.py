@@ -150,13 +150,13 @@ async def test_shutdown_with_requests_in_every_state_restores_pools(tiny_model, 
             if first == "draft":
                 prefill = hold(Hold(Prefill).install(pipe.prefill))
             else:
-                prefill = hold(Gate().install(engine.executor, "prefill_chunks"))
+                prefill = hold(Gate().install(engine, "prefill_chunks"))
             start("s3")
             await prefill.wait_entered()
             start("s4", "s5")
             await until(lambda: {r.request_id for r in pipe.core.admission.queue} == {"s4", "s5"})
             if first == "draft":
-                drafting = hold(Gate().install(engine.executor, "draft"))
+                drafting = hold(Gate().install(engine, "draft"))
                 step.open()
                 await drafting.wait_entered()
             held = {rid: state_of(rid) for rid in ids}

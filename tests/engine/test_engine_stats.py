@@ -152,7 +152,7 @@ async def test_a_finished_request_carries_its_metrics(tiny_model, num_steps):
     results = {}
     deltas = []
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate().install(engine.executor, "prefill_chunks")
+        gate = Gate().install(engine, "prefill_chunks")
 
         async def text(rid, prompt, sp=params):
             results[rid] = await engine.generate_text(prompt, sp, request_id=rid)
