@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextvars
+import itertools
 import threading
 import time
 
@@ -133,7 +134,7 @@ def test_inline_commands_run_on_the_loop_and_the_loop_gets_a_turn_after_each():
     assert anyio.run(main) == [1, 2, 3]
     commands = [i for i, what in enumerate(order) if what.startswith("command")]
     # between any two commands the other task ran at least once
-    assert all(any(o.startswith("other") for o in order[a + 1 : b]) for a, b in zip(commands, commands[1:]))
+    assert all(any(o.startswith("other") for o in order[a + 1 : b]) for a, b in itertools.pairwise(commands))
 
 
 @pytest.mark.parametrize(("device", "tp", "setting", "thread"), [
