@@ -311,8 +311,7 @@ class EngineConfig:
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
         _require(self.executor_thread is None or isinstance(self.executor_thread, bool), "executor_thread",
-                 self.executor_thread,
-                 "must be True, False or None (by the device)")
+                 self.executor_thread, "must be True, False or None (by the device)")
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require(
             self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),

@@ -11,9 +11,9 @@ calls.
 Why not a thread on a CPU: there a forward is Python between short torch ops, holding the GIL, so
 the loop gets little done beside it anyway, and the hand-over costs more than it buys. On a 2-core
 machine, a decode step of the bundled model at batch 1 ran 1.6-1.9x slower in the worker thread
-than on the loop (or in ``SyncDriver``): the loop thread, woken on the other core several times a
-step, slowed the executor's own computation (its user time nearly doubled), which stopped as soon
-as both threads shared one core.
+than on the loop (or in ``SyncDriver``). The executor's own user time nearly doubled while the loop
+thread (woken several times a step) ran on the other core; pinning both threads to one core
+removed the loss.
 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
 for memory look again) and refreshes the statistics snapshot that ``Engine.stats()`` reads without
