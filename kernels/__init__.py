@@ -37,12 +37,13 @@ def warm_up(device: torch.device, dtype: torch.dtype, *, index_heads: int, index
     compilation. Elsewhere, and without numba, nothing."""
     if torch.device(device).type != "cpu":
         return
-    from kernels import indexer_topk_numba, swap_in_numba
+    from kernels import indexer_topk_numba, kv_copy_numba, swap_in_numba
 
     if indexer_topk_numba.pays_for(index_heads, index_dim):
         indexer_topk_numba.warm_up(dtype)
     if swap_in:
         swap_in_numba.warm_up()
+        kv_copy_numba.warm_up()  # its misses' row copies, and the backups
 
 
 __all__ = [

@@ -18,7 +18,8 @@ Destinations must be distinct (otherwise the result would depend on the copy ord
 and destination are the same tensor the two index sets must be disjoint for the same reason. The
 wrapper checks both and the index ranges (``validate=True``, the default; it synchronises on CUDA).
 The Triton kernel runs when every tensor is on CUDA; a copy between host and device memory goes
-through torch (a Triton kernel cannot address host memory).
+through torch (a Triton kernel cannot address host memory); a copy in CPU memory between pools of
+one element type runs a compiled loop over the rows' bits (``kernels.kv_copy_numba``).
 """
 
 from __future__ import annotations
@@ -80,8 +81,23 @@ def copy_rows(
 ) -> None:
     """``dst[..., dst_idx, :] = src[..., src_idx, :]`` (module docstring for the rules)."""
     check_copy_args(dst, dst_idx, src, src_idx, validate=validate)
+    copy_rows_unchecked(dst, dst_idx, src, src_idx, impl=impl)
+
+
+def copy_rows_unchecked(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor, *, impl: str = "auto"
+) -> None:
+    """``copy_rows`` without the argument checks: for callers that built every argument themselves
+    (a swap-in's misses), where the checks are per-call overhead only. ``impl="auto"`` on CPU
+    tensors of one element type runs the compiled loop (``kernels.kv_copy_numba``)."""
     if dst_idx.numel() == 0:
         return
+    if impl == "auto":
+        from kernels import kv_copy_numba
+
+        if kv_copy_numba.fits(dst, dst_idx, src, src_idx):
+            kv_copy_numba.copy_rows_numba(dst, dst_idx, src, src_idx)
+            return
     if resolve_impl(impl, (dst, dst_idx, src, src_idx)) == "triton":
         from kernels.kv_copy_triton import copy_rows_triton
 

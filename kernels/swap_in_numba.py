@@ -16,8 +16,8 @@ The LRU order of each step is rebuilt as the contract lists it (kept evictables,
 unwanted, loaded in miss order, hits); every policy of ``kernels.swap_in_policy`` chooses its
 victims among the evictable columns here, with the step's selected and near positions marked in a
 position table like the others. Row copies are gathered as (host slot, device slot) pairs and
-made after the loop, by a compiled copy of the rows' bits when both pools are in CPU memory, else
-by one torch copy, so the KV tensors keep any dtype and place. ``swap_in(impl="auto")`` takes this
+made after the loop by one ``kernels.kv_copy`` copy (a compiled loop when both pools are in CPU
+memory), so the KV tensors keep any dtype and place. ``swap_in(impl="auto")`` takes this
 path on CPU when numba (a dependency) is installed, numpy or Python otherwise.
 """
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from kernels.kv_copy import copy_rows_unchecked
 from kernels.swap_in_policy import FAR, KEY_SHIFT, POLICIES, policy_code
 from kernels.swap_in_result import SwapInResult
 
@@ -269,18 +270,7 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
     return copies, all_hits, all_misses, all_lost, complete
 
 
-def _copy_kernel(src, dst, src_rows, dst_rows, count):  # pragma: no cover - compiled
-    for i in range(count):
-        s = src_rows[i]
-        d = dst_rows[i]
-        for j in range(src.shape[1]):
-            dst[d, j] = src[s, j]
-
-
 _compiled = None
-_compiled_copy = None
-# the integer type of each element size: a row copy moves bits, whatever the float type
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _compiled_kernel():
@@ -288,27 +278,6 @@ def _compiled_kernel():
     if _compiled is None:
         _compiled = numba.njit(cache=True, nogil=True)(_kernel)
     return _compiled
-
-
-def _copy_rows(host_kv: torch.Tensor, device_kv: torch.Tensor, src: np.ndarray, dst: np.ndarray, count: int) -> None:
-    """``device_kv[dst[i]] = host_kv[src[i]]`` for the first ``count`` pairs: a compiled loop over
-    the rows' bits when both live in CPU memory with one element type (a torch gather and scatter
-    costs tens of microseconds per call at a decode step's few hundred rows), else through torch."""
-    bits = _BITS.get(device_kv.element_size())
-    if (
-        host_kv.device.type == device_kv.device.type == "cpu"
-        and host_kv.dtype == device_kv.dtype
-        and bits is not None
-        and host_kv.stride(-1) == device_kv.stride(-1) == 1
-    ):
-        global _compiled_copy
-        if _compiled_copy is None:
-            _compiled_copy = numba.njit(cache=True, nogil=True)(_copy_kernel)
-        _compiled_copy(host_kv.view(bits).numpy(), device_kv.view(bits).numpy(), src, dst, count)
-        return
-    rows_from = torch.from_numpy(src[:count]).to(host_kv.device)
-    rows_to = torch.from_numpy(dst[:count]).to(device_kv.device)
-    device_kv.index_copy_(0, rows_to, host_kv.index_select(0, rows_from).to(device_kv.device, device_kv.dtype))
 
 
 def swap_in_numba(
@@ -339,7 +308,7 @@ def swap_in_numba(
         lru.numpy(), req_to_host.numpy(), hot, policy_code(policy), close, slots, counts, copy_src, copy_dst,
     )
     if copies:
-        _copy_rows(host_kv, device_kv, copy_src, copy_dst, copies)
+        copy_rows_unchecked(device_kv, torch.from_numpy(copy_dst[:copies]), host_kv, torch.from_numpy(copy_src[:copies]))
     return SwapInResult.from_arrays(
         slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size(), totals=(hits, misses, lost),
         complete=complete,
@@ -357,5 +326,3 @@ def warm_up() -> None:
         torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(2, 1), torch.zeros(2, 1),
         1,
     )
-    # and the row copy of a miss, for float32 rows (float64 and 16-bit rows compile on first use)
-    _copy_rows(torch.zeros(2, 1), torch.zeros(2, 1), np.zeros(1, np.int64), np.ones(1, np.int64), 1)

@@ -8,7 +8,8 @@ import torch
 from kernels.kv_copy import backup_rows, copy_rows, load_rows, move_rows, scatter_rows
 
 C = 2  # canary rows on each side
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.interpreter)]
+# "auto" on these CPU tensors: the compiled loop (kernels.kv_copy_numba)
+IMPLS = ["torch", "auto", pytest.param("triton", marks=pytest.mark.interpreter)]
 
 
 def _pool(layers: int | None, rows: int, dim: int, dtype, seed: int) -> torch.Tensor:
@@ -31,7 +32,7 @@ def _expected(dst: torch.Tensor, dst_idx, src: torch.Tensor, src_idx) -> torch.T
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("layers", [None, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
 def test_copy_rows_matches_loop(impl, layers, dtype):
     dst, src = _pool(layers, 20, 5, dtype, 0), _pool(layers, 12, 5, dtype, 1)
     dst_idx = torch.randperm(20)[:9]
@@ -119,3 +120,19 @@ def test_bad_tensors_rejected():
         copy_rows(torch.zeros(3, 4).t(), idx, torch.ones(5, 3), idx)
     with pytest.raises(ValueError, match="disjoint"):
         move_rows(dst, torch.tensor([0, 1]), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_auto_on_cpu_runs_the_compiled_loop(monkeypatch, index_dtype):
+    from kernels import kv_copy_numba
+
+    if not kv_copy_numba.AVAILABLE:
+        pytest.skip("numba is not installed")
+    calls = []
+    compiled = kv_copy_numba.copy_rows_numba
+    monkeypatch.setattr(kv_copy_numba, "copy_rows_numba", lambda *a: calls.append(1) or compiled(*a))
+    dst, src = _pool(2, 10, 3, torch.bfloat16, 2), _pool(2, 6, 3, torch.bfloat16, 3)
+    dst_idx, src_idx = torch.tensor([4, 0, 9], dtype=index_dtype), torch.tensor([5, 5, 1], dtype=index_dtype)
+    want = _expected(dst, dst_idx, src, src_idx)
+    copy_rows(_inner(dst), dst_idx, _inner(src), src_idx)
+    assert calls and torch.equal(dst, want)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from _swap_in_world import CANARY, World, assert_canaries, assert_same, build_world, worlds
@@ -332,13 +331,3 @@ def test_compiled_row_copies_move_every_dtype_exactly(host_dtype, device_dtype):
         loaded += int(got.misses.sum())
     assert loaded  # rows were copied
 
-
-def test_row_copy_between_pools_of_different_types_goes_through_torch():
-    from kernels.swap_in_numba import _copy_rows
-
-    host = torch.arange(12, dtype=torch.float32).reshape(6, 2) + 0.25
-    for device in (torch.zeros(4, 2, dtype=torch.float64), torch.zeros(4, 2, dtype=torch.float32)):
-        _copy_rows(host, device, np.array([5, 0, 3, 9]), np.array([2, 0, 3, 9]), 3)  # pairs past 3 unread
-        want = torch.zeros_like(device)
-        want[[2, 0, 3]] = host[[5, 0, 3]].to(device.dtype)
-        assert torch.equal(device, want)
