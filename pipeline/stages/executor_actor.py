@@ -43,7 +43,6 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import attrs
-import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pipeline.executor import Executor
@@ -172,7 +171,7 @@ def runs_in_thread(config: Any) -> bool:
     parallelism, the event loop on a CPU."""
     if config.executor_thread is not None:
         return config.executor_thread
-    return config.tensor_parallel_size > 1 or torch.device(config.device).type != "cpu"
+    return config.tensor_parallel_size > 1 or config.device != "cpu"
 
 
 class ExecutorClient:
