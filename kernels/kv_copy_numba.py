@@ -2,9 +2,11 @@
 
 A copy of a few hundred rows (a decode step's swap-in misses, its backups) costs torch a gather and
 a scatter per layer, tens of microseconds per call on a CPU; the loop here moves each row's bits
-where it lies. The rows are read as integers of the element's size, so every float type (bfloat16
-and float16 included) is copied exactly. ``copy_rows(impl="auto")`` takes this path when every
-tensor is in CPU memory and the two pools share one element type.
+where it lies, after checking every index against its pool (an index out of range raises
+``IndexError`` before anything is written, as torch's gather refuses it). The rows are read as
+integers of the element's size, so every float type (bfloat16 and float16 included) is copied
+exactly. ``copy_rows(impl="auto")`` takes this path when every tensor is in CPU memory and the two
+pools share one element type.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _kernel(src, dst, src_rows, dst_rows):  # pragma: no cover - compiled
+    for i in range(src_rows.shape[0]):  # every index in range before anything is written, as torch's
+        if not (0 <= src_rows[i] < src.shape[1] and 0 <= dst_rows[i] < dst.shape[1]):
+            raise IndexError("kv row copy: an index is out of range of its pool")
     for layer in range(src.shape[0]):
         for i in range(src_rows.shape[0]):
             s = src_rows[i]

@@ -136,3 +136,16 @@ def test_auto_on_cpu_runs_the_compiled_loop(monkeypatch, index_dtype):
     want = _expected(dst, dst_idx, src, src_idx)
     copy_rows(_inner(dst), dst_idx, _inner(src), src_idx)
     assert calls and torch.equal(dst, want)
+
+
+@pytest.mark.parametrize("impl", ["torch", "auto"])
+@pytest.mark.parametrize(("dst_idx", "src_idx"), [([0, 9], [1, 2]), ([0, 1], [2, 6]), ([0, 1], [-1, 2])])
+def test_an_index_out_of_range_raises_unvalidated(impl, dst_idx, src_idx):
+    # without validate=True the copy itself must still refuse to read or write outside a pool; the
+    # compiled loop checks every index first and writes nothing (torch's scatter may have written
+    # the rows before the bad one)
+    dst, src = torch.zeros(2, 9, 3), torch.ones(2, 6, 3)
+    with pytest.raises((IndexError, RuntimeError)):
+        copy_rows(dst, torch.tensor(dst_idx), src, torch.tensor(src_idx), impl=impl, validate=False)
+    if impl == "auto":
+        assert not dst.any()
