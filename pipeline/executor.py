@@ -42,6 +42,7 @@ from pipeline.capacity import DevicePlan
 from pipeline.chunking import PrefillCounters, plan_chunks
 from pipeline.config import EngineConfig, check_against_model, resolve_for_model
 from pipeline.errors import ConfigError
+from pipeline.hisparse import prefill_swap
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace, trace_meta
 from pipeline.hisparse.transfer import TransferStream
@@ -187,6 +188,8 @@ class Executor:
         # the compiled CPU loops this run will call, before its first step needs them
         kernels.warm_up(self.device, self.dtype, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
                         swap_in=config.hisparse is not None)
+        if config.hisparse is not None and self.device.type == "cpu":
+            prefill_swap.warm_up()  # a chunk's grouping of its earlier positions
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None
         spec = config.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain

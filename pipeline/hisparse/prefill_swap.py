@@ -30,10 +30,31 @@ from typing import Any
 import numpy as np
 import torch
 
+try:
+    import numba
+except ImportError:  # a platform without numba's wheels: the Python loop groups
+    numba = None
+
 
 def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, int]]:
-    """``[a, b)`` query ranges of ``past [S, K]`` (positions, -1 = none; a query's positions are
-    distinct, as a top-k's are) whose unions fit ``hot``."""
+    """``[a, b)`` query ranges of ``past [S, K]`` (positions below ``context``, -1 = none; a query's
+    positions are distinct, as a top-k's are) whose unions fit ``hot``: greedily, a group grows by
+    the next query while the union stays within ``hot`` (a query alone always makes a group).
+
+    A compiled loop where numba is installed (one pass over the queries, a group's members marked
+    by its number, so a new group clears nothing); ``group_bounds_reference`` otherwise, and as the
+    oracle of the tests."""
+    rows = past.cpu().numpy()
+    if numba is None or rows.shape[0] == 0:
+        return group_bounds_reference(past, hot, context)
+    starts = np.empty(rows.shape[0] + 1, dtype=np.int64)
+    count = _compiled_groups()(rows, hot, context, starts)
+    starts[count] = rows.shape[0]
+    return list(zip(starts[:count].tolist(), starts[1 : count + 1].tolist(), strict=True))
+
+
+def group_bounds_reference(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, int]]:
+    """``group_bounds`` as a Python loop over the queries."""
     rows = past.cpu().numpy()
     seen = np.zeros(context, dtype=bool)
     bounds, start, size = [], 0, 0
@@ -49,6 +70,52 @@ def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, 
         size += new.size
     bounds.append((start, rows.shape[0]))
     return bounds
+
+
+def _group_kernel(rows, hot, context, starts):  # pragma: no cover - compiled
+    """Writes the first query of every group to ``starts``; returns the number of groups."""
+    member = np.zeros(context, dtype=np.int64)  # the number of the last group holding each position
+    group, size, count = 1, 0, 1
+    starts[0] = 0
+    for i in range(rows.shape[0]):
+        new = 0
+        for j in range(rows.shape[1]):
+            p = rows[i, j]
+            if p >= context:
+                raise IndexError("prefill swap-in: a past position is not below the chunk's start")
+            if p >= 0 and member[p] != group:
+                new += 1
+        if size + new > hot and i > starts[count - 1]:
+            group += 1
+            starts[count] = i
+            count += 1
+            size = 0
+            new = 0
+            for j in range(rows.shape[1]):
+                if rows[i, j] >= 0:
+                    new += 1
+        for j in range(rows.shape[1]):
+            p = rows[i, j]
+            if p >= 0:
+                member[p] = group
+        size += new
+    return count
+
+
+_compiled = None
+
+
+def _compiled_groups():
+    global _compiled
+    if _compiled is None:
+        _compiled = numba.njit(cache=True, nogil=True)(_group_kernel)
+    return _compiled
+
+
+def warm_up() -> None:
+    """Compile (or load from numba's disk cache) the grouping loop for int32 top-k rows."""
+    if numba is not None:
+        _compiled_groups()(np.array([[0, -1], [1, 0]], dtype=np.int32), 2, 2, np.empty(3, dtype=np.int64))
 
 
 def prefill_swap_rounds(
@@ -81,7 +148,9 @@ def prefill_swap_rounds(
     col_of = torch.full((start,), -1, dtype=torch.int64, device=dev)
     for a, b in group_bounds(past, width, start):
         group = past[a:b]
-        union = torch.unique(group[group >= 0].long())
+        mark = torch.zeros(start, dtype=torch.bool, device=dev)  # the union, ascending, without a sort
+        mark[group[group >= 0].long()] = True
+        union = torch.nonzero(mark).reshape(-1)
         col_of.fill_(-1)
         live = held >= 0
         col_of[held[live]] = torch.nonzero(live).reshape(-1)
