@@ -140,10 +140,19 @@ class SpeculativeConfig:
     # tried again every ``probe_every`` turns); a batch of one too when its request is greedy (a
     # sampled request served alone always speculates, so a seeded one stays reproducible).
     timed: bool = True
+    # ... and not for the last tokens of every stream: while no request of the batch may produce
+    # D more tokens (``max_new_tokens`` or the context), a round's drafts cannot all count, and at the
+    # tail of a batch it would pay the MTP layer's catch-up over its plain steps for a token or two
+    plain_tail: bool = True
+    # ... and not while prompts wait for prefill with mixed steps (``EngineConfig.mixed_steps``): a
+    # plain step carries the next chunk in its own forward, a round (several forwards) cannot, so
+    # the chunk would cost a forward of its own
+    plain_while_prefilling: bool = True
 
     def __attrs_post_init__(self) -> None:
         _require_int("speculative.num_steps", self.num_steps, 1)
-        _require(isinstance(self.timed, bool), "speculative.timed", self.timed, "must be a bool")
+        for name in ("timed", "plain_tail", "plain_while_prefilling"):
+            _require(isinstance(getattr(self, name), bool), f"speculative.{name}", getattr(self, name), "must be a bool")
         _require_int("speculative.eagle_topk", self.eagle_topk, 1)
         if self.max_batch_size is not None:
             _require_int("speculative.max_batch_size", self.max_batch_size, 1)

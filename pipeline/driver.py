@@ -36,16 +36,17 @@ class SyncDriver:
         self.executor = executor
         self.check = check
         policy = spec_policy if spec_policy is not None else spec_policy_of(executor)
+        # a prefill chunk shares its forward with the decode step (``Executor.run_together``)
+        self.mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
         self.core = Scheduler.build(
             max_prefill_tokens=max_prefill_tokens,
             num_steps=executor.num_steps,
             policy=policy,
             chunk_tokens=executor.config.chunked_prefill_tokens,
+            mixes=self.mixes,
         )
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        # a prefill chunk shares its forward with the decode step (``Executor.run_together``)
-        self.mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
 
     @property
     def speculative(self) -> bool:

@@ -141,6 +141,12 @@ class Request:
             self.metrics.spec = SpecCounters(num_steps)
         self.metrics.spec.record(accepted)
 
+    @property
+    def tokens_left(self) -> int:
+        """The most tokens it may still produce (its ``max_new_tokens`` and context bounds)."""
+        return min(self.params.max_new_tokens - len(self.output_ids),
+                   self.max_context_len - len(self.prompt_ids) - len(self.output_ids))
+
     def known_tokens(self) -> tuple[int, ...]:
         """Prompt and output so far: what a re-admission after a retraction prefills."""
         return self.prompt_ids + tuple(self.output_ids)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 import attrs
 
@@ -425,12 +425,19 @@ class SpecPolicy:
     mode runs again every ``probe_every`` turns of the winner, so a change in acceptance or cost is
     seen. A batch of one is timed too when its request is greedy (the same tokens either way); a
     sampled request served alone always speculates (so a seeded one stays reproducible).
+
+    ``plain_tail``: the last tokens of every stream (no request of the batch may produce D more)
+    are plain steps. ``plain_while_prefilling``: while prompts wait for prefill and steps mix, the
+    turns are plain steps, which carry a chunk in their forward (``DecodePart.prefill_waiting``).
+    Both depend on the batch's own progress and the prompts waiting, never on timing.
     """
 
     max_batch_size: int | None = None  # speculate only while the batch has at most this many requests
     min_accept_length: float | None = None  # ... and the measured accept length is at least this
     probe_every: int = 16
     timed: bool = False  # ... and (2+ requests) while rounds deliver more tokens/s than plain steps
+    plain_tail: bool = False  # ... and while some request of the batch may produce D more tokens
+    plain_while_prefilling: bool = False  # ... and (mixed steps) while no prompt waits for prefill
     accept_length: float | None = None  # the moving average (None: nothing measured yet)
     plain_steps: int = 0  # plain steps since the last round
     weight: float = 0.2  # of the newest round in the moving average
@@ -441,7 +448,8 @@ class SpecPolicy:
 
     @classmethod
     def from_config(cls, spec) -> SpecPolicy:
-        return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every, spec.timed)
+        return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every, spec.timed,
+                   plain_tail=spec.plain_tail, plain_while_prefilling=spec.plain_while_prefilling)
 
     def speculate(self, batch_size: int, *, greedy: bool = False) -> bool:
         """Whether the next turn over ``batch_size`` requests is a round; ``greedy``: all of them
@@ -506,6 +514,9 @@ class DecodePart:
     num_steps: int  # draft tokens per speculative round; 0 = plain decoding
     policy: SpecPolicy = attrs.Factory(SpecPolicy)  # speculative mode: round or plain step, per turn
     pace: PrefillPace | None = None  # told each step's device time (the prefill part paces by it)
+    # mixed steps: whether prompts wait for a prefill forward, which a plain step would carry in its
+    # own forward and a round (several commands) cannot: while they do, the turns are plain steps
+    prefill_waiting: Callable[[], bool] | None = None
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
     _committed: int = 0  # tokens the current turn committed (the timed speculation rule reads it)
@@ -540,7 +551,14 @@ class DecodePart:
         if not reqs:
             return done
         greedy = all(r.params.greedy for r in reqs)
-        speculative = self.speculative and self.policy.speculate(len(reqs), greedy=greedy)
+        # a round commits at most D tokens a request: it is not run for the last few of every stream
+        # (the tail of a batch would pay a catch-up of its MTP layer for a token or two), nor while a
+        # prompt's chunk could share the step's forward instead of running one of its own
+        policy, waiting = self.policy, self.prefill_waiting
+        worth = (self.speculative
+                 and not (policy.plain_tail and all(r.tokens_left < self.draft_tokens for r in reqs))
+                 and not (policy.plain_while_prefilling and waiting is not None and waiting()))
+        speculative = worth and self.policy.speculate(len(reqs), greedy=greedy)
         if speculative:
             step = self._round(reqs)
         else:
@@ -667,15 +685,22 @@ class Scheduler:
         policy: SpecPolicy | None = None,
         chunk_tokens: int | None = None,
         pace: bool = False,
+        mixes: bool = False,
     ) -> Scheduler:
-        """``pace``: pace prefill chunks by the decode steps' device time (``PrefillPace``)."""
+        """``pace``: pace prefill chunks by the decode steps' device time (``PrefillPace``).
+        ``mixes``: a prefill chunk shares a plain decode step's forward (``EngineConfig.mixed_steps``),
+        so speculation pauses while prompts wait for their prefill (``DecodePart.prefill_waiting``)."""
         aborts = AbortBook()
         pacer = PrefillPace() if pace else None
+        prefill = PrefillPart(aborts, chunk_tokens, pacer)
+        decode = DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy(), pacer)
+        if mixes:
+            decode.prefill_waiting = lambda: len(prefill) > 0
         return cls(
             admission=AdmissionPart(max_prefill_tokens, aborts),
-            prefill=PrefillPart(aborts, chunk_tokens, pacer),
+            prefill=prefill,
             staging=StagingPart(aborts),
-            decode=DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy(), pacer),
+            decode=decode,
             aborts=aborts,
         )
 

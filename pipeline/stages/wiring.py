@@ -160,6 +160,7 @@ def build_pipeline(
         policy=spec_policy_of(executor),
         chunk_tokens=executor.config.chunked_prefill_tokens,
         pace=prefill_pacing,
+        mixes=executor.config.mixed_steps and hasattr(executor, "run_together"),
     )
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens

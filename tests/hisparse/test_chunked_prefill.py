@@ -20,7 +20,8 @@ HOT = 16
 PAGE = 4
 PROMPT_LENS = (5, 16, 40, 3 * HOT + 1, 8 * HOT + 9)
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
-SPEC = SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None)
+SPEC = SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None,
+                                   plain_tail=False, plain_while_prefilling=False)
 
 
 def config(*, hisparse: bool | HiSparseConfig, chunk: int | None, spec: bool = False, **kw) -> EngineConfig:

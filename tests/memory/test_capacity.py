@@ -59,7 +59,8 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
         hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio, draft_rows_on_host=on_host,
                                 draft_keys_on_host=keys)
         if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, plain_tail=False,
+                                      plain_while_prefilling=False) if num_steps else None,
         **kw,
     )
 

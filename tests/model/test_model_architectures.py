@@ -110,7 +110,8 @@ def _engine_config(num_steps: int | None) -> EngineConfig:
     return EngineConfig(
         dtype="float64", page_size=PAGE, max_context_len=128, max_running_requests=4, device_pool_tokens=512,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
+                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
     )
 
 

@@ -25,7 +25,8 @@ def executor(tiny_model, *, rows=8, device=256, ratio=2, spec=False, hisparse=Tr
         max_running_requests=rows,
         device_pool_tokens=device,
         hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=ratio) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False) if spec else None,
+        speculative=SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, plain_tail=False,
+                                       plain_while_prefilling=False) if spec else None,
     )
     return Executor(cfg, model=tiny_model)
 

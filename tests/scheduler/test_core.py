@@ -461,6 +461,60 @@ def test_decode_part_takes_a_plain_step_when_the_policy_says_so():
     assert script.kinds() == ["Reserve", "Draft", "Verify"] and part.policy.accept_length == 2
 
 
+def test_decode_part_decodes_plainly_for_the_last_tokens_of_every_stream():
+    """A round commits at most D = num_steps + 1 tokens a request: while no request of the batch may
+    produce D more, the turn is a plain step (no catch-up of the MTP layer for a token or two)."""
+    part, _, reqs = decode_part(2, "a", "b", ignore_eos=True, max_new_tokens=5)
+    part.policy.plain_tail = True
+    for req in reqs:
+        req.output_ids.extend([1, 2, 3])  # 2 tokens left each, D = 3
+    assert [r.tokens_left for r in reqs] == [2, 2]
+    script = Script(part.turn(), {Decode: StepResult({"a": (5,), "b": (6,)})})
+    script.run()
+    assert script.kinds() == ["Decode"]
+    part, _, reqs = decode_part(2, "a", "b", ignore_eos=True, max_new_tokens=5)
+    part.policy.plain_tail = True
+    reqs[0].output_ids.extend([1, 2, 3])  # b may still produce 5: a round pays for it
+    script = Script(part.turn(), {Reserve: RoomResult(("a", "b"), ()), Draft: StepResult({}),
+                                  Verify: StepResult({"a": (7,), "b": (8, 9)}, accepted={"a": 0, "b": 1})})
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"]
+    part, _, reqs = decode_part(2, "a", ignore_eos=True, max_new_tokens=5)  # the rule off: a round
+    reqs[0].output_ids.extend([1, 2, 3])
+    script = Script(part.turn(), {Reserve: RoomResult(("a",), ()), Draft: StepResult({}),
+                                  Verify: StepResult({"a": (7,)}, accepted={"a": 0})})
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"]
+
+
+def test_request_tokens_left_counts_the_context_bound_too():
+    req = request("a", prompt_len=250, max_new_tokens=64)  # a context of 256
+    assert req.tokens_left == 6
+    req.output_ids.extend([1, 2])
+    assert request("b", max_new_tokens=3).tokens_left == 3 and req.tokens_left == 4
+
+
+@pytest.mark.parametrize(("mixes", "rule"), [(True, True), (False, True), (True, False)])
+def test_speculation_pauses_while_prompts_wait_for_a_mixed_step(mixes, rule):
+    """With mixed steps, a plain step carries the next prefill chunk in its own forward, which a
+    round (several commands) cannot: while a prompt waits, the decode turns are plain steps."""
+    policy = SpecPolicy(plain_while_prefilling=rule)
+    core = Scheduler.build(max_prefill_tokens=64, num_steps=2, mixes=mixes, policy=policy)
+    reqs = [in_state(rid, State.READY, ignore_eos=True) for rid in "ab"]
+    core.decode.accept(reqs)
+    core.prefill.accept([in_state("p", State.PREFILL)])
+    round_answers = {Reserve: RoomResult(("a", "b"), ()), Draft: StepResult({}),
+                     Verify: StepResult({"a": (7,), "b": (8,)}, accepted={"a": 0, "b": 0})}
+    answers = {Decode: StepResult({"a": (5,), "b": (6,)}), **round_answers}
+    script = Script(core.decode.turn(), answers)
+    script.run()
+    assert script.kinds() == (["Decode"] if mixes and rule else ["Reserve", "Draft", "Verify"])
+    core.prefill.remove("p")  # its prompt is done: rounds again
+    script = Script(core.decode.turn(), answers)
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"]
+
+
 def test_prefill_pace_sizes_a_chunk_to_about_one_decode_step():
     """While requests decode, the budget is what the latest decode step's seconds buy at the latest
     prefill's seconds per token (at least ``min_tokens``, at most the configured budget); with

@@ -20,7 +20,8 @@ CONFIG = EngineConfig(
     max_running_requests=3,
     device_pool_tokens=256,
     hisparse=HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2),
-    speculative=SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None),
+    speculative=SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None,
+                                   plain_tail=False, plain_while_prefilling=False),
 )
 
 

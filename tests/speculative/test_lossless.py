@@ -35,7 +35,8 @@ def config(hisparse: bool, num_steps: int | None) -> EngineConfig:
         max_running_requests=8,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
+                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
     )
 
 
@@ -166,6 +167,50 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
             most = max([most, *(len(s.behind) for s in executor.seqs.values())])
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert 0 < most < catch_up_after  # caught up as soon as catch_up_after were held
+    assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
+    executor.close()
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_plain_tails_and_prefill_pauses_keep_the_tokens(tiny_model, monkeypatch, hisparse):
+    """``plain_tail`` and ``plain_while_prefilling`` on, rounds otherwise always: a request that
+    arrives while another decodes is prefilled in chunks that ride in plain decode steps (mixed
+    steps), rounds resume when its prompt is done, no round runs once every stream is within D
+    tokens of its end, and the tokens are plain decoding's."""
+    prompts = make_prompts(5, seed=13)[3:5]  # 37 and 145 tokens
+    cfg = attrs.evolve(config(hisparse, None), chunked_prefill_tokens=24)
+    plain_ex = Executor(cfg, model=tiny_model)
+    plain_driver = SyncDriver(plain_ex, check=True)
+    with quiet_logs():
+        plain = plain_driver.generate(prompts, SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts, strict=True)}
+    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, timed=False, min_accept_length=None)
+    executor = Executor(attrs.evolve(cfg, speculative=spec), model=tiny_model)
+    oracle_drafter(monkeypatch, executor, truth)
+    left_at_rounds, mixed = [], []
+    real_verify, real_together = executor.verify, executor.run_together
+
+    def verify(request_ids):
+        left_at_rounds.append(max(executor.seqs[rid].params.max_new_tokens - len(executor.seqs[rid].produced)
+                                  for rid in request_ids))
+        return real_verify(request_ids)
+
+    def run_together(commands, idle=False):
+        outcomes = real_together(commands, idle=idle)
+        mixed.extend(o.mixed for o in outcomes if o.mixed)
+        return outcomes
+
+    executor.verify, executor.run_together = verify, run_together
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        first = driver.submit(prompts[0], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        for _ in range(4):
+            driver.step()
+        second = driver.submit(prompts[1], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
+        driver.run()
+    assert [first.output_ids, second.output_ids] == [r.output_ids for r in plain]
+    assert left_at_rounds and min(left_at_rounds) >= 4  # D = 4: the last 3 tokens of each stream are plain
+    assert mixed  # the second prompt's chunks rode in plain steps of the first request
     assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
     executor.close()
 

@@ -98,7 +98,8 @@ def run_case(name: str) -> dict[str, object]:
     model = sharp_model(case["echo"])
     params = case["params"]
     out = {}
-    always = SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None)
+    always = SpeculativeConfig(num_steps=2, max_batch_size=None, timed=False, min_accept_length=None,
+                                   plain_tail=False, plain_while_prefilling=False)
     for mode, spec in (("plain", None), ("spec", always), ("switch", always)):
         cfg = EngineConfig(
             dtype="float64",
