@@ -48,7 +48,7 @@ def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, 
     if numba is None or rows.shape[0] == 0:
         return group_bounds_reference(past, hot, context)
     starts = np.empty(rows.shape[0] + 1, dtype=np.int64)
-    count = _compiled_groups()(rows, hot, context, starts)
+    count = _group_kernel(rows, hot, context, starts)
     starts[count] = rows.shape[0]
     return list(zip(starts[:count].tolist(), starts[1 : count + 1].tolist(), strict=True))
 
@@ -102,20 +102,14 @@ def _group_kernel(rows, hot, context, starts):  # pragma: no cover - compiled
     return count
 
 
-_compiled = None
-
-
-def _compiled_groups():
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(cache=True, nogil=True)(_group_kernel)
-    return _compiled
+if numba is not None:  # compiled on its first call (or loaded from numba's disk cache)
+    _group_kernel = numba.njit(cache=True, nogil=True)(_group_kernel)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the grouping loop for int32 top-k rows."""
     if numba is not None:
-        _compiled_groups()(np.array([[0, -1], [1, 0]], dtype=np.int32), 2, 2, np.empty(3, dtype=np.int64))
+        _group_kernel(np.array([[0, -1], [1, 0]], dtype=np.int32), 2, 2, np.empty(3, dtype=np.int64))
 
 
 def prefill_swap_rounds(
