@@ -79,9 +79,12 @@ def sparse_mla(
     validate: bool = False,
     check: bool = True,
 ) -> torch.Tensor:  # [T, H, C] in q_latent.dtype
-    """Sparse MLA over the rows named by ``slots``; ``impl`` in ``"auto"|"torch"|"triton"``.
+    """Sparse MLA over the rows named by ``slots``; ``impl`` in ``"auto"|"torch"|"triton"|"numba"``.
 
-    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``.
+    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
+    CPU with numba, float32/64 tensors of one dtype and a small query (``kernels.sparse_mla_numba``'s
+    ``MAX_QUERY_ELEMENTS``), none of them requiring a gradient, it runs the compiled loop; the torch
+    path otherwise. ``numba`` runs the compiled loop whatever the shapes (no gradient flows).
     ``validate=True`` checks that every slot is -1 or a row of ``kv`` (synchronises on CUDA); the
     kernel itself cannot notice an out-of-range slot.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
@@ -91,6 +94,17 @@ def sparse_mla(
         check_sparse_mla_args(q_latent, q_rope, kv, slots)
     if validate:
         check_index_range("slots", slots, kv.shape[0], allow_negative=True)
+    if impl == "numba" or (impl == "auto" and q_latent.device.type == "cpu"):
+        from kernels import sparse_mla_numba as compiled
+
+        if compiled.fits(q_latent, q_rope, kv, slots):
+            if impl == "numba" or (
+                compiled.pays_for(q_latent.shape[1], kv.shape[1], slots.shape[1])
+                and not (q_latent.requires_grad or q_rope.requires_grad or kv.requires_grad)
+            ):
+                return compiled.sparse_mla_numba(q_latent, q_rope, kv, slots, scale)
+        elif impl == "numba":
+            raise ValueError("impl='numba' needs numba installed and CPU tensors of one dtype, float32 or float64")
     fits = (q_latent.dtype != torch.float64 and kv.dtype != torch.float64
             and q_latent.shape[2] <= TRITON_MAX_LATENT and q_rope.shape[2] <= TRITON_MAX_ROPE)
     if resolve_impl(impl, (q_latent, kv, slots), triton_fits=fits) == "torch":

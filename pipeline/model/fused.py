@@ -16,7 +16,8 @@ instead whenever no gradient is recorded. What it changes:
   matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
   experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
-  Larger batches (prefill) keep the per-expert path, which computes only the chosen rows.
+  Larger batches (prefill) keep the per-expert path, which computes only the chosen rows; so does
+  a single token on a CPU (a decode step of one request), which reads only its chosen experts.
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
 
@@ -256,7 +257,9 @@ class _FusedMoE:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self._route(flat) if self.ungrouped else moe.gate(flat)
-        if self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
+        if flat.shape[0] == 1 and flat.device.type == "cpu":
+            out = self._single(flat, ids, weights)
+        elif self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
             out = self._dense(flat, ids, weights)
         else:
             out = moe.experts(flat, ids, weights)
@@ -277,6 +280,17 @@ class _FusedMoE:
         if cfg.routed_scaling_factor != 1.0:
             weights = weights * cfg.routed_scaling_factor
         return ids, weights
+
+    def _single(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """One token on a CPU: its chosen experts only, in expert order, as the module path computes
+        them (reading the ids costs nothing there, and the skipped experts' weights stay unread)."""
+        experts = self.moe.experts
+        out = torch.zeros_like(x)
+        for slot, expert in sorted(enumerate(ids[0].tolist()), key=lambda chosen: chosen[1]):
+            gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, experts.down_proj[expert])
+            out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)  # a [1, 1] weight: wide, as the module's
+        return out
 
     def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         experts = self.moe.experts

@@ -179,3 +179,102 @@ def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, sa
         assert torch.equal(bad, case[name]), "the same values, only the layout differs"
     with pytest.raises(ValueError, match=rf"^{name} {says}"):
         sparse_mla(**{**case, name: bad}, scale=1.0, impl=impl)
+
+
+# --- the compiled CPU loop (kernels/sparse_mla_numba.py) ----------------------------------------
+
+numba_only = pytest.mark.skipif(
+    not __import__("kernels.sparse_mla_numba", fromlist=["AVAILABLE"]).AVAILABLE, reason="numba not installed"
+)
+
+
+@numba_only
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 6), heads=st.integers(1, 6), top_k=st.integers(1, 50),
+       p_masked=st.sampled_from([0.0, 0.3, 1.0]), slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+       duplicates=st.booleans())
+def test_numba_equals_reference(seed, tokens, heads, top_k, p_masked, slot_dtype, duplicates):
+    """Float64 to rounding, float32 within the reference's own error; masked slots, all-masked
+    queries (zeros), duplicated slots (each copy counts, as in the reference)."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+        case = make_case(seed, tokens=tokens, heads=heads, top_k=top_k, dtype=dtype, p_masked=p_masked,
+                         slot_dtype=slot_dtype)
+        if duplicates and top_k > 1:
+            case["slots"][:, -1] = case["slots"][:, 0]
+        got = sparse_mla(**case, scale=0.2, impl="numba", validate=True)
+        want = sparse_mla(**case, scale=0.2, impl="torch")
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        assert not got[(case["slots"] < 0).all(dim=1)].any()  # an all-masked query gives zeros
+
+
+@numba_only
+def test_numba_empty_calls():
+    """No queries, or no slot columns: an empty result, or zeros."""
+    case = make_case(0, tokens=2, heads=3)
+    none = sparse_mla(case["q_latent"][:0], case["q_rope"][:0], case["kv"], case["slots"][:0], 1.0, impl="numba")
+    assert none.shape == (0, 3, 24)
+    zeros = sparse_mla(case["q_latent"], case["q_rope"], case["kv"], case["slots"][:, :0], 1.0, impl="numba")
+    assert zeros.shape == (2, 3, 24) and not zeros.any()
+    assert torch.equal(zeros, sparse_mla(case["q_latent"], case["q_rope"], case["kv"], case["slots"][:, :0], 1.0,
+                                         impl="torch"))
+
+
+@numba_only
+def test_numba_reads_strided_views_and_touches_nothing_else():
+    """Queries and rows as views inside canary buffers (huge values): the result equals dense
+    attention over the selected rows, and no input changes."""
+    case = make_case(3, tokens=4, heads=3, latent=20, rope=6, rows=30, top_k=24)
+    want = dense_restricted(case, 0.3)
+    wide_q = torch.full((4, 5, 40), BIG)
+    wide_q[:, 1:4, 3:23] = case["q_latent"]
+    wide_r = torch.full((4, 5, 10), BIG)
+    wide_r[:, 1:4, 2:8] = case["q_rope"]
+    args = dict(q_latent=wide_q[:, 1:4, 3:23], q_rope=wide_r[:, 1:4, 2:8], kv=case["kv"], slots=case["slots"])
+    before = {k: v.clone() for k, v in args.items()}
+    got = sparse_mla(**args, scale=0.3, impl="numba")
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    for k, v in args.items():
+        assert torch.equal(v, before[k]), k
+
+
+@numba_only
+def test_numba_query_does_not_depend_on_the_other_queries():
+    """A query's result is the same bits whether it is attended alone, in a slice, or in the whole
+    call: a verify step or a prefill split into rounds attends exactly as it would at once."""
+    case = make_case(11, tokens=9, heads=4, top_k=33)
+    whole = sparse_mla(**case, scale=0.25, impl="numba")
+    for lo, hi in [(0, 1), (3, 4), (2, 7), (8, 9)]:
+        part = sparse_mla(case["q_latent"][lo:hi], case["q_rope"][lo:hi], case["kv"], case["slots"][lo:hi],
+                          scale=0.25, impl="numba")
+        assert torch.equal(part, whole[lo:hi])
+
+
+@numba_only
+def test_auto_takes_the_loop_for_small_queries_only(monkeypatch):
+    """``auto`` on a CPU: small queries go to the loop, large ones (heads x slots x (C + R) beyond
+    ``MAX_QUERY_ELEMENTS``), mixed dtypes and tensors that require a gradient to the torch path."""
+    import sys
+
+    import kernels.sparse_mla_numba as compiled
+
+    module = sys.modules["kernels.sparse_mla"]
+
+    calls = []
+    original = compiled.sparse_mla_numba
+    monkeypatch.setattr(compiled, "sparse_mla_numba", lambda *a: calls.append(a[0].shape) or original(*a))
+    small = make_case(0, tokens=2, heads=4, latent=24, rope=8, top_k=40)
+    module.sparse_mla(**small, scale=0.1)
+    assert calls == [(2, 4, 24)]
+    calls.clear()
+    large = make_case(0, tokens=1, heads=16, latent=120, rope=8, rows=300, top_k=200)  # 16 * 200 * 128
+    assert not compiled.pays_for(16, 128, 200)
+    module.sparse_mla(**large, scale=0.1)
+    mixed = {**small, "kv": small["kv"].double()}
+    module.sparse_mla(**mixed, scale=0.1)
+    grad = {**small, "q_latent": small["q_latent"].clone().requires_grad_()}
+    out = module.sparse_mla(**grad, scale=0.1)
+    assert out.requires_grad  # the torch path: the gradient flows
+    assert calls == []
+    with pytest.raises(ValueError, match="numba"):
+        module.sparse_mla(**mixed, scale=0.1, impl="numba")

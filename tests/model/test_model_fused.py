@@ -203,3 +203,22 @@ def test_mtp_store_writes_exactly_the_rows_mtp_forward_writes(path, dtype, n):
     assert capture.stored[0] == capture.attended[0] == cfg.num_hidden_layers
     assert torch.equal(capture.stored[1], capture.attended[1])
     assert torch.equal(capture.stored[2], capture.attended[2])
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 0.0)])
+def test_one_token_on_a_cpu_runs_only_its_chosen_experts(dtype, tol, monkeypatch):
+    """A one-token forward (a decode step of one request) takes the chosen experts one by one, not
+    the dense all-expert path, and equals the module path exactly; two tokens take the dense path."""
+    from pipeline.model.fused import _FusedMoE
+
+    cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)
+    module, fused = _pair(cfg, dtype=dtype)
+    dense_tokens = []
+    original = _FusedMoE._dense
+    monkeypatch.setattr(_FusedMoE, "_dense", lambda self, x, *a: dense_tokens.append(x.shape[0]) or original(self, x, *a))
+    torch.testing.assert_close(_logits(fused, 12).double(), _logits(module, 12).double(), rtol=0, atol=tol)
+    assert dense_tokens and set(dense_tokens) == {12}  # the prefill only, not the one-token decode
+    dense_tokens.clear()
+    torch.testing.assert_close(_logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0,
+                               atol=tol)
+    assert 2 in dense_tokens
