@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels import small_ops_numba
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -207,8 +208,11 @@ class _RopeTables:
         self.cos, self.sin_in = cos, sin
         half = cos.shape[-1] // 2
         self.half = half
+        signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.c = cos[:, None, :]
-        self.s = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)[:, None, :]
+        self.s = signed[:, None, :]
+        # a CPU's compiled loop (the same products and sums, so the same bits) reads the [T, R] tables
+        self.compiled = (cos.contiguous(), signed) if small_ops_numba.fits(cos, sin) and cos.dim() == 2 else None
 
     @classmethod
     def of(cls, cos: Tensor, sin: Tensor) -> _RopeTables:
@@ -219,6 +223,8 @@ class _RopeTables:
 
     def rotate(self, x: Tensor, *, interleaved: bool) -> Tensor:
         """``x [T, heads, R]`` rotated (de-interleaved first when ``interleaved``)."""
+        if self.compiled is not None and small_ops_numba.fits(x, self.c):
+            return small_ops_numba.rotate(x, *self.compiled, interleaved)
         if interleaved:
             x = x.unflatten(-1, (self.half, 2)).transpose(-1, -2).reshape(x.shape)
         return x * self.c + x.roll(self.half, dims=-1) * self.s
