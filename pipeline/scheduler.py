@@ -423,7 +423,10 @@ class SpecPolicy:
     each mode's rate a moving average of its turns, wall time from the turn's first command to its
     outcome). A mode not yet measured at a size is tried first (rounds, then plain steps); the losing
     mode runs again every ``probe_every`` turns of the winner, so a change in acceptance or cost is
-    seen. A batch of one is timed too when its request is greedy (the same tokens either way); a
+    seen. Each mode's first ``warm_up_turns`` turns at a size are not counted (a fresh engine's
+    first round also pays one-off costs, its first forward of that shape among them, and measured
+    alone it made rounds look slower than plain steps in half the runs), so the mode is tried again
+    before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
     sampled request served alone always speculates (so a seeded one stays reproducible).
 
     ``plain_tail``: the last tokens of every stream (no request of the batch may produce D more)
@@ -441,10 +444,12 @@ class SpecPolicy:
     accept_length: float | None = None  # the moving average (None: nothing measured yet)
     plain_steps: int = 0  # plain steps since the last round
     weight: float = 0.2  # of the newest round in the moving average
+    warm_up_turns: int = 1  # timed: each mode's first turns per batch-size group, not counted
     # timed: per batch-size group, tokens/s of [rounds, plain steps] (None: not measured yet) and the
     # winner's turns since the loser last ran
     rates: dict[int, list[float | None]] = attrs.Factory(dict)
     since_probe: dict[int, int] = attrs.Factory(dict)
+    warmed: dict[int, list[int]] = attrs.Factory(dict)  # timed: per group, [rounds, plain steps] skipped
 
     @classmethod
     def from_config(cls, spec) -> SpecPolicy:
@@ -490,11 +495,15 @@ class SpecPolicy:
         if not self._timed(batch_size, greedy) or tokens <= 0 or seconds <= 0:
             return
         group = batch_size.bit_length()
+        mode = 0 if speculative else 1
+        warmed = self.warmed.setdefault(group, [0, 0])
+        if warmed[mode] < self.warm_up_turns:  # a warm-up turn: tried, not counted
+            warmed[mode] += 1
+            return
         rates = self.rates.setdefault(group, [None, None])
         spec, plain = rates
         ran_winner = spec is not None and plain is not None and (spec >= plain) == speculative
         self.since_probe[group] = self.since_probe.get(group, 0) + 1 if ran_winner else 0
-        mode = 0 if speculative else 1
         rate, old = tokens / seconds, rates[mode]
         rates[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
 

@@ -391,7 +391,7 @@ def test_spec_policy_acceptance_rule_with_probes():
 
 
 def test_spec_policy_timed_rule_follows_the_faster_mode_and_probes_the_slower():
-    policy = SpecPolicy(max_batch_size=8, probe_every=3, timed=True)
+    policy = SpecPolicy(max_batch_size=8, probe_every=3, timed=True, warm_up_turns=0)
     assert policy.speculate(1)  # a request served alone always speculates
     policy.record_time(1, 10, 1.0, speculative=False)  # and batches of one are not timed
     assert policy.rates == {}
@@ -414,10 +414,29 @@ def test_spec_policy_timed_rule_follows_the_faster_mode_and_probes_the_slower():
     assert not policy.speculate(9)  # above max_batch_size, plain whatever was measured
 
 
+def test_spec_policy_timed_rule_skips_each_modes_warm_up_turns():
+    """A fresh engine's first round pays one-off costs: the first turn of each mode at a size is
+    tried but not counted, so one slow first round does not hand the batch to plain steps."""
+    policy = SpecPolicy(max_batch_size=8, probe_every=16, timed=True)  # warm_up_turns=1
+    turns = []
+    for _ in range(6):
+        spec = policy.speculate(4)
+        turns.append(spec)
+        first = len([t for t in turns if t == spec]) == 1
+        rate = (5 if first else 30) if spec else 20  # the first round is slow, the next ones are not
+        policy.record_time(4, rate, 1.0, speculative=spec)
+    # round (warm-up), round (30 tokens/s), plain (warm-up), plain (20): rounds win from then on
+    assert turns == [True, True, False, False, True, True]
+    assert policy.rates[3] == [30.0, 20.0]
+    assert policy.speculate(2)  # another group warms up for itself
+    policy.record_time(2, 1, 1.0, speculative=True)
+    assert 2 not in policy.rates and policy.warmed[2] == [1, 0]
+
+
 def test_spec_policy_times_a_greedy_request_served_alone():
     """Alone, a greedy request's tokens are the same either way, so the timed rule decides for it
     too (a request whose drafts are rarely accepted decodes plainly); a sampled one always rounds."""
-    policy = SpecPolicy(max_batch_size=8, probe_every=2, timed=True)
+    policy = SpecPolicy(max_batch_size=8, probe_every=2, timed=True, warm_up_turns=0)
     assert policy.speculate(1, greedy=True)  # nothing measured: a round first
     policy.record_time(1, 2, 1.0, speculative=True, greedy=True)  # rounds: 2 tokens/s
     assert not policy.speculate(1, greedy=True)  # then a plain step
@@ -435,7 +454,7 @@ def test_spec_policy_times_a_greedy_request_served_alone():
 
 def test_decode_part_times_its_turns_for_the_policy():
     aborts = AbortBook()
-    part = DecodePart(aborts, 2, SpecPolicy(timed=True))
+    part = DecodePart(aborts, 2, SpecPolicy(timed=True, warm_up_turns=0))
     reqs = [in_state(rid, State.READY, ignore_eos=True) for rid in "ab"]
     part.accept(reqs)
     script = Script(part.turn(), {Reserve: RoomResult(("a", "b"), ()), Draft: StepResult({}),
