@@ -188,7 +188,7 @@ class Executor:
         # the compiled CPU loops this run will call, before its first step needs them
         kernels.warm_up(self.device, self.dtype, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
                         swap_in=config.hisparse is not None,
-                        attention=(cfg.num_attention_heads, cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.index_topk))
+                        attention=(cfg.num_attention_heads, cfg.kv_row_dim, cfg.index_topk))
         if config.hisparse is not None and self.device.type == "cpu":
             prefill_swap.warm_up()  # a chunk's grouping of its earlier positions
         self.trace = TopKTrace(trace_path, meta=trace_meta(config, cfg, self.dtype)) if trace_path else None

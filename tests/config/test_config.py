@@ -373,6 +373,7 @@ def _stub_model(top_k: int) -> SimpleNamespace:
         kv_row_dim=ROW_DIM,
         index_head_dim=2,
         index_n_heads=2,
+        num_attention_heads=2,
         eos_token_id=None,
         vocab_size=257,
     )
@@ -556,7 +557,8 @@ class _Request:
 
 def test_executor_start_up_warms_the_compiled_loops_its_run_calls(monkeypatch):
     """The first decode step must not pay for compiling the CPU loops: the executor asks for them
-    when it starts, with its device, dtype and indexer shape, and for the swap-in only with HiSparse."""
+    when it starts, with its device, dtype, indexer and attention shapes, and for the swap-in only
+    with HiSparse."""
     import kernels
     from pipeline.executor import Executor
 
@@ -565,7 +567,7 @@ def test_executor_start_up_warms_the_compiled_loops_its_run_calls(monkeypatch):
     for hisparse in (None, HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2)):
         Executor(EngineConfig(dtype="float32", page_size=8, max_context_len=64, max_running_requests=2,
                               device_pool_tokens=256, hisparse=hisparse, speculative=None), model=_stub_model(4))
-    shape = dict(index_heads=2, index_dim=2)
+    shape = dict(index_heads=2, index_dim=2, attention=(2, ROW_DIM, 4))
     assert calls == [("cpu", torch.float32, {**shape, "swap_in": False}), ("cpu", torch.float32, {**shape, "swap_in": True})]
 
 

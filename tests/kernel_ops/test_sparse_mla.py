@@ -278,3 +278,21 @@ def test_auto_takes_the_loop_for_small_queries_only(monkeypatch):
     assert calls == []
     with pytest.raises(ValueError, match="numba"):
         module.sparse_mla(**mixed, scale=0.1, impl="numba")
+
+
+@numba_only
+def test_warm_up_compiles_the_attention_loop_only_where_auto_takes_it(monkeypatch):
+    import kernels
+    import kernels.small_ops_numba as small
+    import kernels.sparse_mla_numba as compiled
+
+    kernels.warm_up("cpu", torch.float64, index_heads=4, index_dim=32, swap_in=False, attention=(4, 80, 64))
+    assert any(sig[0].dtype.name == "float64" for sig in compiled._kernel.signatures)
+    assert any(sig[0].dtype.name == "float64" for sig in small._rms_norm.signatures)
+    called = []
+    monkeypatch.setattr(compiled, "warm_up", called.append)
+    kernels.warm_up("cpu", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(16, 576, 2048))
+    kernels.warm_up("cuda", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(4, 80, 64))
+    assert called == []  # too wide for the loop, or not a CPU run
+    kernels.warm_up("cpu", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(4, 80, 64))
+    assert called == [torch.float32]
