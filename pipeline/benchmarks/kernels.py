@@ -183,6 +183,8 @@ def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict
         ("swap_in", "batch", prep_swap_in, dict(reqs=32, steps=1, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
         ("swap_in", "large", prep_swap_in,
          dict(reqs=4, steps=2, top_k=2048, hot=4096, extra=8, dim=576, ctx=16384)),
+        ("sparse_mla", "decode", prep_sparse_mla, dict(tokens=1, heads=4, latent=64, rope=16, top_k=64)),
+        ("sparse_mla", "verify", prep_sparse_mla, dict(tokens=4, heads=4, latent=64, rope=16, top_k=64)),
         ("sparse_mla", "small", prep_sparse_mla, dict(tokens=32, heads=16, latent=512, rope=64, top_k=64)),
         ("sparse_mla", "large", prep_sparse_mla, dict(tokens=8, heads=128, latent=512, rope=64, top_k=2048)),
         ("kv_copy", "small", prep_copy, dict(layers=1, n=64, dim=576, host_src=False)),
@@ -202,9 +204,11 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
             continue
         prepared = build()
         # on a CPU, swap-in also has the plain-Python, numpy and compiled paths that `auto` chooses
-        # between, and the indexer the compiled loop that `auto` gives decode and verify
+        # between, the indexer the compiled loop that `auto` gives decode and verify, and sparse
+        # attention the loop that `auto` gives small queries
         cpu_paths = {"swap_in": ["python", "numpy"] + (["numba"] if NUMBA else []),
-                     "indexer_topk": ["numba"] if NUMBA else []}
+                     "indexer_topk": ["numba"] if NUMBA else [],
+                     "sparse_mla": ["numba"] if NUMBA else []}
         for impl in impls + (cpu_paths.get(op, []) if device.type == "cpu" else []):
             seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
