@@ -17,7 +17,8 @@ no such promise). Sums run in the score dtype (float32; float64 for float64 tens
 the compiler vectorises them (``reassoc``), so the result agrees with the torch path's to rounding,
 as the Triton kernel's does. A query with no valid slot yields zeros. Float32 and float64 tensors of
 one dtype only (the loop reads numpy views); ``sparse_mla(impl="auto")`` sends CPU calls here when
-numba is installed and a query's work is small (``MAX_QUERY_ELEMENTS``).
+numba is installed and a query's work is small (``MAX_QUERY_ELEMENTS``). A slot past the last row
+raises ``IndexError``, as the torch path's gather does; the loop never reads outside ``kv``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - comp
     num_tokens, heads, latent = q_latent.shape
     rope = q_rope.shape[2]
     top_k = slots.shape[1]
+    rows = kv.shape[0]
     zero = scale - scale  # of the score dtype (scale * 0 would be float64)
     logits = np.empty((heads, top_k), q_latent.dtype)
     used = np.empty(top_k, np.int64)
@@ -62,6 +64,8 @@ def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - comp
             s = slots[t, i]
             if s < 0:
                 continue
+            if s >= rows:  # never read outside ``kv`` (the torch path raises here too)
+                raise IndexError("slots: a slot past the last row of kv")
             for h in range(heads):
                 dot = zero
                 for j in range(latent):

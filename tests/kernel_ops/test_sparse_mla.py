@@ -209,6 +209,16 @@ def test_numba_equals_reference(seed, tokens, heads, top_k, p_masked, slot_dtype
 
 
 @numba_only
+@pytest.mark.parametrize("impl", ["numba", "auto"])
+def test_numba_slot_past_the_rows_raises(impl):
+    """Without ``validate``, a slot past the last row is an IndexError, never a read outside ``kv``."""
+    case = make_case(5, tokens=2, heads=4)
+    case["slots"][1, 3] = case["kv"].shape[0]
+    with pytest.raises(IndexError):
+        sparse_mla(**case, scale=1.0, impl=impl)
+
+
+@numba_only
 def test_numba_empty_calls():
     """No queries, or no slot columns: an empty result, or zeros."""
     case = make_case(0, tokens=2, heads=3)
