@@ -83,6 +83,8 @@ def fits(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., D]`` normalised over its last dimension and scaled by ``weight [D]`` (``fits``)."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match x's last dimension {x.shape[-1]}")
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape, dtype=x.dtype)
     if flat.shape[0]:
@@ -94,6 +96,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """``x [T, heads, R]`` rotated by ``cos, sin [T, R]`` (``sin`` signed ``[-s | s]``), de-interleaved
     first when ``interleaved``; a new contiguous tensor (``fits``)."""
+    table = (x.shape[0], x.shape[-1])
+    if x.dim() != 3 or x.shape[-1] % 2 or cos.shape != table or sin.shape != table:
+        raise ValueError(f"cos, sin: shapes {tuple(cos.shape)}, {tuple(sin.shape)} do not fit x {tuple(x.shape)}")
     out = torch.empty(x.shape, dtype=x.dtype)
     if x.numel():
         _rotate(x.detach().numpy(), cos.numpy(), sin.numpy(), interleaved, out.numpy())

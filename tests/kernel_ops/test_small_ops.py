@@ -50,6 +50,15 @@ def test_rotate_equals_the_torch_ops_bit_for_bit(seed, tokens, heads, half, inte
     assert torch.equal(got, want)
 
 
+def test_mismatched_shapes_raise_instead_of_reading_past_a_tensor():
+    with pytest.raises(ValueError, match="weight"):
+        so.rms_norm(torch.ones(2, 4), torch.ones(3), 1e-6)
+    with pytest.raises(ValueError, match="cos"):
+        so.rotate(torch.ones(2, 1, 4), torch.ones(2, 2), torch.ones(2, 2), False)
+    with pytest.raises(ValueError, match="cos"):
+        so.rotate(torch.ones(3, 1, 4), torch.ones(2, 4), torch.ones(2, 4), True)
+
+
 def test_fits_only_cpu_tensors_of_one_float_dtype():
     x = torch.ones(2, 3)
     assert so.fits(x, torch.ones(3))
