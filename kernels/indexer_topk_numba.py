@@ -11,7 +11,9 @@ is written. Consecutive queries of one request (a verify step's) share each bloc
 the key rows the first of them read are still in cache for the others.
 
 The heap keeps the contract's order: an entry is worse than another when its score is lower, or
-equal and its position higher. Positions come in increasing order, so a new score enters a full heap
+equal and its position higher. Until it holds ``top_k`` entries they are kept in arrival order and
+ordered once, bottom-up, when it fills (or at the end for a row that never fills), which costs less
+than sifting each one in. Positions come in increasing order, so a new score enters a full heap
 only if it is strictly above the worst one (an equal score comes later and loses the tie). The heap
 is emptied worst first into the back of the output row, which leaves it in contract order; rows with
 fewer visible positions than ``top_k`` are padded with -1, and a ``-inf`` score is never selected
@@ -78,27 +80,26 @@ def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
     heap_p[i] = pos
 
 
-@_jit(inline="always")
-def _offer(heap_s, heap_p, size, top_k, score, pos):  # pragma: no cover - compiled
-    """Offer position ``pos`` (later than every position offered before) to the heap ``[:size]`` of
-    at most ``top_k`` entries; returns the heap's new size."""
-    if score == -np.inf:
-        return size
-    if size < top_k:  # sift up from the new leaf
-        i = size
-        while i > 0:
-            parent = (i - 1) >> 1
-            if not _worse(score, pos, heap_s[parent], heap_p[parent]):
+@_jit()
+def _heapify(heap_s, heap_p, size):  # pragma: no cover - compiled
+    """Order the entries ``[:size]`` (in any order) as the min-heap (Floyd's bottom-up build)."""
+    for start in range(size // 2 - 1, -1, -1):
+        score = heap_s[start]
+        pos = heap_p[start]
+        i = start
+        while True:
+            child = 2 * i + 1
+            if child >= size:
                 break
-            heap_s[i] = heap_s[parent]
-            heap_p[i] = heap_p[parent]
-            i = parent
+            if child + 1 < size and _worse(heap_s[child + 1], heap_p[child + 1], heap_s[child], heap_p[child]):
+                child += 1
+            if not _worse(heap_s[child], heap_p[child], score, pos):
+                break
+            heap_s[i] = heap_s[child]
+            heap_p[i] = heap_p[child]
+            i = child
         heap_s[i] = score
         heap_p[i] = pos
-        return size + 1
-    if score > heap_s[0]:
-        _sift_down(heap_s, heap_p, size, score, pos)
-    return size
 
 
 @_jit(fastmath={"reassoc", "contract", "nsz"})
@@ -140,12 +141,22 @@ def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma:
                     scores[i] = score
                 hs, hp, size = heap_s[t], heap_p[t], sizes[t]
                 for i in range(seen):
-                    if size < top_k or scores[i] > hs[0]:  # most are below the worst kept: skip the call
-                        size = _offer(hs, hp, size, top_k, scores[i], start + i)
+                    score = scores[i]
+                    if size < top_k:  # filling: kept unordered, ordered once when full
+                        if score != -np.inf:
+                            hs[size] = score
+                            hp[size] = start + i
+                            size += 1
+                            if size == top_k:
+                                _heapify(hs, hp, size)
+                    elif score > hs[0]:  # most are below the worst kept: skip the call
+                        _sift_down(hs, hp, size, score, start + i)
                 sizes[t] = size
         first = last
     for t in range(num_tokens):
         hs, hp, size = heap_s[t], heap_p[t], sizes[t]
+        if size < top_k:  # never filled: still unordered
+            _heapify(hs, hp, size)
         for k in range(size, top_k):
             out[t, k] = -1
         while size > 0:  # worst first, into the back
