@@ -74,13 +74,18 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     case. The others are repaired: every entry ``> v`` and the lowest positions among those
     ``== v``, then a stable descending sort of the k positions taken in position order, which gives
     the contract's order. Rows whose ``v`` is ``-inf`` need no repair of the cut: whichever
-    invisible positions are picked, they come last and come out as -1.
+    invisible positions are picked, they come last and come out as -1. Rows no longer than
+    ``top_k`` (a short prompt's prefill) keep every entry: one stable sort of each gives the order.
     """
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows, k = lead.numel(), min(top_k, n)
     scores = scores.reshape(rows, n)
     out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or rows == 0:
+        return out.view(*lead, top_k)
+    if n <= top_k:  # every entry is taken: one stable sort of the row is the contract's order
+        values, pos = torch.sort(scores, dim=-1, descending=True, stable=True)
+        out[:, :k] = torch.where(values == float("-inf"), -1, pos).to(torch.int32)
         return out.view(*lead, top_k)
     values, pos = torch.topk(scores, k, dim=-1, sorted=True)  # [rows, k], values descending
     kth = values[:, -1:]
