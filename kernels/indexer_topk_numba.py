@@ -62,9 +62,9 @@ def _worse(score_a, pos_a, score_b, pos_b):  # pragma: no cover - compiled
 
 
 @_jit()
-def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
-    """Put (score, pos) at the root of the min-heap ``[:size]`` (worst at the root) and restore it."""
-    i = 0
+def _sift_from(heap_s, heap_p, size, i, score, pos):  # pragma: no cover - compiled
+    """Put (score, pos) at index ``i`` of the min-heap ``[:size]`` (worst at the root), whose
+    subtrees below ``i`` are heaps, and sift it down."""
     while True:
         child = 2 * i + 1
         if child >= size:
@@ -81,25 +81,16 @@ def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
 
 
 @_jit()
+def _sift_down(heap_s, heap_p, size, score, pos):  # pragma: no cover - compiled
+    """Put (score, pos) at the root of the min-heap ``[:size]`` and restore it."""
+    _sift_from(heap_s, heap_p, size, 0, score, pos)
+
+
+@_jit()
 def _heapify(heap_s, heap_p, size):  # pragma: no cover - compiled
     """Order the entries ``[:size]`` (in any order) as the min-heap (Floyd's bottom-up build)."""
     for start in range(size // 2 - 1, -1, -1):
-        score = heap_s[start]
-        pos = heap_p[start]
-        i = start
-        while True:
-            child = 2 * i + 1
-            if child >= size:
-                break
-            if child + 1 < size and _worse(heap_s[child + 1], heap_p[child + 1], heap_s[child], heap_p[child]):
-                child += 1
-            if not _worse(heap_s[child], heap_p[child], score, pos):
-                break
-            heap_s[i] = heap_s[child]
-            heap_p[i] = heap_p[child]
-            i = child
-        heap_s[i] = score
-        heap_p[i] = pos
+        _sift_from(heap_s, heap_p, size, start, heap_s[start], heap_p[start])
 
 
 @_jit(fastmath={"reassoc", "contract", "nsz"})
