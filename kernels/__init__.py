@@ -36,19 +36,30 @@ def warm_up(
     """On a CPU, compile (or load from numba's disk cache) the compiled loops a run will call: the
     decode indexer when ``impl="auto"`` gives it an indexer of ``index_heads`` x ``index_dim`` in
     ``dtype`` (``indexer_topk_numba.pays_for``), the sparse attention when it gives it queries of
-    ``attention`` = (heads, C + R, top-k) (``sparse_mla_numba.pays_for``), the norms and rotations
+    ``attention`` = (heads, C + R, top-k) (``sparse_mla_numba.pays_for``), the one-call decode
+    attention when both do (``hisparse_attend_numba``), the norms and rotations
     (``small_ops_numba``), and the swap-in when the run has one (HiSparse).
     The executor calls it when it starts, so that the first decode step does not pay for the
     compilation. Elsewhere, and without numba, nothing."""
     if torch.device(device).type != "cpu":
         return
-    from kernels import indexer_topk_numba, kv_copy_numba, small_ops_numba, sparse_mla_numba, swap_in_numba
+    from kernels import (
+        hisparse_attend_numba,
+        indexer_topk_numba,
+        kv_copy_numba,
+        small_ops_numba,
+        sparse_mla_numba,
+        swap_in_numba,
+    )
 
     small_ops_numba.warm_up(dtype)  # every layer's norms and rotations
-    if indexer_topk_numba.pays_for(index_heads, index_dim):
+    indexer = indexer_topk_numba.pays_for(index_heads, index_dim)
+    if indexer:
         indexer_topk_numba.warm_up(dtype)
     if attention is not None and sparse_mla_numba.pays_for(*attention):
         sparse_mla_numba.warm_up(dtype)
+        if indexer:  # decode, verify and draft layers then take the one call
+            hisparse_attend_numba.warm_up(dtype)
     if swap_in:
         swap_in_numba.warm_up()
         kv_copy_numba.warm_up()  # its misses' row copies, and the backups

@@ -24,7 +24,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
-from kernels.indexer_topk import indexer_topk
+from kernels import hisparse_attend_numba
+from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import SwapInResult
 from pipeline.hisparse.prefill_swap import prefill_swap_rounds
@@ -83,9 +84,14 @@ class HiSparseBackend:
     # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
     # the same for every layer of the forward, so found once
     _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
+    # decode / verify: the coordinator's pools for the compiled attention, False where it cannot serve
+    # (decided at the first layer), None before
+    _pools: Any = attrs.field(default=None, init=False)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
+        if self.steps and not inputs.reuse_topk and self._compiled_fits(inputs):
+            return self._attend_compiled(inputs, layer)
         kv = self.coord.device_kv[layer]  # [rows, C + R]
         keys = self.coord.index_k[layer]  # [logical rows, Di]
         kv[self.write_slots] = inputs.kv_rows.to(kv.dtype)
@@ -109,6 +115,44 @@ class HiSparseBackend:
             top, self.last_near = top[:, : inputs.top_k].contiguous(), top[:, inputs.top_k :].contiguous()
         self.last_topk = top
         return self._attend_selected(inputs, layer, kv, top)
+
+    def _compiled_fits(self, inputs: AttentionInputs) -> bool:
+        """A decode or verify layer goes to ``kernels.hisparse_attend_numba`` (one compiled call for
+        the writes, the selection, the swap-in and the attention, the same loops as the steps
+        below): on a CPU whose pools the coordinator can hand over, nothing traced, no near
+        positions wanted, at most ``MATMUL_MIN_QUERIES`` steps (the indexer's compiled loop takes
+        every query then), and shapes both loops take. Decided at the first layer, for the forward."""
+        if self._pools is None:
+            pools = None
+            if self.trace is None and self.near_margin == 0 and self.steps <= MATMUL_MIN_QUERIES:
+                make = getattr(self.coord, "compiled_pools", None)
+                pools = make() if make is not None else None
+            if pools is not None and not hisparse_attend_numba.fits(
+                inputs.q_latent, self.coord.device_kv, self.coord.index_k, inputs.index_q, self.coord.host.kv,
+                inputs.top_k,
+            ):
+                pools = None
+            self._pools = pools if pools is not None else False
+        return self._pools is not False
+
+    def _attend_compiled(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
+        coord, steps = self.coord, self.steps
+        seq_lens = self.positions + 1
+        out, top, slots, counts, (_, hits, misses, lost), complete = hisparse_attend_numba.attend(
+            self._pools, layer, self.write_slots, inputs.kv_rows, self.write_locs, inputs.index_k,
+            inputs.index_q, inputs.index_w, self.req_rows, seq_lens, inputs.index_scale, inputs.top_k,
+            steps, coord.hot, coord.policy, inputs.q_latent, inputs.q_rope, inputs.attn_scale,
+        )
+        self.last_topk = top
+        batch = top.shape[0] // steps
+        rows = self.req_rows[::steps]
+        top3, lens2 = top.view(batch, steps, -1), seq_lens.view(batch, steps)
+        result = SwapInResult(slots, counts, self._pools.row_bytes,
+                              (hits, misses, lost, misses * self._pools.row_bytes), complete)
+        coord.record_swap_in(layer, result, top3, lens2, rows)
+        if out is not None:
+            return out
+        return self._attend_swapped(inputs, layer, coord.device_kv[layer], top, first=result)
 
     def _attend_selected(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
@@ -158,7 +202,8 @@ class HiSparseBackend:
         return self._chunks
 
     def _attend_swapped(
-        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
+        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor,
+        first: SwapInResult | None = None,
     ) -> torch.Tensor:
         steps = self.steps
         batch = top.shape[0] // steps
@@ -167,7 +212,7 @@ class HiSparseBackend:
         seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
         near3 = None if self.last_near is None else self.last_near.reshape(batch, steps, -1)
         out: torch.Tensor | None = None
-        for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows, near3):
+        for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows, near3, first):
             if out is None and idx.numel() == top.shape[0]:  # the common case: one call resolved all
                 return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
             if out is None:
@@ -178,13 +223,14 @@ class HiSparseBackend:
 
     def _swap_rounds(
         self, layer: int, top3: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
-        near3: torch.Tensor | None = None,
+        near3: torch.Tensor | None = None, first: SwapInResult | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Swap-in of ``top3 [B, S, K]``, in as many calls as the hot region needs: yields (flat
         indices of the steps resolved by one call, their slots ``[n, K]``). The caller attends over
-        them before resuming, because the next call may evict their columns."""
+        them before resuming, because the next call may evict their columns. ``first``: the first
+        call's result, when it was made already (the compiled attention's)."""
         batch, steps = top3.shape[:2]
-        result = self.coord.swap_in(layer, top3, seq_lens, rows, near=near3)
+        result = first if first is not None else self.coord.swap_in(layer, top3, seq_lens, rows, near=near3)
         flat = result.slots.reshape(batch * steps, -1)
         if result.all_steps_done(steps):
             yield torch.arange(batch * steps, device=top3.device), flat

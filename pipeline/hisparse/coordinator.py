@@ -31,6 +31,7 @@ import attrs
 import structlog
 import torch
 
+from kernels import hisparse_attend_numba
 from kernels.kv_copy import copy_rows
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_policy import near_margin
@@ -579,10 +580,34 @@ class HiSparseCoordinator:
             near=near,
             check=False,  # the coordinator built every argument
         )
+        self.record_swap_in(layer, result, top_k_pos, seq_lens, rows)
+        return result
+
+    def record_swap_in(
+        self, layer: int, result: SwapInResult, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+    ) -> None:
+        """Count one swap-in call of ``layer`` (this method's or the compiled attention's, which
+        runs the same loop) and report any unrecoverable miss."""
         self.counters.add_swap_in(layer, result)
         if self.counters.last_unrecoverable:
             self._log_unrecoverable(layer, top_k_pos, seq_lens, rows, result)
-        return result
+
+    def compiled_pools(self) -> hisparse_attend_numba.Pools | None:
+        """The views ``kernels.hisparse_attend_numba`` reads, when every pool and table is in CPU
+        memory (None otherwise: the step-by-step path serves the layer)."""
+        tensors = (self.device_kv, self.index_k, self.buffers.tokens, self.host.kv,
+                   self.req_to_token_device, self.req_to_host_device)
+        if not hisparse_attend_numba.AVAILABLE or any(t.device.type != "cpu" for t in tensors):
+            return None
+        return hisparse_attend_numba.Pools(
+            self.device_kv, self.index_k, self.buffers.tokens, self.buffers.locs, self.buffers.lru,
+            self.host.kv, self.req_to_token_device, self.req_to_host_device,
+        )
+
+    @property
+    def policy(self) -> str:
+        """The swap-in's replacement policy (``HiSparseConfig.policy``)."""
+        return self.plan.policy
 
     def _log_unrecoverable(
         self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, result: SwapInResult

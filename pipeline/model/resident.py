@@ -20,7 +20,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from kernels.indexer_topk import indexer_topk
+from kernels import hisparse_attend_numba
+from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
 from kernels.sparse_mla import sparse_mla
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.config import ModelConfig
@@ -85,6 +86,9 @@ class ResidentBackend:
     # False where ``store.req_to_token`` is another owner's table that already holds the layout's
     # locations (a draft pool reading the target's token table): ``begin`` then leaves it alone
     records_layout: bool = True
+    # the numpy views of the pools when ``kernels.hisparse_attend_numba`` serves this forward's
+    # layers, False when it cannot, None before the first layer decides
+    _compiled: object = attrs.field(default=None, init=False)
 
     def begin(self, layout: ForwardLayout) -> None:
         """Set the layout for the next forward and record its locations in ``req_to_token``."""
@@ -92,6 +96,7 @@ class ResidentBackend:
             self.store.req_to_token[layout.req_rows, layout.positions] = layout.write_locs
         self.layout = layout
         self.last_topk = None
+        self._compiled = None
 
     def attend(self, inputs: AttentionInputs) -> Tensor:
         layout = self.layout
@@ -99,9 +104,41 @@ class ResidentBackend:
             raise RuntimeError("ResidentBackend.attend called before begin(layout)")
         if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
             raise ValueError("the forward's token count does not match the layout")
+        if not inputs.reuse_topk and self._compiled_fits(inputs, layout):
+            kv_all, keys_all = self._compiled
+            out, self.last_topk = hisparse_attend_numba.attend_resident(
+                kv_all, keys_all, inputs.layer, layout.write_locs, inputs.kv_rows, inputs.index_k,
+                inputs.index_q, inputs.index_w, self.store.req_to_token, layout.req_rows, layout.positions + 1,
+                inputs.index_scale, inputs.top_k, inputs.q_latent, inputs.q_rope, inputs.attn_scale,
+            )
+            return out
         self.store_rows(inputs.layer, inputs.kv_rows, inputs.index_k)
         slots = self.select_slots(inputs, self.store.index_k[inputs.layer])  # [T, K]
         return self.attend_slots(inputs, self.store.kv[inputs.layer], slots)
+
+    def _compiled_fits(self, inputs: AttentionInputs, layout: ForwardLayout) -> bool:
+        """The layer goes to ``kernels.hisparse_attend_numba.attend_resident`` (the writes, the
+        indexer's compiled loop, the locations and sparse MLA's compiled loop in one call, the same
+        results as the steps of ``attend``): this class itself (the host-row variants move rows
+        between memories), CPU pools and tables, shapes both loops take, and at most
+        ``MATMUL_MIN_QUERIES`` queries per request (decode, verify, a draft step; a prefill's
+        indexer runs on matmuls). Decided at the forward's first layer."""
+        if self._compiled is None:
+            store = self.store
+            ok = (
+                type(self) is ResidentBackend
+                and inputs.index_q is not None
+                and store.req_to_token.device.type == "cpu"
+                and store.req_to_token.dtype == torch.int64
+                and hisparse_attend_numba.fits(
+                    inputs.q_latent, store.kv, store.index_k, inputs.index_q, store.kv, inputs.top_k
+                )
+            )
+            rows = layout.req_rows
+            if ok and rows.numel() > MATMUL_MIN_QUERIES:
+                ok = int(torch.bincount(rows).max()) <= MATMUL_MIN_QUERIES
+            self._compiled = (store.kv.numpy(), store.index_k.numpy()) if ok else False
+        return self._compiled is not False
 
     def attend_slots(self, inputs: AttentionInputs, kv: Tensor, slots: Tensor) -> Tensor:
         """Sparse MLA of the forward's queries over the rows of ``kv`` (one layer's) that ``slots`` names."""

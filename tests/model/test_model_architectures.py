@@ -26,6 +26,7 @@ from _hf_oracle import hf_float64_patches, random_hf_model, tiny_glm_config, tin
 from _model_util import new_backend, prefill_logits, run
 
 import pipeline.hisparse.backend as hisparse_backend
+from kernels import hisparse_attend_numba
 from pipeline import Engine, EngineConfig, SamplingParams
 from pipeline.config import HiSparseConfig, SpeculativeConfig
 from pipeline.logs import configure_logging
@@ -164,6 +165,22 @@ async def test_glm_shared_layers_run_no_indexer_and_count_their_own_swaps(pair, 
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(hisparse_backend, "indexer_topk", counted_topk)
+    real_one_call, real_warm_up = hisparse_attend_numba.attend, hisparse_attend_numba.warm_up
+    warming = [False]
+
+    def counted_one_call(*args):  # a full layer's decode on a CPU: its indexer pass inside one call
+        passes[0] += not warming[0]  # (the engine's start-up compiles it with one call)
+        return real_one_call(*args)
+
+    def warm_up(*args):
+        warming[0] = True
+        try:
+            real_warm_up(*args)
+        finally:
+            warming[0] = False
+
+    monkeypatch.setattr(hisparse_attend_numba, "attend", counted_one_call)
+    monkeypatch.setattr(hisparse_attend_numba, "warm_up", warm_up)
     monkeypatch.setattr(ours, "forward", counted_forward)
     prompts = [_ids(n, ours.cfg.vocab_size, 30 + n).tolist() for n in PROMPT_LENS]
     _, stats = await _engine_tokens(ours, _engine_config(None), prompts)

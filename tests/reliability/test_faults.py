@@ -14,6 +14,7 @@ import anyio
 import pytest
 from _reliability_util import small_config
 
+from kernels import hisparse_attend_numba
 from pipeline import Engine, RequestFailed, SamplingParams
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
@@ -130,6 +131,16 @@ async def test_a_swap_in_fault_fails_the_request_it_was_for(tiny_model, monkeypa
         return real(self, layer, top_k_pos, seq_lens, rows, **kwargs)
 
     monkeypatch.setattr(HiSparseCoordinator, "swap_in", swap_in)
+    real_one_call = hisparse_attend_numba.attend
+
+    def one_call(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, seq_lens, *rest):
+        # a decode layer's swap-in runs inside the one-call CPU attention: the same fault there
+        if culprit_rows & set(rows.tolist()) and int(seq_lens.max()) > 42:
+            raise RuntimeError("injected swap-in fault")
+        return real_one_call(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows,
+                             seq_lens, *rest)
+
+    monkeypatch.setattr(hisparse_attend_numba, "attend", one_call)
     real_admit = Executor.admit
 
     def admit(self, sequences):

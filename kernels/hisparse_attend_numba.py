@@ -1,0 +1,257 @@
+"""One layer's HiSparse decode or verify attention on a CPU as one compiled call, with numba.
+
+``pipeline.hisparse.backend`` runs a decode (or verify) layer as five steps: write the new tokens'
+cache rows and indexer keys, select each query's top-k positions (``kernels.indexer_topk``),
+resolve them to device slots, loading misses from host (``kernels.swap_in``), and attend over the
+slots (``kernels.sparse_mla``). On a CPU each step is already a compiled loop, but each is also a
+Python call with its own argument handling, numpy views, result objects and counters: at batch 1
+of a small model, glue of about 140 us against 35 us of loops per layer. ``attend`` here runs the
+same five steps as one call: the writes, then the very same compiled loops (``indexer_topk_numba``,
+``swap_in_numba``, ``sparse_mla_numba``, called from compiled code), then the misses' row copies,
+then the attention. So the selections, the swap-in's state and counts and the attention output are
+the ones the step-by-step path produces, bit for bit (the tests compare them).
+
+A verify whose steps do not all fit the hot region in one swap-in call (``complete`` False) stops
+after the swap-in: the caller attends over the steps resolved so far and continues with the
+step-by-step path (``HiSparseBackend``).
+
+``fits`` says when the call can be made: numba installed, CPU tensors, the queries, cache rows,
+indexer keys and host rows of one float32/float64 dtype, and shapes for which ``impl="auto"`` sends
+both the indexer and the attention to their compiled loops (``pays_for`` of each).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kernels import indexer_topk_numba, sparse_mla_numba, swap_in_numba
+from kernels.swap_in_policy import policy_code
+
+try:
+    import numba
+except ImportError:  # a platform without numba's wheels: the step-by-step path does the work
+    numba = None
+
+AVAILABLE = numba is not None and indexer_topk_numba.AVAILABLE and swap_in_numba.AVAILABLE
+DTYPES = (torch.float32, torch.float64)
+
+# the compiled loops this one calls (module globals, so that numba resolves them when it compiles)
+_index_kernel = indexer_topk_numba._kernel
+_mla_kernel = sparse_mla_numba._kernel
+_swap_kernel = swap_in_numba._compiled_kernel() if AVAILABLE else None
+
+
+def _attend(  # pragma: no cover - compiled
+    kv_all, keys_all, tokens_all, lru_all, host_all, layer,
+    write_slots, kv_rows, write_locs, index_k,
+    index_q, index_w, req_to_token, token_rows, lens, index_scale, top_k,
+    steps, locs, req_to_host, hot, policy,
+    q_latent, q_rope, attn_scale,
+    top, slots, counts, copy_src, copy_dst, out,
+):
+    kv = kv_all[layer]
+    keys = keys_all[layer]
+    for t in range(write_slots.shape[0]):
+        kv[write_slots[t], :] = kv_rows[t, :]
+        keys[write_locs[t], :] = index_k[t, :]
+    _index_kernel(index_q, index_w, keys, req_to_token, token_rows, lens, index_scale, top_k, top)
+    num_tokens = top.shape[0]
+    batch = num_tokens // steps
+    top3 = top.reshape((batch, steps, top_k))
+    lens2 = lens.reshape((batch, steps))
+    rows = np.empty(batch, np.int64)
+    for b in range(batch):
+        rows[b] = token_rows[b * steps]
+    near = np.empty((batch, steps, 0), np.int32)
+    copies, hits, misses, lost, complete = _swap_kernel(
+        top3, lens2, rows, tokens_all[layer], locs, lru_all[layer], req_to_host, hot, policy, near,
+        slots, counts, copy_src, copy_dst,
+    )
+    host = host_all[layer]
+    for i in range(copies):
+        kv[copy_dst[i], :] = host[copy_src[i], :]
+    if complete:
+        _mla_kernel(q_latent, q_rope, kv, slots.reshape((num_tokens, top_k)), attn_scale, out)
+    return copies, hits, misses, lost, complete
+
+
+def _attend_resident(  # pragma: no cover - compiled
+    kv_all, keys_all, layer, write_locs, kv_rows, index_k,
+    index_q, index_w, req_to_token, token_rows, lens, index_scale, top_k,
+    q_latent, q_rope, attn_scale, top, slots, out,
+):
+    kv = kv_all[layer]
+    keys = keys_all[layer]
+    for t in range(write_locs.shape[0]):
+        kv[write_locs[t], :] = kv_rows[t, :]
+        keys[write_locs[t], :] = index_k[t, :]
+    _index_kernel(index_q, index_w, keys, req_to_token, token_rows, lens, index_scale, top_k, top)
+    for t in range(top.shape[0]):  # positions -> locations (``positions_to_slots``)
+        row = token_rows[t]
+        for k in range(top_k):
+            p = top[t, k]
+            slots[t, k] = req_to_token[row, p] if p >= 0 else -1
+    _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
+
+
+_compiled = None
+_compiled_resident = None
+
+
+def _compiled_attend():
+    global _compiled
+    if _compiled is None:
+        _compiled = numba.njit(cache=True, nogil=True)(_attend)
+    return _compiled
+
+
+def _compiled_attend_resident():
+    global _compiled_resident
+    if _compiled_resident is None:
+        _compiled_resident = numba.njit(cache=True, nogil=True)(_attend_resident)
+    return _compiled_resident
+
+
+def fits(q_latent: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, index_q: torch.Tensor,
+         host_kv: torch.Tensor, top_k: int) -> bool:
+    """The one call can take this layer: numba installed, CPU tensors of one float32/64 dtype (the
+    host rows too), and shapes that ``impl="auto"`` sends to the compiled indexer and attention."""
+    tensors = (q_latent, kv, keys, index_q, host_kv)
+    dtype = q_latent.dtype
+    return (
+        AVAILABLE
+        and dtype in DTYPES
+        and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
+        and indexer_topk_numba.pays_for(index_q.shape[1], index_q.shape[2])
+        and sparse_mla_numba.pays_for(q_latent.shape[1], kv.shape[-1], top_k)
+    )
+
+
+class Pools:
+    """The numpy views of a coordinator's per-layer pools and tables that every call reads, taken
+    once (per forward: the tensors do not move within one)."""
+
+    def __init__(self, device_kv, index_k, buffer_tokens, buffer_locs, lru, host_kv, req_to_token, req_to_host):
+        self.kv = device_kv.numpy()  # [L, rows, C + R]
+        self.keys = index_k.numpy()  # [L, logical rows, Di]
+        self.tokens = buffer_tokens.numpy()  # [L, N, HOT + P]
+        self.locs = buffer_locs.numpy()  # [N, HOT + P]
+        self.lru = lru.numpy()  # [L, N, HOT]
+        self.host = host_kv.numpy()  # [L, host rows, C + R]
+        self.req_to_token = req_to_token.numpy()
+        self.req_to_host = req_to_host.numpy()
+        self.row_bytes = device_kv.shape[-1] * device_kv.element_size()
+
+
+def attend(
+    pools: Pools,
+    layer: int,
+    write_slots: torch.Tensor,  # [T] int64 device slot of each new token's cache row
+    kv_rows: torch.Tensor,  # [T, C + R]
+    write_locs: torch.Tensor,  # [T] int64 logical location of each new token's indexer key
+    index_k: torch.Tensor,  # [T, Di]
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    token_rows: torch.Tensor,  # [T] int64 request row of each token, request-major
+    seq_lens: torch.Tensor,  # [T] int64 positions each token sees
+    index_scale: float,
+    top_k: int,
+    steps: int,  # tokens per request (1 decode, D verify)
+    hot: int,
+    policy: str,
+    q_latent: torch.Tensor,  # [T, H, C]
+    q_rope: torch.Tensor,  # [T, H, R]
+    attn_scale: float,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool]:
+    """The layer's writes, selection, swap-in and attention (module docstring; ``fits`` first).
+
+    Returns ``(out [T, H, C] or None, top [T, K] int32, slots [B, S, K] int32, counts [B, 4] int32,
+    (copies, hits, misses, unrecoverable), complete)``; ``out`` is None when the swap-in stopped
+    before some step (``complete`` False): the caller attends over the resolved steps."""
+    num_tokens = q_latent.shape[0]
+    batch = num_tokens // steps
+    wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
+    top = np.empty((num_tokens, top_k), dtype=np.int32)
+    slots = np.empty((batch, steps, top_k), dtype=np.int32)
+    counts = np.zeros((batch, 4), dtype=np.int32)
+    copy_src = np.empty(num_tokens * top_k, dtype=np.int64)
+    copy_dst = np.empty(num_tokens * top_k, dtype=np.int64)
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
+    copies, hits, misses, lost, complete = _compiled_attend()(
+        pools.kv, pools.keys, pools.tokens, pools.lru, pools.host, layer,
+        write_slots.numpy(), kv_rows.contiguous().numpy(), write_locs.numpy(), index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(), index_w.contiguous().numpy(), pools.req_to_token, token_rows.numpy(),
+        seq_lens.numpy(), wide(index_scale), top_k,
+        steps, pools.locs, pools.req_to_host, hot, policy_code(policy),
+        q_latent.contiguous().numpy(), q_rope.contiguous().numpy(), wide(attn_scale),
+        top, slots, counts, copy_src, copy_dst, out.numpy(),
+    )
+    return (
+        out if complete else None,
+        torch.from_numpy(top),
+        torch.from_numpy(slots),
+        torch.from_numpy(counts),
+        (copies, hits, misses, lost),
+        complete,
+    )
+
+
+def attend_resident(
+    kv_all: np.ndarray,  # [L, rows, C + R] numpy view of the pool
+    keys_all: np.ndarray,  # [L, rows, Di]
+    layer: int,
+    write_locs: torch.Tensor,  # [T] int64 location of each new token's rows
+    kv_rows: torch.Tensor,  # [T, C + R]
+    index_k: torch.Tensor,  # [T, Di]
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    req_to_token: torch.Tensor,  # [N, max_ctx] int64 locations
+    token_rows: torch.Tensor,  # [T] int64
+    seq_lens: torch.Tensor,  # [T] int64
+    index_scale: float,
+    top_k: int,
+    q_latent: torch.Tensor,  # [T, H, C]
+    q_rope: torch.Tensor,  # [T, H, R]
+    attn_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-resident layer (``pipeline.model.resident.ResidentBackend``) in one call: the rows
+    written at their locations, the indexer's top-k positions, their locations, sparse MLA. Returns
+    ``(out [T, H, C], top [T, K] int32 positions)``."""
+    num_tokens = q_latent.shape[0]
+    wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
+    top = np.empty((num_tokens, top_k), dtype=np.int32)
+    slots = np.empty((num_tokens, top_k), dtype=np.int64)
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
+    _compiled_attend_resident()(
+        kv_all, keys_all, layer, write_locs.numpy(), kv_rows.contiguous().numpy(), index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(), index_w.contiguous().numpy(), req_to_token.numpy(), token_rows.numpy(),
+        seq_lens.numpy(), wide(index_scale), top_k,
+        q_latent.contiguous().numpy(), q_rope.contiguous().numpy(), wide(attn_scale), top, slots, out.numpy(),
+    )
+    return out, torch.from_numpy(top)
+
+
+def warm_up(dtype: torch.dtype = torch.float32) -> None:
+    """Compile (or load from numba's disk cache) the call for ``dtype``, with the argument types a
+    run gives it (int64 token tables, contiguous inputs)."""
+    if not AVAILABLE or dtype not in DTYPES:
+        return
+    rows, dim, idim = 4, 3, 2
+    pools = Pools(
+        torch.zeros(1, rows, dim, dtype=dtype), torch.zeros(1, rows, idim, dtype=dtype),
+        torch.tensor([[[0, -1]]], dtype=torch.int32), torch.tensor([[1, -1]], dtype=torch.int64),
+        torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 2, dim, dtype=dtype),
+        torch.tensor([[0, 2]], dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64),
+    )
+    one = torch.zeros(1, dtype=torch.int64)
+    attend(
+        pools, 0, one + 3, torch.zeros(1, dim, dtype=dtype), one + 2, torch.zeros(1, idim, dtype=dtype),
+        torch.zeros(1, 1, idim, dtype=dtype), torch.zeros(1, 1, dtype=dtype), one, one + 1, 1.0, 1, 1, 1, "lru",
+        torch.zeros(1, 1, dim - 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype), 1.0,
+    )
+    attend_resident(
+        pools.kv, pools.keys, 0, one + 1, torch.zeros(1, dim, dtype=dtype), torch.zeros(1, idim, dtype=dtype),
+        torch.zeros(1, 1, idim, dtype=dtype), torch.zeros(1, 1, dtype=dtype), torch.tensor([[1, 2]]), one, one + 1,
+        1.0, 1, torch.zeros(1, 1, dim - 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype), 1.0,
+    )
