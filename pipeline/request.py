@@ -125,8 +125,10 @@ class Request:
                 self.finish_reason, self.error = "error", event.reason
             else:
                 self.finish_reason = getattr(event, "reason", None) or self.state.value
+        if not info_enabled():  # nothing would be written: spare the fields and the logger's bind
+            return self.state
         fields = attrs.asdict(event) if attrs.has(type(event)) else {}
-        if stage is not None and info_enabled():
+        if stage is not None:
             with request_context(self.request_id, stage):
                 log.info(event.name, request_id=self.request_id, from_state=before.value,
                          state=self.state.value, **fields, **figures)

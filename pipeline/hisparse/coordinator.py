@@ -414,10 +414,19 @@ class HiSparseCoordinator:
 
     def _room(self, row: int, new_tokens: int, speculative: bool) -> tuple[int, int, int] | None:
         """``decode_needs`` when every pool can give them, else None (changes nothing)."""
-        if self._mem[row].length + new_tokens > self.plan.max_request_len:
+        end = self._mem[row].length + new_tokens
+        if end > self.plan.max_request_len:
             return None
+        buffers = self.buffers
+        cap = buffers.capacity(row)
+        if (  # the usual step: the row already has the room (``decode_needs`` all 0, found cheaply)
+            end <= self.alloc.req_to_token.covered_len(row)
+            and end <= self.host.map.covered_len(row)
+            and buffers.capacity_for(end, speculative=speculative) - cap < self.plan.page_size
+        ):
+            return (0, 0, 0)
         needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
-        if needs == (0, 0, 0):  # the usual step: the row already has the room
+        if needs == (0, 0, 0):
             return needs
         logical, physical, host = needs
         if self.cache is not None and self.alloc.physical.can_allocate(physical):
