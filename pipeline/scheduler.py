@@ -408,6 +408,10 @@ class StagingPart:
 # --- decode ------------------------------------------------------------------------------------------
 
 
+# the timed rule's probe interval grows to at most ``probe_every * 2 ** MAX_PROBE_DOUBLINGS`` turns
+MAX_PROBE_DOUBLINGS = 3
+
+
 @attrs.define(eq=False)
 class SpecPolicy:
     """Whether the next step of a speculative batch is a round or a plain step (adaptive speculation).
@@ -422,8 +426,11 @@ class SpecPolicy:
     delivered more tokens per second at about this batch size (batches grouped by powers of two;
     each mode's rate a moving average of its turns, wall time from the turn's first command to its
     outcome). A mode not yet measured at a size is tried first (rounds, then plain steps); the losing
-    mode runs again every ``probe_every`` turns of the winner, so a change in acceptance or cost is
-    seen. Each mode's first ``warm_up_turns`` turns at a size are not counted (a fresh engine's
+    mode runs again after ``probe_every`` turns of the winner, so a change in acceptance or cost is
+    seen; each such probe that leaves the lead where it was doubles that interval (up to
+    ``2 ** MAX_PROBE_DOUBLINGS`` times), and any change of lead resets it, so a mode that keeps
+    losing costs ever less to watch (a long prompt's rounds, which cost what the tokens they add
+    cost as plain steps, are probed 3 times in 100 turns instead of 6). Each mode's first ``warm_up_turns`` turns at a size are not counted (a fresh engine's
     first round also pays one-off costs, its first forward of that shape among them, and measured
     alone it made rounds look slower than plain steps in half the runs), so the mode is tried again
     before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
@@ -450,6 +457,8 @@ class SpecPolicy:
     rates: dict[int, list[float | None]] = attrs.Factory(dict)
     since_probe: dict[int, int] = attrs.Factory(dict)
     warmed: dict[int, list[int]] = attrs.Factory(dict)  # timed: per group, [rounds, plain steps] skipped
+    # timed: per group, how many times the probe interval has doubled (probes that kept the lead)
+    doublings: dict[int, int] = attrs.Factory(dict)
 
     @classmethod
     def from_config(cls, spec) -> SpecPolicy:
@@ -471,7 +480,8 @@ class SpecPolicy:
         if spec is None or plain is None:
             return spec is None
         winner = spec >= plain
-        return winner if self.since_probe.get(group, 0) < self.probe_every else not winner
+        interval = self.probe_every << self.doublings.get(group, 0)
+        return winner if self.since_probe.get(group, 0) < interval else not winner
 
     def record_round(self, accept_lengths: list[int]) -> None:
         """Tokens each request committed in one round (accepted drafts + 1)."""
@@ -502,10 +512,17 @@ class SpecPolicy:
             return
         rates = self.rates.setdefault(group, [None, None])
         spec, plain = rates
-        ran_winner = spec is not None and plain is not None and (spec >= plain) == speculative
+        compared = spec is not None and plain is not None
+        ran_winner = compared and (spec >= plain) == speculative
         self.since_probe[group] = self.since_probe.get(group, 0) + 1 if ran_winner else 0
         rate, old = tokens / seconds, rates[mode]
         rates[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
+        if compared:
+            kept = (rates[0] >= rates[1]) == (spec >= plain)
+            if not kept:  # the lead changed hands: watch the new loser closely again
+                self.doublings[group] = 0
+            elif not ran_winner:  # a probe that confirmed the lead: look less often
+                self.doublings[group] = min(self.doublings.get(group, 0) + 1, MAX_PROBE_DOUBLINGS)
 
 
 @attrs.define(eq=False)

@@ -6,6 +6,8 @@ checks the commands it yields, in order, and the states and hand-off it leaves.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import structlog
 
@@ -28,6 +30,7 @@ from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import (
+    MAX_PROBE_DOUBLINGS,
     AbortBook,
     AdmissionPart,
     DecodePart,
@@ -401,17 +404,44 @@ def test_spec_policy_timed_rule_follows_the_faster_mode_and_probes_the_slower():
     policy.record_time(5, 20, 1.0, speculative=False)  # plain: 20 tokens/s
     assert policy.speculate(2)  # another group (2..3) measures for itself
     choices = []
-    for _ in range(8):
+    for _ in range(11):
         spec = policy.speculate(6)
         choices.append(spec)
         policy.record_time(6, 8 if spec else 20, 1.0, speculative=spec)
-    # plain wins; after probe_every plain turns one round runs again, and plain resumes
-    assert choices == [False, False, False, True, False, False, False, True]
-    for _ in range(20):  # rounds get cheaper (acceptance rose): the lead changes hands
+    # plain wins; after probe_every plain turns one round runs again, and plain resumes; the probe
+    # kept plain in the lead, so the next one waits twice as long
+    assert choices == [False, False, False, True] + [False] * 6 + [True]
+    assert policy.doublings[3] == 2
+    for _ in range(70):  # rounds get cheaper (acceptance rose): the lead changes hands
         spec = policy.speculate(6)
         policy.record_time(6, 40 if spec else 20, 1.0, speculative=spec)
     assert policy.speculate(6) and policy.rates[3][0] > policy.rates[3][1]
     assert not policy.speculate(9)  # above max_batch_size, plain whatever was measured
+
+
+def test_spec_policy_timed_rule_probes_a_steady_loser_ever_less_often_up_to_a_cap():
+    """Each probe that keeps the lead doubles the interval (at most ``2 ** MAX_PROBE_DOUBLINGS``
+    times); a change of lead, by a probe or by the winner's own turns, resets it."""
+    policy = SpecPolicy(max_batch_size=8, probe_every=2, timed=True, warm_up_turns=0)
+    policy.record_time(4, 8, 1.0, speculative=True)
+    policy.record_time(4, 20, 1.0, speculative=False)  # plain leads
+    probes = []
+    for turn in range(80):
+        spec = policy.speculate(4)
+        if spec:
+            probes.append(turn)
+        policy.record_time(4, 8 if spec else 20, 1.0, speculative=spec)
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    cap = 2 << MAX_PROBE_DOUBLINGS
+    assert probes[0] == 2 and gaps[:3] == [5, 9, 17] and set(gaps[3:]) == {cap + 1}
+    assert policy.doublings[3] == MAX_PROBE_DOUBLINGS
+    for _ in range(10):  # plain steps slow down until rounds lead: watched closely again
+        spec = policy.speculate(4)
+        policy.record_time(4, 8 if spec else 1, 1.0, speculative=spec)
+        if policy.rates[3][0] > policy.rates[3][1]:
+            break
+    assert not spec and policy.rates[3][0] > policy.rates[3][1]  # the winner's own turns lost the lead
+    assert policy.doublings[3] == 0
 
 
 def test_spec_policy_timed_rule_skips_each_modes_warm_up_turns():
@@ -442,11 +472,11 @@ def test_spec_policy_times_a_greedy_request_served_alone():
     assert not policy.speculate(1, greedy=True)  # then a plain step
     policy.record_time(1, 6, 1.0, speculative=False, greedy=True)  # plain: 6 tokens/s
     choices = []
-    for _ in range(6):
+    for _ in range(8):
         spec = policy.speculate(1, greedy=True)
         choices.append(spec)
         policy.record_time(1, 2 if spec else 6, 1.0, speculative=spec, greedy=True)
-    assert choices == [False, False, True, False, False, True]  # plain, probing rounds
+    assert choices == [False, False, True, False, False, False, False, True]  # plain, probing rounds
     assert policy.speculate(1)  # a sampled request alone: always a round
     policy.record_time(1, 1, 1.0, speculative=True)  # and not timed
     assert policy.rates[1][0] < policy.rates[1][1]
