@@ -9,7 +9,8 @@ Copies issued on one stream complete in issue order.
 * On CPU, one worker thread runs the copies in order; ``query`` asks the future.
 
 The index tensors come from the allocators and are checked by the coordinator's integrity checks, so
-the copies skip the kernel wrapper's per-call index validation.
+the copies skip the kernel wrapper's per-call index validation; on CPU its shape and dtype checks
+too (the coordinator builds every argument; at batch 1 the checks cost as much as the copy).
 
 Ordering rules the coordinator relies on: a request leaves staging only after its copy is done;
 before the newest column of a request is overwritten, the backup that reads it is waited for; before
@@ -19,12 +20,11 @@ a request's slots are freed, every copy touching them is waited for.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import functools
 from typing import Protocol
 
 import torch
 
-from kernels.kv_copy import copy_rows
+from kernels.kv_copy import copy_rows, copy_rows_unchecked
 
 
 class TransferHandle(Protocol):
@@ -92,11 +92,11 @@ class ThreadTransferStream:
         layers = src.shape[0] if src.dim() == 3 else 1
         nbytes = src_idx.numel() * layers * src.shape[-1] * src.element_size()
         if nbytes <= self.inline_bytes and (self._last is None or self._last.done()):
-            copy_rows(dst, dst_idx, src, src_idx, validate=False)
+            copy_rows_unchecked(dst, dst_idx, src, src_idx)
             return DoneHandle()
         # the index tensors are private copies: the caller may reuse its own at once
         src_idx, dst_idx = src_idx.clone(), dst_idx.clone()
-        self._last = self._pool.submit(functools.partial(copy_rows, validate=False), dst, dst_idx, src, src_idx)
+        self._last = self._pool.submit(copy_rows_unchecked, dst, dst_idx, src, src_idx)
         return _FutureHandle(self._last)
 
     def synchronize(self) -> None:
