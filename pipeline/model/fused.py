@@ -211,8 +211,12 @@ class _RopeTables:
         signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
         self.c = cos[:, None, :]
         self.s = signed[:, None, :]
-        # a CPU's compiled loop (the same products and sums, so the same bits) reads the [T, R] tables
-        self.compiled = (cos.contiguous(), signed) if small_ops_numba.fits(cos, sin) and cos.dim() == 2 else None
+        # a CPU's compiled loop (the same products and sums, so the same bits) reads the [T, R] tables,
+        # as numpy arrays taken once for every layer of the forward
+        self.compiled = None
+        if small_ops_numba.fits(cos, sin) and cos.dim() == 2:
+            self.compiled = (cos.contiguous().numpy(), signed.numpy())
+            self.shape, self.dtype = tuple(cos.shape), cos.dtype
 
     @classmethod
     def of(cls, cos: Tensor, sin: Tensor) -> _RopeTables:
@@ -223,8 +227,9 @@ class _RopeTables:
 
     def rotate(self, x: Tensor, *, interleaved: bool) -> Tensor:
         """``x [T, heads, R]`` rotated (de-interleaved first when ``interleaved``)."""
-        if self.compiled is not None and small_ops_numba.fits(x, self.c):
-            return small_ops_numba.rotate(x, *self.compiled, interleaved)
+        if self.compiled is not None and x.dtype == self.dtype and x.is_cpu and x.dim() == 3 and (
+            x.shape[0], x.shape[2]) == self.shape:
+            return small_ops_numba.rotate_with_tables(x, *self.compiled, interleaved)
         if interleaved:
             x = x.unflatten(-1, (self.half, 2)).transpose(-1, -2).reshape(x.shape)
         return x * self.c + x.roll(self.half, dims=-1) * self.s

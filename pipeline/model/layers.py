@@ -27,12 +27,23 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        # the compiled loop's handle on the weight (``small_ops_numba.CompiledNorm``), made at the
+        # first call without a gradient, made again when the weight is replaced; False: no loop
+        self._compiled: small_ops_numba.CompiledNorm | bool | None = None
+
+    def __getstate__(self) -> dict:
+        # a copy (deepcopy, pickle) makes its own handle on its own weight
+        return {**super().__getstate__(), "_compiled": None}
 
     def forward(self, x: Tensor) -> Tensor:
+        if not torch.is_grad_enabled():
+            weight, compiled = self.weight, getattr(self, "_compiled", None)
+            if compiled is None or (compiled is not False and not compiled.current(weight)):
+                compiled = self._compiled = small_ops_numba.CompiledNorm.of(weight, self.eps) or False
+            if compiled is not False and compiled.takes(x):  # a CPU: one compiled loop, the same values to rounding
+                return compiled(x)
         in_dtype = x.dtype
         if in_dtype == wide_dtype(in_dtype) and self.weight.dtype == in_dtype and not torch.is_grad_enabled():
-            if small_ops_numba.fits(x, self.weight):  # a CPU: one compiled loop, the same values to rounding
-                return small_ops_numba.rms_norm(x, self.weight, self.eps)
             return torch.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # the same values, one call
         xw = x.to(wide_dtype(in_dtype))
         xw = xw * torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -77,3 +77,41 @@ def test_training_norm_records_the_gradient():
     assert x.grad is not None and norm.weight.grad is not None
     with torch.no_grad():
         torch.testing.assert_close(norm(x), torch.rms_norm(x, (4,), norm.weight, norm.eps), rtol=1e-6, atol=1e-6)
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), rows=st.integers(0, 5), dim=st.integers(1, 64), strided=st.booleans(),
+       lead=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+def test_compiled_norm_is_rms_norm_bit_for_bit(seed, rows, dim, strided, lead, dtype):
+    """The weight's handle runs the same loop on the same arrays as ``rms_norm``."""
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(rows, dim + 3, generator=g).to(dtype)
+    x = wide[:, 1 : 1 + dim] if strided else wide[:, :dim].contiguous()
+    x = x[None] if lead else x
+    weight = torch.randn(dim, generator=g).to(dtype)
+    norm = so.CompiledNorm.of(weight, 1e-5)
+    assert norm is not None and norm.takes(x) and norm.current(weight)
+    got = norm(x)
+    assert got.shape == x.shape and torch.equal(got, so.rms_norm(x, weight, 1e-5))
+
+
+def test_compiled_norm_knows_what_it_cannot_take():
+    weight = torch.ones(4)
+    norm = so.CompiledNorm.of(weight, 1e-6)
+    assert not norm.takes(torch.ones(2, 4, dtype=torch.float64))  # another dtype
+    assert not norm.takes(torch.ones(2, 5))  # another width
+    assert not norm.current(torch.ones(4))  # another weight
+    assert so.CompiledNorm.of(torch.ones(4, dtype=torch.bfloat16), 1e-6) is None
+    assert so.CompiledNorm.of(torch.ones(2, 2), 1e-6) is None
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 10**6), tokens=st.integers(0, 4), heads=st.integers(1, 5), half=st.integers(1, 8),
+       interleaved=st.booleans(), strided=st.booleans())
+def test_rotate_with_tables_is_rotate(seed, tokens, heads, half, interleaved, strided):
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(tokens, heads + 2, 2 * half, generator=g)
+    x = full[:, 1 : 1 + heads] if strided else full[:, :heads].contiguous()
+    cos, sin = torch.randn(tokens, 2 * half, generator=g), torch.randn(tokens, 2 * half, generator=g)
+    got = so.rotate_with_tables(x, cos.numpy(), sin.numpy(), interleaved)
+    assert torch.equal(got, so.rotate(x, cos, sin, interleaved))

@@ -222,3 +222,37 @@ def test_one_token_on_a_cpu_runs_only_its_chosen_experts(dtype, tol, monkeypatch
     torch.testing.assert_close(_logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0,
                                atol=tol)
     assert 2 in dense_tokens
+
+
+def test_rms_norm_keeps_its_compiled_handle_on_the_live_weight():
+    """Without a gradient an RMSNorm runs the compiled loop through a handle on its weight; the
+    handle follows a weight loaded in place, a replaced or converted weight, and a copy of the module
+    (whose weight is its own), and the values stay ``torch.rms_norm``'s to rounding."""
+    import copy
+
+    from pipeline.model.layers import RMSNorm
+
+    norm = RMSNorm(8)
+    x = torch.randn(3, 8)
+
+    def check(module, inp):
+        with torch.inference_mode():
+            got = module(inp)
+        torch.testing.assert_close(got, torch.rms_norm(inp, (8,), module.weight.detach(), module.eps))
+
+    check(norm, x)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2, 8))  # loaded in place: the same memory, new values
+    check(norm, x)
+    norm.weight = torch.nn.Parameter(torch.full((8,), 3.0))  # replaced
+    check(norm, x)
+    twin = copy.deepcopy(norm)
+    with torch.no_grad():
+        twin.weight.mul_(2)
+    check(twin, x)
+    check(norm, x)  # the original kept its own weight
+    norm.double()  # converted: another dtype, another tensor
+    check(norm, x.double())
+    with torch.enable_grad():  # training: the module path, which records the gradient
+        y = RMSNorm(8)(x.requires_grad_())
+    assert y.requires_grad
