@@ -18,6 +18,10 @@ instead whenever no gradient is recorded. What it changes:
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
   Larger batches (prefill) keep the per-expert path, which computes only the chosen rows; so does
   a single token on a CPU (a decode step of one request), which reads only its chosen experts.
+  On a CPU with numba, up to ``kernels.moe_numba.MAX_TOKENS`` tokens of a float32/64 model (decode,
+  verify and draft steps) run routed and shared experts as one compiled per-token loop instead:
+  the same arithmetic in expert order, to rounding, and each token's result independent of the
+  others in the call.
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
 
@@ -34,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import small_ops_numba
+from kernels import moe_numba, small_ops_numba
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -268,6 +272,9 @@ class _FusedMoE:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         ids, weights = self._route(flat) if self.ungrouped else moe.gate(flat)
+        compiled = self._compiled(flat, ids, weights)
+        if compiled is not None:  # routed and shared experts, one compiled call
+            return compiled.view(shape)
         if flat.shape[0] == 1 and flat.device.type == "cpu":
             out = self._single(flat, ids, weights)
         elif self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
@@ -278,6 +285,23 @@ class _FusedMoE:
         if self.shared is not None:
             out = out + self.shared(x)
         return out
+
+    def _compiled(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor | None:
+        """A few tokens on a CPU (decode, verify, a draft step): the routed experts and the shared
+        one by ``kernels.moe_numba``'s per-token loop, or None where it does not take them (more
+        than ``MAX_TOKENS`` tokens, other dtypes or devices, larger experts, a shared expert that is
+        not a plain fused MLP)."""
+        experts = self.moe.experts
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        if not moe_numba.fits(x, gate_up, down, weights):
+            return None
+        shared = self.shared
+        if shared is None:
+            return moe_numba.moe(x, ids, weights, gate_up, down)
+        if not isinstance(shared, _FusedDense) or not moe_numba.fits(x, shared.w_gate_up[None], shared.down.weight,
+                                                                     weights):
+            return None
+        return moe_numba.moe(x, ids, weights, gate_up, down, shared.w_gate_up, shared.down.weight)
 
     def _route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """``TopkRouter.forward`` without its group mask (which keeps every expert here)."""

@@ -206,22 +206,31 @@ def test_mtp_store_writes_exactly_the_rows_mtp_forward_writes(path, dtype, n):
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 0.0)])
-def test_one_token_on_a_cpu_runs_only_its_chosen_experts(dtype, tol, monkeypatch):
-    """A one-token forward (a decode step of one request) takes the chosen experts one by one, not
-    the dense all-expert path, and equals the module path exactly; two tokens take the dense path."""
+def test_few_tokens_on_a_cpu_skip_the_dense_expert_path(dtype, tol, monkeypatch):
+    """A decode step's few tokens do not take the dense all-expert path: in float64 the compiled
+    per-token loop runs them (``kernels.moe_numba``), in bfloat16 (which it does not take) one
+    token runs its chosen experts one by one and two the dense path; the module path's values
+    either way."""
+    from kernels import moe_numba
     from pipeline.model.fused import _FusedMoE
 
     cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)
     module, fused = _pair(cfg, dtype=dtype)
-    dense_tokens = []
-    original = _FusedMoE._dense
+    dense_tokens, compiled_tokens = [], []
+    original, compiled = _FusedMoE._dense, moe_numba.moe
     monkeypatch.setattr(_FusedMoE, "_dense", lambda self, x, *a: dense_tokens.append(x.shape[0]) or original(self, x, *a))
+    monkeypatch.setattr(moe_numba, "moe", lambda x, *a: compiled_tokens.append(x.shape[0]) or compiled(x, *a))
     torch.testing.assert_close(_logits(fused, 12).double(), _logits(module, 12).double(), rtol=0, atol=tol)
     assert dense_tokens and set(dense_tokens) == {12}  # the prefill only, not the one-token decode
+    assert set(compiled_tokens) == ({1} if dtype == torch.float64 else set())
     dense_tokens.clear()
+    compiled_tokens.clear()
     torch.testing.assert_close(_logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0,
                                atol=tol)
-    assert 2 in dense_tokens
+    if dtype == torch.float64:
+        assert 2 in compiled_tokens and 2 not in dense_tokens
+    else:
+        assert 2 in dense_tokens and not compiled_tokens
 
 
 def test_rms_norm_keeps_its_compiled_handle_on_the_live_weight():
