@@ -137,7 +137,8 @@ class SpeculativeConfig:
     probe_every: int = 16
     # ... and, for 2..max_batch_size requests, while rounds have delivered more tokens per second
     # than plain steps at about that batch size (both measured as the engine runs; the losing mode is
-    # tried again every ``probe_every`` turns); a batch of one too when its request is greedy (a
+    # tried again after ``probe_every`` turns, an interval each probe that keeps the lead doubles, up
+    # to 8x, and a change of lead resets); a batch of one too when its request is greedy (a
     # sampled request served alone always speculates, so a seeded one stays reproducible).
     timed: bool = True
     # ... and not for the last tokens of every stream: while no request of the batch may produce

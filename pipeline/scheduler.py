@@ -429,8 +429,9 @@ class SpecPolicy:
     mode runs again after ``probe_every`` turns of the winner, so a change in acceptance or cost is
     seen; each such probe that leaves the lead where it was doubles that interval (up to
     ``2 ** MAX_PROBE_DOUBLINGS`` times), and any change of lead resets it, so a mode that keeps
-    losing costs ever less to watch (a long prompt's rounds, which cost what the tokens they add
-    cost as plain steps, are probed 3 times in 100 turns instead of 6). Each mode's first ``warm_up_turns`` turns at a size are not counted (a fresh engine's
+    losing costs ever less to watch (with ``probe_every`` 16, twice in the 100 turns after the
+    first comparison instead of 5 times). Each mode's first ``warm_up_turns`` turns at a size are
+    not counted (a fresh engine's
     first round also pays one-off costs, its first forward of that shape among them, and measured
     alone it made rounds look slower than plain steps in half the runs), so the mode is tried again
     before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
