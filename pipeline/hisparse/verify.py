@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from kernels.kv_copy import copy_rows
+from kernels.kv_copy import copy_rows_unchecked
 from pipeline.memory import OutOfMemory
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 
@@ -102,15 +102,13 @@ class VerifyBuffers:
             mem = self.coord._mem[row]
             n = mem.length
             verify_locs = self.coord.req_to_token[row, n : n + d]
-            before = self.coord.alloc.lookup(verify_locs).clone()
-            self.coord.alloc.clear(verify_locs)  # 1. every verify mapping, before anything moves
-            try:
+            try:  # (it changes nothing when the host pool is short: nothing happened to this row)
                 self.coord.host.reserve(row, n + count)
             except OutOfMemory as exc:
-                self.coord.alloc.bind(verify_locs, before)  # roll back: nothing happened to this row
                 failed.append(row)
                 self._failures[row] = FinalizeError(row, str(exc))
                 continue
+            self.coord.alloc.clear(verify_locs)  # 1. every verify mapping, before anything moves
             positions = torch.arange(n, n + count)
             short = positions < hot  # 2. accepted positions below HOT keep their hot column
             self.coord.alloc.bind(
@@ -138,7 +136,9 @@ class VerifyBuffers:
         self.coord._mem[row].backup.wait()
         self.coord._forget_newest(row)
         if int(slot) != int(newest):
-            copy_rows(self.coord.device_kv, newest.reshape(1), self.coord.device_kv, slot.reshape(1).to(self.coord.device))
+            # (one row of the coordinator's own pool to another of its rows: no argument to check)
+            copy_rows_unchecked(self.coord.device_kv, newest.reshape(1), self.coord.device_kv,
+                                slot.reshape(1).to(self.coord.device))
         buffers.tokens[:, row, buffers.newest] = position
         self.coord.alloc.bind(self.coord.req_to_token[row, position].reshape(1), newest.reshape(1).cpu())
 
