@@ -104,17 +104,21 @@ class CompiledNorm:
         self.weight = weight
         self.ptr = weight.data_ptr()
         self.dtype = weight.dtype
-        self.dim = weight.shape[0]
-        self._w = weight.detach().numpy()
-        wide = np.float64 if weight.dtype == torch.float64 else np.float32
-        self._eps, self._size = wide(eps), wide(weight.shape[0])
+        self.dim = weight.shape[-1]
+        # the loop takes this weight (``fits``, one dimension); where it does not, the handle still
+        # remembers the weight, so that the question is asked again only when the weight changes
+        self.usable = weight.dim() == 1 and fits(weight)
+        if self.usable:
+            self._w = weight.detach().numpy()
+            wide = np.float64 if weight.dtype == torch.float64 else np.float32
+            self._eps, self._size = wide(eps), wide(weight.shape[0])
 
     def current(self, weight: torch.Tensor) -> bool:
         return weight is self.weight and weight.data_ptr() == self.ptr
 
     def takes(self, x: torch.Tensor) -> bool:
         """``x`` is a CPU tensor of the weight's dtype whose last dimension is the weight's."""
-        return x.dtype == self.dtype and x.is_cpu and x.shape[-1] == self.dim
+        return self.usable and x.dtype == self.dtype and x.is_cpu and x.shape[-1] == self.dim
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``rms_norm(x, weight, eps)`` for an ``x`` the norm ``takes``, without a gradient."""
@@ -126,12 +130,6 @@ class CompiledNorm:
         result = torch.from_numpy(out)
         return result if two else result.view(x.shape)
 
-    @classmethod
-    def of(cls, weight: torch.Tensor, eps: float) -> CompiledNorm | None:
-        """One for ``weight``, or None where the loop cannot take it (``fits``; a 1-D weight)."""
-        if weight.dim() != 1 or not fits(weight):
-            return None
-        return cls(weight, eps)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:

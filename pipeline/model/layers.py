@@ -28,8 +28,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         # the compiled loop's handle on the weight (``small_ops_numba.CompiledNorm``), made at the
-        # first call without a gradient, made again when the weight is replaced; False: no loop
-        self._compiled: small_ops_numba.CompiledNorm | bool | None = None
+        # first call without a gradient, made again when the weight is replaced or moved
+        self._compiled: small_ops_numba.CompiledNorm | None = None
 
     def __getstate__(self) -> dict:
         # a copy (deepcopy, pickle) makes its own handle on its own weight
@@ -38,9 +38,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if not torch.is_grad_enabled():
             weight, compiled = self.weight, getattr(self, "_compiled", None)
-            if compiled is None or (compiled is not False and not compiled.current(weight)):
-                compiled = self._compiled = small_ops_numba.CompiledNorm.of(weight, self.eps) or False
-            if compiled is not False and compiled.takes(x):  # a CPU: one compiled loop, the same values to rounding
+            if compiled is None or not compiled.current(weight):
+                compiled = self._compiled = small_ops_numba.CompiledNorm(weight, self.eps)
+            if compiled.takes(x):  # a CPU: one compiled loop, the same values to rounding
                 return compiled(x)
         in_dtype = x.dtype
         if in_dtype == wide_dtype(in_dtype) and self.weight.dtype == in_dtype and not torch.is_grad_enabled():

@@ -89,20 +89,22 @@ def test_compiled_norm_is_rms_norm_bit_for_bit(seed, rows, dim, strided, lead, d
     x = wide[:, 1 : 1 + dim] if strided else wide[:, :dim].contiguous()
     x = x[None] if lead else x
     weight = torch.randn(dim, generator=g).to(dtype)
-    norm = so.CompiledNorm.of(weight, 1e-5)
-    assert norm is not None and norm.takes(x) and norm.current(weight)
+    norm = so.CompiledNorm(weight, 1e-5)
+    assert norm.takes(x) and norm.current(weight)
     got = norm(x)
     assert got.shape == x.shape and torch.equal(got, so.rms_norm(x, weight, 1e-5))
 
 
 def test_compiled_norm_knows_what_it_cannot_take():
     weight = torch.ones(4)
-    norm = so.CompiledNorm.of(weight, 1e-6)
+    norm = so.CompiledNorm(weight, 1e-6)
     assert not norm.takes(torch.ones(2, 4, dtype=torch.float64))  # another dtype
     assert not norm.takes(torch.ones(2, 5))  # another width
     assert not norm.current(torch.ones(4))  # another weight
-    assert so.CompiledNorm.of(torch.ones(4, dtype=torch.bfloat16), 1e-6) is None
-    assert so.CompiledNorm.of(torch.ones(2, 2), 1e-6) is None
+    half = torch.ones(4, dtype=torch.bfloat16)
+    assert not so.CompiledNorm(half, 1e-6).takes(half[None])  # a dtype the loop does not take
+    assert so.CompiledNorm(half, 1e-6).current(half)  # ... remembered: asked again only for a new weight
+    assert not so.CompiledNorm(torch.ones(2, 2), 1e-6).takes(torch.ones(3, 2))
 
 
 @settings(max_examples=20, deadline=None)

@@ -262,6 +262,12 @@ def test_rms_norm_keeps_its_compiled_handle_on_the_live_weight():
     check(norm, x)  # the original kept its own weight
     norm.double()  # converted: another dtype, another tensor
     check(norm, x.double())
+    norm.bfloat16()  # a dtype the loop does not take: the torch path, until the weight changes again
+    with torch.inference_mode():
+        assert norm(x.bfloat16()).dtype == torch.bfloat16 and not norm._compiled.takes(x.bfloat16())
+    norm.float()
+    check(norm, x)
+    assert norm._compiled.takes(x)  # back in the loop's dtype: the loop again
     with torch.enable_grad():  # training: the module path, which records the gradient
         y = RMSNorm(8)(x.requires_grad_())
     assert y.requires_grad
