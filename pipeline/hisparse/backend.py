@@ -124,7 +124,8 @@ class HiSparseBackend:
         every query then), and shapes both loops take. Decided at the first layer, for the forward."""
         if self._pools is None:
             pools = None
-            if self.trace is None and self.near_margin == 0 and self.steps <= MATMUL_MIN_QUERIES:
+            quiet = self.trace is None and self.near_margin == 0 and not torch.is_grad_enabled()
+            if quiet and self.steps <= MATMUL_MIN_QUERIES:
                 make = getattr(self.coord, "compiled_pools", None)
                 pools = make() if make is not None else None
             if pools is not None and not hisparse_attend_numba.fits(

@@ -127,6 +127,7 @@ class ResidentBackend:
             store = self.store
             ok = (
                 type(self) is ResidentBackend
+                and not torch.is_grad_enabled()  # (the loops record no gradient)
                 and inputs.index_q is not None
                 and store.req_to_token.device.type == "cpu"
                 and store.req_to_token.dtype == torch.int64

@@ -72,3 +72,24 @@ def test_one_call_serves_like_the_steps(tiny_model, monkeypatch, hisparse, num_s
         assert calls["resident"] > 0
     if hisparse:
         assert sum(counts[1]) > 0, "the long prompts must really swap rows in"
+
+
+def test_a_forward_that_records_gradients_keeps_the_step_by_step_backends(tiny_model, monkeypatch):
+    """The compiled loops record no gradient, so a forward with autograd on never takes them (the
+    same forward without it does)."""
+    from pipeline.model.resident import ForwardLayout, ResidentKV
+
+    calls = []
+    real = hisparse_attend_numba.attend_resident
+    monkeypatch.setattr(hisparse_attend_numba, "attend_resident", lambda *a: calls.append(1) or real(*a))
+    n = 5
+    ids = torch.randint(0, 200, (n,))
+    for grad in (True, False):
+        calls.clear()
+        store = ResidentKV.allocate(tiny_model.cfg, 64, 2, 32, tiny_model.dtype)
+        backend = ResidentBackend(store)
+        backend.begin(ForwardLayout(torch.zeros(n, dtype=torch.int64), torch.arange(n), torch.arange(n)))
+        with torch.set_grad_enabled(grad):
+            hidden = tiny_model(ids, torch.arange(n), backend)
+        assert hidden.requires_grad == grad
+        assert bool(calls) != grad
