@@ -125,6 +125,7 @@ class Fired:
 def injected(engine, items: list[Item]) -> Iterator[Fired]:
     """Install every culprit's fault into ``engine``. The patches are class-level where the classes
     keep no instance dictionary, and each checks that it acts on this engine's objects only."""
+    from kernels import hisparse_attend_numba
     from pipeline import executor as executor_module
     from pipeline.hisparse.coordinator import HiSparseCoordinator
     from pipeline.hisparse.verify import VerifyBuffers
@@ -183,6 +184,19 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
             return run
 
         patch(HiSparseCoordinator, "swap_in", swap_in)
+
+        def one_call(real):  # a decode layer's swap-in inside the one-call CPU attention: the same fault
+            def run(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, *rest):
+                pool = getattr(ex.memory, "device_kv", None)  # this engine's HiSparse pool, or none
+                ours = pool is not None and pools.kv.ctypes.data == pool.data_ptr()
+                if ours and rows_of("swap_in") & set(rows.tolist()):
+                    fired.counts["swap_in"] += 1
+                    raise RuntimeError("injected swap-in fault")
+                return real(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, *rest)
+
+            return run
+
+        patch(hisparse_attend_numba, "attend", one_call)
 
         def start_staging(real):
             def run(self, row, length):
