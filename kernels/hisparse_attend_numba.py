@@ -27,6 +27,7 @@ import torch
 
 from kernels import indexer_topk_numba, sparse_mla_numba, swap_in_numba
 from kernels.swap_in_policy import policy_code
+from kernels.swap_in_result import SwapInResult
 
 try:
     import numba
@@ -42,6 +43,26 @@ _mla_kernel = sparse_mla_numba._kernel
 _swap_kernel = swap_in_numba._compiled_kernel() if AVAILABLE else None
 
 
+def _jit():
+    if numba is None:
+        return lambda fn: fn
+    return numba.njit(cache=True, nogil=True)
+
+
+@_jit()
+def _write_and_select(  # pragma: no cover - compiled
+    kv, keys, row_slots, key_locs, kv_rows, index_k, index_q, index_w, req_to_token, token_rows, lens, index_scale,
+    top_k, top,
+):
+    """The new tokens' cache rows (at ``row_slots``) and indexer keys (at ``key_locs``), then every
+    query's top-k positions into ``top`` by the indexer's compiled loop (which reads the new keys)."""
+    for t in range(row_slots.shape[0]):
+        kv[row_slots[t], :] = kv_rows[t, :]
+        keys[key_locs[t], :] = index_k[t, :]
+    _index_kernel(index_q, index_w, keys, req_to_token, token_rows, lens, index_scale, top_k, top)
+
+
+@_jit()
 def _attend(  # pragma: no cover - compiled
     kv_all, keys_all, tokens_all, lru_all, host_all, layer,
     write_slots, kv_rows, write_locs, index_k,
@@ -51,11 +72,8 @@ def _attend(  # pragma: no cover - compiled
     top, slots, counts, copy_src, copy_dst, out,
 ):
     kv = kv_all[layer]
-    keys = keys_all[layer]
-    for t in range(write_slots.shape[0]):
-        kv[write_slots[t], :] = kv_rows[t, :]
-        keys[write_locs[t], :] = index_k[t, :]
-    _index_kernel(index_q, index_w, keys, req_to_token, token_rows, lens, index_scale, top_k, top)
+    _write_and_select(kv, keys_all[layer], write_slots, write_locs, kv_rows, index_k, index_q, index_w, req_to_token,
+                      token_rows, lens, index_scale, top_k, top)
     num_tokens = top.shape[0]
     batch = num_tokens // steps
     top3 = top.reshape((batch, steps, top_k))
@@ -73,44 +91,24 @@ def _attend(  # pragma: no cover - compiled
         kv[copy_dst[i], :] = host[copy_src[i], :]
     if complete:
         _mla_kernel(q_latent, q_rope, kv, slots.reshape((num_tokens, top_k)), attn_scale, out)
-    return copies, hits, misses, lost, complete
+    return hits, misses, lost, complete
 
 
+@_jit()
 def _attend_resident(  # pragma: no cover - compiled
     kv_all, keys_all, layer, write_locs, kv_rows, index_k,
     index_q, index_w, req_to_token, token_rows, lens, index_scale, top_k,
     q_latent, q_rope, attn_scale, top, slots, out,
 ):
     kv = kv_all[layer]
-    keys = keys_all[layer]
-    for t in range(write_locs.shape[0]):
-        kv[write_locs[t], :] = kv_rows[t, :]
-        keys[write_locs[t], :] = index_k[t, :]
-    _index_kernel(index_q, index_w, keys, req_to_token, token_rows, lens, index_scale, top_k, top)
+    _write_and_select(kv, keys_all[layer], write_locs, write_locs, kv_rows, index_k, index_q, index_w, req_to_token,
+                      token_rows, lens, index_scale, top_k, top)
     for t in range(top.shape[0]):  # positions -> locations (``positions_to_slots``)
         row = token_rows[t]
         for k in range(top_k):
             p = top[t, k]
             slots[t, k] = req_to_token[row, p] if p >= 0 else -1
     _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
-
-
-_compiled = None
-_compiled_resident = None
-
-
-def _compiled_attend():
-    global _compiled
-    if _compiled is None:
-        _compiled = numba.njit(cache=True, nogil=True)(_attend)
-    return _compiled
-
-
-def _compiled_attend_resident():
-    global _compiled_resident
-    if _compiled_resident is None:
-        _compiled_resident = numba.njit(cache=True, nogil=True)(_attend_resident)
-    return _compiled_resident
 
 
 def fits(q_latent: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, index_q: torch.Tensor,
@@ -163,12 +161,12 @@ def attend(
     q_latent: torch.Tensor,  # [T, H, C]
     q_rope: torch.Tensor,  # [T, H, R]
     attn_scale: float,
-) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, tuple[int, int, int, int], bool]:
+) -> tuple[torch.Tensor | None, torch.Tensor, SwapInResult]:
     """The layer's writes, selection, swap-in and attention (module docstring; ``fits`` first).
 
-    Returns ``(out [T, H, C] or None, top [T, K] int32, slots [B, S, K] int32, counts [B, 4] int32,
-    (copies, hits, misses, unrecoverable), complete)``; ``out`` is None when the swap-in stopped
-    before some step (``complete`` False): the caller attends over the resolved steps."""
+    Returns ``(out [T, H, C] or None, top [T, K] int32, the swap-in's result)``, the result as the
+    compiled swap-in gives it (``swap_in_numba``); ``out`` is None when the swap-in stopped before
+    some step (its ``complete`` False): the caller attends over the resolved steps."""
     num_tokens = q_latent.shape[0]
     batch = num_tokens // steps
     wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
@@ -178,7 +176,7 @@ def attend(
     copy_src = np.empty(num_tokens * top_k, dtype=np.int64)
     copy_dst = np.empty(num_tokens * top_k, dtype=np.int64)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
-    copies, hits, misses, lost, complete = _compiled_attend()(
+    hits, misses, lost, complete = _attend(
         pools.kv, pools.keys, pools.tokens, pools.lru, pools.host, layer,
         write_slots.numpy(), kv_rows.contiguous().numpy(), write_locs.numpy(), index_k.contiguous().numpy(),
         index_q.contiguous().numpy(), index_w.contiguous().numpy(), pools.req_to_token, token_rows.numpy(),
@@ -187,14 +185,9 @@ def attend(
         q_latent.contiguous().numpy(), q_rope.contiguous().numpy(), wide(attn_scale),
         top, slots, counts, copy_src, copy_dst, out.numpy(),
     )
-    return (
-        out if complete else None,
-        torch.from_numpy(top),
-        torch.from_numpy(slots),
-        torch.from_numpy(counts),
-        (copies, hits, misses, lost),
-        complete,
-    )
+    result = SwapInResult.from_arrays(slots, counts, row_bytes=pools.row_bytes, totals=(hits, misses, lost),
+                                      complete=complete)
+    return (out if complete else None), torch.from_numpy(top), result
 
 
 def attend_resident(
@@ -223,7 +216,7 @@ def attend_resident(
     top = np.empty((num_tokens, top_k), dtype=np.int32)
     slots = np.empty((num_tokens, top_k), dtype=np.int64)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
-    _compiled_attend_resident()(
+    _attend_resident(
         kv_all, keys_all, layer, write_locs.numpy(), kv_rows.contiguous().numpy(), index_k.contiguous().numpy(),
         index_q.contiguous().numpy(), index_w.contiguous().numpy(), req_to_token.numpy(), token_rows.numpy(),
         seq_lens.numpy(), wide(index_scale), top_k,

@@ -85,12 +85,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., D]`` normalised over its last dimension and scaled by ``weight [D]`` (``fits``)."""
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"weight: shape {tuple(weight.shape)} does not match x's last dimension {x.shape[-1]}")
-    flat = x.reshape(-1, x.shape[-1])
-    out = torch.empty(flat.shape, dtype=x.dtype)
-    if flat.shape[0]:
-        wide = np.float64 if x.dtype == torch.float64 else np.float32
-        _rms_norm(flat.detach().numpy(), weight.detach().numpy(), wide(eps), wide(flat.shape[1]), out.numpy())
-    return out.view(x.shape)
+    return CompiledNorm(weight, eps)(x)
 
 
 class CompiledNorm:
@@ -131,26 +126,23 @@ class CompiledNorm:
         return result if two else result.view(x.shape)
 
 
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
     """``x [T, heads, R]`` rotated by ``cos, sin [T, R]`` (``sin`` signed ``[-s | s]``), de-interleaved
     first when ``interleaved``; a new contiguous tensor (``fits``)."""
     table = (x.shape[0], x.shape[-1])
     if x.dim() != 3 or x.shape[-1] % 2 or cos.shape != table or sin.shape != table:
         raise ValueError(f"cos, sin: shapes {tuple(cos.shape)}, {tuple(sin.shape)} do not fit x {tuple(x.shape)}")
-    out = torch.empty(x.shape, dtype=x.dtype)
-    if x.numel():
-        _rotate(x.detach().numpy(), cos.numpy(), sin.numpy(), interleaved, out.numpy())
-    return out
+    return rotate_with_tables(x, cos.detach().numpy(), sin.detach().numpy(), interleaved)
 
 
 def rotate_with_tables(x: torch.Tensor, cos: np.ndarray, sin: np.ndarray, interleaved: bool) -> torch.Tensor:
     """``rotate`` over tables already in numpy form (``cos``, ``sin`` ``[T, R]`` of ``x``'s dtype),
     without its checks: for a caller that checked ``x`` against them (a forward's rope tables, built
     once for all its layers). The same loop on the same arrays, so the same bits."""
-    out = np.empty(x.shape, cos.dtype)
+    values = x.detach().numpy()
+    out = np.empty(values.shape, values.dtype)
     if x.numel():
-        _rotate(x.detach().numpy(), cos, sin, interleaved, out)
+        _rotate(values, cos, sin, interleaved, out)
     return torch.from_numpy(out)
 
 

@@ -139,18 +139,15 @@ class HiSparseBackend:
     def _attend_compiled(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
         coord, steps = self.coord, self.steps
         seq_lens = self.positions + 1
-        out, top, slots, counts, (_, hits, misses, lost), complete = hisparse_attend_numba.attend(
+        out, top, result = hisparse_attend_numba.attend(
             self._pools, layer, self.write_slots, inputs.kv_rows, self.write_locs, inputs.index_k,
             inputs.index_q, inputs.index_w, self.req_rows, seq_lens, inputs.index_scale, inputs.top_k,
             steps, coord.hot, coord.policy, inputs.q_latent, inputs.q_rope, inputs.attn_scale,
         )
         self.last_topk = top
         batch = top.shape[0] // steps
-        rows = self.req_rows[::steps]
-        top3, lens2 = top.view(batch, steps, -1), seq_lens.view(batch, steps)
-        result = SwapInResult(slots, counts, self._pools.row_bytes,
-                              (hits, misses, lost, misses * self._pools.row_bytes), complete)
-        coord.record_swap_in(layer, result, top3, lens2, rows)
+        coord.record_swap_in(layer, result, top.view(batch, steps, -1), seq_lens.view(batch, steps),
+                             self.req_rows[::steps])
         if out is not None:
             return out
         return self._attend_swapped(inputs, layer, coord.device_kv[layer], top, first=result)

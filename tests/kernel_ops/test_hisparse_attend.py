@@ -119,13 +119,14 @@ def test_one_call_equals_the_steps(seed, num_reqs, num_steps, hot, top_k, extra,
                  p_no_host=p_no_host)
     expected_case, got_case = _clone(case), _clone(case)
     out_a, top_a, res_a = _step_by_step(expected_case, top_k, num_steps, policy)
-    out_b, top_b, slots_b, counts_b, (copies, hits, misses, lost), complete = _one_call(got_case, top_k, num_steps,
-                                                                                      policy)
+    out_b, top_b, res_b = _one_call(got_case, top_k, num_steps, policy)
     assert torch.equal(top_a, top_b)
-    assert torch.equal(res_a.slots, slots_b)
-    assert torch.equal(res_a.counts, counts_b)
-    assert res_a.totals[:3] == (hits, misses, lost) and copies == misses
+    assert torch.equal(res_a.slots, res_b.slots)
+    assert torch.equal(res_a.counts, res_b.counts)
+    assert res_a.totals == res_b.totals  # hits, misses, unrecoverable, bytes copied (misses x row bytes)
+    complete = res_b.all_steps_done(num_steps)
     assert complete == res_a.all_steps_done(num_steps)
+    assert complete == bool((res_b.steps_done == num_steps).all())  # the flag says what the counts say
     for name in ("kv", "keys", "tokens", "lru", "host"):  # every layer: the other layer is left alone
         assert torch.equal(expected_case[name], got_case[name]), name
     if complete:
@@ -140,9 +141,9 @@ def test_a_verify_that_stops_hands_back_the_resolved_steps():
         case = _case(seed, num_reqs=2, num_steps=3, top_k=4, hot=4, extra=2, p_no_host=0.0)
         if int(case["lens"].min()) <= 4:
             continue
-        out, _, _, counts, _, complete = _one_call(_clone(case), 4, 3, "lru")
-        if not complete:
-            assert out is None and int(counts[:, 0].min()) < 3
+        out, _, result = _one_call(_clone(case), 4, 3, "lru")
+        if not result.all_steps_done(3):
+            assert out is None and int(result.steps_done.min()) < 3
             return
     pytest.fail("no case stopped early")
 
@@ -202,4 +203,4 @@ def test_fits_only_cpu_tensors_of_one_float_dtype_and_small_shapes():
 
 def test_warm_up_compiles_both_calls():
     ha.warm_up(torch.float32)
-    assert ha._compiled is not None and ha._compiled_resident is not None
+    assert ha._attend.signatures and ha._attend_resident.signatures
