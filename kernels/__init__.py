@@ -38,7 +38,7 @@ def warm_up(
     ``dtype`` (``indexer_topk_numba.pays_for``), the sparse attention when it gives it queries of
     ``attention`` = (heads, C + R, top-k) (``sparse_mla_numba.pays_for``), the one-call decode
     attention when both do (``hisparse_attend_numba``), the norms and rotations
-    (``small_ops_numba``), a few tokens' experts (``moe_numba``), and the swap-in when the run has one (HiSparse).
+    (``small_ops_numba``), a few tokens' experts (``moe_numba``) and layers (``layer_numba``), and the swap-in when the run has one (HiSparse).
     The executor calls it when it starts, so that the first decode step does not pay for the
     compilation. Elsewhere, and without numba, nothing."""
     if torch.device(device).type != "cpu":
@@ -47,6 +47,7 @@ def warm_up(
         hisparse_attend_numba,
         indexer_topk_numba,
         kv_copy_numba,
+        layer_numba,
         moe_numba,
         small_ops_numba,
         sparse_mla_numba,
@@ -55,6 +56,7 @@ def warm_up(
 
     small_ops_numba.warm_up(dtype)  # every layer's norms and rotations
     moe_numba.warm_up(dtype)  # a few tokens' experts (a model without experts never calls it)
+    layer_numba.warm_up(dtype)  # a few tokens' projections and MLP (``pipeline.model.fused``)
     indexer = indexer_topk_numba.pays_for(index_heads, index_dim)
     if indexer:
         indexer_topk_numba.warm_up(dtype)

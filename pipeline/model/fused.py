@@ -34,11 +34,12 @@ module path otherwise, so stale weights are never used (``fuse_for_inference`` a
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels import moe_numba, small_ops_numba
+from kernels import layer_numba, moe_numba, small_ops_numba
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -107,6 +108,7 @@ class FusedLayer:
         if dense is not None:
             names[dense] = ["gate_proj", "up_proj", "down_proj"]
         self._links = [(parent, name, getattr(parent, name)) for parent, attrs_ in names.items() for name in attrs_]
+        self._numba: _CompiledWeights | None = None  # ``kernels.layer_numba``'s weights, made at first use
 
     @staticmethod
     def fits(layer: nn.Module) -> bool:
@@ -131,8 +133,45 @@ class FusedLayer:
         return all(m._parameters["weight"].data_ptr() == ptr for m, ptr in self._views)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+        if x.shape[0] <= layer_numba.MAX_TOKENS and x.is_cpu and x.dtype in _COMPILED_DTYPES:
+            out = self._compiled(x, cos, sin, backend, layer)
+            if out is not None:
+                return out
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_norm(x))
+
+    def _compiled(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor | None:
+        """A few tokens on a CPU (decode, verify, a draft step): the projections before the attention
+        and everything after it as ``kernels.layer_numba``'s two calls around ``backend.attend``, or
+        None where they do not take the layer (its weights of other dtypes, grouped routing, an
+        MLP the loops do not know, no numba)."""
+        weights = self._numba
+        if weights is None or not weights.current():
+            weights = self._numba = _CompiledWeights(self)
+        if not weights.usable or x.dtype != weights.dtype or x.dim() != 2:
+            return None
+        rope = _RopeTables.of(cos, sin)
+        if rope.compiled is None or rope.dtype != x.dtype or rope.shape != (x.shape[0], self.cfg.qk_rope_head_dim):
+            return None
+        arrays = weights.arrays
+        xs = x.detach().contiguous().numpy()
+        q_latent, q_rope, kv_rows, index_q, index_w, index_k = layer_numba.project(xs, arrays, *rope.compiled)
+        indexed = arrays["has_index"]
+        inputs = AttentionInputs(
+            layer=layer,
+            q_latent=torch.from_numpy(q_latent),
+            q_rope=torch.from_numpy(q_rope),
+            kv_rows=torch.from_numpy(kv_rows),
+            index_q=torch.from_numpy(index_q) if indexed else None,
+            index_w=torch.from_numpy(index_w) if indexed else None,
+            index_k=torch.from_numpy(index_k) if indexed else None,
+            attn_scale=self.attn_scale,
+            index_scale=self.index_scale,
+            top_k=self.cfg.index_topk,
+            reuse_topk=not self.has_indexer,
+        )
+        out = backend.attend(inputs).to(x.dtype)
+        return torch.from_numpy(layer_numba.finish(xs, out.detach().contiguous().numpy(), arrays))
 
     def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
         """The cache rows and indexer keys ``__call__`` writes for ``x`` (the layer's input), and
@@ -195,6 +234,114 @@ class FusedLayer:
         out = backend.attend(inputs).to(h.dtype)  # [T, H, C]
         out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
         return attn.o_proj(out.reshape(out.shape[0], -1))
+
+
+_COMPILED_DTYPES = (torch.float32, torch.float64)
+
+
+class _CompiledWeights:
+    """A fused layer's weights as the numpy views and constants ``kernels.layer_numba`` reads, and
+    what they were taken from. ``current`` checks (besides ``FusedLayer.current``, which the caller
+    has checked) that every module and tensor behind a view is still in place at the same memory,
+    so a replaced or moved weight is never read stale; ``usable`` says whether the loops take the
+    layer at all (numba installed; every weight a CPU tensor of one float32/64 dtype; the indexer's
+    head weights inside the first matmul; a dense MLP, or routed experts without group masking
+    whose sizes ``kernels.moe_numba`` takes, with a plain shared expert or none)."""
+
+    def __init__(self, fused: FusedLayer) -> None:
+        self._held: list[tuple[dict, str, object, int | None]] = []
+        self.usable = False
+        self.dtype = fused.w_in.dtype
+        self.arrays: dict[str, object] = {}
+        if layer_numba.AVAILABLE:
+            self.usable = self._take(fused)
+
+    def _hold(self, owner: nn.Module, kind: str, name: str) -> Tensor | nn.Module:
+        """``owner``'s parameter, buffer or submodule ``name``, remembered for ``current``."""
+        table = getattr(owner, kind)
+        value = table[name]
+        self._held.append((table, name, value, value.data_ptr() if isinstance(value, Tensor) else None))
+        return value
+
+    def current(self) -> bool:
+        return all(table.get(name) is value and (ptr is None or value.data_ptr() == ptr)
+                   for table, name, value, ptr in self._held)
+
+    def _take(self, fused: FusedLayer) -> bool:
+        cfg, attn = fused.cfg, fused.attn
+        dtype = self.dtype
+        wide = np.float64 if dtype == torch.float64 else np.float32
+        tensors: list[Tensor] = [fused.w_in, fused.w_q]
+
+        def param(module: nn.Module, name: str = "weight") -> Tensor:
+            tensor = self._hold(module, "_parameters", name)
+            tensors.append(tensor)
+            return tensor
+
+        a = self.arrays
+        a["norm_w"], a["norm_eps"] = param(fused.input_norm), wide(fused.input_norm.eps)
+        a["q_norm_w"], a["q_eps"] = param(fused.q_norm), wide(fused.q_norm.eps)
+        a["kv_norm_w"], a["kv_eps"] = param(fused.kv_norm), wide(fused.kv_norm.eps)
+        a["post_w"], a["post_eps"] = param(fused.post_norm), wide(fused.post_norm.eps)
+        heads, nope = fused.heads, cfg.qk_nope_head_dim
+        kv_b = param(self._hold(attn, "_modules", "kv_b_proj"))
+        a["kv_b"], a["nope"] = kv_b.view(heads, nope + cfg.v_head_dim, -1), nope
+        a["w_o"] = param(self._hold(attn, "_modules", "o_proj"))
+        a["w_in"], a["w_q"], a["q_lora"], a["rope"] = fused.w_in, fused.w_q, cfg.q_lora_rank, cfg.qk_rope_head_dim
+        a["has_index"] = fused.has_indexer
+        if fused.has_indexer:
+            if not fused.w_in_weights:
+                return False
+            k_norm = self._hold(attn.indexer, "_modules", "k_norm")
+            if not isinstance(k_norm, nn.LayerNorm) or k_norm.weight is None or k_norm.bias is None:
+                return False
+            a["k_norm_w"], a["k_norm_b"], a["k_norm_eps"] = param(k_norm), param(k_norm, "bias"), wide(k_norm.eps)
+            a["index_heads"], a["index_dim"] = cfg.index_n_heads, cfg.index_head_dim
+            a["index_w_scale"] = wide(cfg.index_n_heads**-0.5)
+            a["index_interleaved"] = cfg.indexer_rope == "interleaved"
+        else:
+            empty = torch.empty(0, dtype=dtype)
+            a["k_norm_w"] = a["k_norm_b"] = empty
+            a["k_norm_eps"], a["index_w_scale"], a["index_interleaved"] = wide(1.0), wide(1.0), False
+        mlp = fused.mlp
+        a["routed"], a["top_k"], a["normalise"], a["scaling"] = False, 0, False, wide(1.0)
+        a["tiny"] = wide(1e-20)
+        a["gate_w"], a["bias"] = torch.zeros(1, cfg.hidden_size, dtype=dtype), torch.zeros(1, dtype=dtype)
+        # a dense MLP runs as the loop's "shared expert" with no routed ones (placeholders of the types)
+        a["gate_up"] = torch.zeros(1, 2, cfg.hidden_size, dtype=dtype)
+        a["down"] = torch.zeros(1, cfg.hidden_size, 1, dtype=dtype)
+        if isinstance(mlp, _FusedDense):
+            shared = mlp
+        elif isinstance(mlp, _FusedMoE) and mlp.ungrouped:
+            moe = mlp.moe
+            experts, gate = self._hold(moe, "_modules", "experts"), self._hold(moe, "_modules", "gate")
+            a["gate_up"], a["down"] = param(experts, "gate_up_proj"), param(experts, "down_proj")
+            if a["gate_up"][0].numel() > moe_numba.MAX_EXPERT_ELEMENTS:
+                return False
+            a["gate_w"] = param(gate)
+            a["bias"] = self._hold(gate, "_buffers", "e_score_correction_bias")
+            tensors.append(a["bias"])
+            route = gate.cfg
+            a["routed"], a["top_k"] = True, route.num_experts_per_tok
+            a["normalise"], a["scaling"] = bool(route.norm_topk_prob), wide(route.routed_scaling_factor)
+            shared = mlp.shared
+            if shared is not None and not isinstance(shared, _FusedDense):
+                return False
+        else:
+            return False
+        a["has_shared"] = shared is not None
+        if shared is not None:
+            a["shared_gate_up"], a["shared_down"] = shared.w_gate_up, param(shared.down)
+            tensors.append(shared.w_gate_up)
+        else:
+            a["shared_gate_up"] = torch.zeros(2, cfg.hidden_size, dtype=dtype)
+            a["shared_down"] = torch.zeros(cfg.hidden_size, 1, dtype=dtype)
+        if not all(t.dtype == dtype and t.device.type == "cpu" for t in tensors) or dtype not in _COMPILED_DTYPES:
+            return False
+        for name, value in a.items():  # the tensors as numpy views (no copies: the weights' own memory)
+            if isinstance(value, Tensor):
+                a[name] = value.detach().numpy()
+        return True
 
 
 class _RopeTables:

@@ -210,10 +210,12 @@ def test_few_tokens_on_a_cpu_skip_the_dense_expert_path(dtype, tol, monkeypatch)
     """A decode step's few tokens do not take the dense all-expert path: in float64 the compiled
     per-token loop runs them (``kernels.moe_numba``), in bfloat16 (which it does not take) one
     token runs its chosen experts one by one and two the dense path; the module path's values
-    either way."""
-    from kernels import moe_numba
+    either way. (The whole-layer loops, ``kernels.layer_numba``, are turned off here: they would
+    take these tokens before the MoE is asked.)"""
+    from kernels import layer_numba, moe_numba
     from pipeline.model.fused import _FusedMoE
 
+    monkeypatch.setattr(layer_numba, "MAX_TOKENS", 0)
     cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)
     module, fused = _pair(cfg, dtype=dtype)
     dense_tokens, compiled_tokens = [], []

@@ -1,0 +1,311 @@
+"""A decoder layer's projections and MLP for a few tokens on a CPU as two compiled calls, with numba.
+
+A decode step of a small model at a small batch costs what its torch calls cost to dispatch: the
+fused layer (``pipeline.model.fused``) still makes about forty of them per layer for one token (two
+norms, two matmuls, the splits, the rope rotations, the absorbed query, the concatenations, the
+value up-projection, the output projection, the residual adds, the MLP), about 350 us of dispatch
+around 100 us of arithmetic for the bundled model. Here the work before the attention is one call
+(``project``) and the work after it is another (``finish``); the attention itself stays the
+backend's (``AttentionBackend.attend``), so every backend, HiSparse and resident, serves the layer
+unchanged.
+
+``project``: ``h = rms_norm(x)``; ``[q_a | latent, k_rope | index_k | index_w] = W_in h``;
+``q = W_q rms_norm(q_a)``; the absorbed query ``q_nope W_UK`` per head; the query heads' and the new
+key's rope channels rotated (interleaved), the indexer's query heads' and key's by the indexer's
+rope; the cache row ``[rms_norm(latent) | k_rope]``; the indexer key ``layer_norm(index_k)`` rotated;
+the indexer's head weights ``index_w * heads ** -0.5``.
+
+``finish``: ``x + W_o (out W_UV)`` per head, then ``rms_norm``, then the MLP, then the residual: a
+dense SwiGLU MLP, or the router (sigmoid scores, the correction bias steering the choice of the top
+``k``, the chosen scores normalised and scaled) and the routed experts in expert order with the
+shared expert (``kernels.moe_numba``'s loop), as the module path computes them.
+
+Each token is computed alone, so a verify step's tokens get the bits each would get in a decode step
+of its own, which BLAS's batched matmuls do not promise. The dot products and norms run in the order
+the compiler vectorises them (``reassoc``), so the results agree with the torch path's to rounding;
+the rope rotations are ``kernels.small_ops_numba``'s loop (the torch path's bits, given its input).
+Float32 and float64 arrays of one dtype; the caller (``pipeline.model.fused``) decides when the
+calls are made and hands numpy views of the weights it checked.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kernels import moe_numba, small_ops_numba
+
+try:
+    import numba
+except ImportError:  # a platform without numba's wheels: the torch path does the work
+    numba = None
+
+AVAILABLE = numba is not None and moe_numba.AVAILABLE and small_ops_numba.AVAILABLE
+# the most tokens a call takes: beyond it the torch path's matmuls read each weight once for many
+# tokens, which the per-token loops cannot (``kernels.moe_numba`` has the same bound)
+MAX_TOKENS = moe_numba.MAX_TOKENS
+
+_rotate = small_ops_numba._rotate
+_experts = moe_numba._kernel
+
+
+def _jit(**options):
+    if numba is None:
+        return lambda fn: fn
+    return numba.njit(cache=True, nogil=True, **options)
+
+
+_FAST = {"reassoc", "contract", "nsz"}
+
+
+@_jit(fastmath=_FAST)
+def _matvec(w, x, zero, out):  # pragma: no cover - compiled
+    """``out = w @ x`` for ``w [O, I]``, ``x [I]``."""
+    rows, dim = w.shape
+    for o in range(rows):
+        total = zero
+        for i in range(dim):
+            total += w[o, i] * x[i]
+        out[o] = total
+
+
+@_jit(fastmath={"reassoc", "nsz"})
+def _rms(x, weight, eps, size, out):  # pragma: no cover - compiled
+    """``small_ops_numba``'s RMSNorm of one vector."""
+    zero = eps - eps
+    one = eps / eps
+    total = zero
+    for j in range(x.shape[0]):
+        total += x[j] * x[j]
+    scale = one / np.sqrt(total / size + eps)
+    for j in range(x.shape[0]):
+        out[j] = weight[j] * (x[j] * scale)
+
+
+@_jit(fastmath={"reassoc", "nsz"})
+def _layer_norm(x, weight, bias, eps, out):  # pragma: no cover - compiled
+    """``torch.layer_norm`` of one vector (biased variance)."""
+    n = x.shape[0]
+    zero = eps - eps
+    one = eps / eps
+    total = zero
+    for j in range(n):
+        total += x[j]
+    mean = total / n
+    total = zero
+    for j in range(n):
+        d = x[j] - mean
+        total += d * d
+    inv = one / np.sqrt(total / n + eps)
+    for j in range(n):
+        out[j] = (x[j] - mean) * inv * weight[j] + bias[j]
+
+
+@_jit(fastmath=_FAST)
+def _project(  # pragma: no cover - compiled
+    x, norm_w, norm_eps, w_in, q_lora, q_norm_w, q_eps, w_q, kv_b, nope, kv_norm_w, kv_eps,
+    has_index, index_heads, k_norm_w, k_norm_b, k_norm_eps, index_w_scale, index_interleaved, cos, sin,
+    q_latent, q_rope, kv_rows, index_q, index_w, index_k,
+):
+    tokens, dim = x.shape
+    heads, _, latent_dim = kv_b.shape
+    rope = q_rope.shape[2]
+    qk = nope + rope
+    index_dim = index_k.shape[1]
+    zero = norm_eps - norm_eps
+    h = np.empty(dim, x.dtype)
+    p = np.empty(w_in.shape[0], x.dtype)
+    qr = np.empty(q_lora, x.dtype)
+    qs = np.empty(w_q.shape[0], x.dtype)
+    key_norm = np.empty(index_dim, x.dtype)
+    rope_in = np.empty((tokens, heads + 1, rope), x.dtype)
+    rope_out = np.empty_like(rope_in)
+    index_in = np.empty((tokens, index_heads + 1, rope), x.dtype)
+    index_out = np.empty_like(index_in)
+    for t in range(tokens):
+        _rms(x[t], norm_w, norm_eps, norm_w.shape[0], h)
+        _matvec(w_in, h, zero, p)
+        _rms(p[:q_lora], q_norm_w, q_eps, q_lora, qr)
+        _matvec(w_q, qr, zero, qs)
+        for hh in range(heads):
+            base = hh * qk
+            for c in range(latent_dim):
+                q_latent[t, hh, c] = zero
+            for n in range(nope):  # q_nope @ W_UK, the rows of W_UK read in order
+                a = qs[base + n]
+                for c in range(latent_dim):
+                    q_latent[t, hh, c] += a * kv_b[hh, n, c]
+            for i in range(rope):
+                rope_in[t, hh, i] = qs[base + nope + i]
+        for i in range(rope):
+            rope_in[t, heads, i] = p[q_lora + latent_dim + i]
+        _rms(p[q_lora : q_lora + latent_dim], kv_norm_w, kv_eps, latent_dim, kv_rows[t, :latent_dim])
+        if has_index:
+            off = q_lora + latent_dim + rope
+            _layer_norm(p[off : off + index_dim], k_norm_w, k_norm_b, k_norm_eps, key_norm)
+            for g in range(index_heads):
+                q_off = heads * qk + g * index_dim
+                for i in range(rope):
+                    index_in[t, g, i] = qs[q_off + i]
+                for i in range(rope, index_dim):
+                    index_q[t, g, i] = qs[q_off + i]
+                index_w[t, g] = p[off + index_dim + g] * index_w_scale
+            for i in range(rope):
+                index_in[t, index_heads, i] = key_norm[i]
+            for i in range(rope, index_dim):
+                index_k[t, i] = key_norm[i]
+    _rotate(rope_in, cos, sin, True, rope_out)
+    for t in range(tokens):
+        for hh in range(heads):
+            for i in range(rope):
+                q_rope[t, hh, i] = rope_out[t, hh, i]
+        for i in range(rope):
+            kv_rows[t, latent_dim + i] = rope_out[t, heads, i]
+    if has_index:
+        _rotate(index_in, cos, sin, index_interleaved, index_out)
+        for t in range(tokens):
+            for g in range(index_heads):
+                for i in range(rope):
+                    index_q[t, g, i] = index_out[t, g, i]
+            for i in range(rope):
+                index_k[t, i] = index_out[t, index_heads, i]
+
+
+@_jit(fastmath=_FAST)
+def _route(h, gate_w, bias, top_k, normalise, scaling, tiny, ids, weights):  # pragma: no cover - compiled
+    """One token's chosen experts (the highest ``score + bias``, the lower id first among equals)
+    and their weights (the chosen sigmoid scores, normalised to sum 1 when ``normalise``: divided by
+    their sum plus ``tiny``, 1e-20 in the weights' dtype, as the router does; then scaled)."""
+    experts = gate_w.shape[0]
+    zero = scaling - scaling
+    one = scaling / scaling
+    scores = np.empty(experts, h.dtype)
+    for e in range(experts):
+        total = zero
+        for j in range(h.shape[0]):
+            total += gate_w[e, j] * h[j]
+        scores[e] = one / (one + np.exp(-total))
+    taken = np.zeros(experts, np.bool_)
+    for a in range(top_k):
+        best = -1
+        for e in range(experts):
+            if taken[e]:
+                continue
+            if best < 0 or scores[e] + bias[e] > scores[best] + bias[best]:
+                best = e
+        taken[best] = True
+        ids[a] = best
+        weights[a] = scores[best]
+    if normalise:
+        total = zero
+        for a in range(top_k):
+            total += weights[a]
+        total += tiny
+        for a in range(top_k):
+            weights[a] = weights[a] / total
+    if scaling != one:
+        for a in range(top_k):
+            weights[a] = weights[a] * scaling
+
+
+@_jit(fastmath=_FAST)
+def _finish(  # pragma: no cover - compiled
+    x, attn, kv_b, nope, w_o, norm_w, norm_eps,
+    routed, gate_w, bias, top_k, normalise, scaling, tiny, gate_up, down, shared_gate_up, shared_down,
+    has_shared, out,
+):
+    tokens, dim = x.shape
+    heads, _, latent_dim = kv_b.shape
+    value_dim = kv_b.shape[1] - nope
+    zero = norm_eps - norm_eps
+    one = norm_eps / norm_eps
+    o = np.empty(heads * value_dim, x.dtype)
+    a = np.empty(dim, x.dtype)
+    resid = np.empty((tokens, dim), x.dtype)
+    normed = np.empty((tokens, dim), x.dtype)
+    for t in range(tokens):
+        for hh in range(heads):  # out @ W_UV^T per head
+            for j in range(value_dim):
+                total = zero
+                for c in range(latent_dim):
+                    total += attn[t, hh, c] * kv_b[hh, nope + j, c]
+                o[hh * value_dim + j] = total
+        _matvec(w_o, o, zero, a)
+        for j in range(dim):
+            resid[t, j] = x[t, j] + a[j]
+        _rms(resid[t], norm_w, norm_eps, dim, normed[t])
+    k = top_k if routed else 0
+    ids = np.empty((tokens, k), np.int64)
+    weights = np.empty((tokens, k), x.dtype)
+    if routed:
+        for t in range(tokens):
+            _route(normed[t], gate_w, bias, top_k, normalise, scaling, tiny, ids[t], weights[t])
+    mlp = np.empty((tokens, dim), x.dtype)
+    _experts(normed, ids, weights, gate_up, down, shared_gate_up, shared_down, has_shared, zero, one, mlp)
+    for t in range(tokens):
+        for j in range(dim):
+            out[t, j] = resid[t, j] + mlp[t, j]
+
+
+def project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``x [T, D]`` (the layer's input, before its norm) -> ``(q_latent [T, H, C], q_rope [T, H, R],
+    kv_rows [T, C + R], index_q [T, Hi, Di], index_w [T, Hi], index_k [T, Di])`` (the last three
+    empty without an indexer). ``w``: the weights' numpy views and constants (``pipeline.model.fused``
+    builds it); ``cos``, ``sin [T, R]``: the forward's rope tables (``sin`` signed ``[-s | s]``)."""
+    tokens = x.shape[0]
+    heads, _, latent = w["kv_b"].shape
+    rope = w["rope"]
+    index_heads, index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
+    dtype = x.dtype
+    q_latent = np.empty((tokens, heads, latent), dtype)
+    q_rope = np.empty((tokens, heads, rope), dtype)
+    kv_rows = np.empty((tokens, latent + rope), dtype)
+    index_q = np.empty((tokens, index_heads, index_dim), dtype)
+    index_w = np.empty((tokens, index_heads), dtype)
+    index_k = np.empty((tokens, index_dim), dtype)
+    _project(
+        x, w["norm_w"], w["norm_eps"], w["w_in"], w["q_lora"], w["q_norm_w"], w["q_eps"], w["w_q"], w["kv_b"],
+        w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], index_heads, w["k_norm_w"], w["k_norm_b"],
+        w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin,
+        q_latent, q_rope, kv_rows, index_q, index_w, index_k,
+    )
+    return q_latent, q_rope, kv_rows, index_q, index_w, index_k
+
+
+def finish(x: np.ndarray, attn: np.ndarray, w: dict) -> np.ndarray:
+    """The layer's output ``[T, D]`` from its input ``x`` and the attention's ``attn [T, H, C]``."""
+    out = np.empty(x.shape, x.dtype)
+    _finish(
+        x, attn, w["kv_b"], w["nope"], w["w_o"], w["post_w"], w["post_eps"],
+        w["routed"], w["gate_w"], w["bias"], w["top_k"], w["normalise"], w["scaling"], w["tiny"], w["gate_up"],
+        w["down"],
+        w["shared_gate_up"], w["shared_down"], w["has_shared"], out,
+    )
+    return out
+
+
+def warm_up(dtype) -> None:
+    """Compile (or load from numba's disk cache) both calls for ``dtype``'s arrays (``torch.float32``
+    or ``torch.float64``), with and without an indexer, routed experts and a shared expert (one
+    signature: the flags are arguments), so that a process's first decode step does not pay for it."""
+    import torch
+
+    if not AVAILABLE or dtype not in (torch.float32, torch.float64):
+        return
+    f = np.float64 if dtype == torch.float64 else np.float32
+    dim, heads, nope, value, latent, rope, q_lora, index_heads, index_dim = 4, 1, 2, 2, 2, 2, 2, 1, 2
+    z = lambda *shape: np.zeros(shape, f)  # noqa: E731
+    ones = lambda n: np.ones(n, f)  # noqa: E731
+    w = {
+        "norm_w": ones(dim), "norm_eps": f(1e-6), "w_in": z(q_lora + latent + rope + index_dim + index_heads, dim),
+        "q_lora": q_lora, "q_norm_w": ones(q_lora), "q_eps": f(1e-6), "w_q": z(heads * (nope + rope) + index_heads *
+        index_dim, q_lora), "kv_b": z(heads, nope + value, latent), "nope": nope, "kv_norm_w": ones(latent),
+        "kv_eps": f(1e-6), "has_index": True, "index_heads": index_heads, "index_dim": index_dim,
+        "k_norm_w": ones(index_dim), "k_norm_b": z(index_dim), "k_norm_eps": f(1e-6), "index_w_scale": f(1.0),
+        "index_interleaved": False, "rope": rope, "w_o": z(dim, heads * value), "post_w": ones(dim),
+        "post_eps": f(1e-6), "routed": True, "gate_w": z(2, dim), "bias": z(2), "top_k": 1, "normalise": True,
+        "scaling": f(1.0), "tiny": f(1e-20), "gate_up": z(2, 2, dim), "down": z(2, dim, 1),
+        "shared_gate_up": z(2, dim), "shared_down": z(dim, 1), "has_shared": True,
+    }
+    x, cos = z(1, dim), z(1, rope)
+    project(x, w, cos, cos)
+    finish(x, z(1, heads, latent), w)
