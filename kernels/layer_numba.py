@@ -107,48 +107,63 @@ def _project(  # pragma: no cover - compiled
     q_latent, q_rope, kv_rows, index_q, index_w, index_k,
 ):
     tokens, dim = x.shape
+    zero = norm_eps - norm_eps
+    h = np.empty(dim, x.dtype)
+    p = np.empty((tokens, w_in.shape[0]), x.dtype)
+    qr = np.empty(q_lora, x.dtype)
+    qs = np.empty((tokens, w_q.shape[0]), x.dtype)
+    for t in range(tokens):
+        _rms(x[t], norm_w, norm_eps, norm_w.shape[0], h)
+        _matvec(w_in, h, zero, p[t])
+        _rms(p[t, :q_lora], q_norm_w, q_eps, q_lora, qr)
+        _matvec(w_q, qr, zero, qs[t])
+    _assemble(p, qs, q_lora, kv_b, nope, kv_norm_w, kv_eps, has_index, index_heads, k_norm_w, k_norm_b, k_norm_eps,
+              index_w_scale, index_interleaved, cos, sin, q_latent, q_rope, kv_rows, index_q, index_w, index_k)
+
+
+@_jit(fastmath=_FAST)
+def _assemble(  # pragma: no cover - compiled
+    p, qs, q_lora, kv_b, nope, kv_norm_w, kv_eps, has_index, index_heads, k_norm_w, k_norm_b, k_norm_eps,
+    index_w_scale, index_interleaved, cos, sin, q_latent, q_rope, kv_rows, index_q, index_w, index_k,
+):
+    """Everything of the projection after its two matmuls ``p = W_in rms_norm(x)`` and
+    ``qs = W_q rms_norm(q_a)`` (rows per token): the absorbed query, the rotations, the cache row
+    and the indexer's inputs."""
+    tokens = p.shape[0]
     heads, _, latent_dim = kv_b.shape
     rope = q_rope.shape[2]
     qk = nope + rope
     index_dim = index_k.shape[1]
-    zero = norm_eps - norm_eps
-    h = np.empty(dim, x.dtype)
-    p = np.empty(w_in.shape[0], x.dtype)
-    qr = np.empty(q_lora, x.dtype)
-    qs = np.empty(w_q.shape[0], x.dtype)
-    key_norm = np.empty(index_dim, x.dtype)
-    rope_in = np.empty((tokens, heads + 1, rope), x.dtype)
+    zero = kv_eps - kv_eps
+    key_norm = np.empty(index_dim, p.dtype)
+    rope_in = np.empty((tokens, heads + 1, rope), p.dtype)
     rope_out = np.empty_like(rope_in)
-    index_in = np.empty((tokens, index_heads + 1, rope), x.dtype)
+    index_in = np.empty((tokens, index_heads + 1, rope), p.dtype)
     index_out = np.empty_like(index_in)
     for t in range(tokens):
-        _rms(x[t], norm_w, norm_eps, norm_w.shape[0], h)
-        _matvec(w_in, h, zero, p)
-        _rms(p[:q_lora], q_norm_w, q_eps, q_lora, qr)
-        _matvec(w_q, qr, zero, qs)
         for hh in range(heads):
             base = hh * qk
             for c in range(latent_dim):
                 q_latent[t, hh, c] = zero
             for n in range(nope):  # q_nope @ W_UK, the rows of W_UK read in order
-                a = qs[base + n]
+                a = qs[t, base + n]
                 for c in range(latent_dim):
                     q_latent[t, hh, c] += a * kv_b[hh, n, c]
             for i in range(rope):
-                rope_in[t, hh, i] = qs[base + nope + i]
+                rope_in[t, hh, i] = qs[t, base + nope + i]
         for i in range(rope):
-            rope_in[t, heads, i] = p[q_lora + latent_dim + i]
-        _rms(p[q_lora : q_lora + latent_dim], kv_norm_w, kv_eps, latent_dim, kv_rows[t, :latent_dim])
+            rope_in[t, heads, i] = p[t, q_lora + latent_dim + i]
+        _rms(p[t, q_lora : q_lora + latent_dim], kv_norm_w, kv_eps, latent_dim, kv_rows[t, :latent_dim])
         if has_index:
             off = q_lora + latent_dim + rope
-            _layer_norm(p[off : off + index_dim], k_norm_w, k_norm_b, k_norm_eps, key_norm)
+            _layer_norm(p[t, off : off + index_dim], k_norm_w, k_norm_b, k_norm_eps, key_norm)
             for g in range(index_heads):
                 q_off = heads * qk + g * index_dim
                 for i in range(rope):
-                    index_in[t, g, i] = qs[q_off + i]
+                    index_in[t, g, i] = qs[t, q_off + i]
                 for i in range(rope, index_dim):
-                    index_q[t, g, i] = qs[q_off + i]
-                index_w[t, g] = p[off + index_dim + g] * index_w_scale
+                    index_q[t, g, i] = qs[t, q_off + i]
+                index_w[t, g] = p[t, off + index_dim + g] * index_w_scale
             for i in range(rope):
                 index_in[t, index_heads, i] = key_norm[i]
             for i in range(rope, index_dim):
@@ -168,6 +183,32 @@ def _project(  # pragma: no cover - compiled
                     index_q[t, g, i] = index_out[t, g, i]
             for i in range(rope):
                 index_k[t, i] = index_out[t, index_heads, i]
+
+
+@_jit(fastmath=_FAST)
+def _up_values(attn, kv_b, nope, zero, out):  # pragma: no cover - compiled
+    """``out [T, H * v]``: each head's attention output times its ``W_UV`` (rows ``nope:`` of
+    ``kv_b [H, nope + v, C]``), heads side by side (the output projection's input)."""
+    tokens = attn.shape[0]
+    heads, rows, latent_dim = kv_b.shape
+    value_dim = rows - nope
+    for t in range(tokens):
+        for hh in range(heads):
+            for j in range(value_dim):
+                total = zero
+                for c in range(latent_dim):
+                    total += attn[t, hh, c] * kv_b[hh, nope + j, c]
+                out[t, hh * value_dim + j] = total
+
+
+@_jit(fastmath={"reassoc", "nsz"})
+def _add_norm(x, a, norm_w, norm_eps, resid, normed):  # pragma: no cover - compiled
+    """``resid = x + a`` and its RMSNorm, per token."""
+    tokens, dim = x.shape
+    for t in range(tokens):
+        for j in range(dim):
+            resid[t, j] = x[t, j] + a[t, j]
+        _rms(resid[t], norm_w, norm_eps, dim, normed[t])
 
 
 @_jit(fastmath=_FAST)
@@ -214,25 +255,16 @@ def _finish(  # pragma: no cover - compiled
     has_shared, out,
 ):
     tokens, dim = x.shape
-    heads, _, latent_dim = kv_b.shape
-    value_dim = kv_b.shape[1] - nope
     zero = norm_eps - norm_eps
     one = norm_eps / norm_eps
-    o = np.empty(heads * value_dim, x.dtype)
-    a = np.empty(dim, x.dtype)
+    o = np.empty((tokens, w_o.shape[1]), x.dtype)
+    _up_values(attn, kv_b, nope, zero, o)
+    a = np.empty((tokens, dim), x.dtype)
+    for t in range(tokens):
+        _matvec(w_o, o[t], zero, a[t])
     resid = np.empty((tokens, dim), x.dtype)
     normed = np.empty((tokens, dim), x.dtype)
-    for t in range(tokens):
-        for hh in range(heads):  # out @ W_UV^T per head
-            for j in range(value_dim):
-                total = zero
-                for c in range(latent_dim):
-                    total += attn[t, hh, c] * kv_b[hh, nope + j, c]
-                o[hh * value_dim + j] = total
-        _matvec(w_o, o, zero, a)
-        for j in range(dim):
-            resid[t, j] = x[t, j] + a[j]
-        _rms(resid[t], norm_w, norm_eps, dim, normed[t])
+    _add_norm(x, a, norm_w, norm_eps, resid, normed)
     k = top_k if routed else 0
     ids = np.empty((tokens, k), np.int64)
     weights = np.empty((tokens, k), x.dtype)
@@ -246,29 +278,33 @@ def _finish(  # pragma: no cover - compiled
             out[t, j] = resid[t, j] + mlp[t, j]
 
 
+def _inputs(tokens: int, w: dict, dtype) -> tuple[np.ndarray, ...]:
+    """The attention inputs' arrays for ``tokens`` tokens (the indexer's empty without one)."""
+    heads, _, latent = w["kv_b"].shape
+    rope = w["rope"]
+    index_heads, index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
+    return (
+        np.empty((tokens, heads, latent), dtype),  # q_latent
+        np.empty((tokens, heads, rope), dtype),  # q_rope
+        np.empty((tokens, latent + rope), dtype),  # kv_rows
+        np.empty((tokens, index_heads, index_dim), dtype),  # index_q
+        np.empty((tokens, index_heads), dtype),  # index_w
+        np.empty((tokens, index_dim), dtype),  # index_k
+    )
+
+
 def project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
     """``x [T, D]`` (the layer's input, before its norm) -> ``(q_latent [T, H, C], q_rope [T, H, R],
     kv_rows [T, C + R], index_q [T, Hi, Di], index_w [T, Hi], index_k [T, Di])`` (the last three
     empty without an indexer). ``w``: the weights' numpy views and constants (``pipeline.model.fused``
     builds it); ``cos``, ``sin [T, R]``: the forward's rope tables (``sin`` signed ``[-s | s]``)."""
-    tokens = x.shape[0]
-    heads, _, latent = w["kv_b"].shape
-    rope = w["rope"]
-    index_heads, index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
-    dtype = x.dtype
-    q_latent = np.empty((tokens, heads, latent), dtype)
-    q_rope = np.empty((tokens, heads, rope), dtype)
-    kv_rows = np.empty((tokens, latent + rope), dtype)
-    index_q = np.empty((tokens, index_heads, index_dim), dtype)
-    index_w = np.empty((tokens, index_heads), dtype)
-    index_k = np.empty((tokens, index_dim), dtype)
+    out = _inputs(x.shape[0], w, x.dtype)
     _project(
         x, w["norm_w"], w["norm_eps"], w["w_in"], w["q_lora"], w["q_norm_w"], w["q_eps"], w["w_q"], w["kv_b"],
-        w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], index_heads, w["k_norm_w"], w["k_norm_b"],
-        w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin,
-        q_latent, q_rope, kv_rows, index_q, index_w, index_k,
+        w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], out[3].shape[1], w["k_norm_w"], w["k_norm_b"],
+        w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin, *out,
     )
-    return q_latent, q_rope, kv_rows, index_q, index_w, index_k
+    return out
 
 
 def finish(x: np.ndarray, attn: np.ndarray, w: dict) -> np.ndarray:
@@ -277,10 +313,44 @@ def finish(x: np.ndarray, attn: np.ndarray, w: dict) -> np.ndarray:
     _finish(
         x, attn, w["kv_b"], w["nope"], w["w_o"], w["post_w"], w["post_eps"],
         w["routed"], w["gate_w"], w["bias"], w["top_k"], w["normalise"], w["scaling"], w["tiny"], w["gate_up"],
-        w["down"],
-        w["shared_gate_up"], w["shared_down"], w["has_shared"], out,
+        w["down"], w["shared_gate_up"], w["shared_down"], w["has_shared"], out,
     )
     return out
+
+
+# --- the pieces between a larger batch's matmuls (BLAS does those: ``pipeline.model.fused``) ------
+
+
+def rms_rows(x: np.ndarray, weight: np.ndarray, eps) -> np.ndarray:
+    """RMSNorm of each row of ``x [T, n]`` (a strided view is read in place)."""
+    out = np.empty(x.shape, x.dtype)
+    small_ops_numba._rms_norm(x, weight, eps, eps.dtype.type(x.shape[1]), out)
+    return out
+
+
+def assemble(p: np.ndarray, qs: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``project``'s outputs from its two matmuls' rows ``p = W_in rms_norm(x)`` and
+    ``qs = W_q rms_norm(q_a)``."""
+    out = _inputs(p.shape[0], w, p.dtype)
+    _assemble(
+        p, qs, w["q_lora"], w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], out[3].shape[1],
+        w["k_norm_w"], w["k_norm_b"], w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin, *out,
+    )
+    return out
+
+
+def up_values(attn: np.ndarray, w: dict) -> np.ndarray:
+    """``[T, H * v]``: the attention output of each head times its ``W_UV``."""
+    out = np.empty((attn.shape[0], w["w_o"].shape[1]), attn.dtype)
+    _up_values(attn, w["kv_b"], w["nope"], w["post_eps"] - w["post_eps"], out)
+    return out
+
+
+def add_norm(x: np.ndarray, a: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray]:
+    """``(x + a, rms_norm(x + a))`` with the layer's post-attention norm."""
+    resid, normed = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
+    _add_norm(x, a, w["post_w"], w["post_eps"], resid, normed)
+    return resid, normed
 
 
 def warm_up(dtype) -> None:

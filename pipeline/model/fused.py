@@ -45,6 +45,9 @@ from pipeline.model.layers import DenseMLP, wide_dtype
 
 # the most token x expert rows the dense expert path computes (beyond it, only the chosen rows)
 DENSE_EXPERT_ROWS = 1024
+# the most tokens whose layer runs ``kernels.layer_numba``'s loops between BLAS's matmuls (beyond
+# it, a prefill chunk's, the torch ops' vectorised passes over many rows cost less than the loops)
+MAX_HYBRID_TOKENS = 64
 
 
 def _fuse(linears: list[nn.Linear], views: list[tuple[nn.Linear, int]]) -> Tensor:
@@ -133,50 +136,77 @@ class FusedLayer:
         return all(m._parameters["weight"].data_ptr() == ptr for m, ptr in self._views)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
-        if x.shape[0] <= layer_numba.MAX_TOKENS and x.is_cpu and x.dtype in _COMPILED_DTYPES:
-            out = self._compiled(x, cos, sin, backend, layer)
-            if out is not None:
-                return out
+        out = self._compiled(x, cos, sin, backend, layer)
+        if out is not None:
+            return out
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_norm(x))
 
     def _compiled(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor | None:
-        """A few tokens on a CPU (decode, verify, a draft step): the projections before the attention
-        and everything after it as ``kernels.layer_numba``'s two calls around ``backend.attend``, or
-        None where they do not take the layer (its weights of other dtypes, grouped routing, an
-        MLP the loops do not know, no numba)."""
+        """A few tokens on a CPU (decode, verify, draft steps, a small batch's): the work around
+        ``backend.attend`` by ``kernels.layer_numba``, or None where its loops do not take the layer
+        (weights of other dtypes, an indexer whose head weights are apart, no numba). Up to
+        ``layer_numba.MAX_TOKENS`` tokens (and an MLP the loops know: a dense one, ungrouped routed
+        experts) the loops do everything, in two calls; up to ``MAX_HYBRID_TOKENS`` BLAS does the
+        four matmuls and the MLP, the loops the rest between them."""
+        projected = self._compiled_inputs(x, cos, sin)
+        if projected is None:
+            return None
+        parts, xs, weights, whole = projected
+        q_latent, q_rope, kv_rows, index_q, index_w, index_k = (torch.from_numpy(part) for part in parts)
+        indexed = self.has_indexer
+        inputs = AttentionInputs(
+            layer=layer,
+            q_latent=q_latent,
+            q_rope=q_rope,
+            kv_rows=kv_rows,
+            index_q=index_q if indexed else None,
+            index_w=index_w if indexed else None,
+            index_k=index_k if indexed else None,
+            attn_scale=self.attn_scale,
+            index_scale=self.index_scale,
+            top_k=self.cfg.index_topk,
+            reuse_topk=not indexed,
+        )
+        out = backend.attend(inputs).to(x.dtype).detach().contiguous().numpy()
+        a = weights.arrays
+        if whole:
+            return torch.from_numpy(layer_numba.finish(xs, out, a))
+        attended = F.linear(torch.from_numpy(layer_numba.up_values(out, a)), weights.w_o).numpy()
+        resid, normed = layer_numba.add_norm(xs, attended, a)
+        return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed))
+
+    def _compiled_inputs(self, x: Tensor, cos: Tensor, sin: Tensor):
+        """``_compiled``'s projection: (the attention inputs' arrays, ``x``'s, the weights, whether
+        the loops do the whole layer), or None where they do not take it."""
+        if not (x.shape[0] <= MAX_HYBRID_TOKENS and x.is_cpu and x.dtype in _COMPILED_DTYPES and x.dim() == 2):
+            return None
         weights = self._numba
         if weights is None or not weights.current():
             weights = self._numba = _CompiledWeights(self)
-        if not weights.usable or x.dtype != weights.dtype or x.dim() != 2:
+        if not weights.usable or x.dtype != weights.dtype:
             return None
         rope = _RopeTables.of(cos, sin)
         if rope.compiled is None or rope.dtype != x.dtype or rope.shape != (x.shape[0], self.cfg.qk_rope_head_dim):
             return None
-        arrays = weights.arrays
+        a = weights.arrays
         xs = x.detach().contiguous().numpy()
-        q_latent, q_rope, kv_rows, index_q, index_w, index_k = layer_numba.project(xs, arrays, *rope.compiled)
-        indexed = arrays["has_index"]
-        inputs = AttentionInputs(
-            layer=layer,
-            q_latent=torch.from_numpy(q_latent),
-            q_rope=torch.from_numpy(q_rope),
-            kv_rows=torch.from_numpy(kv_rows),
-            index_q=torch.from_numpy(index_q) if indexed else None,
-            index_w=torch.from_numpy(index_w) if indexed else None,
-            index_k=torch.from_numpy(index_k) if indexed else None,
-            attn_scale=self.attn_scale,
-            index_scale=self.index_scale,
-            top_k=self.cfg.index_topk,
-            reuse_topk=not self.has_indexer,
-        )
-        out = backend.attend(inputs).to(x.dtype)
-        return torch.from_numpy(layer_numba.finish(xs, out.detach().contiguous().numpy(), arrays))
+        whole = weights.whole and x.shape[0] <= layer_numba.MAX_TOKENS
+        if whole:
+            return layer_numba.project(xs, a, *rope.compiled), xs, weights, True
+        p = F.linear(torch.from_numpy(layer_numba.rms_rows(xs, a["norm_w"], a["norm_eps"])), self.w_in).numpy()
+        q_resid = layer_numba.rms_rows(p[:, : a["q_lora"]], a["q_norm_w"], a["q_eps"])
+        q = F.linear(torch.from_numpy(q_resid), self.w_q).numpy()
+        return layer_numba.assemble(p, q, a, *rope.compiled), xs, weights, False
 
     def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
         """The cache rows and indexer keys ``__call__`` writes for ``x`` (the layer's input), and
         nothing else: the same matmul and element-wise ops (rotating a key alone or with the query
         heads is the same product per element), without the queries, the attention or the MLP."""
+        projected = self._compiled_inputs(x, cos, sin)
+        if projected is not None:  # the rows the layer's forward over the same tokens writes
+            parts = projected[0]
+            return torch.from_numpy(parts[2]), torch.from_numpy(parts[5]) if self.has_indexer else None
         cfg = self.cfg
         r, c = cfg.qk_rope_head_dim, cfg.kv_lora_rank
         rope = _RopeTables.of(cos, sin)
@@ -243,18 +273,32 @@ class _CompiledWeights:
     """A fused layer's weights as the numpy views and constants ``kernels.layer_numba`` reads, and
     what they were taken from. ``current`` checks (besides ``FusedLayer.current``, which the caller
     has checked) that every module and tensor behind a view is still in place at the same memory,
-    so a replaced or moved weight is never read stale; ``usable`` says whether the loops take the
-    layer at all (numba installed; every weight a CPU tensor of one float32/64 dtype; the indexer's
-    head weights inside the first matmul; a dense MLP, or routed experts without group masking
-    whose sizes ``kernels.moe_numba`` takes, with a plain shared expert or none)."""
+    so a replaced or moved weight is never read stale.
+
+    ``usable``: the loops take the layer's attention side (numba installed; every weight it reads a
+    CPU tensor of one float32/64 dtype; the indexer's head weights inside the first matmul).
+    ``whole``: they take its MLP too (a dense MLP, or routed experts without group masking whose
+    sizes ``kernels.moe_numba`` takes, with a plain shared expert or none)."""
 
     def __init__(self, fused: FusedLayer) -> None:
         self._held: list[tuple[dict, str, object, int | None]] = []
-        self.usable = False
+        self._tensors: list[Tensor] = [fused.w_in, fused.w_q]
         self.dtype = fused.w_in.dtype
         self.arrays: dict[str, object] = {}
-        if layer_numba.AVAILABLE:
-            self.usable = self._take(fused)
+        self.usable = self.whole = False
+        if not layer_numba.AVAILABLE or self.dtype not in _COMPILED_DTYPES:
+            return
+        self._wide = np.float64 if self.dtype == torch.float64 else np.float32
+        if not self._take_attention(fused):
+            return
+        self.w_o = fused.attn.o_proj.weight  # the hybrid path's output projection (BLAS)
+        whole = self._take_mlp(fused)
+        if not all(t.dtype == self.dtype and t.device.type == "cpu" for t in self._tensors):
+            return
+        for name, value in self.arrays.items():  # the tensors as numpy views (no copies: the weights' own memory)
+            if isinstance(value, Tensor):
+                self.arrays[name] = value.detach().numpy()
+        self.usable, self.whole = True, whole
 
     def _hold(self, owner: nn.Module, kind: str, name: str) -> Tensor | nn.Module:
         """``owner``'s parameter, buffer or submodule ``name``, remembered for ``current``."""
@@ -263,22 +307,17 @@ class _CompiledWeights:
         self._held.append((table, name, value, value.data_ptr() if isinstance(value, Tensor) else None))
         return value
 
+    def _param(self, module: nn.Module, name: str = "weight") -> Tensor:
+        tensor = self._hold(module, "_parameters", name)
+        self._tensors.append(tensor)
+        return tensor
+
     def current(self) -> bool:
         return all(table.get(name) is value and (ptr is None or value.data_ptr() == ptr)
                    for table, name, value, ptr in self._held)
 
-    def _take(self, fused: FusedLayer) -> bool:
-        cfg, attn = fused.cfg, fused.attn
-        dtype = self.dtype
-        wide = np.float64 if dtype == torch.float64 else np.float32
-        tensors: list[Tensor] = [fused.w_in, fused.w_q]
-
-        def param(module: nn.Module, name: str = "weight") -> Tensor:
-            tensor = self._hold(module, "_parameters", name)
-            tensors.append(tensor)
-            return tensor
-
-        a = self.arrays
+    def _take_attention(self, fused: FusedLayer) -> bool:
+        cfg, attn, a, wide, param = fused.cfg, fused.attn, self.arrays, self._wide, self._param
         a["norm_w"], a["norm_eps"] = param(fused.input_norm), wide(fused.input_norm.eps)
         a["q_norm_w"], a["q_eps"] = param(fused.q_norm), wide(fused.q_norm.eps)
         a["kv_norm_w"], a["kv_eps"] = param(fused.kv_norm), wide(fused.kv_norm.eps)
@@ -289,58 +328,53 @@ class _CompiledWeights:
         a["w_o"] = param(self._hold(attn, "_modules", "o_proj"))
         a["w_in"], a["w_q"], a["q_lora"], a["rope"] = fused.w_in, fused.w_q, cfg.q_lora_rank, cfg.qk_rope_head_dim
         a["has_index"] = fused.has_indexer
-        if fused.has_indexer:
-            if not fused.w_in_weights:
-                return False
-            k_norm = self._hold(attn.indexer, "_modules", "k_norm")
-            if not isinstance(k_norm, nn.LayerNorm) or k_norm.weight is None or k_norm.bias is None:
-                return False
-            a["k_norm_w"], a["k_norm_b"], a["k_norm_eps"] = param(k_norm), param(k_norm, "bias"), wide(k_norm.eps)
-            a["index_heads"], a["index_dim"] = cfg.index_n_heads, cfg.index_head_dim
-            a["index_w_scale"] = wide(cfg.index_n_heads**-0.5)
-            a["index_interleaved"] = cfg.indexer_rope == "interleaved"
-        else:
-            empty = torch.empty(0, dtype=dtype)
+        if not fused.has_indexer:
+            empty = torch.empty(0, dtype=self.dtype)
             a["k_norm_w"] = a["k_norm_b"] = empty
             a["k_norm_eps"], a["index_w_scale"], a["index_interleaved"] = wide(1.0), wide(1.0), False
-        mlp = fused.mlp
+            return True
+        if not fused.w_in_weights:
+            return False
+        k_norm = self._hold(attn.indexer, "_modules", "k_norm")
+        if not isinstance(k_norm, nn.LayerNorm) or k_norm.weight is None or k_norm.bias is None:
+            return False
+        a["k_norm_w"], a["k_norm_b"], a["k_norm_eps"] = param(k_norm), param(k_norm, "bias"), wide(k_norm.eps)
+        a["index_heads"], a["index_dim"] = cfg.index_n_heads, cfg.index_head_dim
+        a["index_w_scale"] = wide(cfg.index_n_heads**-0.5)
+        a["index_interleaved"] = cfg.indexer_rope == "interleaved"
+        return True
+
+    def _take_mlp(self, fused: FusedLayer) -> bool:
+        cfg, mlp, a, wide, param, dtype = fused.cfg, fused.mlp, self.arrays, self._wide, self._param, self.dtype
         a["routed"], a["top_k"], a["normalise"], a["scaling"] = False, 0, False, wide(1.0)
         a["tiny"] = wide(1e-20)
         a["gate_w"], a["bias"] = torch.zeros(1, cfg.hidden_size, dtype=dtype), torch.zeros(1, dtype=dtype)
         # a dense MLP runs as the loop's "shared expert" with no routed ones (placeholders of the types)
         a["gate_up"] = torch.zeros(1, 2, cfg.hidden_size, dtype=dtype)
         a["down"] = torch.zeros(1, cfg.hidden_size, 1, dtype=dtype)
+        a["shared_gate_up"] = torch.zeros(2, cfg.hidden_size, dtype=dtype)
+        a["shared_down"] = torch.zeros(cfg.hidden_size, 1, dtype=dtype)
+        a["has_shared"] = False
         if isinstance(mlp, _FusedDense):
             shared = mlp
         elif isinstance(mlp, _FusedMoE) and mlp.ungrouped:
             moe = mlp.moe
             experts, gate = self._hold(moe, "_modules", "experts"), self._hold(moe, "_modules", "gate")
-            a["gate_up"], a["down"] = param(experts, "gate_up_proj"), param(experts, "down_proj")
-            if a["gate_up"][0].numel() > moe_numba.MAX_EXPERT_ELEMENTS:
-                return False
-            a["gate_w"] = param(gate)
-            a["bias"] = self._hold(gate, "_buffers", "e_score_correction_bias")
-            tensors.append(a["bias"])
-            route = gate.cfg
-            a["routed"], a["top_k"] = True, route.num_experts_per_tok
-            a["normalise"], a["scaling"] = bool(route.norm_topk_prob), wide(route.routed_scaling_factor)
+            gate_up, down = param(experts, "gate_up_proj"), param(experts, "down_proj")
             shared = mlp.shared
-            if shared is not None and not isinstance(shared, _FusedDense):
+            if gate_up[0].numel() > moe_numba.MAX_EXPERT_ELEMENTS or not isinstance(shared, _FusedDense | None):
                 return False
+            bias = self._hold(gate, "_buffers", "e_score_correction_bias")
+            self._tensors.append(bias)
+            route = gate.cfg
+            a.update(gate_up=gate_up, down=down, gate_w=param(gate), bias=bias, routed=True,
+                     top_k=route.num_experts_per_tok, normalise=bool(route.norm_topk_prob),
+                     scaling=wide(route.routed_scaling_factor))
         else:
             return False
-        a["has_shared"] = shared is not None
         if shared is not None:
-            a["shared_gate_up"], a["shared_down"] = shared.w_gate_up, param(shared.down)
-            tensors.append(shared.w_gate_up)
-        else:
-            a["shared_gate_up"] = torch.zeros(2, cfg.hidden_size, dtype=dtype)
-            a["shared_down"] = torch.zeros(cfg.hidden_size, 1, dtype=dtype)
-        if not all(t.dtype == dtype and t.device.type == "cpu" for t in tensors) or dtype not in _COMPILED_DTYPES:
-            return False
-        for name, value in a.items():  # the tensors as numpy views (no copies: the weights' own memory)
-            if isinstance(value, Tensor):
-                a[name] = value.detach().numpy()
+            a["shared_gate_up"], a["shared_down"], a["has_shared"] = shared.w_gate_up, param(shared.down), True
+            self._tensors.append(shared.w_gate_up)
         return True
 
 

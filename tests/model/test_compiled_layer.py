@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import layer_numba
-from pipeline.model import AttentionInputs, ForwardLayout, ResidentBackend
-from pipeline.model.fused import fuse_for_inference
+from pipeline.model import AttentionInputs, ForwardLayout, ResidentBackend, fused
+from pipeline.model.fused import MAX_HYBRID_TOKENS, fuse_for_inference
 
 pytestmark = pytest.mark.skipif(not layer_numba.AVAILABLE, reason="numba is not installed")
 
@@ -42,22 +42,30 @@ def _decode_logits(model, n: int, batch: int, seed: int = 0) -> torch.Tensor:
     return run(model, backend, ids[:, n], torch.full((batch,), n), rows1, rows1 * (n + 1) + n)
 
 
+def _count_calls(monkeypatch) -> list[tuple[str, int]]:
+    """Each layer forward the loops take: ("whole", tokens) or ("hybrid", tokens)."""
+    calls: list[tuple[str, int]] = []
+    project, assemble = layer_numba.project, layer_numba.assemble
+    monkeypatch.setattr(layer_numba, "project", lambda x, *a: calls.append(("whole", x.shape[0])) or project(x, *a))
+    monkeypatch.setattr(layer_numba, "assemble",
+                        lambda p, *a: calls.append(("hybrid", p.shape[0])) or assemble(p, *a))
+    return calls
+
+
 _INPUTS = ("q_latent", "q_rope", "kv_rows", "index_q", "index_w", "index_k")
 
 
 def _both_ways(model, monkeypatch, n: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list]:
     """The decode logits with the compiled layer and without it, and the token counts it took;
     what each layer of the decode forward handed its backend is the same both ways, to rounding."""
-    calls: list[int] = []
-    original = layer_numba.project
-    monkeypatch.setattr(layer_numba, "project", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
+    calls = _count_calls(monkeypatch)
     seen: list[AttentionInputs] = []
     attend = ResidentBackend.attend
     monkeypatch.setattr(ResidentBackend, "attend", lambda self, inputs: seen.append(inputs) or attend(self, inputs))
     compiled = _decode_logits(model, n, batch, seed)
     compiled_inputs = seen[-model.cfg.num_hidden_layers:]
     with monkeypatch.context() as off:
-        off.setattr(layer_numba, "MAX_TOKENS", 0)
+        off.setattr(fused, "MAX_HYBRID_TOKENS", 0)
         torch_path = _decode_logits(model, n, batch, seed)
     for mine, theirs in zip(compiled_inputs, seen[-model.cfg.num_hidden_layers:], strict=True):
         assert (mine.layer, mine.top_k, mine.reuse_topk) == (theirs.layer, theirs.top_k, theirs.reuse_topk)
@@ -72,7 +80,7 @@ def _both_ways(model, monkeypatch, n: int, batch: int, seed: int = 0) -> tuple[t
 @settings(max_examples=20, deadline=None)
 @given(
     n=st.integers(9, 30),
-    batch=st.integers(1, layer_numba.MAX_TOKENS),
+    batch=st.integers(1, layer_numba.MAX_TOKENS + 4),  # beyond MAX_TOKENS: BLAS's matmuls, the loops between
     shared_indexer=st.booleans(),
     glm=st.booleans(),
     experts=st.sampled_from([(4, 1), (4, 2), (8, 3)]),
@@ -83,8 +91,9 @@ def _both_ways(model, monkeypatch, n: int, batch: int, seed: int = 0) -> tuple[t
 )
 def test_compiled_layer_equals_the_torch_path(n, batch, shared_indexer, glm, experts, shared_experts, normalise,
                                               scaling, seed):
-    """float64, every layer kind the loops take: the decode forward's logits to rounding, and every
-    layer of it (target and MTP) ran through the loops."""
+    """float64, every layer kind the loops take, a few tokens (the loops do everything) and more
+    (BLAS does the matmuls and the MLP): the decode forward's logits and what each layer handed its
+    backend to rounding, and every layer of it ran through the loops."""
     e, k = experts
     over = dict(n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1, n_shared_experts=shared_experts,
                 norm_topk_prob=normalise, routed_scaling_factor=scaling)
@@ -95,7 +104,9 @@ def test_compiled_layer_equals_the_torch_path(n, batch, shared_indexer, glm, exp
     model = _fused(tiny_config(**over), seed=seed)
     with pytest.MonkeyPatch.context() as mp:
         compiled, torch_path, calls = _both_ways(model, mp, n, batch, seed)
-    assert calls == [batch] * model.cfg.num_hidden_layers  # the target's layers, decode only
+    how = "whole" if batch <= layer_numba.MAX_TOKENS else "hybrid"
+    layers = model.cfg.num_hidden_layers
+    assert calls[-layers:] == [(how, batch)] * layers  # the decode forward's (the target's layers)
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
 
 
@@ -124,19 +135,18 @@ def test_each_token_gets_the_bits_it_gets_alone(dtype):
 
 
 def test_where_the_loops_do_not_apply_the_torch_path_runs(monkeypatch):
-    """Grouped routing (a group mask), a bfloat16 model and more than ``MAX_TOKENS`` tokens keep the
-    torch path; the values are the module path's there too (the other tests of the fused path)."""
-    calls: list[int] = []
-    original = layer_numba.project
-    monkeypatch.setattr(layer_numba, "project", lambda x, *a: calls.append(x.shape[0]) or original(x, *a))
+    """Grouped routing (a group mask) keeps the torch MLP (the loops do the attention side between
+    BLAS's matmuls); a bfloat16 model and more than ``MAX_HYBRID_TOKENS`` tokens keep the torch path
+    altogether. The values are the module path's there too (the other tests of the fused path)."""
+    calls = _count_calls(monkeypatch)
     grouped = _fused(tiny_config(n_group=2, topk_group=1))  # the MoE layer masks a group
     _decode_logits(grouped, 10, 2)
-    assert calls == [2]  # the dense layer only
+    assert calls[-2:] == [("whole", 2), ("hybrid", 2)]  # the decode's dense layer, grouped MoE layer
     calls.clear()
     _decode_logits(_fused(tiny_config(n_group=1, topk_group=1), dtype=torch.bfloat16), 10, 2)
     assert calls == []
-    _decode_logits(_fused(tiny_config(n_group=1, topk_group=1)), 10, layer_numba.MAX_TOKENS + 1)
-    assert calls == []
+    _decode_logits(_fused(tiny_config(n_group=1, topk_group=1)), 1, MAX_HYBRID_TOKENS + 1)
+    assert calls == []  # the prefill (a token per request) and the decode: more than the bound
 
 
 @pytest.mark.parametrize("how", ["replaced", "re-pointed", "in place"])
@@ -159,7 +169,7 @@ def test_a_changed_weight_is_never_read_stale(how, monkeypatch):
             else:
                 old.mul_(1.7)
     compiled, torch_path, calls = _both_ways(model, monkeypatch, 10, 2)
-    assert calls == [2, 2]
+    assert calls[-2:] == [("whole", 2), ("whole", 2)]
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
     fresh = _fused(tiny_config(n_group=1, topk_group=1))
     assert not torch.allclose(compiled, _decode_logits(fresh, 10, 2))  # the change is seen
