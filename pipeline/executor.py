@@ -715,10 +715,19 @@ class Executor:
     def _catch_up_for_cache(self, seqs: list[Sequence]) -> None:
         """Decoding requests leaving with their MTP layer behind (they never speculated since): their
         MTP rows first, in one draft extend that proposes nothing, so that their pages, MTP rows
-        included, can go to the prefix cache. If that fails, a request leaving alone (``release``)
-        tries again, and one whose catch-up fails just leaves fewer pages cached."""
+        included, can go to the prefix cache. Only the positions of pages the cache may take (full
+        pages, ``PrefixCache.full_pages``) are caught up; the rest of the last page is freed with the
+        row anyway. If that fails, a request leaving alone (``release``) tries again, and one whose
+        catch-up fails just leaves fewer pages cached."""
         if not self.config.prefix_cache:
             return
+        page = self.config.page_size
+        for seq in seqs:
+            if seq.behind:
+                known = len(seq.token_ids) + len(seq.produced)
+                end = min(self.memory.length(seq.row) // page, (known - 1) // page) * page
+                if seq.behind[-1][0] >= end:
+                    seq.behind = [b for b in seq.behind if b[0] < end]
         behind = [s for s in seqs if s.behind and self.memory.residency(s.row) is Residency.RESIDENT]
         if not behind:
             return

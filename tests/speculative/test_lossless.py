@@ -277,7 +277,8 @@ def test_rows_only_draft_extend_proposes_what_one_forward_proposes(tiny_model, m
 
 def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(tiny_model, monkeypatch):
     """Requests that never speculated and leave in one ``Release`` get their MTP rows in a single
-    draft extend, which proposes nothing (their generators are left alone); their pages go to the
+    draft extend, which proposes nothing (their generators are left alone), over the positions of
+    their full pages only (the last page's others are freed with them); their pages go to the
     prefix cache, and a request retracted the same way leaves its pages too."""
     import pipeline.executor as executor_module
     from pipeline.executor import NewSequence
@@ -304,6 +305,8 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
         assert not any(x.propose for x in calls[0])
         executor.run(Release((ids[2],), keep_sampling_state=True))  # a retraction
         assert len(calls) == 2 and not calls[1][0].propose
+    for x, prompt in zip([*calls[0], *calls[1]], prompts):  # up to the last full page, none of the rest
+        assert x.start + len(x.next_ids) == (len(prompt) + 20) // PAGE * PAGE
     assert torch.equal(executor._sampling_state[ids[2]].get_state(), states[2])  # its generator untouched
     full = sum((len(p) + 20) // PAGE for p in prompts)
     assert executor.memory.cache_stats()["pages_held"] == full
