@@ -286,6 +286,12 @@ class EngineConfig:
     # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
     # (pipeline/distributed/); 1 runs the model in this process alone
     tensor_parallel_size: int = 1
+    # the engine, once started, moves every object then alive out of Python's cyclic garbage
+    # collector (``gc.freeze``, as SGLang and vLLM do after start-up): the model, torch's and the
+    # application's modules are never scanned again, so a full collection during decoding takes
+    # milliseconds instead of a pause of 100-150 ms (measured with transformers imported: ~390,000
+    # tracked objects). Process-wide; False leaves the collector alone
+    freeze_gc: bool = True
 
     def __attrs_post_init__(self) -> None:
         _require(
@@ -320,6 +326,7 @@ class EngineConfig:
         _require(isinstance(self.mixed_steps, bool), "mixed_steps", self.mixed_steps, "must be True or False")
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
+        _require(isinstance(self.freeze_gc, bool), "freeze_gc", self.freeze_gc, "must be True or False")
         _require(self.executor_thread is None or isinstance(self.executor_thread, bool), "executor_thread",
                  self.executor_thread, "must be True, False or None (by the device)")
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -28,6 +28,7 @@ RULES = [
     ("model", lambda: dict(model="tiny"), lambda: dict(model=None), "must be 'tiny' or a path"),
     ("device", lambda: dict(device="cuda", dtype="bfloat16"), lambda: dict(device="tpu"), "must be one of"),
     ("dtype", lambda: dict(dtype="float64"), lambda: dict(dtype="float8"), "must be one of"),
+    ("freeze_gc", lambda: dict(freeze_gc=False), lambda: dict(freeze_gc=1), "must be True or False"),
     (
         "dtype",
         lambda: dict(device="cpu", dtype="float64"),

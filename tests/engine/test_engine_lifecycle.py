@@ -352,3 +352,26 @@ async def test_a_stage_that_raises_stops_the_engine_cleanly(tiny_model, monkeypa
     assert info.group_contains(RuntimeError, match="decode stage bug")
     assert all(r.state in TERMINAL for r in reqs) and any(r.state is State.FAILED for r in reqs)
     assert engine.final_pool_counts == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+async def test_a_running_engine_keeps_what_was_alive_out_of_the_collector(tiny_model):
+    """``freeze_gc``: while engines run, the objects alive at their start are frozen (``gc.freeze``);
+    when the last of them closes they are handed back; ``freeze_gc=False`` leaves the collector be."""
+    import gc
+
+    import attrs
+
+    gc.unfreeze()
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    async with Engine(config(), model=tiny_model) as first:
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000  # the model, torch's modules, ...
+        async with Engine(config(), model=tiny_model) as second:
+            await second.generate_text("ab", params)
+        assert gc.get_freeze_count() >= frozen  # the first one still runs
+        await first.generate_text("ab", params)
+    assert gc.get_freeze_count() == 0
+    async with Engine(attrs.evolve(config(), freeze_gc=False), model=tiny_model) as engine:
+        await engine.generate_text("ab", params)
+        assert gc.get_freeze_count() == 0
