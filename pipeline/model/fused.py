@@ -24,6 +24,12 @@ instead whenever no gradient is recorded. What it changes:
   others in the call.
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
+* **A few tokens on a CPU run as compiled loops around the attention** (``kernels.layer_numba``):
+  up to ``layer_numba.MAX_TOKENS`` tokens of a float32/64 model with an MLP the loops know, the work
+  before ``backend.attend`` is one call and the work after it another, each token computed alone;
+  up to ``MAX_HYBRID_TOKENS`` BLAS does the matmuls and the MLP and the loops the pieces between
+  them. ``_CompiledWeights`` holds the weights' numpy views and checks at every call that what they
+  view is still in place.
 
 A module replaced after fusion, or a fused module's parameter replaced (a new ``Parameter``, or
 ``.data`` re-pointed), no longer feeds the fused path; every call checks that each module it holds
