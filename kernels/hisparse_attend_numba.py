@@ -142,6 +142,21 @@ class Pools:
         self.row_bytes = device_kv.shape[-1] * device_kv.element_size()
 
 
+class ForwardViews:
+    """A forward's per-token tables as the call reads them, taken once for all its layers (the
+    tensors of one forward do not change between its layers): the new tokens' device slots and
+    indexer locations, each token's request row and visible positions, and the rows of its requests."""
+
+    def __init__(self, write_slots: torch.Tensor, write_locs: torch.Tensor, token_rows: torch.Tensor,
+                 seq_lens: torch.Tensor, steps: int) -> None:
+        self.write_slots = write_slots.numpy()
+        self.write_locs = write_locs.numpy()
+        self.token_rows = token_rows.numpy()
+        self.seq_lens = seq_lens  # the tensor too: the caller reports a miss it could not place with it
+        self.seq_lens_np = seq_lens.numpy()
+        self.steps = steps
+
+
 def attend(
     pools: Pools,
     layer: int,
@@ -167,7 +182,20 @@ def attend(
     Returns ``(out [T, H, C] or None, top [T, K] int32, the swap-in's result)``, the result as the
     compiled swap-in gives it (``swap_in_numba``); ``out`` is None when the swap-in stopped before
     some step (its ``complete`` False): the caller attends over the resolved steps."""
+    views = ForwardViews(write_slots, write_locs, token_rows, seq_lens, steps)
+    return attend_views(pools, views, layer, kv_rows, index_k, index_q, index_w, index_scale, top_k, hot,
+                        policy_code(policy), q_latent, q_rope, attn_scale)
+
+
+def attend_views(
+    pools: Pools, views: ForwardViews, layer: int, kv_rows: torch.Tensor, index_k: torch.Tensor,
+    index_q: torch.Tensor, index_w: torch.Tensor, index_scale: float, top_k: int, hot: int, policy: int,
+    q_latent: torch.Tensor, q_rope: torch.Tensor, attn_scale: float,
+) -> tuple[torch.Tensor | None, torch.Tensor, SwapInResult]:
+    """``attend`` over a forward's tables taken once (``ForwardViews``) and a policy's code
+    (``swap_in_policy.policy_code``): what a backend calls for each layer of one forward."""
     num_tokens = q_latent.shape[0]
+    steps = views.steps
     batch = num_tokens // steps
     wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
     top = np.empty((num_tokens, top_k), dtype=np.int32)
@@ -175,19 +203,20 @@ def attend(
     counts = np.zeros((batch, 4), dtype=np.int32)
     copy_src = np.empty(num_tokens * top_k, dtype=np.int64)
     copy_dst = np.empty(num_tokens * top_k, dtype=np.int64)
-    out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
+    q_latent = q_latent.contiguous().numpy()
+    out = np.empty(q_latent.shape, dtype=q_latent.dtype)
     hits, misses, lost, complete = _attend(
         pools.kv, pools.keys, pools.tokens, pools.lru, pools.host, layer,
-        write_slots.numpy(), kv_rows.contiguous().numpy(), write_locs.numpy(), index_k.contiguous().numpy(),
-        index_q.contiguous().numpy(), index_w.contiguous().numpy(), pools.req_to_token, token_rows.numpy(),
-        seq_lens.numpy(), wide(index_scale), top_k,
-        steps, pools.locs, pools.req_to_host, hot, policy_code(policy),
-        q_latent.contiguous().numpy(), q_rope.contiguous().numpy(), wide(attn_scale),
-        top, slots, counts, copy_src, copy_dst, out.numpy(),
+        views.write_slots, kv_rows.contiguous().numpy(), views.write_locs, index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(), index_w.contiguous().numpy(), pools.req_to_token, views.token_rows,
+        views.seq_lens_np, wide(index_scale), top_k,
+        steps, pools.locs, pools.req_to_host, hot, policy,
+        q_latent, q_rope.contiguous().numpy(), wide(attn_scale),
+        top, slots, counts, copy_src, copy_dst, out,
     )
     result = SwapInResult.from_arrays(slots, counts, row_bytes=pools.row_bytes, totals=(hits, misses, lost),
                                       complete=complete)
-    return (out if complete else None), torch.from_numpy(top), result
+    return (torch.from_numpy(out) if complete else None), torch.from_numpy(top), result
 
 
 def attend_resident(

@@ -186,17 +186,17 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
         patch(HiSparseCoordinator, "swap_in", swap_in)
 
         def one_call(real):  # a decode layer's swap-in inside the one-call CPU attention: the same fault
-            def run(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, *rest):
+            def run(pools, views, *rest):
                 pool = getattr(ex.memory, "device_kv", None)  # this engine's HiSparse pool, or none
                 ours = pool is not None and pools.kv.ctypes.data == pool.data_ptr()
-                if ours and rows_of("swap_in") & set(rows.tolist()):
+                if ours and rows_of("swap_in") & set(views.token_rows.tolist()):
                     fired.counts["swap_in"] += 1
                     raise RuntimeError("injected swap-in fault")
-                return real(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, *rest)
+                return real(pools, views, *rest)
 
             return run
 
-        patch(hisparse_attend_numba, "attend", one_call)
+        patch(hisparse_attend_numba, "attend_views", one_call)
 
         def start_staging(real):
             def run(self, row, length):

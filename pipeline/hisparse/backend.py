@@ -28,6 +28,7 @@ from kernels import hisparse_attend_numba
 from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import SwapInResult
+from kernels.swap_in_policy import policy_code
 from pipeline.hisparse.prefill_swap import prefill_swap_rounds
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.model.attention_api import AttentionInputs
@@ -87,6 +88,10 @@ class HiSparseBackend:
     # decode / verify: the coordinator's pools for the compiled attention, False where it cannot serve
     # (decided at the first layer), None before
     _pools: Any = attrs.field(default=None, init=False)
+    # the compiled attention's per-forward tables (``hisparse_attend_numba.ForwardViews``) and the
+    # policy's code, taken at its first layer
+    _views: Any = attrs.field(default=None, init=False)
+    _policy: int = attrs.field(default=0, init=False)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
@@ -137,16 +142,19 @@ class HiSparseBackend:
         return self._pools is not False
 
     def _attend_compiled(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
-        coord, steps = self.coord, self.steps
-        seq_lens = self.positions + 1
-        out, top, result = hisparse_attend_numba.attend(
-            self._pools, layer, self.write_slots, inputs.kv_rows, self.write_locs, inputs.index_k,
-            inputs.index_q, inputs.index_w, self.req_rows, seq_lens, inputs.index_scale, inputs.top_k,
-            steps, coord.hot, coord.policy, inputs.q_latent, inputs.q_rope, inputs.attn_scale,
+        coord, steps, views = self.coord, self.steps, self._views
+        if views is None:  # the forward's tables, once for all its layers
+            views = self._views = hisparse_attend_numba.ForwardViews(
+                self.write_slots, self.write_locs, self.req_rows, self.positions + 1, steps)
+            self._policy = policy_code(coord.policy)
+        out, top, result = hisparse_attend_numba.attend_views(
+            self._pools, views, layer, inputs.kv_rows, inputs.index_k, inputs.index_q, inputs.index_w,
+            inputs.index_scale, inputs.top_k, coord.hot, self._policy, inputs.q_latent, inputs.q_rope,
+            inputs.attn_scale,
         )
         self.last_topk = top
         batch = top.shape[0] // steps
-        coord.record_swap_in(layer, result, top.view(batch, steps, -1), seq_lens.view(batch, steps),
+        coord.record_swap_in(layer, result, top.view(batch, steps, -1), views.seq_lens.view(batch, steps),
                              self.req_rows[::steps])
         if out is not None:
             return out

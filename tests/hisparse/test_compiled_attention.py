@@ -35,7 +35,7 @@ def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled:
         if not compiled:
             patch.setattr(HiSparseBackend, "_compiled_fits", lambda self, inputs: False)
             patch.setattr(ResidentBackend, "_compiled_fits", lambda self, inputs, layout: False)
-        for name, key in (("attend", "one"), ("attend_resident", "resident")):
+        for name, key in (("attend_views", "one"), ("attend_resident", "resident")):
             inner = getattr(hisparse_attend_numba, name)
             patch.setattr(hisparse_attend_numba, name,
                           lambda *a, _inner=inner, _key=key: calls.__setitem__(_key, calls[_key] + 1) or _inner(*a))

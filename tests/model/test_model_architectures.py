@@ -165,7 +165,7 @@ async def test_glm_shared_layers_run_no_indexer_and_count_their_own_swaps(pair, 
         return real_forward(*args, **kwargs)
 
     monkeypatch.setattr(hisparse_backend, "indexer_topk", counted_topk)
-    real_one_call, real_warm_up = hisparse_attend_numba.attend, hisparse_attend_numba.warm_up
+    real_one_call, real_warm_up = hisparse_attend_numba.attend_views, hisparse_attend_numba.warm_up
     warming = [False]
 
     def counted_one_call(*args):  # a full layer's decode on a CPU: its indexer pass inside one call
@@ -179,7 +179,7 @@ async def test_glm_shared_layers_run_no_indexer_and_count_their_own_swaps(pair, 
         finally:
             warming[0] = False
 
-    monkeypatch.setattr(hisparse_attend_numba, "attend", counted_one_call)
+    monkeypatch.setattr(hisparse_attend_numba, "attend_views", counted_one_call)
     monkeypatch.setattr(hisparse_attend_numba, "warm_up", warm_up)
     monkeypatch.setattr(ours, "forward", counted_forward)
     prompts = [_ids(n, ours.cfg.vocab_size, 30 + n).tolist() for n in PROMPT_LENS]

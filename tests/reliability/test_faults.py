@@ -131,16 +131,15 @@ async def test_a_swap_in_fault_fails_the_request_it_was_for(tiny_model, monkeypa
         return real(self, layer, top_k_pos, seq_lens, rows, **kwargs)
 
     monkeypatch.setattr(HiSparseCoordinator, "swap_in", swap_in)
-    real_one_call = hisparse_attend_numba.attend
+    real_one_call = hisparse_attend_numba.attend_views
 
-    def one_call(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows, seq_lens, *rest):
+    def one_call(pools, views, *rest):
         # a decode layer's swap-in runs inside the one-call CPU attention: the same fault there
-        if culprit_rows & set(rows.tolist()) and int(seq_lens.max()) > 42:
+        if culprit_rows & set(views.token_rows.tolist()) and int(views.seq_lens.max()) > 42:
             raise RuntimeError("injected swap-in fault")
-        return real_one_call(pools, layer, write_slots, kv_rows, write_locs, index_k, index_q, index_w, rows,
-                             seq_lens, *rest)
+        return real_one_call(pools, views, *rest)
 
-    monkeypatch.setattr(hisparse_attend_numba, "attend", one_call)
+    monkeypatch.setattr(hisparse_attend_numba, "attend_views", one_call)
     real_admit = Executor.admit
 
     def admit(self, sequences):
