@@ -282,7 +282,7 @@ class _CompiledWeights:
     so a replaced or moved weight is never read stale.
 
     ``usable``: the loops take the layer's attention side (numba installed; every weight it reads a
-    CPU tensor of one float32/64 dtype; the indexer's head weights inside the first matmul).
+    contiguous CPU tensor of one float32/64 dtype; the indexer's head weights inside the first matmul).
     ``whole``: they take its MLP too (a dense MLP, or routed experts without group masking whose
     sizes ``kernels.moe_numba`` takes, with a plain shared expert or none)."""
 
@@ -299,7 +299,7 @@ class _CompiledWeights:
             return
         self.w_o = fused.attn.o_proj.weight  # the hybrid path's output projection (BLAS)
         whole = self._take_mlp(fused)
-        if not all(t.dtype == self.dtype and t.device.type == "cpu" for t in self._tensors):
+        if not all(t.dtype == self.dtype and t.device.type == "cpu" and t.is_contiguous() for t in self._tensors):
             return
         for name, value in self.arrays.items():  # the tensors as numpy views (no copies: the weights' own memory)
             if isinstance(value, Tensor):
@@ -330,6 +330,8 @@ class _CompiledWeights:
         a["post_w"], a["post_eps"] = param(fused.post_norm), wide(fused.post_norm.eps)
         heads, nope = fused.heads, cfg.qk_nope_head_dim
         kv_b = param(self._hold(attn, "_modules", "kv_b_proj"))
+        if not kv_b.is_contiguous():
+            return False
         a["kv_b"], a["nope"] = kv_b.view(heads, nope + cfg.v_head_dim, -1), nope
         a["w_o"] = param(self._hold(attn, "_modules", "o_proj"))
         a["w_in"], a["w_q"], a["q_lora"], a["rope"] = fused.w_in, fused.w_q, cfg.q_lora_rank, cfg.qk_rope_head_dim

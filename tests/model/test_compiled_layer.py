@@ -173,3 +173,16 @@ def test_a_changed_weight_is_never_read_stale(how, monkeypatch):
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
     fresh = _fused(tiny_config(n_group=1, topk_group=1))
     assert not torch.allclose(compiled, _decode_logits(fresh, 10, 2))  # the change is seen
+
+
+def test_a_weight_the_loops_cannot_view_keeps_the_torch_path(monkeypatch):
+    """A parameter that is not contiguous (here the value up-projection, re-pointed at a transposed
+    copy's transpose) is not viewed by the loops: that layer runs the torch path, with its values."""
+    model = _fused(tiny_config(n_group=1, topk_group=1))
+    kv_b = model.model.layers[1].self_attn.kv_b_proj
+    with torch.no_grad():
+        kv_b.weight.data = kv_b.weight.detach().t().contiguous().t()
+    assert not kv_b.weight.is_contiguous()
+    compiled, torch_path, calls = _both_ways(model, monkeypatch, 10, 2)
+    assert calls[-1:] == [("whole", 2)]  # the decode's first layer only
+    torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
