@@ -356,7 +356,8 @@ def add_norm(x: np.ndarray, a: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndar
 def warm_up(dtype) -> None:
     """Compile (or load from numba's disk cache) both calls for ``dtype``'s arrays (``torch.float32``
     or ``torch.float64``), with and without an indexer, routed experts and a shared expert (one
-    signature: the flags are arguments), so that a process's first decode step does not pay for it."""
+    signature: the flags are arguments), and the pieces between a larger batch's matmuls, so that a
+    process's first decode, verify or short prefill does not pay for it."""
     import torch
 
     if not AVAILABLE or dtype not in (torch.float32, torch.float64):
@@ -379,3 +380,10 @@ def warm_up(dtype) -> None:
     x, cos = z(1, dim), z(1, rope)
     project(x, w, cos, cos)
     finish(x, z(1, heads, latent), w)
+    # the pieces between BLAS's matmuls, for the arrays and views ``pipeline.model.fused`` hands them
+    p = z(1, w["w_in"].shape[0])
+    rms_rows(x, w["norm_w"], w["norm_eps"])
+    rms_rows(p[:, :q_lora], w["q_norm_w"], w["q_eps"])
+    assemble(p, z(1, w["w_q"].shape[0]), w, cos, cos)
+    up_values(z(1, heads, latent), w)
+    add_norm(x, z(1, dim), w)
