@@ -278,43 +278,52 @@ def _finish(  # pragma: no cover - compiled
             out[t, j] = resid[t, j] + mlp[t, j]
 
 
-def _inputs(tokens: int, w: dict, dtype) -> tuple[np.ndarray, ...]:
-    """The attention inputs' arrays for ``tokens`` tokens (the indexer's empty without one)."""
-    heads, _, latent = w["kv_b"].shape
-    rope = w["rope"]
-    index_heads, index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
-    return (
-        np.empty((tokens, heads, latent), dtype),  # q_latent
-        np.empty((tokens, heads, rope), dtype),  # q_rope
-        np.empty((tokens, latent + rope), dtype),  # kv_rows
-        np.empty((tokens, index_heads, index_dim), dtype),  # index_q
-        np.empty((tokens, index_heads), dtype),  # index_w
-        np.empty((tokens, index_dim), dtype),  # index_k
-    )
+class LayerWeights:
+    """One layer's weights (numpy views) and constants, as the compiled calls take them: ``w`` by
+    name (``pipeline.model.fused`` builds it: the keys ``warm_up`` shows), and the argument runs of
+    each call laid out once, so that a call per layer per step does not look them up again."""
+
+    def __init__(self, w: dict) -> None:
+        self.w = w
+        heads, _, latent = w["kv_b"].shape
+        self.index_heads, self.index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
+        self.heads, self.latent, self.rope = heads, latent, w["rope"]
+        index = (w["has_index"], self.index_heads, w["k_norm_w"], w["k_norm_b"], w["k_norm_eps"], w["index_w_scale"],
+                 w["index_interleaved"])
+        self.project_args = (w["norm_w"], w["norm_eps"], w["w_in"], w["q_lora"], w["q_norm_w"], w["q_eps"], w["w_q"],
+                             w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], *index)
+        self.assemble_args = (w["q_lora"], w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], *index)
+        self.finish_args = (w["kv_b"], w["nope"], w["w_o"], w["post_w"], w["post_eps"], w["routed"], w["gate_w"],
+                            w["bias"], w["top_k"], w["normalise"], w["scaling"], w["tiny"], w["gate_up"], w["down"],
+                            w["shared_gate_up"], w["shared_down"], w["has_shared"])
+
+    def inputs(self, tokens: int, dtype) -> tuple[np.ndarray, ...]:
+        """The attention inputs' arrays for ``tokens`` tokens (the indexer's empty without one)."""
+        heads, latent, rope, index_heads, index_dim = self.heads, self.latent, self.rope, self.index_heads, self.index_dim
+        return (
+            np.empty((tokens, heads, latent), dtype),  # q_latent
+            np.empty((tokens, heads, rope), dtype),  # q_rope
+            np.empty((tokens, latent + rope), dtype),  # kv_rows
+            np.empty((tokens, index_heads, index_dim), dtype),  # index_q
+            np.empty((tokens, index_heads), dtype),  # index_w
+            np.empty((tokens, index_dim), dtype),  # index_k
+        )
 
 
-def project(x: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
+def project(x: np.ndarray, w: LayerWeights, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
     """``x [T, D]`` (the layer's input, before its norm) -> ``(q_latent [T, H, C], q_rope [T, H, R],
     kv_rows [T, C + R], index_q [T, Hi, Di], index_w [T, Hi], index_k [T, Di])`` (the last three
-    empty without an indexer). ``w``: the weights' numpy views and constants (``pipeline.model.fused``
-    builds it); ``cos``, ``sin [T, R]``: the forward's rope tables (``sin`` signed ``[-s | s]``)."""
-    out = _inputs(x.shape[0], w, x.dtype)
-    _project(
-        x, w["norm_w"], w["norm_eps"], w["w_in"], w["q_lora"], w["q_norm_w"], w["q_eps"], w["w_q"], w["kv_b"],
-        w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], out[3].shape[1], w["k_norm_w"], w["k_norm_b"],
-        w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin, *out,
-    )
+    empty without an indexer). ``cos``, ``sin [T, R]``: the forward's rope tables (``sin`` signed
+    ``[-s | s]``)."""
+    out = w.inputs(x.shape[0], x.dtype)
+    _project(x, *w.project_args, cos, sin, *out)
     return out
 
 
-def finish(x: np.ndarray, attn: np.ndarray, w: dict) -> np.ndarray:
+def finish(x: np.ndarray, attn: np.ndarray, w: LayerWeights) -> np.ndarray:
     """The layer's output ``[T, D]`` from its input ``x`` and the attention's ``attn [T, H, C]``."""
     out = np.empty(x.shape, x.dtype)
-    _finish(
-        x, attn, w["kv_b"], w["nope"], w["w_o"], w["post_w"], w["post_eps"],
-        w["routed"], w["gate_w"], w["bias"], w["top_k"], w["normalise"], w["scaling"], w["tiny"], w["gate_up"],
-        w["down"], w["shared_gate_up"], w["shared_down"], w["has_shared"], out,
-    )
+    _finish(x, attn, *w.finish_args, out)
     return out
 
 
@@ -328,28 +337,26 @@ def rms_rows(x: np.ndarray, weight: np.ndarray, eps) -> np.ndarray:
     return out
 
 
-def assemble(p: np.ndarray, qs: np.ndarray, w: dict, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
+def assemble(p: np.ndarray, qs: np.ndarray, w: LayerWeights, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
     """``project``'s outputs from its two matmuls' rows ``p = W_in rms_norm(x)`` and
     ``qs = W_q rms_norm(q_a)``."""
-    out = _inputs(p.shape[0], w, p.dtype)
-    _assemble(
-        p, qs, w["q_lora"], w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], w["has_index"], out[3].shape[1],
-        w["k_norm_w"], w["k_norm_b"], w["k_norm_eps"], w["index_w_scale"], w["index_interleaved"], cos, sin, *out,
-    )
+    out = w.inputs(p.shape[0], p.dtype)
+    _assemble(p, qs, *w.assemble_args, cos, sin, *out)
     return out
 
 
-def up_values(attn: np.ndarray, w: dict) -> np.ndarray:
+def up_values(attn: np.ndarray, w: LayerWeights) -> np.ndarray:
     """``[T, H * v]``: the attention output of each head times its ``W_UV``."""
-    out = np.empty((attn.shape[0], w["w_o"].shape[1]), attn.dtype)
-    _up_values(attn, w["kv_b"], w["nope"], w["post_eps"] - w["post_eps"], out)
+    a = w.w
+    out = np.empty((attn.shape[0], a["w_o"].shape[1]), attn.dtype)
+    _up_values(attn, a["kv_b"], a["nope"], a["post_eps"] - a["post_eps"], out)
     return out
 
 
-def add_norm(x: np.ndarray, a: np.ndarray, w: dict) -> tuple[np.ndarray, np.ndarray]:
+def add_norm(x: np.ndarray, a: np.ndarray, w: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
     """``(x + a, rms_norm(x + a))`` with the layer's post-attention norm."""
     resid, normed = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
-    _add_norm(x, a, w["post_w"], w["post_eps"], resid, normed)
+    _add_norm(x, a, w.w["post_w"], w.w["post_eps"], resid, normed)
     return resid, normed
 
 
@@ -377,13 +384,13 @@ def warm_up(dtype) -> None:
         "scaling": f(1.0), "tiny": f(1e-20), "gate_up": z(2, 2, dim), "down": z(2, dim, 1),
         "shared_gate_up": z(2, dim), "shared_down": z(dim, 1), "has_shared": True,
     }
-    x, cos = z(1, dim), z(1, rope)
-    project(x, w, cos, cos)
-    finish(x, z(1, heads, latent), w)
+    x, cos, weights = z(1, dim), z(1, rope), LayerWeights(w)
+    project(x, weights, cos, cos)
+    finish(x, z(1, heads, latent), weights)
     # the pieces between BLAS's matmuls, for the arrays and views ``pipeline.model.fused`` hands them
     p = z(1, w["w_in"].shape[0])
     rms_rows(x, w["norm_w"], w["norm_eps"])
     rms_rows(p[:, :q_lora], w["q_norm_w"], w["q_eps"])
-    assemble(p, z(1, w["w_q"].shape[0]), w, cos, cos)
-    up_values(z(1, heads, latent), w)
-    add_norm(x, z(1, dim), w)
+    assemble(p, z(1, w["w_q"].shape[0]), weights, cos, cos)
+    up_values(z(1, heads, latent), weights)
+    add_norm(x, z(1, dim), weights)

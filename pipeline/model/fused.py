@@ -175,11 +175,11 @@ class FusedLayer:
             reuse_topk=not indexed,
         )
         out = backend.attend(inputs).to(x.dtype).detach().contiguous().numpy()
-        a = weights.arrays
+        loops = weights.loops
         if whole:
-            return torch.from_numpy(layer_numba.finish(xs, out, a))
-        attended = F.linear(torch.from_numpy(layer_numba.up_values(out, a)), weights.w_o).numpy()
-        resid, normed = layer_numba.add_norm(xs, attended, a)
+            return torch.from_numpy(layer_numba.finish(xs, out, loops))
+        attended = F.linear(torch.from_numpy(layer_numba.up_values(out, loops)), weights.w_o).numpy()
+        resid, normed = layer_numba.add_norm(xs, attended, loops)
         return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed))
 
     def _compiled_inputs(self, x: Tensor, cos: Tensor, sin: Tensor):
@@ -195,15 +195,15 @@ class FusedLayer:
         rope = _RopeTables.of(cos, sin)
         if rope.compiled is None or rope.dtype != x.dtype or rope.shape != (x.shape[0], self.cfg.qk_rope_head_dim):
             return None
-        a = weights.arrays
+        a, loops = weights.arrays, weights.loops
         xs = x.detach().contiguous().numpy()
         whole = weights.whole and x.shape[0] <= layer_numba.MAX_TOKENS
         if whole:
-            return layer_numba.project(xs, a, *rope.compiled), xs, weights, True
+            return layer_numba.project(xs, loops, *rope.compiled), xs, weights, True
         p = F.linear(torch.from_numpy(layer_numba.rms_rows(xs, a["norm_w"], a["norm_eps"])), self.w_in).numpy()
         q_resid = layer_numba.rms_rows(p[:, : a["q_lora"]], a["q_norm_w"], a["q_eps"])
         q = F.linear(torch.from_numpy(q_resid), self.w_q).numpy()
-        return layer_numba.assemble(p, q, a, *rope.compiled), xs, weights, False
+        return layer_numba.assemble(p, q, loops, *rope.compiled), xs, weights, False
 
     def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
         """The cache rows and indexer keys ``__call__`` writes for ``x`` (the layer's input), and
@@ -304,6 +304,7 @@ class _CompiledWeights:
         for name, value in self.arrays.items():  # the tensors as numpy views (no copies: the weights' own memory)
             if isinstance(value, Tensor):
                 self.arrays[name] = value.detach().numpy()
+        self.loops = layer_numba.LayerWeights(self.arrays)
         self.usable, self.whole = True, whole
 
     def _hold(self, owner: nn.Module, kind: str, name: str) -> Tensor | nn.Module:
