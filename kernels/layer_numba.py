@@ -25,7 +25,12 @@ of its own, which BLAS's batched matmuls do not promise. The dot products and no
 the compiler vectorises them (``reassoc``), so the results agree with the torch path's to rounding;
 the rope rotations are ``kernels.small_ops_numba``'s loop (the torch path's bits, given its input).
 Float32 and float64 arrays of one dtype; the caller (``pipeline.model.fused``) decides when the
-calls are made and hands numpy views of the weights it checked.
+calls are made and hands numpy views of the weights it checked (``LayerWeights``).
+
+For more tokens than ``MAX_TOKENS`` (a verify of a batch of 8, a decode of 16-64 requests) BLAS's
+matmuls read each weight once for all of them, which the per-token loops cannot; there the caller
+runs ``W_in``, ``W_q``, ``o_proj`` and the MLP with torch and the pieces between them here
+(``rms_rows``, ``assemble``: ``project`` after its two matmuls, ``up_values``, ``add_norm``).
 """
 
 from __future__ import annotations
