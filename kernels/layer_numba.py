@@ -142,9 +142,7 @@ def _assemble(  # pragma: no cover - compiled
     zero = kv_eps - kv_eps
     key_norm = np.empty(index_dim, p.dtype)
     rope_in = np.empty((tokens, heads + 1, rope), p.dtype)
-    rope_out = np.empty_like(rope_in)
     index_in = np.empty((tokens, index_heads + 1, rope), p.dtype)
-    index_out = np.empty_like(index_in)
     for t in range(tokens):
         for hh in range(heads):
             base = hh * qk
@@ -173,21 +171,26 @@ def _assemble(  # pragma: no cover - compiled
                 index_in[t, index_heads, i] = key_norm[i]
             for i in range(rope, index_dim):
                 index_k[t, i] = key_norm[i]
-    _rotate(rope_in, cos, sin, True, rope_out)
-    for t in range(tokens):
-        for hh in range(heads):
-            for i in range(rope):
-                q_rope[t, hh, i] = rope_out[t, hh, i]
-        for i in range(rope):
-            kv_rows[t, latent_dim + i] = rope_out[t, heads, i]
+    _rotate_into(rope_in, cos, sin, True, q_rope, kv_rows, latent_dim)
     if has_index:
-        _rotate(index_in, cos, sin, index_interleaved, index_out)
-        for t in range(tokens):
-            for g in range(index_heads):
-                for i in range(rope):
-                    index_q[t, g, i] = index_out[t, g, i]
+        _rotate_into(index_in, cos, sin, index_interleaved, index_q, index_k, 0)
+
+
+@_jit()
+def _rotate_into(x, cos, sin, interleaved, heads_out, key_out, key_start):  # pragma: no cover - compiled
+    """``x [T, n + 1, R]``: n query heads' rope channels and a key's, rotated (``small_ops_numba``'s
+    loop); each head's into the first R channels of ``heads_out[t, h]``, the key's into
+    ``key_out[t, key_start : key_start + R]``."""
+    tokens, rows, rope = x.shape
+    heads = rows - 1
+    out = np.empty_like(x)
+    _rotate(x, cos, sin, interleaved, out)
+    for t in range(tokens):
+        for h in range(heads):
             for i in range(rope):
-                index_k[t, i] = index_out[t, index_heads, i]
+                heads_out[t, h, i] = out[t, h, i]
+        for i in range(rope):
+            key_out[t, key_start + i] = out[t, heads, i]
 
 
 @_jit(fastmath=_FAST)
