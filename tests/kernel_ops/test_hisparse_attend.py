@@ -63,6 +63,13 @@ def _case(seed: int, *, num_reqs: int, num_steps: int, top_k: int, hot: int, ext
         lens=lens,
         write_locs=write_locs,
         write_slots=write_slots,
+        **_layer_inputs(num_tokens, g),
+    )
+
+
+def _layer_inputs(num_tokens: int, g: torch.Generator) -> dict:
+    """A layer's new rows, indexer inputs and queries for ``num_tokens`` tokens, drawn from ``g``."""
+    return dict(
         kv_rows=torch.randn(num_tokens, DIM, generator=g),
         index_k=torch.randn(num_tokens, INDEX_DIM, generator=g),
         index_q=torch.randn(num_tokens, INDEX_HEADS, INDEX_DIM, generator=g),
@@ -160,12 +167,7 @@ def _resident_case(seed: int, *, num_tokens: int, top_k: int):
         kv=torch.randn(LAYERS, rows_total, DIM, generator=g),
         keys=torch.randn(LAYERS, rows_total, INDEX_DIM, generator=g),
         table=table, rows=rows, lens=lens, locs=locs, layer=int(torch.randint(0, LAYERS, (1,), generator=g)),
-        kv_rows=torch.randn(num_tokens, DIM, generator=g),
-        index_k=torch.randn(num_tokens, INDEX_DIM, generator=g),
-        index_q=torch.randn(num_tokens, INDEX_HEADS, INDEX_DIM, generator=g),
-        index_w=torch.randn(num_tokens, INDEX_HEADS, generator=g),
-        q_latent=torch.randn(num_tokens, HEADS, LATENT, generator=g),
-        q_rope=torch.randn(num_tokens, HEADS, ROPE, generator=g),
+        **_layer_inputs(num_tokens, g),
     )
 
 
