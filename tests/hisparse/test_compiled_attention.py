@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_equivalence import HOT, PAGE, prompts
+from test_equivalence import HOT, prompts, two_page_config
 
 from kernels import hisparse_attend_numba
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.config import HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.hisparse.backend import HiSparseBackend
@@ -21,15 +21,8 @@ pytestmark = pytest.mark.skipif(not hisparse_attend_numba.AVAILABLE, reason="num
 
 
 def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled: bool):
-    config = EngineConfig(
-        dtype="float64",
-        page_size=2 * PAGE,
-        max_context_len=480,
-        max_running_requests=4,
-        device_pool_tokens=512,
-        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
-    )
+    config = two_page_config(HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
+                             num_steps)
     calls = {"one": 0, "resident": 0}
     with monkeypatch.context() as patch:
         if not compiled:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
@@ -33,6 +33,20 @@ def engine_config(hisparse: bool, **kw) -> EngineConfig:
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
         speculative=None,
         **kw,
+    )
+
+
+def two_page_config(hisparse: HiSparseConfig | None, num_steps: int | None) -> EngineConfig:
+    """float64, pages of 2 x PAGE, 4 request rows: the configuration the one-call and policy
+    equivalence tests compare their backends under (speculative with ``num_steps``)."""
+    return EngineConfig(
+        dtype="float64",
+        page_size=2 * PAGE,
+        max_context_len=480,
+        max_running_requests=4,
+        device_pool_tokens=512,
+        hisparse=hisparse,
+        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
     )
 
 

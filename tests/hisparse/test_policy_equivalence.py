@@ -5,25 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_equivalence import HOT, PAGE, prompts
+from test_equivalence import HOT, prompts, two_page_config
 
 from kernels.swap_in_policy import POLICIES
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.config import HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
 
 
 def _run(model, monkeypatch, *, policy: str | None, num_steps: int | None):
-    config = EngineConfig(
-        dtype="float64",
-        page_size=2 * PAGE,
-        max_context_len=480,
-        max_running_requests=4,
-        device_pool_tokens=512,
-        hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, policy=policy)
-        if policy else None,
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+    config = two_page_config(
+        HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, policy=policy) if policy else None, num_steps
     )
     executor = Executor(config, model=model)
     calls: list[torch.Tensor] = []
