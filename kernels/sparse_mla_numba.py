@@ -5,11 +5,14 @@ spends its time in a dozen tensor calls per layer (gather the rows, concatenate 
 batched matmuls, scale, mask, softmax, the all-masked repair, cast), each of which costs more to
 dispatch than it computes. Here each query reads its rows where they lie (``kv[slots[t, i]]``):
 
-* one pass over the query's valid slots forms every head's logit from the row, while the row is in
-  cache (``q_latent . row[:C] + q_rope . row[C:]``, then times ``scale``);
+* one pass over the query's valid slots forms every head's logit from the rows, four rows at a time
+  (each element of the head's query ``[q_latent | q_rope]`` read once for four dots, then times
+  ``scale``);
 * a softmax per head over those logits (max, ``exp``, sum, each probability divided by the sum, as
   torch's softmax does);
-* one more pass over the rows adds, for every head, its probability times the row's latent part.
+* one more pass over the rows adds, for every head, its probabilities times the rows' latent parts,
+  again four rows at a time (one load and store of the head's sum per four rows: the loops are
+  short, 64 channels of the bundled model, so their count is what costs).
 
 The query's result does not depend on the other queries of the call, so a verify step's or a
 prefill's queries attend exactly as they would one by one (the torch path's batched matmuls make
@@ -52,11 +55,13 @@ def _jit(**options):
 def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - compiled
     num_tokens, heads, latent = q_latent.shape
     rope = q_rope.shape[2]
+    width = latent + rope
     top_k = slots.shape[1]
     rows = kv.shape[0]
     zero = scale - scale  # of the score dtype (scale * 0 would be float64)
     logits = np.empty((heads, top_k), q_latent.dtype)
     used = np.empty(top_k, np.int64)
+    query = np.empty((heads, width), q_latent.dtype)
     acc = np.empty((heads, latent), q_latent.dtype)
     for t in range(num_tokens):
         n = 0
@@ -66,15 +71,38 @@ def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - comp
                 continue
             if s >= rows:  # never read outside ``kv`` (the torch path raises here too)
                 raise IndexError("slots: a slot past the last row of kv")
-            for h in range(heads):
-                dot = zero
-                for j in range(latent):
-                    dot += q_latent[t, h, j] * kv[s, j]
-                for j in range(rope):
-                    dot += q_rope[t, h, j] * kv[s, latent + j]
-                logits[h, n] = dot * scale
             used[n] = s
             n += 1
+        for h in range(heads):  # each head's query as one row: [latent | rope]
+            for j in range(latent):
+                query[h, j] = q_latent[t, h, j]
+            for j in range(rope):
+                query[h, latent + j] = q_rope[t, h, j]
+        k = 0
+        while k + 4 <= n:  # four rows at a time: each query element read once for four dots
+            r0, r1, r2, r3 = kv[used[k]], kv[used[k + 1]], kv[used[k + 2]], kv[used[k + 3]]
+            for h in range(heads):
+                q = query[h]
+                d0 = d1 = d2 = d3 = zero
+                for j in range(width):
+                    x = q[j]
+                    d0 += x * r0[j]
+                    d1 += x * r1[j]
+                    d2 += x * r2[j]
+                    d3 += x * r3[j]
+                logits[h, k] = d0 * scale
+                logits[h, k + 1] = d1 * scale
+                logits[h, k + 2] = d2 * scale
+                logits[h, k + 3] = d3 * scale
+            k += 4
+        for rest in range(k, n):
+            r0 = kv[used[rest]]
+            for h in range(heads):
+                q = query[h]
+                d0 = zero
+                for j in range(width):
+                    d0 += q[j] * r0[j]
+                logits[h, rest] = d0 * scale
         for h in range(heads):
             for j in range(latent):
                 acc[h, j] = zero
@@ -90,12 +118,22 @@ def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - comp
                 total += e
             for k in range(n):
                 logits[h, k] = logits[h, k] / total
-        for k in range(n):  # each row once, into every head's sum
-            s = used[k]
+        k = 0
+        while k + 4 <= n:  # four rows at a time into every head's sum: a quarter of its loads and stores
+            r0, r1, r2, r3 = kv[used[k]], kv[used[k + 1]], kv[used[k + 2]], kv[used[k + 3]]
             for h in range(heads):
-                p = logits[h, k]
+                p0, p1, p2, p3 = logits[h, k], logits[h, k + 1], logits[h, k + 2], logits[h, k + 3]
+                a = acc[h]
                 for j in range(latent):
-                    acc[h, j] += p * kv[s, j]
+                    a[j] += p0 * r0[j] + p1 * r1[j] + p2 * r2[j] + p3 * r3[j]
+            k += 4
+        for rest in range(k, n):
+            r0 = kv[used[rest]]
+            for h in range(heads):
+                p0 = logits[h, rest]
+                a = acc[h]
+                for j in range(latent):
+                    a[j] += p0 * r0[j]
         for h in range(heads):
             for j in range(latent):
                 out[t, h, j] = acc[h, j]
