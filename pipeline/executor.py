@@ -119,6 +119,9 @@ class Sequence:
     # token after it); the next round's draft extend catches the MTP layer up over them first, or a
     # plain step once ``Executor.catch_up_after`` of them are held
     behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
+    # leaving with its MTP layer behind: its pages go to the prefix cache with the hidden states of
+    # ``behind`` in place of their MTP rows (``Executor._catch_up_for_cache``)
+    mtp_deferred: bool = False
 
     @property
     def next_token(self) -> int:
@@ -197,6 +200,9 @@ class Executor:
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
         self.prefill_counters = PrefillCounters()
         self.catch_up_after = CATCH_UP_AFTER  # plain steps held before the MTP layer catches up
+        # positions whose MTP rows the prefix cache may hold as hidden states, left for the first
+        # request that shares their pages: as many as the running requests may hold behind
+        self.pending_mtp_limit = CATCH_UP_AFTER * config.max_running_requests
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
         # generators of retracted requests, kept for their re-admission
@@ -289,9 +295,39 @@ class Executor:
                 break
             row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=self._cacheable(seq.token_ids))
             self._register(seq, row)
+            if self.speculative:
+                self._write_cached_mtp_rows(self.seqs[seq.request_id])
             self.seqs[seq.request_id].prefilled = cached[seq.request_id] = self.memory.length(row)
             admitted.append(seq.request_id)
         return AdmitResult(tuple(admitted), {rid: n for rid, n in cached.items() if n})
+
+    def _write_cached_mtp_rows(self, seq: Sequence) -> None:
+        """A request that shares cached pages whose MTP rows were left for later (their request left
+        with its MTP layer behind): those rows, from the hidden states the pages hold, in one draft
+        extend that proposes nothing, before anything reads them. If that fails the pages stay as
+        they are (a later request tries again) and this request's drafts read what the rows hold:
+        slower, never different tokens, since verification decides."""
+        cache = self.memory.cache
+        shared = self.memory.length(seq.row) // self.config.page_size
+        if cache is None or not shared or not cache.pending_positions:
+            return
+        todo = cache.pending(cache.match(seq.token_ids)[:shared])
+        if not todo:
+            return
+        page = self.config.page_size
+        inputs = []
+        for index, entry in todo:
+            offset, hidden = entry.mtp_pending
+            start, end = index * page + offset, (index + 1) * page
+            next_ids = tuple(seq.token_ids[start + 1 : end + 1])  # the page's key holds the token after it
+            inputs.append(ExtendInput(seq.row, start, next_ids, hidden, seq.params, None, propose=False))
+        try:
+            with torch.inference_mode():
+                draft_extend(self.model, self.memory, inputs)
+        except Exception:
+            log.warning("executor.cached_mtp_rows_failed", request_id=seq.request_id, exc_info=True)
+            return
+        cache.clear_pending(entry for _, entry in todo)
 
     @torch.inference_mode()
     def prefill_chunks(self, chunks: Seq[PrefillChunk]) -> PrefillResult:
@@ -710,15 +746,36 @@ class Executor:
         if caching:  # (it draws nothing from the generator a retracted request keeps)
             self._catch_up_for_cache([seq])
         tokens = self._cache_tokens(seq) if caching else None
+        deferred = caching and seq.mtp_deferred and bool(seq.behind)
+        before = {e.id for e in self.memory.cache.match(tokens)} if deferred else set()
         self.memory.release(seq.row, tokens=tokens)
+        if deferred:
+            self._leave_mtp_rows_pending(seq, tokens, before)
+
+    def _leave_mtp_rows_pending(self, seq: Sequence, tokens: tuple[int, ...], before: set[int]) -> None:
+        """The pages ``seq``'s release just gave the cache (entries not among ``before``) whose MTP
+        rows are behind hold the target's hidden states there instead."""
+        cache, page = self.memory.cache, self.config.page_size
+        first = seq.behind[0][0]
+        rows = {position: hidden for position, hidden, _ in seq.behind}
+        for index, entry in enumerate(cache.match(tokens)):
+            end = (index + 1) * page
+            if entry.id in before or end <= first:
+                continue
+            start = max(index * page, first)
+            assert all(p in rows for p in range(start, end)), f"request {seq.request_id}: MTP rows missing"
+            cache.set_pending(entry, start - index * page, torch.stack([rows[p] for p in range(start, end)]))
 
     def _catch_up_for_cache(self, seqs: list[Sequence]) -> None:
-        """Decoding requests leaving with their MTP layer behind (they never speculated since): their
-        MTP rows first, in one draft extend that proposes nothing, so that their pages, MTP rows
-        included, can go to the prefix cache. Only the positions of pages the cache may take (full
-        pages, ``PrefixCache.full_pages``) are caught up; the rest of the last page is freed with the
-        row anyway. If that fails, a request leaving alone (``release``) tries again, and one whose
-        catch-up fails just leaves fewer pages cached."""
+        """Decoding requests leaving with their MTP layer behind (they never speculated since): only
+        the positions of pages the cache may take (full pages, ``PrefixCache.full_pages``) count;
+        the rest of the last page is freed with the row anyway. While the cache holds fewer than
+        ``pending_mtp_limit`` such positions, a request's pages go to it with the hidden states of
+        those positions in place of their MTP rows (``mtp_deferred``): the first request that shares
+        one writes them (``_write_cached_mtp_rows``), and a page nobody shares again never costs
+        them. Beyond the limit the MTP layer catches up now, in one draft extend that proposes
+        nothing for all of them; if that fails, a request leaving alone (``release``) tries again,
+        and one whose catch-up fails just leaves fewer pages cached."""
         if not self.config.prefix_cache:
             return
         page = self.config.page_size
@@ -728,7 +785,14 @@ class Executor:
                 end = min(self.memory.length(seq.row) // page, (known - 1) // page) * page
                 if seq.behind[-1][0] >= end:
                     seq.behind = [b for b in seq.behind if b[0] < end]
-        behind = [s for s in seqs if s.behind and self.memory.residency(s.row) is Residency.RESIDENT]
+        behind = [s for s in seqs if s.behind and not s.mtp_deferred and self.memory.residency(s.row) is Residency.RESIDENT]
+        # within ``pending_mtp_limit``, the rows are left for the first request that shares the pages
+        # (most cached pages are never shared again: the work is done only for those that are)
+        room = self.pending_mtp_limit - self.memory.cache.pending_positions
+        for seq in behind:
+            if len(seq.behind) <= room:
+                seq.mtp_deferred, room = True, room - len(seq.behind)
+        behind = [s for s in behind if not s.mtp_deferred]
         if not behind:
             return
         try:
@@ -740,10 +804,10 @@ class Executor:
 
     def _cache_tokens(self, seq: Sequence) -> tuple[int, ...]:
         """The tokens whose pages may be cached: every known token, or, while the MTP layer is behind
-        (plain steps in speculative mode), up to the first position whose MTP row is missing (a
-        cached page's rows must all be there)."""
+        (plain steps in speculative mode) and its rows are not left to the cache as hidden states,
+        up to the first position whose MTP row is missing (a cached page's rows must all be there)."""
         tokens = (*seq.token_ids, *seq.produced)
-        if seq.behind:
+        if seq.behind and not seq.mtp_deferred:
             tokens = tokens[: seq.behind[0][0] + 1]
         return tokens
 

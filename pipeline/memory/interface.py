@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pipeline.memory.prefix_cache import PrefixCache
     from pipeline.memory.targets import VerifyLayout, WriteTargets
     from pipeline.model.attention_api import AttentionBackend
 
@@ -36,6 +37,10 @@ class Residency(enum.Enum):
 
 class KVMemory(Protocol):
     """What the executor may ask of a KV memory. Nothing here is thread-safe: one caller at a time."""
+
+    # the prefix cache over the memory's pools (None without one): the executor reads and marks the
+    # MTP rows its pages hold for later (``PrefixCache.pending``)
+    cache: PrefixCache | None
 
     @property
     def req_to_token(self) -> torch.Tensor:

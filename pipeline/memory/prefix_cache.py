@@ -14,6 +14,12 @@ page (the target's KV); all-resident, the device page (target KV, indexer keys a
 pages are owned by the cache (owner ``owner``, one past the request rows), so a request's release
 never frees them.
 
+MTP rows left for later: in speculative mode a request whose MTP layer is behind (it decoded plainly)
+may leave its pages without their MTP rows, holding instead the target's hidden states at those
+positions (``CachedPage.mtp_pending``, with the next tokens already in the key); the first request
+that shares such a page writes its rows before anything reads them (``pending`` / ``clear_pending``),
+and a page evicted first never costs them. ``pending_positions`` counts what the cache holds so.
+
 Reference counts: a request sharing an entry holds one reference from its admission to its release.
 An entry nobody references may be evicted: least recently used first, and only once no cached entry
 continues it (leaves first), so every cached chain stays reachable from its first page. Memory held
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -40,6 +47,9 @@ class CachedPage:
     refs: int = 0  # live requests sharing it
     children: int = 0  # cached entries that continue it
     last_used: int = 0
+    # the page's MTP rows not written yet: (the first such offset within the page, the target's hidden
+    # states at the page's positions from there on, ``[page_size - offset, D]``); None: all written
+    mtp_pending: tuple[int, Any] | None = None
 
 
 @attrs.define
@@ -61,6 +71,7 @@ class PrefixCache:
     owner: int  # the owner id of cached pages in every pool (one past the request rows)
     entries: dict[tuple, CachedPage] = attrs.field(factory=dict)
     counters: CacheCounters = attrs.field(factory=CacheCounters)
+    pending_positions: int = 0  # positions whose MTP rows the entries hold as hidden states
     _ids: itertools.count = attrs.field(factory=itertools.count)
     _clock: itertools.count = attrs.field(factory=lambda: itertools.count(1))
 
@@ -144,6 +155,28 @@ class PrefixCache:
         self.counters.inserted_pages += handed
         return handed
 
+    # --- MTP rows left for later ---------------------------------------------------------------
+
+    def set_pending(self, entry: CachedPage, offset: int, hidden: Any) -> None:
+        """``entry``'s MTP rows from ``offset`` within its page on are not written: ``hidden`` holds
+        the target's hidden states there (one row per position to the page's end)."""
+        assert entry.mtp_pending is None and entry.refs == 0, f"prefix cache: page entry {entry.id} is not new"
+        assert len(hidden) == self.page_size - offset, "prefix cache: pending rows must reach the page's end"
+        entry.mtp_pending = (offset, hidden)
+        self.pending_positions += len(hidden)
+
+    def pending(self, chain: Sequence[CachedPage]) -> list[tuple[int, CachedPage]]:
+        """``(page index, entry)`` of the entries of ``chain`` (a match, in order) whose MTP rows are
+        not written yet."""
+        return [(i, e) for i, e in enumerate(chain) if e.mtp_pending is not None]
+
+    def clear_pending(self, entries: Iterable[CachedPage]) -> None:
+        """Their MTP rows are written now."""
+        for entry in entries:
+            if entry.mtp_pending is not None:
+                self.pending_positions -= len(entry.mtp_pending[1])
+                entry.mtp_pending = None
+
     # --- eviction -------------------------------------------------------------------------------
 
     def evictable(self) -> int:
@@ -184,6 +217,7 @@ class PrefixCache:
 
     def _drop(self, entry: CachedPage) -> None:
         del self.entries[entry.key]
+        self.clear_pending([entry])  # rows nobody will read
         if entry.parent is not None:
             entry.parent.children -= 1
         for pool, page in zip(self.pools, entry.pages):
@@ -221,3 +255,5 @@ class PrefixCache:
             assert entry.children == children.get(entry.id, 0), f"prefix cache: entry {entry.id} children count"
         for pool in self.pools:
             assert len(pool.pages_of(self.owner)) == len(self.entries), f"prefix cache: {pool.name} pages held"
+        pending = sum(len(e.mtp_pending[1]) for e in self.entries.values() if e.mtp_pending is not None)
+        assert pending == self.pending_positions, "prefix cache: pending MTP positions miscounted"

@@ -236,16 +236,21 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
     assert executor.spec_counters.verify_rounds > 0 and calls
 
 
-def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_cache(tiny_model):
-    """Its MTP layer is caught up as it leaves, so the next request with the same prompt hits."""
+@pytest.mark.parametrize("eager", [False, True], ids=["rows-left-for-later", "caught-up-on-leaving"])
+def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_cache(tiny_model, eager):
+    """Its pages go to the cache with its MTP rows as hidden states (or, over ``pending_mtp_limit``,
+    caught up as it leaves), so the next request with the same prompt hits."""
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
+    if eager:
+        executor.pending_mtp_limit = 0
     prompt = make_prompts(4, seed=11)[3]  # 37 tokens
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
         first = [driver.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True)) for _ in range(2)]
         driver.run()  # two at once over max_batch_size 1: plain steps only, the extend deferred
         assert executor.spec_counters.verify_rounds == 0
+        assert executor.memory.cache.pending_positions == (0 if eager else (len(prompt) + 8) // PAGE * PAGE)
         again = driver.submit(prompt, SamplingParams(max_new_tokens=8, ignore_eos=True))
         driver.run()
     assert again.metrics.cached_tokens >= PAGE * (len(prompt) // PAGE) - PAGE
@@ -289,6 +294,7 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
     monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: calls.append(inputs) or real(m, mem, inputs))
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
+    executor.pending_mtp_limit = 0  # nothing left for later: every row is written on leaving
     prompts = make_prompts(8, seed=17)[3:6]  # 37, 145 and 7 tokens
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=5)
     ids = [f"r{i}" for i in range(3)]
@@ -310,4 +316,107 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
     assert torch.equal(executor._sampling_state[ids[2]].get_state(), states[2])  # its generator untouched
     full = sum((len(p) + 20) // PAGE for p in prompts)
     assert executor.memory.cache_stats()["pages_held"] == full
+    executor.close()
+
+
+def _record_proposals(monkeypatch) -> list[int]:
+    from pipeline.speculative import rounds as rounds_module
+
+    seen: list[int] = []
+    real = rounds_module.propose
+    monkeypatch.setattr(rounds_module, "propose", lambda *a: seen.append((out := real(*a))[0]) or out)
+    return seen
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares_them(tiny_model, monkeypatch,
+                                                                                     hisparse):
+    """Requests that decoded plainly leave their pages with the hidden states in place of the MTP
+    rows (no draft extend as they leave); the request that hits them writes those rows at its
+    admission, in one extend that proposes nothing, and then drafts exactly what it drafts after an
+    eager catch-up on leaving: the same rows (float64, the model's own MTP head), so the same
+    proposals, round after round, and plain decoding's tokens. Cached pages nobody shares again
+    drop their hidden states when evicted, and every pool returns to its initial count."""
+    import pipeline.executor as executor_module
+    from pipeline.executor import NewSequence
+    from pipeline.messages import Release
+
+    prompts = make_prompts(8, seed=23)[3:5]  # 37 and 145 tokens
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    plain, _ = generate(tiny_model, attrs.evolve(config(hisparse, None), prefix_cache=True), prompts[1:])
+    seen = _record_proposals(monkeypatch)
+    extends = []
+    real = executor_module.draft_extend
+    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: extends.append(inputs) or real(m, mem, inputs))
+
+    def run(eager: bool):
+        cfg = attrs.evolve(config(hisparse, 3), prefix_cache=True)
+        executor = Executor(cfg, model=tiny_model)
+        if eager:
+            executor.pending_mtp_limit = 0
+        ids = ["a", "b"]
+        seen.clear()
+        extends.clear()
+        with quiet_logs():
+            executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
+            executor.wait_staging()
+            executor.collect_ready()
+            for _ in range(10):
+                executor.decode(ids)  # plain steps: every MTP row behind
+            assert extends == [] and seen == []
+            executor.run(Release(tuple(ids)))
+            on_leaving = len(extends)
+            cache = executor.memory.cache
+            full = [(len(p) + 10) // PAGE * PAGE for p in prompts]
+            assert cache.pending_positions == (0 if eager else sum(full))
+            executor.check_integrity()
+            driver = SyncDriver(executor, check=True)
+            again = driver.submit(prompts[1], params)
+            driver.run()
+        hit = len(prompts[1]) // PAGE * PAGE
+        assert again.metrics.cached_tokens == hit
+        if not eager:  # written at the hit's admission, for the pages it shares only
+            assert on_leaving == 0 and not any(x.propose for x in extends[0])
+            assert [(x.start, len(x.next_ids)) for x in extends[0]] == [(i, PAGE) for i in range(0, hit, PAGE)]
+            assert cache.pending_positions == full[0] + full[1] - hit
+        else:
+            assert on_leaving == 1
+        assert executor.spec_counters.verify_rounds > 0
+        outputs, proposals = again.output_ids, list(seen)
+        executor.flush_prefix_cache()
+        assert cache.pending_positions == 0
+        executor.check_integrity()
+        assert executor.pool_counts() == Executor(cfg, model=tiny_model).pool_counts()
+        executor.close()
+        return outputs, proposals
+
+    later, eager = run(False), run(True)
+    assert later[0] == eager[0] == plain[0].output_ids[: params.max_new_tokens]
+    assert len(later[1]) >= 3 and later[1] == eager[1]
+
+
+def test_rows_left_for_later_stay_within_the_limit(tiny_model):
+    """Past ``pending_mtp_limit`` positions held as hidden states, a leaving request's MTP layer
+    catches up as it leaves, so what the cache holds stays bounded."""
+    from pipeline.executor import NewSequence
+    from pipeline.messages import Release
+
+    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
+    executor = Executor(cfg, model=tiny_model)
+    prompts = make_prompts(8, seed=29)[3:6]  # 37, 145 and 7 tokens
+    executor.pending_mtp_limit = (len(prompts[0]) + 6) // PAGE * PAGE  # room for the first only
+    ids = ["x", "y", "z"]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    with quiet_logs():
+        executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
+        executor.wait_staging()
+        executor.collect_ready()
+        for _ in range(6):
+            executor.decode(ids)
+        executor.run(Release(tuple(ids)))
+    cache = executor.memory.cache
+    assert cache.pending_positions == executor.pending_mtp_limit
+    full = sum((len(p) + 6) // PAGE for p in prompts)
+    assert cache.held_pages() == full  # the others' rows were written as they left: cached too
+    executor.check_integrity()
     executor.close()
