@@ -280,13 +280,24 @@ def test_rows_only_draft_extend_proposes_what_one_forward_proposes(tiny_model, m
     assert len(drafted[1]) > 50 and drafted[1] == drafted[10**9]
 
 
+def _decode_plainly(executor, ids, prompts, params, steps: int) -> None:
+    """Admit and prefill ``prompts`` as ``ids``, then ``steps`` plain decode steps of all of them
+    (no round: every MTP row behind)."""
+    from pipeline.executor import NewSequence
+
+    executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
+    executor.wait_staging()
+    executor.collect_ready()
+    for _ in range(steps):
+        executor.decode(ids)
+
+
 def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(tiny_model, monkeypatch):
     """Requests that never speculated and leave in one ``Release`` get their MTP rows in a single
     draft extend, which proposes nothing (their generators are left alone), over the positions of
     their full pages only (the last page's others are freed with them); their pages go to the
     prefix cache, and a request retracted the same way leaves its pages too."""
     import pipeline.executor as executor_module
-    from pipeline.executor import NewSequence
     from pipeline.messages import Release
 
     calls = []
@@ -299,11 +310,7 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=5)
     ids = [f"r{i}" for i in range(3)]
     with quiet_logs():
-        executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
-        executor.wait_staging()
-        executor.collect_ready()
-        for _ in range(20):
-            executor.decode(ids)  # plain steps: every MTP row behind
+        _decode_plainly(executor, ids, prompts, params, 20)
         states = [executor.seqs[rid].generator.get_state() for rid in ids]
         assert calls == []
         executor.run(Release(tuple(ids[:2])))
@@ -338,7 +345,6 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
     proposals, round after round, and plain decoding's tokens. Cached pages nobody shares again
     drop their hidden states when evicted, and every pool returns to its initial count."""
     import pipeline.executor as executor_module
-    from pipeline.executor import NewSequence
     from pipeline.messages import Release
 
     prompts = make_prompts(8, seed=23)[3:5]  # 37 and 145 tokens
@@ -358,11 +364,7 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
         seen.clear()
         extends.clear()
         with quiet_logs():
-            executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
-            executor.wait_staging()
-            executor.collect_ready()
-            for _ in range(10):
-                executor.decode(ids)  # plain steps: every MTP row behind
+            _decode_plainly(executor, ids, prompts, params, 10)
             assert extends == [] and seen == []
             executor.run(Release(tuple(ids)))
             on_leaving = len(extends)
@@ -398,7 +400,6 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
 def test_rows_left_for_later_stay_within_the_limit(tiny_model):
     """Past ``pending_mtp_limit`` positions held as hidden states, a leaving request's MTP layer
     catches up as it leaves, so what the cache holds stays bounded."""
-    from pipeline.executor import NewSequence
     from pipeline.messages import Release
 
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
@@ -408,11 +409,7 @@ def test_rows_left_for_later_stay_within_the_limit(tiny_model):
     ids = ["x", "y", "z"]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     with quiet_logs():
-        executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
-        executor.wait_staging()
-        executor.collect_ready()
-        for _ in range(6):
-            executor.decode(ids)
+        _decode_plainly(executor, ids, prompts, params, 6)
         executor.run(Release(tuple(ids)))
     cache = executor.memory.cache
     assert cache.pending_positions == executor.pending_mtp_limit
