@@ -11,13 +11,12 @@ instead whenever no gradient is recorded. What it changes:
   ``up_proj`` read the same input. Their weights are concatenated into one tensor and the modules'
   parameters become row slices of it (views: no second copy; loading into a parameter in place
   writes the fused tensor). Each output element is the same dot product as before.
-* **Few-token MoE computes every expert densely** when the experts are few (``E <= 4 k``) and the
-  tokens few (``T * E <= DENSE_EXPERT_ROWS``): one matmul over all experts' ``gate_up``, one batched
-  matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
-  experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
-  chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
-  Larger batches (prefill) keep the per-expert path, which computes only the chosen rows; so does
-  a single token on a CPU (a decode step of one request), which reads only its chosen experts.
+* **Routed experts are grouped in a few calls.** The module path finds each expert's tokens with a
+  ``unique``, a ``nonzero`` per expert and an ``index_add`` per expert. Here the (token, slot) pairs
+  are sorted by expert once, each expert's rows are one segment of one gathered copy of the input,
+  and each token's contributions are added to zeros in expert order: the module path's products,
+  summed in its order, for any number of tokens and experts. A single token on a CPU (a decode step
+  of one request) reads only its chosen experts, one by one.
   On a CPU with numba, up to ``kernels.moe_numba.MAX_TOKENS`` tokens of a float32/64 model (decode,
   verify and draft steps) run routed and shared experts as one compiled per-token loop instead:
   the same arithmetic in expert order, to rounding, and each token's result independent of the
@@ -48,9 +47,8 @@ from torch import Tensor, nn
 from kernels import layer_numba, moe_numba, small_ops_numba
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
 from pipeline.model.layers import DenseMLP, wide_dtype
+from pipeline.model.moe import RoutedExperts
 
-# the most token x expert rows the dense expert path computes (beyond it, only the chosen rows)
-DENSE_EXPERT_ROWS = 1024
 # the most tokens whose layer runs ``kernels.layer_numba``'s loops between BLAS's matmuls (beyond
 # it, a prefill chunk's, the torch ops' vectorised passes over many rows cost less than the loops)
 MAX_HYBRID_TOKENS = 64
@@ -443,13 +441,15 @@ class _FusedDense:
 
 
 class _FusedMoE:
-    """Routed experts, dense over every expert for few tokens (module docstring), plus shared experts."""
+    """Routed experts, grouped by expert in a few calls (module docstring), plus shared experts."""
 
     def __init__(self, moe: nn.Module, views: list[tuple[nn.Linear, int]]) -> None:
         self.moe = moe
         cfg = moe.gate.cfg
         self.experts = cfg.n_routed_experts
-        self.dense_ok = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
+        # the fused experts tensors of the model's own module (a tensor-parallel shard of them keeps
+        # its own forward)
+        self.grouped_ok = type(moe.experts) is RoutedExperts
         # every group kept (one group, or topk_group of all): the router's group mask changes nothing
         self.ungrouped = cfg.topk_group >= cfg.n_group
         self.cfg = cfg
@@ -467,8 +467,8 @@ class _FusedMoE:
             return compiled.view(shape)
         if flat.shape[0] == 1 and flat.device.type == "cpu":
             out = self._single(flat, ids, weights)
-        elif self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
-            out = self._dense(flat, ids, weights)
+        elif self.grouped_ok:
+            out = self._grouped(flat, ids, weights)
         else:
             out = moe.experts(flat, ids, weights)
         out = out.view(shape)
@@ -517,20 +517,40 @@ class _FusedMoE:
             out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)  # a [1, 1] weight: wide, as the module's
         return out
 
-    def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+    def _grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """The module path's arithmetic (``RoutedExperts.forward``) with its bookkeeping in a few
+        calls: the (token, slot) pairs sorted by expert once (stably, so each expert's tokens stay in
+        token order), each expert's rows one contiguous segment of one gathered copy of ``x``, and
+        each token's contributions added to zeros in expert order, as the module's per-expert
+        ``index_add`` calls add them (in the activations' dtype, one rounding per addition)."""
         experts = self.moe.experts
-        e, two_i, d = experts.gate_up_proj.shape
-        n = x.shape[0]
-        gate, up = F.linear(x, experts.gate_up_proj.view(e * two_i, d)).view(n, e, two_i).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
-        y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, N, D]
-        dense = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)  # [N, E]
-        # as the module path: each expert's output times its wide-dtype weight, cast back, added in
-        # expert order in the activations' dtype (a skipped expert adds an exact zero)
-        parts = (y * dense.t()[:, :, None]).to(x.dtype)
+        n, k = ids.shape
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        token = order // k
+        rows = x.index_select(0, token)  # [N * k, D], expert by expert
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat_ids, minlength=self.experts).tolist()):
+            if count == 0:
+                continue
+            seg = slice(start, start + count)
+            gate, up = F.linear(rows[seg], experts.gate_up_proj[expert]).chunk(2, dim=-1)
+            out_rows[seg] = F.linear(F.silu(gate) * up, experts.down_proj[expert])
+            start += count
+        # HF multiplies by the wide-dtype weight, then casts back before accumulating
+        contrib = (out_rows * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
+        if x.dtype in (torch.float32, torch.float64) and x.device.type == "cpu":
+            # one ``index_add_`` adds them in ``order``'s order, one rounding each: the module's sums
+            return torch.zeros_like(x).index_add_(0, token, contrib)
+        # a narrower dtype's ``index_add_`` on a CPU sums one call's duplicates wide and rounds once,
+        # and on CUDA adds them in no fixed order: each token's contributions are added one by one
+        # instead, from where they lie, in expert order
+        where = torch.empty_like(order).scatter_(0, order, torch.arange(n * k, device=x.device)).view(n, k)
+        where = where.gather(1, torch.argsort(ids, dim=1, stable=True))
         out = torch.zeros_like(x)
-        for part in parts:
-            out = out + part
+        for slot in range(k):
+            out = out + contrib.index_select(0, where[:, slot])
         return out
 
 
