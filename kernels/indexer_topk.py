@@ -235,7 +235,8 @@ def indexer_topk_reference(
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
     """Torch reference: each request's keys are gathered once. A request with many queries
     (prefill), or the only request of the call, is scored by matmuls over its keys
-    (``_request_topk``); the others all together by a batched matmul (``_grouped_topk``).
+    (``_request_topk``), several of them together where padding them to one shape costs little
+    (``_group_pays``); the others all together by a batched matmul (``_grouped_topk``).
 
     ``few`` (same arguments and result as this function) takes the queries of the requests with at
     most ``MATMUL_MIN_QUERIES`` queries instead, the only request's included: the compiled CPU loop
@@ -259,10 +260,29 @@ def indexer_topk_reference(
     if bool(few_queries.any()):
         idx = few_queries.nonzero()[:, 0]
         out[idx] = few(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale)
+    idx = (~few_queries).nonzero()[:, 0]
+    if _group_pays(seq_lens[idx], counts[counts > MATMUL_MIN_QUERIES], index_q.shape[1]):
+        out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
+                                 top_k, scale)
+        return out
     for row in many.tolist():
         idx = (req_rows == row).nonzero()[:, 0]
         out[idx] = _request_topk(index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale)
     return out
+
+
+def _group_pays(seq_lens: torch.Tensor, counts: torch.Tensor, heads: int) -> bool:
+    """Several requests with many queries each (a batch of short prompts) are scored together,
+    padded to the most queries and positions any of them has (``_grouped_topk``), when the padding
+    at most doubles the dots and one request's padded dots fit a matmul chunk (``_SCORE_BUDGET``):
+    one batched matmul per chunk of requests instead of calls per request. Long prompts keep
+    ``_request_topk``, which chunks a request's queries."""
+    if counts.numel() < 2:
+        return False
+    width, longest = int(counts.max()), int(seq_lens.max())
+    if width * heads * longest > _SCORE_BUDGET:
+        return False
+    return counts.numel() * width * longest <= 2 * int(seq_lens.sum())
 
 
 def _request_topk(index_q, index_w, index_k, locs, seq_lens, top_k, scale) -> torch.Tensor:

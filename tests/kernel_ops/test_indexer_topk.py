@@ -99,6 +99,27 @@ def test_matmul_reference_chunks_a_long_prompt(monkeypatch):
     assert chunks == [2] * (tokens // 2)
 
 
+@pytest.mark.parametrize(("sizes", "lens", "grouped"), [
+    ((12, 12, 12), [30] * 12 + [25] * 12 + [40] * 12, True),  # prompts of similar sizes: one batched matmul
+    ((12, 12, 12), [40] * 12 + [2] * 24, False),  # padding short prompts to a long one's positions would not pay
+    ((9, 40, 9), [40] * 58, False),  # nor padding 9 queries to 40
+])
+def test_prompts_of_similar_sizes_are_scored_together(sizes, lens, grouped, monkeypatch):
+    """Several requests with many queries each (a batch of prompts) take one grouped matmul when
+    padding them to one shape at most doubles the dots, and ``_request_topk`` per request otherwise;
+    the oracle's selection either way."""
+    module = importlib.import_module("kernels.indexer_topk")
+    case = make_case(9, tokens=len(lens), n_reqs=len(sizes), heads=3, dim=6, max_ctx=40, lens=lens)
+    case["req_rows"] = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    want = indexer_topk_oracle(**case, top_k=10, scale=0.5)
+    calls = []
+    for name in ("_grouped_topk", "_request_topk"):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _n=name, _f=original: calls.append(_n) or _f(*a))
+    assert torch.equal(indexer_topk_reference(**case, top_k=10, scale=0.5), want)
+    assert calls == (["_grouped_topk"] if grouped else ["_request_topk"] * len(sizes))
+
+
 def test_grouped_requests_in_chunks_of_requests(monkeypatch):
     # decode / verify shapes: several requests with a few queries each, of different lengths
     module = importlib.import_module("kernels.indexer_topk")
