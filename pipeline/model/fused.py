@@ -11,12 +11,17 @@ instead whenever no gradient is recorded. What it changes:
   ``up_proj`` read the same input. Their weights are concatenated into one tensor and the modules'
   parameters become row slices of it (views: no second copy; loading into a parameter in place
   writes the fused tensor). Each output element is the same dot product as before.
-* **Routed experts are grouped in a few calls.** The module path finds each expert's tokens with a
-  ``unique``, a ``nonzero`` per expert and an ``index_add`` per expert. Here the (token, slot) pairs
-  are sorted by expert once, each expert's rows are one segment of one gathered copy of the input,
-  and each token's contributions are added to zeros in expert order: the module path's products,
-  summed in its order, for any number of tokens and experts. A single token on a CPU (a decode step
-  of one request) reads only its chosen experts, one by one.
+* **Few-token MoE computes every expert densely** when the experts are few (``E <= 4 k``) and the
+  tokens few (``T * E <= DENSE_EXPERT_ROWS``): one matmul over all experts' ``gate_up``, one batched
+  matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
+  experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
+  chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
+* **Beyond that the routed experts are grouped in a few calls.** The module path finds each
+  expert's tokens with a ``unique``, a ``nonzero`` per expert and an ``index_add`` per expert. Here
+  the (token, slot) pairs are sorted by expert once, each expert's rows are one segment of one
+  gathered copy of the input, and each token's contributions are added to zeros in expert order:
+  the module path's products, summed in its order, for any number of tokens and experts. A single
+  token on a CPU (a decode step of one request) reads only its chosen experts, one by one.
   On a CPU with numba, up to ``kernels.moe_numba.MAX_TOKENS`` tokens of a float32/64 model (decode,
   verify and draft steps) run routed and shared experts as one compiled per-token loop instead:
   the same arithmetic in expert order, to rounding, and each token's result independent of the
@@ -49,6 +54,10 @@ from pipeline.model.attention_api import AttentionBackend, AttentionInputs
 from pipeline.model.layers import DenseMLP, wide_dtype
 from pipeline.model.moe import RoutedExperts
 
+# the most token x expert rows the dense expert path computes (beyond it, only the chosen rows, grouped
+# by expert): with few experts a matmul over all of them costs less than one per expert up to about
+# 40 tokens of the bundled model's 4 (measured on a CPU, one thread; 64 tokens run 10% faster grouped)
+DENSE_EXPERT_ROWS = 160
 # the most tokens whose layer runs ``kernels.layer_numba``'s loops between BLAS's matmuls (beyond
 # it, a prefill chunk's, the torch ops' vectorised passes over many rows cost less than the loops)
 MAX_HYBRID_TOKENS = 64
@@ -441,12 +450,14 @@ class _FusedDense:
 
 
 class _FusedMoE:
-    """Routed experts, grouped by expert in a few calls (module docstring), plus shared experts."""
+    """Routed experts, dense over every expert for few tokens and grouped by expert beyond (module
+    docstring), plus shared experts."""
 
     def __init__(self, moe: nn.Module, views: list[tuple[nn.Linear, int]]) -> None:
         self.moe = moe
         cfg = moe.gate.cfg
         self.experts = cfg.n_routed_experts
+        self.dense_ok = cfg.n_routed_experts <= 4 * cfg.num_experts_per_tok
         # the fused experts tensors of the model's own module (a tensor-parallel shard of them keeps
         # its own forward)
         self.grouped_ok = type(moe.experts) is RoutedExperts
@@ -467,6 +478,8 @@ class _FusedMoE:
             return compiled.view(shape)
         if flat.shape[0] == 1 and flat.device.type == "cpu":
             out = self._single(flat, ids, weights)
+        elif self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
+            out = self._dense(flat, ids, weights)
         elif self.grouped_ok:
             out = self._grouped(flat, ids, weights)
         else:
@@ -515,6 +528,22 @@ class _FusedMoE:
             gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, experts.down_proj[expert])
             out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)  # a [1, 1] weight: wide, as the module's
+        return out
+
+    def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        experts = self.moe.experts
+        e, two_i, d = experts.gate_up_proj.shape
+        n = x.shape[0]
+        gate, up = F.linear(x, experts.gate_up_proj.view(e * two_i, d)).view(n, e, two_i).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, N, D]
+        dense = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)  # [N, E]
+        # as the module path: each expert's output times its wide-dtype weight, cast back, added in
+        # expert order in the activations' dtype (a skipped expert adds an exact zero)
+        parts = (y * dense.t()[:, :, None]).to(x.dtype)
+        out = torch.zeros_like(x)
+        for part in parts:
+            out = out + part
         return out
 
     def _grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:

@@ -1,8 +1,9 @@
 """The fused inference path (``pipeline/model/fused.py``) against the module path it replaces.
 
 Same weights, same backend state: every layer's fused forward gives the module path's output (float64:
-to rounding; the grouped experts' sum is the module's), for dense and MoE layers, a GLM-style shared
-indexer layer, batches of every size through the grouped expert path, and a bfloat16 model (whose router and indexer weights stay float32, so they are not fused). A parameter
+to rounding; the dense-expert and grouped sums are exact), for dense and MoE layers, a GLM-style
+shared indexer layer, batches that take the dense expert path and ones that take the grouped one,
+and a bfloat16 model (whose router and indexer weights stay float32, so they are not fused). A parameter
 replaced after fusion makes the layer fall back to the module path, never use stale weights.
 """
 
@@ -14,7 +15,7 @@ from _model_util import new_backend, random_model, run, tiny_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.model.fused import fuse_for_inference
+from pipeline.model.fused import DENSE_EXPERT_ROWS, fuse_for_inference
 
 
 def _pair(cfg, dtype=torch.float64, seed=0):
@@ -55,6 +56,20 @@ def test_fused_equals_module_path(n, batch, shared, experts, groups, seed):
         over.update(indexer_types=("full", "shared"))
     module, fused = _pair(tiny_config(**over), seed=seed)
     torch.testing.assert_close(_logits(fused, n, seed, batch), _logits(module, n, seed, batch), rtol=0, atol=1e-10)
+
+
+def test_large_batches_take_the_grouped_expert_path(monkeypatch):
+    """Beyond ``DENSE_EXPERT_ROWS`` token x expert rows the fused MoE groups the chosen rows by expert."""
+    from pipeline.model.fused import _FusedMoE
+
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    n = DENSE_EXPERT_ROWS // cfg.n_routed_experts + 1
+    calls = []
+    original = _FusedMoE._grouped
+    monkeypatch.setattr(_FusedMoE, "_grouped", lambda self, x, *a: calls.append(x.shape[0]) or original(self, x, *a))
+    torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
+    assert set(calls) == {n}  # the prefill of every MoE layer, not the one-token decode
 
 
 @settings(max_examples=30, deadline=None)
@@ -108,7 +123,7 @@ def test_experts_of_another_kind_keep_their_own_forward():
 
 @pytest.mark.parametrize("experts", [(4, 2), (8, 3), (8, 4), (16, 4)])
 def test_bfloat16_model_keeps_wide_weights_apart(experts):
-    """bf16: the router and indexer weights stay float32 (not fused), and the grouped expert path adds
+    """bf16: the router and indexer weights stay float32 (not fused), and the dense expert path adds
     the experts' contributions one by one in bf16, as the module path's index_add does."""
     e, k = experts
     cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=e, num_experts_per_tok=k)
@@ -241,10 +256,10 @@ def test_mtp_store_writes_exactly_the_rows_mtp_forward_writes(path, dtype, n):
 
 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float64, 1e-10), (torch.bfloat16, 0.0)])
-def test_few_tokens_on_a_cpu_skip_the_grouped_expert_path(dtype, tol, monkeypatch):
-    """A decode step's few tokens do not take the grouped expert path: in float64 the compiled
+def test_few_tokens_on_a_cpu_skip_the_dense_expert_path(dtype, tol, monkeypatch):
+    """A decode step's few tokens do not take the dense all-expert path: in float64 the compiled
     per-token loop runs them (``kernels.moe_numba``), in bfloat16 (which it does not take) one
-    token runs its chosen experts one by one and two the grouped path; the module path's values
+    token runs its chosen experts one by one and two the dense path; the module path's values
     either way. (The whole-layer loops, ``kernels.layer_numba``, are turned off here: they would
     take these tokens before the MoE is asked.)"""
     from kernels import layer_numba, moe_numba
@@ -253,22 +268,21 @@ def test_few_tokens_on_a_cpu_skip_the_grouped_expert_path(dtype, tol, monkeypatc
     monkeypatch.setattr(layer_numba, "MAX_TOKENS", 0)
     cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)
     module, fused = _pair(cfg, dtype=dtype)
-    grouped_tokens, compiled_tokens = [], []
-    original, compiled = _FusedMoE._grouped, moe_numba.moe
-    monkeypatch.setattr(_FusedMoE, "_grouped",
-                        lambda self, x, *a: grouped_tokens.append(x.shape[0]) or original(self, x, *a))
+    dense_tokens, compiled_tokens = [], []
+    original, compiled = _FusedMoE._dense, moe_numba.moe
+    monkeypatch.setattr(_FusedMoE, "_dense", lambda self, x, *a: dense_tokens.append(x.shape[0]) or original(self, x, *a))
     monkeypatch.setattr(moe_numba, "moe", lambda x, *a: compiled_tokens.append(x.shape[0]) or compiled(x, *a))
     torch.testing.assert_close(_logits(fused, 12).double(), _logits(module, 12).double(), rtol=0, atol=tol)
-    assert grouped_tokens and set(grouped_tokens) == {12}  # the prefill only, not the one-token decode
+    assert dense_tokens and set(dense_tokens) == {12}  # the prefill only, not the one-token decode
     assert set(compiled_tokens) == ({1} if dtype == torch.float64 else set())
-    grouped_tokens.clear()
+    dense_tokens.clear()
     compiled_tokens.clear()
     torch.testing.assert_close(_logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0,
                                atol=tol)
     if dtype == torch.float64:
-        assert 2 in compiled_tokens and 2 not in grouped_tokens
+        assert 2 in compiled_tokens and 2 not in dense_tokens
     else:
-        assert 2 in grouped_tokens and not compiled_tokens
+        assert 2 in dense_tokens and not compiled_tokens
 
 
 def test_rms_norm_keeps_its_compiled_handle_on_the_live_weight():
