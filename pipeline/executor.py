@@ -523,10 +523,10 @@ class Executor:
         out: dict[str, tuple[int, ...]] = {}
         if ran:
             self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
-        for seq, (_, logits, hidden) in ran:
+        for seq, (_, logits, hidden, pick) in ran:
             position = self.memory.length(seq.row) - 1  # of the token this step computed
             try:
-                seq.plain_next = sample(logits, seq.params, seq.generator)
+                seq.plain_next = pick if pick is not None else sample(logits, seq.params, seq.generator)
             except Exception as exc:  # this request's sampling, this request's failure
                 failed[seq.request_id] = _reason(exc)
                 continue
@@ -565,8 +565,14 @@ class Executor:
         return _Batch(ids, positions, backend, targets.slots)
 
     def _decode_outputs(self, seqs: list[Sequence], batch: _Batch, hidden: torch.Tensor) -> list:
+        """Per request: (its new row's slot, its logits, its hidden state, its greedy token or None).
+        The greedy requests' tokens are one ``argmax`` over the batch's rows (the one ``sample``
+        takes of each row alone: the first maximum), read back in one transfer."""
         logits = self.model.logits(hidden)  # [B, V]
-        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i])) for i, s in enumerate(seqs)]
+        greedy = [s.params.greedy for s in seqs]
+        picks = logits.argmax(-1).tolist() if any(greedy) else [None] * len(seqs)
+        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i] if greedy[i] else None))
+                for i, s in enumerate(seqs)]
 
     # --- a mixed step -------------------------------------------------------------------------------
 
