@@ -253,15 +253,16 @@ def indexer_topk_reference(
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
     row_ids, counts = torch.unique(req_rows, return_counts=True)
-    many = row_ids[counts > MATMUL_MIN_QUERIES]
+    is_many = counts > MATMUL_MIN_QUERIES
+    many = row_ids[is_many]
     if many.numel() == 0:
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     few_queries = ~torch.isin(req_rows, many)
     if bool(few_queries.any()):
         idx = few_queries.nonzero()[:, 0]
         out[idx] = few(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale)
-    idx = (~few_queries).nonzero()[:, 0]
-    if _group_pays(seq_lens[idx], counts[counts > MATMUL_MIN_QUERIES], index_q.shape[1]):
+    idx = (~few_queries).nonzero()[:, 0]  # the queries of the requests with many
+    if _group_pays(seq_lens[idx], counts[is_many], index_q.shape[1]):
         out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
                                  top_k, scale)
         return out
