@@ -16,7 +16,7 @@ instead whenever no gradient is recorded. What it changes:
   matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
   experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
-* **Beyond that the routed experts are grouped in a few calls.** The module path finds each
+* **Beyond that the routed experts are grouped by one sort.** The module path finds each
   expert's tokens with a ``unique``, a ``nonzero`` per expert and an ``index_add`` per expert. Here
   the (token, slot) pairs are sorted by expert once, each expert's rows are one segment of one
   gathered copy of the input, and each token's contributions are added to zeros in expert order:
