@@ -488,8 +488,9 @@ class HiSparseCoordinator:
         return WriteTargets(locs.to(self.device), slots)
 
     def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
-        """``_forget_newest`` for each of ``rows`` (distinct), then each newest column holds its
-        row's next position in every layer: one read of the held tokens, one clear, one write."""
+        """The newest columns of ``rows`` (distinct) are about to be overwritten: the tokens they
+        hold keep only their host copies, and each column holds its row's next position in every
+        layer (one read of the held tokens, one clear, one write)."""
         newest = self.buffers.newest
         row_t = torch.tensor(rows, dtype=torch.int64)
         held = self.buffers.tokens[0, row_t.to(self.device), newest].cpu().long()
@@ -498,12 +499,6 @@ class HiSparseCoordinator:
             self.alloc.clear(self.req_to_token[row_t[kept], held[kept]])
         new = torch.tensor(positions, dtype=torch.int32, device=self.device)
         self.buffers.tokens[:, row_t.to(self.device), newest] = new
-
-    def _forget_newest(self, row: int) -> None:
-        """The newest column is about to be overwritten: its token keeps only its host copy."""
-        held = int(self.buffers.tokens[0, row, self.buffers.newest])
-        if held >= 0:
-            self.alloc.clear(self.req_to_token[row, held].reshape(1))
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
         """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up.

@@ -56,8 +56,6 @@ class VerifyTables(Protocol):
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None: ...
 
-    def _forget_newest(self, row: int) -> None: ...
-
 
 class VerifyBuffers:
     """Verify binding and finalize over one ``HiSparseCoordinator``'s tables (it delegates its
@@ -69,78 +67,114 @@ class VerifyBuffers:
 
     def prepare(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
         """Bind the D verify tokens of each row to columns; raises ``OutOfMemory`` (nothing changed
-        for the rows not yet handled)."""
-        hot, buffers = self.coord.hot, self.coord.buffers
-        locs, slots = [], []
+        for the rows not yet handled). The rows' room is taken one by one; their columns, tokens
+        and bindings are then written for all of them at once (the rows are distinct)."""
+        coord, d = self.coord, draft_tokens
+        hot, buffers = coord.hot, coord.buffers
+        lengths = []
         for row in rows:
-            self.coord.ensure_capacity(row, new_tokens=draft_tokens, speculative=True)
-            mem = self.coord._mem[row]
+            coord.ensure_capacity(row, new_tokens=d, speculative=True)
+            mem = coord._mem[row]
             mem.backup.wait()  # last round's backup reads the draft zone this round overwrites
-            n = mem.length
-            positions = torch.arange(n, n + draft_tokens)
-            cols = torch.where(positions < hot, positions, hot + 1 + torch.arange(draft_tokens))
-            buffers.tokens[:, row, hot + 1 :] = -1
-            buffers.tokens[:, row, cols.to(buffers.device)] = positions.to(torch.int32).to(buffers.device)
-            row_locs = self.coord.req_to_token[row, n : n + draft_tokens]
-            row_slots = buffers.locs[row, cols.to(buffers.device)]
-            self.coord.alloc.bind(row_locs, row_slots.cpu())
-            locs.append(row_locs)
-            slots.append(row_slots)
-        targets = WriteTargets(torch.cat(locs).to(self.coord.device), torch.cat(slots).to(self.coord.device))
-        return VerifyLayout(targets, draft_tokens, tuple(rows))
+            lengths.append(mem.length)
+        row_t = torch.tensor(rows, dtype=torch.int64)
+        step = torch.arange(d)
+        positions = torch.tensor(lengths, dtype=torch.int64)[:, None] + step  # [B, D]
+        cols = torch.where(positions < hot, positions, hot + 1 + step).to(buffers.device)
+        row_d = row_t.to(buffers.device)[:, None]
+        buffers.tokens[:, row_d, hot + 1 :] = -1
+        buffers.tokens[:, row_d, cols] = positions.to(torch.int32).to(buffers.device)
+        locs = coord.req_to_token[row_t[:, None], positions].reshape(-1)
+        slots = buffers.locs[row_d, cols].reshape(-1)
+        coord.alloc.bind(locs, slots.cpu())
+        targets = WriteTargets(locs.to(coord.device), slots.to(coord.device))
+        return VerifyLayout(targets, d, tuple(rows))
 
     def finalize(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
 
         Returns the rows that failed (their state rolled back, ``FinalizeError`` logged by the caller
-        via ``failed``); the others are committed and backed up.
+        via ``failed``); the others are committed and backed up. Each row's host pages are taken one
+        by one (a row the pool cannot take changes nothing); the module docstring's steps then run
+        for all the committed rows at once, in its order (their rows, columns and locations are
+        distinct, so no step of one row touches another's).
         """
-        d, hot, buffers = layout.draft_tokens, self.coord.hot, self.coord.buffers
-        slots = layout.targets.slots.cpu().reshape(len(rows), d)
-        host_slots, dev_slots, failed = [], [], []
-        for i, (row, count) in enumerate(zip(rows, accepted)):
-            mem = self.coord._mem[row]
-            n = mem.length
-            verify_locs = self.coord.req_to_token[row, n : n + d]
+        coord, d = self.coord, layout.draft_tokens
+        hot, buffers = coord.hot, coord.buffers
+        verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
+        committed, starts, counts, slots, failed = [], [], [], [], []
+        for row, count, row_slots in zip(rows, accepted, verify_slots):
+            mem = coord._mem[row]
             try:  # (it changes nothing when the host pool is short: nothing happened to this row)
-                self.coord.host.reserve(row, n + count)
+                coord.host.reserve(row, mem.length + count)
             except OutOfMemory as exc:
                 failed.append(row)
                 self._failures[row] = FinalizeError(row, str(exc))
                 continue
-            self.coord.alloc.clear(verify_locs)  # 1. every verify mapping, before anything moves
-            positions = torch.arange(n, n + count)
-            short = positions < hot  # 2. accepted positions below HOT keep their hot column
-            self.coord.alloc.bind(
-                verify_locs[:count][short], buffers.locs[row, positions[short].to(buffers.device)].cpu()
-            )
-            host_slots.append(self.coord.host.record(row, positions))  # 3. every accepted token
-            dev_slots.append(slots[i, :count])
-            self._move_to_newest(row, n + count - 1, slots[i, count - 1])  # 4.
-            buffers.tokens[:, row, hot + 1 :] = -1  # 5.
-            mem.length = n + count
-        if host_slots:
-            handle = self.coord._backup_stream.copy_rows(
-                self.coord.host.kv, torch.cat(host_slots), self.coord.device_kv, torch.cat(dev_slots).to(self.coord.device)
-            )
-            self.coord.counters.add_backup(sum(len(h) for h in host_slots) * self.coord.host.row_bytes)
-            for row in rows:
-                if row not in failed:
-                    self.coord._mem[row].backup = handle
+            mem.backup.wait()  # the newest column's last backup, before step 4 overwrites it
+            committed.append(row)
+            starts.append(mem.length)
+            counts.append(count)
+            slots.append(row_slots)
+        if not committed:
+            return failed
+        # what the steps read, in two gathers: every verify location and each newest column's token
+        # (host side), then the hot columns of the accepted positions below HOT and each row's newest
+        # column (device side)
+        newest = buffers.newest
+        row_t = torch.tensor(committed, dtype=torch.int64)
+        row_d = row_t.to(buffers.device)
+        held = buffers.tokens[0, row_d, newest].tolist()
+        pos_rows = [row for row in committed for _ in range(d)]
+        pos = [start + j for start in starts for j in range(d)]
+        locs = coord.req_to_token[torch.tensor(pos_rows), torch.tensor(pos)].tolist()
+        short = [(row, start + j) for row, start, count in zip(committed, starts, counts)
+                 for j in range(count - 1) if start + j < hot]
+        col_rows = committed + [row for row, _ in short]
+        cols = [newest] * len(committed) + [p for _, p in short]
+        found = buffers.locs[torch.tensor(col_rows, device=buffers.device),
+                             torch.tensor(cols, device=buffers.device)].tolist()
+        newest_slots, hot_slots = found[: len(committed)], iter(found[len(committed) :])
+        # 1., 2. and 4.'s mappings as one write (the locations are distinct): every verify location
+        # cleared, the accepted ones below HOT at their hot column, the last accepted one at the
+        # newest column, and the token the newest column held keeps only its host copy
+        values, moves, last_positions = [], [], []
+        for i, (start, count) in enumerate(zip(starts, counts)):
+            for j in range(d):
+                if j == count - 1:
+                    values.append(newest_slots[i])
+                elif j < count and start + j < hot:
+                    values.append(next(hot_slots))
+                else:
+                    values.append(0)
+            last_slot = slots[i][count - 1]
+            if last_slot != newest_slots[i]:
+                moves.append((newest_slots[i], last_slot))
+            last_positions.append(start + count - 1)
+        held_rows = [row for row, h in zip(committed, held) if h >= 0]
+        held_locs = coord.req_to_token[torch.tensor(held_rows, dtype=torch.int64),
+                                       torch.tensor([h for h in held if h >= 0], dtype=torch.int64)].tolist()
+        coord.alloc.bind(torch.tensor(locs + held_locs, dtype=torch.int64),
+                         torch.tensor(values + [0] * len(held_locs), dtype=coord.alloc.logical_to_physical.dtype))
+        host_slots = coord.host.record_runs(committed, starts, counts)  # 3. every accepted token
+        if moves:  # 4. the last accepted token's row into the newest column
+            # (rows of the coordinator's own pool to others of its rows: no argument to check)
+            dst, src = zip(*moves)
+            copy_rows_unchecked(coord.device_kv, torch.tensor(dst, device=coord.device), coord.device_kv,
+                                torch.tensor(src, device=coord.device))
+        # 4.'s newest column and 5.'s empty draft zone, as one write
+        zone = torch.full((len(committed), buffers.tokens.shape[-1] - newest), -1, dtype=buffers.tokens.dtype)
+        zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
+        buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
+        for row, start, count in zip(committed, starts, counts):
+            coord._mem[row].length = start + count
+        backed = torch.tensor([s for row_slots, count in zip(slots, counts) for s in row_slots[:count]],
+                              device=coord.device)
+        handle = coord._backup_stream.copy_rows(coord.host.kv, host_slots, coord.device_kv, backed)
+        coord.counters.add_backup(len(host_slots) * coord.host.row_bytes)
+        for row in committed:
+            coord._mem[row].backup = handle
         return failed
-
-    def _move_to_newest(self, row: int, position: int, slot: torch.Tensor) -> None:
-        """The last committed token's KV goes to the newest column, after the backup reading it."""
-        buffers = self.coord.buffers
-        newest = buffers.locs[row, buffers.newest]
-        self.coord._mem[row].backup.wait()
-        self.coord._forget_newest(row)
-        if int(slot) != int(newest):
-            # (one row of the coordinator's own pool to another of its rows: no argument to check)
-            copy_rows_unchecked(self.coord.device_kv, newest.reshape(1), self.coord.device_kv,
-                                slot.reshape(1).to(self.coord.device))
-        buffers.tokens[:, row, buffers.newest] = position
-        self.coord.alloc.bind(self.coord.req_to_token[row, position].reshape(1), newest.reshape(1).cpu())
 
     def take_failure(self, row: int) -> FinalizeError | None:
         return self._failures.pop(row, None)
