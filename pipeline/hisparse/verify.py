@@ -118,9 +118,9 @@ class VerifyBuffers:
             slots.append(row_slots)
         if not committed:
             return failed
-        # what the steps read, in two gathers: every verify location and each newest column's token
-        # (host side), then the hot columns of the accepted positions below HOT and each row's newest
-        # column (device side)
+        # what the steps read, gathered for all rows: each newest column's token and every verify
+        # location, then each row's newest column and the hot columns of the accepted positions
+        # below HOT (two transfers from the device, besides the verify slots above)
         newest = buffers.newest
         row_t = torch.tensor(committed, dtype=torch.int64)
         row_d = row_t.to(buffers.device)
