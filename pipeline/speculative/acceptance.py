@@ -17,9 +17,11 @@ from __future__ import annotations
 import torch
 
 
-def greedy_accept(drafts: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """``target_logits [k + 1, V]``; argmax ties go to the lowest id, as in plain greedy decoding."""
-    choice = target_logits.argmax(dim=-1).tolist()
+def greedy_accept(drafts: list[int], target_logits: torch.Tensor, choice: list[int] | None = None) -> tuple[int, int]:
+    """``target_logits [k + 1, V]``; argmax ties go to the lowest id, as in plain greedy decoding.
+    ``choice``: that argmax of each row, when the caller read it for a whole batch at once."""
+    if choice is None:
+        choice = target_logits.argmax(dim=-1).tolist()
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == choice[accepted]:
         accepted += 1

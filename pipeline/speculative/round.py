@@ -82,15 +82,19 @@ def verify(
         )
         hidden = model(ids, positions, backend)  # [B * D, H]
         logits = model.logits(hidden).reshape(len(group), d, -1)
-        return [(s, n, layout, hidden[i * d : (i + 1) * d], logits[i]) for i, (s, n) in enumerate(zip(group, lengths))]
+        # the greedy requests' target choices in one argmax over the batch, read back at once
+        choices = logits.argmax(-1).tolist() if any(s.params.greedy for s in group) else [None] * len(group)
+        return [(s, n, layout, hidden[i * d : (i + 1) * d], logits[i], choices[i])
+                for i, (s, n) in enumerate(zip(group, lengths))]
 
     ran, errors = isolate(list(seqs), forward, "verify")
     failed.update(errors)
     # acceptance, one request at a time (its own sampling can fail it alone)
     decided = []
-    for seq, n, layout, hidden, logits in ran:
+    for seq, n, layout, hidden, logits, choice in ran:
         try:
-            a, token = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params, seq.generator)
+            a, token = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params, seq.generator,
+                              choice)
         except Exception as exc:  # one request's fault fails that request
             failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
             continue

@@ -65,6 +65,15 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
+def propose_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+    """``propose`` for each row of ``logits [B, V]``: the greedy rows' tokens from one ``argmax``
+    over the batch, read back in one transfer (each row's first maximum, as ``propose`` takes it)."""
+    greedy = [p.greedy for p in params]
+    picks = logits.argmax(-1).tolist() if any(greedy) else None
+    return [(picks[i], None) if g else propose(logits[i], p, gen)
+            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]
+
+
 def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState | None]:
     """MTP rows over each request's new positions. Each input that ``propose``s gets its draft
     state (from its last position's output); the others None.
@@ -93,13 +102,16 @@ def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]
         backend = memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev))
         out = model.mtp_forward(ids, positions.to(dev), hidden, backend)
         where = {end: end for end in read}
+    proposing = [x for x in inputs if x.propose]
+    at = [where[end] for x, end in zip(inputs, ends) if x.propose]
+    proposals = iter(propose_rows(out.logits[at], [x.params for x in proposing], [x.generator for x in proposing]))
     states = []
     for x, end in zip(inputs, ends):
         if not x.propose:
             states.append(None)
             continue
         end = where[end]
-        token, q = propose(out.logits[end], x.params, x.generator)
+        token, q = next(proposals)
         # a copy: a view would keep the whole batch's hidden states alive as long as this request
         hidden = out.hidden[end].clone()
         states.append(DraftState(x.next_ids[-1], hidden, (token,), None if q is None else (q,)))
@@ -130,8 +142,7 @@ def draft_chain(
         last = torch.tensor([d[-1] for d in drafts], device=dev)
         out = model.mtp_forward(last, positions.to(dev), hidden, backend)
         hidden = out.hidden
-        for i in range(len(rows)):
-            token, q = propose(out.logits[i], params[i], generators[i])
+        for i, (token, q) in enumerate(propose_rows(out.logits, params, generators)):
             drafts[i].append(token)
             if probs[i] is not None:
                 probs[i].append(q)
@@ -147,9 +158,10 @@ def accept(
     logits: torch.Tensor,  # [k + 1, V]
     params: SamplingParams,
     generator: torch.Generator | None,
+    choice: list[int] | None = None,  # greedy: the target's argmax per row, when already read
 ) -> tuple[int, int]:
     if params.greedy:
-        return greedy_accept(drafts, logits)
+        return greedy_accept(drafts, logits, choice)
     assert draft_probs is not None
     target = probabilities(logits.cpu(), params)
     return rejection_accept(drafts, draft_probs, target, generator)

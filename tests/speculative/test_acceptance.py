@@ -59,3 +59,29 @@ def test_rejection_accept_samples_the_target_distribution():
     expected = p * draws
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 20.52, f"chi-square {chi2:.2f} with 5 degrees of freedom exceeds the 0.001 critical value"
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    greedy=st.lists(st.booleans(), min_size=1, max_size=6),
+    vocab=st.integers(2, 9),
+    seed=st.integers(0, 2**16),
+)
+def test_a_batch_of_proposals_is_each_rows_own_proposal(greedy, vocab, seed):
+    """``propose_rows`` (one argmax for a batch's greedy rows) proposes for every row what
+    ``propose`` proposes for it alone: the first maximum for greedy rows (logits with ties), the
+    same draw from the same generator for sampled ones."""
+    from pipeline.sampling import SamplingParams
+    from pipeline.speculative.rounds import propose, propose_rows
+
+    logits = torch.randint(0, 3, (len(greedy), vocab), generator=torch.Generator().manual_seed(seed)).double()
+    params = [SamplingParams() if g else SamplingParams(temperature=0.8, seed=seed + i) for i, g in enumerate(greedy)]
+
+    def generators():
+        return [None if g else torch.Generator().manual_seed(seed + i) for i, g in enumerate(greedy)]
+
+    together = propose_rows(logits, params, generators())
+    alone = [propose(logits[i], p, gen) for i, (p, gen) in enumerate(zip(params, generators()))]
+    assert [t for t, _ in together] == [t for t, _ in alone]
+    for (_, q), (_, want) in zip(together, alone):
+        assert (q is None and want is None) or torch.equal(q, want)

@@ -266,13 +266,13 @@ def test_rows_only_draft_extend_proposes_what_one_forward_proposes(tiny_model, m
     from pipeline.speculative import rounds as rounds_module
 
     drafted: dict[int, list[int]] = {}
-    real = rounds_module.propose
+    seen = _record_proposals(monkeypatch)
 
     def run(rows_only_min: int) -> list[list[int]]:
         monkeypatch.setattr(rounds_module, "ROWS_ONLY_MIN", rows_only_min)
-        seen = drafted.setdefault(rows_only_min, [])
-        monkeypatch.setattr(rounds_module, "propose", lambda *a: seen.append((out := real(*a))[0]) or out)
+        seen.clear()
         reqs, _ = generate(tiny_model, config(hisparse, 3), make_prompts(6, seed=13))
+        drafted[rows_only_min] = list(seen)
         return [r.output_ids for r in reqs]
 
     split, whole = run(1), run(10**9)
@@ -330,8 +330,14 @@ def _record_proposals(monkeypatch) -> list[int]:
     from pipeline.speculative import rounds as rounds_module
 
     seen: list[int] = []
-    real = rounds_module.propose
-    monkeypatch.setattr(rounds_module, "propose", lambda *a: seen.append((out := real(*a))[0]) or out)
+    real = rounds_module.propose_rows
+
+    def spy(*args):
+        out = real(*args)
+        seen.extend(token for token, _ in out)
+        return out
+
+    monkeypatch.setattr(rounds_module, "propose_rows", spy)
     return seen
 
 
