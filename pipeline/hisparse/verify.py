@@ -151,9 +151,11 @@ class VerifyBuffers:
             if last_slot != newest_slots[i]:
                 moves.append((newest_slots[i], last_slot))
             last_positions.append(start + count - 1)
-        held_rows = [row for row, h in zip(committed, held) if h >= 0]
-        held_locs = coord.req_to_token[torch.tensor(held_rows, dtype=torch.int64),
-                                       torch.tensor([h for h in held if h >= 0], dtype=torch.int64)].tolist()
+        # a held token is a committed one (below the row's start), so its location is none of the
+        # verify locations this one write also sets
+        held_at = [(row, h) for row, h, start in zip(committed, held, starts) if 0 <= h < start]
+        held_locs = coord.req_to_token[torch.tensor([row for row, _ in held_at], dtype=torch.int64),
+                                       torch.tensor([h for _, h in held_at], dtype=torch.int64)].tolist()
         coord.alloc.bind(torch.tensor(locs + held_locs, dtype=torch.int64),
                          torch.tensor(values + [0] * len(held_locs), dtype=coord.alloc.logical_to_physical.dtype))
         host_slots = coord.host.record_runs(committed, starts, counts)  # 3. every accepted token

@@ -69,17 +69,41 @@ def _round(memory, rows: list[int], accepted: list[int], d: int, round_: int, sh
             raise OutOfMemory("host", 1, 0)
         return real(self, row, length)
 
+    before = _row_state(memory, short) if short in rows else None
     HostPool.reserve = reserve
     try:
-        return memory.finalize_verify(rows, accepted, layout)
+        failed = memory.finalize_verify(rows, accepted, layout)
     finally:
         HostPool.reserve = real
+    if before is not None:  # the row finalize could not take is left as it was
+        assert failed.count(short) == 1
+        after = _row_state(memory, short)
+        for key in before:
+            assert torch.equal(before[key], after[key]), f"a failed finalize changed its row's {key}"
+    return failed
 
 
-def _check_finalized(memory, row: int, start: int, count: int, d: int, round_: int) -> None:
-    """The module docstring's five steps of finalize, as seen after it, for one committed row."""
+def _row_state(memory, row: int) -> dict[str, torch.Tensor]:
+    """What finalize may change of one row: its columns, mappings, KV, host copies and length."""
+    memory.wait_backups()
+    locs = memory.req_to_token[row]
+    return {
+        "tokens": memory.buffers.tokens[:, row].clone(),
+        "locs": memory.buffers.locs[row].clone(),
+        "mapping": memory.alloc.lookup(locs.clamp(min=0)).clone(),
+        "device_kv": memory.device_kv[:, memory.buffers.locs[row].clamp(min=0)].clone(),
+        "req_to_host": memory.host.req_to_host[row].clone(),
+        "length": torch.tensor(memory.length(row)),
+    }
+
+
+def _check_finalized(memory, row: int, start: int, count: int, d: int, round_: int, held: int) -> None:
+    """The five steps of finalize (``pipeline/hisparse/verify.py``), as seen after it, for one
+    committed row; ``held``: the position its newest column held before the round (-1: none)."""
     buffers, hot = memory.buffers, memory.hot
     memory.wait_backups()
+    if held >= 0:  # 4. the token the newest column held keeps only its host copy
+        assert int(memory.alloc.lookup(memory.req_to_token[row, held].reshape(1))) == 0
     locs = memory.req_to_token[row, start : start + d]
     mapping = memory.alloc.lookup(locs)
     last = start + count - 1
@@ -138,6 +162,8 @@ def test_a_batched_verify_round_equals_its_requests_one_at_a_time(data):
             live_accepts = [accepted[order.index(r)] for r in live]
             victim = order[short_at[1]] if short_at and short_at[0] == round_ else None
             starts = [memories["together"].length(r) for r in live]
+            newest = memories["together"].buffers.newest
+            held = [int(memories["together"].buffers.tokens[0, r, newest]) for r in live]
             together_failed = _round(memories["together"], live, live_accepts, d, round_, victim)
             alone_failed = [f for r, a in zip(live, live_accepts) for f in _round(memories["alone"], [r], [a], d, round_, victim)]
             failed = {"together": together_failed, "alone": alone_failed}
@@ -146,9 +172,9 @@ def test_a_batched_verify_round_equals_its_requests_one_at_a_time(data):
                 for row in failed[name]:  # the executor releases a request finalize failed
                     memory.release(row)
                 memory.check_integrity(data=True)
-            for row, start, count in zip(live, starts, live_accepts):
+            for row, start, count, last_held in zip(live, starts, live_accepts, held):
                 if row not in failed["together"]:
-                    _check_finalized(memories["together"], row, start, count, d, round_)
+                    _check_finalized(memories["together"], row, start, count, d, round_, last_held)
             live = [r for r in live if r not in failed["together"]]
             one, other = _state(memories["together"], live), _state(memories["alone"], live)
             for key in one:
