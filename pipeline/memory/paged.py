@@ -349,11 +349,18 @@ class PagedTable:
     def record_runs(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
         """``record`` of positions ``[start, start + count)`` of each row, all in one table write
         (a decode step's few new positions per request); returns the slots, row after row."""
+        p, pages = self.page_size, self._pages
         row_ids, positions, slots = [], [], []
         for row, start, count in zip(rows, starts, counts):
+            own = pages[row]
+            if count == 1:  # a decode step's one position: no lists or ranges to build
+                row_ids.append(row)
+                positions.append(start)
+                slots.append(own[start // p] * p + start % p)
+                continue
             row_ids += [row] * count
             positions += range(start, start + count)
-            slots += self._slot_list(row, range(start, start + count))
+            slots += [own[t // p] * p + t % p for t in range(start, start + count)]
         index = (torch.tensor(row_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
         values = torch.tensor(slots, dtype=torch.int64)
         self.table[index] = values
