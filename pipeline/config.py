@@ -290,7 +290,8 @@ class EngineConfig:
     # collector (``gc.freeze``, as SGLang and vLLM do after start-up): the model, torch's and the
     # application's modules are never scanned again, so a full collection during decoding takes
     # milliseconds instead of a pause of 100-150 ms (measured with transformers imported: ~390,000
-    # tracked objects). Process-wide; False leaves the collector alone
+    # tracked objects). The first engine to freeze after another has closed collects first (what a
+    # closed engine left behind is not frozen for good). Process-wide; False leaves the collector alone
     freeze_gc: bool = True
 
     def __attrs_post_init__(self) -> None:

@@ -25,6 +25,7 @@ Speculative verify binding and finalize (``pipeline/speculative``) use the same 
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -134,7 +135,7 @@ class HiSparseCoordinator:
                 self.row_dim,
                 self.index_dim,
                 self.num_layers,
-                lambda: self.req_to_token_device,
+                self.alloc.req_to_token.mirror_tensor,  # read live: ``mirror_tables`` may replace it
                 self.dtype,
                 self.device,
                 rows_on_host=self.draft_rows_on_host,
@@ -151,7 +152,9 @@ class HiSparseCoordinator:
         )
         self._staging_stream = self.transfer("staging", self.device)
         self._backup_stream = self.transfer("backup", self.device)
-        self.verify = VerifyBuffers(self)
+        # a proxy: the coordinator and its verify half hold no reference cycle, so that a dropped
+        # coordinator's pools are freed at once, not by the cyclic collector (which an engine freezes)
+        self.verify = VerifyBuffers(weakref.proxy(self))
 
     def mirror_tables(self, *, separate: bool = False) -> None:
         """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row

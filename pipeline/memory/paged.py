@@ -273,6 +273,11 @@ class PagedTable:
         self._pages = [[] for _ in range(self.num_rows)]
         self._shared = [0] * self.num_rows
 
+    def mirror_tensor(self) -> torch.Tensor:
+        """The table's device mirror as it is now (``mirror_on`` may replace it)."""
+        assert self.mirror is not None
+        return self.mirror.tensor
+
     def mirror_on(self, device: torch.device, *, separate: bool = False) -> TableMirror:
         """Keep a copy of the table on ``device`` from now on, updated with every change."""
         self.mirror = TableMirror(self.table, device, separate=separate)

@@ -375,3 +375,36 @@ async def test_a_running_engine_keeps_what_was_alive_out_of_the_collector(tiny_m
     async with Engine(attrs.evolve(config(), freeze_gc=False), model=tiny_model) as engine:
         await engine.generate_text("ab", params)
         assert gc.get_freeze_count() == 0
+
+
+@pytest.mark.asyncio
+async def test_what_a_closed_engine_left_behind_is_not_frozen_by_the_next_one(tiny_model):
+    """A dropped engine's memory (its pools) is freed at once: the coordinator holds no reference
+    cycle. Cyclic garbage left behind when the next engine freezes the collector (a closed engine's,
+    an application's) is collected first instead of frozen with the rest: frozen, it would stay for
+    that engine's whole run, one more lot for every engine started after another (the soak
+    benchmark's RSS grew by about 1 MiB per round before, 294 -> 874 MiB in 3 minutes)."""
+    import gc
+    import weakref
+
+    import torch
+
+    gc.unfreeze()
+    gc.collect()
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    async with Engine(config(num_steps=2), model=tiny_model) as first:
+        await first.generate_text("ab", params)
+        memory = weakref.ref(first.executor.memory)
+    del first
+    assert memory() is None, "a dropped engine's memory waits for the cyclic collector"
+    # cyclic garbage old enough that only a full collection frees it
+    junk: list = [torch.zeros(1024)]
+    junk.append(junk)
+    tensor = weakref.ref(junk[0])
+    gc.collect(1)
+    gc.collect(1)
+    del junk
+    assert tensor() is not None
+    async with Engine(config(), model=tiny_model) as second:
+        assert tensor() is None, "the next engine froze what the last one left behind"
+        await second.generate_text("ab", params)
