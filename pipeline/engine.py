@@ -60,9 +60,10 @@ _closed_since_collect = False  # an engine has closed since the last collection 
 def _freeze_gc() -> None:
     global _frozen_by, _closed_since_collect
     if _frozen_by == 0 and _closed_since_collect:
-        # an engine that closed since may be garbage by now, and its memory (tables and pools)
-        # holds reference cycles that only a collection frees: frozen with the rest, it would stay
-        # for this engine's whole run, one more for every engine started after another
+        # what an engine that closed since left behind, or the application, may hold reference
+        # cycles that only a collection frees (a failed request's traceback and its frames, for
+        # one): frozen with the rest, it would stay for this engine's whole run, one more lot for
+        # every engine started after another
         gc.collect()
         _closed_since_collect = False
     gc.freeze()  # also what became long-lived since another engine froze
@@ -146,8 +147,8 @@ class Engine:
     # (``gc.freeze``), so that a full collection does not scan them between two decode steps; the
     # last such engine to close hands them back (``gc.unfreeze``). Freezing is a constant-time move
     # of the collector's lists. The first engine to freeze after another has closed collects first
-    # (a full collection, about 150 ms with transformers imported): a closed engine's memory holds
-    # reference cycles, and frozen they would never be freed while engines run.
+    # (a full collection, about 150 ms with transformers imported): cyclic garbage left behind by
+    # then would otherwise be frozen with the rest, and never freed while engines run.
 
     async def __aenter__(self) -> Engine:
         from pipeline.stages.wiring import build_pipeline

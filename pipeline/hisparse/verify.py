@@ -164,7 +164,7 @@ class VerifyBuffers:
             dst, src = zip(*moves)
             copy_rows_unchecked(coord.device_kv, torch.tensor(dst, device=coord.device), coord.device_kv,
                                 torch.tensor(src, device=coord.device))
-        # 4.'s newest column and 5.'s empty draft zone, as one write
+        # 4.'s newest column and 5.'s empty draft zone (which follows it), as one write
         zone = torch.full((len(committed), buffers.tokens.shape[-1] - newest), -1, dtype=buffers.tokens.dtype)
         zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
         buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
