@@ -61,8 +61,8 @@ def _freeze_gc() -> None:
     global _frozen_by, _closed_since_collect
     if _frozen_by == 0 and _closed_since_collect:
         # what an engine that closed since left behind, or the application, may hold reference
-        # cycles that only a collection frees (a failed request's traceback and its frames, for
-        # one): frozen with the rest, it would stay for this engine's whole run, one more lot for
+        # cycles that only a collection frees (a prefix cache's pages, a transfer stream's thread
+        # pool): frozen with the rest, it would stay for this engine's whole run, one more lot for
         # every engine started after another
         gc.collect()
         _closed_since_collect = False
