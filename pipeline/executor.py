@@ -77,7 +77,7 @@ from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
-from pipeline.sampling import SamplingParams, make_generator, sample
+from pipeline.sampling import SamplingParams, greedy_picks, make_generator, sample
 from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
@@ -569,10 +569,8 @@ class Executor:
         The greedy requests' tokens are one ``argmax`` over the batch's rows (the one ``sample``
         takes of each row alone: the first maximum), read back in one transfer."""
         logits = self.model.logits(hidden)  # [B, V]
-        greedy = [s.params.greedy for s in seqs]
-        picks = logits.argmax(-1).tolist() if any(greedy) else [None] * len(seqs)
-        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i] if greedy[i] else None))
-                for i, s in enumerate(seqs)]
+        picks = greedy_picks(logits, [s.params for s in seqs])
+        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i])) for i, s in enumerate(seqs)]
 
     # --- a mixed step -------------------------------------------------------------------------------
 

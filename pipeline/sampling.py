@@ -138,6 +138,16 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_picks(logits: torch.Tensor, params: list[SamplingParams]) -> list:
+    """The greedy requests' tokens of ``logits [B, ..., V]`` (one request per leading row), from one
+    ``argmax`` over the batch read back in one transfer: each row's first maximum, as ``sample``
+    takes it alone (a list per row when the rows have more dimensions); None for the others."""
+    greedy = [p.greedy for p in params]
+    if not any(greedy):
+        return [None] * len(params)
+    return [pick if g else None for pick, g in zip(logits.argmax(-1).tolist(), greedy)]
+
+
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from a distribution ``probs [V]`` (argmax when no generator: the greedy case)."""
     if generator is None:

@@ -176,16 +176,12 @@ class HiSparseCoordinator:
     @property
     def req_to_token_device(self) -> torch.Tensor:
         """``req_to_token`` on the device (its mirror)."""
-        mirror = self.alloc.req_to_token.mirror
-        assert mirror is not None
-        return mirror.tensor
+        return self.alloc.req_to_token.mirror_tensor()
 
     @property
     def req_to_host_device(self) -> torch.Tensor:
         """``req_to_host`` on the device (its mirror)."""
-        mirror = self.host.map.mirror
-        assert mirror is not None
-        return mirror.tensor
+        return self.host.map.mirror_tensor()
 
     def length(self, row: int) -> int:
         return self._mem[row].length

@@ -357,15 +357,14 @@ class PagedTable:
         p, pages = self.page_size, self._pages
         row_ids, positions, slots = [], [], []
         for row, start, count in zip(rows, starts, counts):
-            own = pages[row]
             if count == 1:  # a decode step's one position: no lists or ranges to build
                 row_ids.append(row)
                 positions.append(start)
-                slots.append(own[start // p] * p + start % p)
+                slots.append(pages[row][start // p] * p + start % p)
                 continue
             row_ids += [row] * count
             positions += range(start, start + count)
-            slots += [own[t // p] * p + t % p for t in range(start, start + count)]
+            slots += self._slot_list(row, range(start, start + count))
         index = (torch.tensor(row_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
         values = torch.tensor(slots, dtype=torch.int64)
         self.table[index] = values

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
+from pipeline.sampling import greedy_picks
 from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ def verify(
         hidden = model(ids, positions, backend)  # [B * D, H]
         logits = model.logits(hidden).reshape(len(group), d, -1)
         # the greedy requests' target choices in one argmax over the batch, read back at once
-        choices = logits.argmax(-1).tolist() if any(s.params.greedy for s in group) else [None] * len(group)
+        choices = greedy_picks(logits, [s.params for s in group])
         return [(s, n, layout, hidden[i * d : (i + 1) * d], logits[i], choices[i])
                 for i, (s, n) in enumerate(zip(group, lengths))]
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from pipeline.sampling import SamplingParams, probabilities
+from pipeline.sampling import SamplingParams, greedy_picks, probabilities
 from pipeline.speculative.acceptance import greedy_accept, rejection_accept
 from pipeline.speculative.draft_state import DraftBatch, DraftState
 
@@ -68,10 +68,9 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
 def propose_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
     """``propose`` for each row of ``logits [B, V]``: the greedy rows' tokens from one ``argmax``
     over the batch, read back in one transfer (each row's first maximum, as ``propose`` takes it)."""
-    greedy = [p.greedy for p in params]
-    picks = logits.argmax(-1).tolist() if any(greedy) else None
-    return [(picks[i], None) if g else propose(logits[i], p, gen)
-            for i, (g, p, gen) in enumerate(zip(greedy, params, generators))]
+    picks = greedy_picks(logits, params)
+    return [(pick, None) if pick is not None else propose(logits[i], p, gen)
+            for i, (pick, p, gen) in enumerate(zip(picks, params, generators))]
 
 
 def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]) -> list[DraftState | None]:
