@@ -40,6 +40,7 @@ log = structlog.get_logger("hispec.config")
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
 DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
 MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
+CPU_SPEC_MAX_CONTEXT = 1024  # SpeculativeConfig.max_context="auto" on a CPU
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -126,8 +127,16 @@ class SpeculativeConfig:
     # (one token per request), with the same output (greedy identical, sampling distribution kept).
     # Speculate while the batch stepped together has at most this many requests (None: any size):
     # a verify multiplies the tokens of a forward by D, which stops being free once the forward is
-    # compute-bound (vLLM's disable_by_batch_size).
-    max_batch_size: int | None = 8
+    # compute-bound (vLLM's disable_by_batch_size). "auto": 8 on CUDA; 1 on a CPU, whose forward is
+    # compute-bound from two requests on (a round over 4 or 8 requests delivers what as many plain
+    # steps do, so its measuring and its tail only cost) (``for_device``).
+    max_batch_size: int | Literal["auto"] | None = "auto"
+    # ... and while every request of the batch holds at most this many tokens (None: any length;
+    # vLLM's speculative_max_model_len): a verify's D queries each scan the whole context in the
+    # indexer, and the MTP drafts too, so past some length a round costs more than the tokens it
+    # adds. "auto": None on CUDA; 1024 on a CPU (the bundled model served alone: rounds 1.12x plain
+    # at 512 tokens, level at 1,000, 0.94x at 1,500) (``for_device``).
+    max_context: int | Literal["auto"] | None = "auto"
     # ... and while the measured accept length (tokens per round, bonus included; a moving average
     # over rounds, engine-wide) is at least this (None, the default: ignore acceptance). Below it, a
     # probe round runs every ``probe_every`` plain steps to measure again. Off by default because
@@ -152,11 +161,14 @@ class SpeculativeConfig:
 
     def __attrs_post_init__(self) -> None:
         _require_int("speculative.num_steps", self.num_steps, 1)
+        for name in ("max_batch_size", "max_context"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value == "auto"):
+                _require(_is_int(value), f"speculative.{name}", value, 'must be an integer, None or "auto"')
+                _require(value >= 1, f"speculative.{name}", value, "must be >= 1")
         for name in ("timed", "plain_tail", "plain_while_prefilling"):
             _require(isinstance(getattr(self, name), bool), f"speculative.{name}", getattr(self, name), "must be a bool")
         _require_int("speculative.eagle_topk", self.eagle_topk, 1)
-        if self.max_batch_size is not None:
-            _require_int("speculative.max_batch_size", self.max_batch_size, 1)
         if self.min_accept_length is not None:
             value = self.min_accept_length
             _require(
@@ -180,6 +192,13 @@ class SpeculativeConfig:
     def draft_tokens(self) -> int:
         """D: tokens verified per round, the bonus token included."""
         return self.num_draft_tokens if self.num_draft_tokens is not None else self.num_steps + 1
+
+    def for_device(self, device: str) -> SpeculativeConfig:
+        """This configuration with its ``"auto"`` limits set for ``device`` (``"cpu"`` or ``"cuda"``)."""
+        cpu = device == "cpu"
+        batch = (1 if cpu else 8) if self.max_batch_size == "auto" else self.max_batch_size
+        context = (CPU_SPEC_MAX_CONTEXT if cpu else None) if self.max_context == "auto" else self.max_context
+        return attrs.evolve(self, max_batch_size=batch, max_context=context)
 
 
 @attrs.frozen

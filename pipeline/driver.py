@@ -180,4 +180,4 @@ class SyncDriver:
 def spec_policy_of(executor: Executor) -> SpecPolicy:
     """The adaptive-speculation rule of the executor's configuration (inert without speculation)."""
     spec = executor.config.speculative
-    return SpecPolicy.from_config(spec) if executor.speculative else SpecPolicy()
+    return SpecPolicy.from_config(spec, executor.config.device) if executor.speculative else SpecPolicy()

@@ -259,6 +259,8 @@ def figures_line(stats: dict[str, object]) -> list[str]:
             f"speculative: {spec['verify_rounds']} verify rounds, accept length {spec['accept_length']:.2f}, "
             f"accept rate {spec['accept_rate']:.1%}"
         )
+    elif spec:  # on, but its adaptive rule never found a round worth running (batch size, context, speed)
+        lines.append("speculative: 0 verify rounds (every step decoded plainly by the adaptive rule)")
     tp = stats["throughput"]
     lines.append(f"throughput: {tp['tokens_generated']} tokens in {tp['uptime_s']:.2f}s ({tp['tokens_per_s']:.1f} tokens/s)")
     return lines

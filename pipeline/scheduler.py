@@ -437,6 +437,9 @@ class SpecPolicy:
     before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
     sampled request served alone always speculates (so a seeded one stays reproducible).
 
+    ``max_context``: no round while some request of the batch holds more tokens than this (its
+    verify's queries and its drafts each scan the whole context; vLLM's speculative_max_model_len).
+
     ``plain_tail``: the last tokens of every stream (no request of the batch may produce D more)
     are plain steps. ``plain_while_prefilling``: while prompts wait for prefill and steps mix, the
     turns are plain steps, which carry a chunk in their forward (``DecodePart.prefill_waiting``).
@@ -449,6 +452,7 @@ class SpecPolicy:
     timed: bool = False  # ... and (2+ requests) while rounds deliver more tokens/s than plain steps
     plain_tail: bool = False  # ... and while some request of the batch may produce D more tokens
     plain_while_prefilling: bool = False  # ... and (mixed steps) while no prompt waits for prefill
+    max_context: int | None = None  # ... and while no request of the batch holds more tokens than this
     accept_length: float | None = None  # the moving average (None: nothing measured yet)
     plain_steps: int = 0  # plain steps since the last round
     weight: float = 0.2  # of the newest round in the moving average
@@ -462,9 +466,16 @@ class SpecPolicy:
     doublings: dict[int, int] = attrs.Factory(dict)
 
     @classmethod
-    def from_config(cls, spec) -> SpecPolicy:
+    def from_config(cls, spec, device: str = "cpu") -> SpecPolicy:
+        """The rule of a ``SpeculativeConfig``, its ``"auto"`` limits set for ``device``."""
+        spec = spec.for_device(device)
         return cls(spec.max_batch_size, spec.min_accept_length, spec.probe_every, spec.timed,
-                   plain_tail=spec.plain_tail, plain_while_prefilling=spec.plain_while_prefilling)
+                   plain_tail=spec.plain_tail, plain_while_prefilling=spec.plain_while_prefilling,
+                   max_context=spec.max_context)
+
+    def within_context(self, longest: int) -> bool:
+        """Whether a batch whose longest request holds ``longest`` tokens may run a round."""
+        return self.max_context is None or longest <= self.max_context
 
     def speculate(self, batch_size: int, *, greedy: bool = False) -> bool:
         """Whether the next turn over ``batch_size`` requests is a round; ``greedy``: all of them
@@ -579,11 +590,13 @@ class DecodePart:
             return done
         greedy = all(r.params.greedy for r in reqs)
         # a round commits at most D tokens a request: it is not run for the last few of every stream
-        # (the tail of a batch would pay a catch-up of its MTP layer for a token or two), nor while a
-        # prompt's chunk could share the step's forward instead of running one of its own
+        # (the tail of a batch would pay a catch-up of its MTP layer for a token or two), nor past the
+        # rule's context limit, nor while a prompt's chunk could share the step's forward instead of
+        # running one of its own
         policy, waiting = self.policy, self.prefill_waiting
         worth = (self.speculative
                  and not (policy.plain_tail and all(r.tokens_left < self.draft_tokens for r in reqs))
+                 and policy.within_context(max(len(r.prompt_ids) + len(r.output_ids) for r in reqs))
                  and not (policy.plain_while_prefilling and waiting is not None and waiting()))
         speculative = worth and self.policy.speculate(len(reqs), greedy=greedy)
         if speculative:

@@ -169,6 +169,31 @@ RULES = [
         ),
         "only chain drafting",
     ),
+    # the adaptive rule's limits: an integer >= 1, None or "auto"
+    (
+        "speculative.max_batch_size",
+        lambda: dict(speculative=SP(max_batch_size=1)),
+        lambda: dict(speculative=SP(max_batch_size=0)),
+        "must be >= 1",
+    ),
+    (
+        "speculative.max_batch_size",
+        lambda: dict(speculative=SP(max_batch_size="auto")),
+        lambda: dict(speculative=SP(max_batch_size="big")),
+        'must be an integer, None or "auto"',
+    ),
+    (
+        "speculative.max_context",
+        lambda: dict(speculative=SP(max_context=None)),
+        lambda: dict(speculative=SP(max_context=True)),
+        'must be an integer, None or "auto"',
+    ),
+    (
+        "speculative.max_context",
+        lambda: dict(speculative=SP(max_context=1)),
+        lambda: dict(speculative=SP(max_context=-5)),
+        "must be >= 1",
+    ),
     # verify tokens live in the draft zone: D <= page_size - 1
     (
         "speculative.num_steps",
@@ -615,3 +640,22 @@ def test_an_injected_model_must_match_the_configured_dtype(tiny_model):
             EngineConfig(dtype="float32", max_context_len=512, device_pool_tokens=1024), model=tiny_model
         )
     assert info.value.field == "dtype"
+
+
+def test_the_adaptive_rules_auto_limits_follow_the_device():
+    """``"auto"``: a CPU speculates for a request served alone and up to ``CPU_SPEC_MAX_CONTEXT``
+    tokens, CUDA up to 8 requests at any length; numbers and None are kept as given."""
+    from pipeline.config import CPU_SPEC_MAX_CONTEXT
+    from pipeline.scheduler import SpecPolicy
+
+    spec = SP()
+    assert (spec.max_batch_size, spec.max_context) == ("auto", "auto")
+    cpu, cuda = spec.for_device("cpu"), spec.for_device("cuda")
+    assert (cpu.max_batch_size, cpu.max_context) == (1, CPU_SPEC_MAX_CONTEXT)
+    assert (cuda.max_batch_size, cuda.max_context) == (8, None)
+    given = SP(max_batch_size=3, max_context=None)
+    assert given.for_device("cpu") == given and given.for_device("cuda") == given
+    policy = SpecPolicy.from_config(spec, "cpu")
+    assert (policy.max_batch_size, policy.max_context) == (1, CPU_SPEC_MAX_CONTEXT)
+    assert policy.within_context(CPU_SPEC_MAX_CONTEXT) and not policy.within_context(CPU_SPEC_MAX_CONTEXT + 1)
+    assert SpecPolicy.from_config(spec, "cuda").within_context(1 << 20)

@@ -46,7 +46,8 @@ def two_page_config(hisparse: HiSparseConfig | None, num_steps: int | None) -> E
         max_running_requests=4,
         device_pool_tokens=512,
         hisparse=hisparse,
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        # any batch size may run rounds (on a CPU the default rule keeps them to a request alone)
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None) if num_steps else None,
     )
 
 

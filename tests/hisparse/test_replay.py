@@ -42,7 +42,7 @@ def _record(tiny_model, path, *, policy: str, num_steps: int | None, pool: int =
         max_running_requests=4,
         device_pool_tokens=pool,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=1, policy=policy),
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=8) if num_steps else None,
         chunked_prefill_tokens=None,
         prefix_cache=False,
     )

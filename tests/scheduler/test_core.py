@@ -510,6 +510,30 @@ def test_decode_part_takes_a_plain_step_when_the_policy_says_so():
     assert script.kinds() == ["Reserve", "Draft", "Verify"] and part.policy.accept_length == 2
 
 
+def test_decode_part_decodes_plainly_past_the_context_limit():
+    """``max_context``: a turn is a round only while every request of the batch holds at most that
+    many tokens (prompt and output); one longer request makes the whole turn a plain step."""
+    aborts = AbortBook()
+    part = DecodePart(aborts, 2, SpecPolicy(max_context=12))
+    reqs = [in_state(rid, State.READY, ignore_eos=True) for rid in "ab"]
+    part.accept(reqs)
+    held = len(reqs[0].prompt_ids)
+    assert held <= 12 and len(reqs[1].prompt_ids) <= 12
+    reqs[1].output_ids.extend([1] * (12 - len(reqs[1].prompt_ids)))  # exactly at the limit: a round
+    script = Script(part.turn(), {Reserve: RoomResult(("a", "b"), ()), Draft: StepResult({}),
+                                  Verify: StepResult({"a": (7,), "b": (9,)}, accepted={"a": 0, "b": 0})})
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"]
+    assert len(reqs[1].prompt_ids) + len(reqs[1].output_ids) == 13  # one past it: plain steps
+    script = Script(part.turn(), {Decode: StepResult({"a": (5,), "b": (6,)})})
+    script.run()
+    assert script.kinds() == ["Decode"]
+    script = Script(part.turn([reqs[0]]), {Reserve: RoomResult(("a",), ()), Draft: StepResult({}),
+                                          Verify: StepResult({"a": (7, 8)}, accepted={"a": 1})})
+    script.run()
+    assert script.kinds() == ["Reserve", "Draft", "Verify"]  # the short one alone is within it
+
+
 def test_decode_part_decodes_plainly_for_the_last_tokens_of_every_stream():
     """A round commits at most D = num_steps + 1 tokens a request: while no request of the batch may
     produce D more, the turn is a plain step (no catch-up of the MTP layer for a token or two)."""

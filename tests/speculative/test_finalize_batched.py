@@ -30,7 +30,7 @@ def _memory(draft_tokens: int):
     config = EngineConfig(
         page_size=PAGE, max_context_len=MAX_CTX, max_running_requests=3, device_pool_tokens=PAGE * 24,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
-        speculative=SpeculativeConfig(num_steps=draft_tokens - 1),
+        speculative=SpeculativeConfig(num_steps=draft_tokens - 1, max_batch_size=8),
     )
     return Executor(config, model=SimpleNamespace(cfg=cfg, dtype=torch.float32))
 

@@ -423,3 +423,43 @@ def test_rows_left_for_later_stay_within_the_limit(tiny_model):
     assert cache.held_pages() == full  # the others' rows were written as they left: cached too
     executor.check_integrity()
     executor.close()
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_rounds_stop_at_the_context_limit_with_plain_decodings_tokens(tiny_model, monkeypatch, hisparse):
+    """``max_context``: a request speculates while it holds at most that many tokens and decodes
+    plainly past it (its verify and drafts would scan the whole context); a second, shorter request
+    keeps speculating alone after the first has passed the limit. Every token is plain decoding's,
+    and no verify ever ran for a batch holding more than the limit."""
+    prompts = make_prompts(8, seed=21)[5:7]  # 7 and 50 tokens
+    limit = 60  # the long request passes it after 10 tokens, the short one never does
+    lengths = (MAX_NEW, 40)
+    plain_ex = Executor(config(hisparse, None), model=tiny_model)
+    plain_driver = SyncDriver(plain_ex, check=True)
+    with quiet_logs():
+        plain = [plain_driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        plain_driver.run()
+    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False, plain_tail=False,
+                             plain_while_prefilling=False)
+    executor = Executor(attrs.evolve(config(hisparse, None), speculative=spec), model=tiny_model)
+    oracle_drafter(monkeypatch, executor, truth)
+    held_at_rounds: list[int] = []
+    real_verify = executor.verify
+
+    def verify(request_ids):
+        seqs = [executor.seqs[rid] for rid in request_ids]  # prompt and tokens produced so far
+        held_at_rounds.append(max(len(seq.token_ids) + len(seq.produced) for seq in seqs))
+        return real_verify(request_ids)
+
+    executor.verify = verify
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        driver.run()
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert held_at_rounds and max(held_at_rounds) <= limit
+    assert len(held_at_rounds) > 2  # rounds before the limit, and the short request's alone after it
+    assert executor.spec_counters.accepted_drafts > 0
+    assert executor.pool_counts() == Executor(config(hisparse, None), model=tiny_model).pool_counts()
+    executor.close()

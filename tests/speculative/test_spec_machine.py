@@ -18,7 +18,7 @@ from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from shadowed_machine import ShadowedMachine
 from tiny_models import build_tiny_model
 
-SPEC = SpeculativeConfig(num_steps=2)
+SPEC = SpeculativeConfig(num_steps=2, max_batch_size=8)  # rounds for small batches on a CPU too
 
 
 class SpecMachine(ShadowedMachine):
