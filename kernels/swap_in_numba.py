@@ -38,6 +38,7 @@ except ImportError:  # a platform without numba's wheels: numpy and Python do th
 AVAILABLE = numba is not None
 # the policies' codes (their order in ``POLICIES``)
 LRU, SLIDE, SLIDE_LRU, ADAPTIVE, NEAR, NEAR_ADAPTIVE = (policy_code(p) for p in POLICIES)
+INDEX_MASK = (1 << KEY_SHIFT) - 1  # a key's low bits: the evictable column's index
 
 
 def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, counts, copy_src, copy_dst):  # pragma: no cover
@@ -189,7 +190,8 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
                             chosen[i] = True
                             left -= 1
                 elif num_load and keys_of in (SLIDE, SLIDE_LRU):  # farthest predicted use first
-                    ranked = np.sort(selected[:num_selected])
+                    ranked = selected[:num_selected]  # sorted in place (the step is done reading it)
+                    ranked.sort()
                     for i in range(num_evict):
                         t = tokens[row, evictable[i]]
                         at = np.searchsorted(ranked, t)  # the first selected >= t
@@ -199,11 +201,14 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
                         else:
                             prio = 0 if d > hot else 1 + hot - d
                         keys[i] = (prio << KEY_SHIFT) | i
-                    picked = np.argsort(keys[:num_evict])
+                    # the keys are unique (the index in the low bits): sorting them in place orders
+                    # the indices as an argsort would, without allocating
+                    by_key = keys[:num_evict]
+                    by_key.sort()
                     for i in range(num_evict):
                         chosen[i] = False
                     for i in range(num_load):
-                        chosen[picked[i]] = True
+                        chosen[by_key[i] & INDEX_MASK] = True
                 # the victims in LRU order: the m-th loadable miss takes the m-th
                 num_victims = 0
                 for i in range(num_evict):
