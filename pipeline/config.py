@@ -41,6 +41,7 @@ DEFAULT_CHUNK = 512  # chunked_prefill_tokens
 DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
 MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
 CPU_SPEC_MAX_CONTEXT = 1024  # SpeculativeConfig.max_context="auto" on a CPU
+CPU_DEFAULT_POLICY = "adaptive"  # HiSparseConfig.policy="auto" on a CPU
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -74,8 +75,11 @@ class HiSparseConfig:
     host_to_device_ratio: int | None = None
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
-    # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md)
-    policy: str = DEFAULT_POLICY
+    # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md). "auto":
+    # "adaptive" on a CPU (12-21% fewer misses than LRU on the bundled model's traces, decode
+    # tokens/s level with LRU's), "lru" on CUDA (where the Triton swap-in has not been measured
+    # against it yet) (``policy_for``)
+    policy: str = "auto"
     # positions the indexer ranks past its top-k for the swap-in (the near-policies' hint; recorded
     # in a top-k trace). None: ``default_near_margin(top_k)`` under a near-policy or while a trace is
     # recorded, else 0 (kernels.swap_in_policy)
@@ -93,8 +97,15 @@ class HiSparseConfig:
     # decoding seats. Output unchanged.
     draft_keys_on_host: bool = False
 
+    def policy_for(self, device: str) -> str:
+        """The replacement policy an engine on ``device`` runs: ``policy``, ``"auto"`` resolved."""
+        if self.policy != "auto":
+            return self.policy
+        return CPU_DEFAULT_POLICY if device == "cpu" else DEFAULT_POLICY
+
     def __attrs_post_init__(self) -> None:
-        _require(self.policy in POLICIES, "hisparse.policy", self.policy, f"must be one of {POLICIES}")
+        _require(self.policy in (*POLICIES, "auto"), "hisparse.policy", self.policy,
+                 f"must be one of {(*POLICIES, 'auto')}")
         for name in ("draft_rows_on_host", "draft_keys_on_host"):
             _require(isinstance(getattr(self, name), bool), f"hisparse.{name}", getattr(self, name), "must be a bool")
         _require(self.draft_rows_on_host or not self.draft_keys_on_host, "hisparse.draft_keys_on_host",
@@ -528,7 +539,7 @@ class EngineConfig:
             hisparse=hs is not None,
             prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
             prefix_cache=self.prefix_cache,
-            policy=DEFAULT_POLICY if hs is None else hs.policy,
+            policy=DEFAULT_POLICY if hs is None else hs.policy_for(self.device),
             near_margin=None if hs is None else hs.near_margin,
         )
 

@@ -22,7 +22,7 @@ from typing import Any
 import anyio
 import structlog
 
-from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
+from kernels.swap_in_policy import POLICIES
 from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
@@ -55,7 +55,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
     p.add_argument(
-        "--policy", default=DEFAULT_POLICY, choices=POLICIES, help="HiSparse replacement policy (docs/cache-policy.md)"
+        "--policy", default="auto", choices=(*POLICIES, "auto"),
+        help="HiSparse replacement policy (docs/cache-policy.md); auto: adaptive on a CPU, lru on CUDA"
     )
     p.add_argument(
         "--near-margin", type=int, default=None, metavar="M",

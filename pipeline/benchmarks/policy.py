@@ -152,7 +152,10 @@ def _best_online(replays: list[dict]) -> str:
 
 
 def end_to_end(args: argparse.Namespace, model, context: int, best: str) -> dict[str, object]:
-    policies = ["lru"] if best == "lru" else ["lru", best]
+    """LRU, the engine's default on this device (``HiSparseConfig.policy="auto"``) and the best
+    online policy of the replays, each in its own executor, the order rotating repeat by repeat."""
+    default = HiSparseConfig().policy_for(model.device.type)
+    policies = list(dict.fromkeys(["lru", default, best]))
     executors = {
         p: Executor(config(args, context, hot=args.engine_hot, policy=p, num_steps=None), model=model)
         for p in policies
@@ -162,8 +165,9 @@ def end_to_end(args: argparse.Namespace, model, context: int, best: str) -> dict
     runs: dict[str, list[EngineRun]] = {p: [] for p in policies}
     try:
         for repeat in range(args.repeats):
-            for p, executor in executors.items():
-                runs[p].append(engine_run(executor, prompts, new_tokens, f"{p}{repeat}"))
+            shift = repeat % len(policies)  # each policy runs first, second, ... in turn
+            for p in policies[shift:] + policies[:shift]:
+                runs[p].append(engine_run(executors[p], prompts, new_tokens, f"{p}{repeat}"))
     finally:
         for executor in executors.values():
             executor.close()
@@ -171,6 +175,7 @@ def end_to_end(args: argparse.Namespace, model, context: int, best: str) -> dict
     return {
         "context": context,
         "hot": args.engine_hot,
+        "default": default,
         "new_tokens": new_tokens,
         "tokens_identical": all(r.tokens == last["lru"].tokens for rs in runs.values() for r in rs),
         "policies": {
@@ -202,5 +207,10 @@ def print_report(r: dict) -> None:
         f"\nend to end: context {e2e['context']}, HOT {e2e['hot']}, {e2e['new_tokens']} new tokens, plain decoding, "
         f"median of {r['repeats']}; tokens identical: {e2e['tokens_identical']}"
     )
-    rows = [[p, v["misses"], round(v["h2d_bytes"] / 1e6, 3), v["decode_tokens_per_s"]] for p, v in e2e["policies"].items()]
+    def label(p: str) -> str:
+        marks = [m for m, q in (("default", e2e.get("default")), ("fewest replayed misses", r["best_online"])) if q == p]
+        return f"{p} ({', '.join(marks)})" if marks else p
+
+    rows = [[label(p), v["misses"], round(v["h2d_bytes"] / 1e6, 3), v["decode_tokens_per_s"]]
+            for p, v in e2e["policies"].items()]
     print(table(["policy", "misses", "host->device MB", "decode tokens/s"], rows))

@@ -35,11 +35,12 @@ def trace_meta(config: Any, model_cfg: Any, dtype: torch.dtype) -> dict[str, obj
     ``model_cfg``: what a replay needs to model the engine's swap-in."""
     hs = config.hisparse
     spec = config.speculative
-    margin = near_margin(hs.near_margin, hs.policy, model_cfg.index_topk, tracing=True) if hs is not None else 0
+    policy = hs.policy_for(config.device) if hs is not None else None
+    margin = near_margin(hs.near_margin, policy, model_cfg.index_topk, tracing=True) if hs is not None else 0
     return {
         "near_margin": margin,
         "hot": hs.device_buffer_size if hs is not None else None,
-        "policy": hs.policy if hs is not None else None,
+        "policy": policy,
         "page_size": config.page_size,
         "top_k": model_cfg.index_topk,
         "layers": model_cfg.num_hidden_layers,

@@ -659,3 +659,13 @@ def test_the_adaptive_rules_auto_limits_follow_the_device():
     assert (policy.max_batch_size, policy.max_context) == (1, CPU_SPEC_MAX_CONTEXT)
     assert policy.within_context(CPU_SPEC_MAX_CONTEXT) and not policy.within_context(CPU_SPEC_MAX_CONTEXT + 1)
     assert SpecPolicy.from_config(spec, "cuda").within_context(1 << 20)
+
+
+def test_the_replacement_policy_auto_follows_the_device():
+    """``HiSparseConfig.policy`` ``"auto"`` (the default): ``adaptive`` on a CPU, ``lru`` on CUDA;
+    a named policy is kept; the memory plan carries the resolved one."""
+    assert HS().policy == "auto"
+    assert (HS().policy_for("cpu"), HS().policy_for("cuda")) == ("adaptive", "lru")
+    assert HS(policy="near").policy_for("cpu") == "near" and HS(policy="lru").policy_for("cpu") == "lru"
+    assert EngineConfig(**RESOLVED).memory_plan(64).policy == "adaptive"
+    assert EngineConfig(**RESOLVED, hisparse=HS(policy="slide")).memory_plan(64).policy == "slide"

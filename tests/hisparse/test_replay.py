@@ -88,6 +88,19 @@ def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, po
     assert all(floor <= result.total(name) for name in ALL_POLICIES)
 
 
+def test_the_default_policy_on_a_cpu_is_adaptive_and_replays_as_such(tiny_model, tmp_path):
+    """``HiSparseConfig(policy="auto")``, the default: a CPU engine runs ``adaptive``, its trace
+    says so, and replaying that policy gives the engine's miss counters."""
+    path = tmp_path / "topk.jsonl"
+    engine_misses, _ = _record(tiny_model, path, policy="auto", num_steps=None)
+    header = read_header(path)
+    assert header["policy"] == "adaptive"
+    records = read_trace(path)
+    result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"], policies=("adaptive", "lru"))
+    assert result.misses["adaptive"] == engine_misses
+    assert result.misses["lru"] != engine_misses  # the two differ on this workload: the check has teeth
+
+
 def _round_restarts(streams) -> int:
     """Verify steps that start a new swap-in round (the call stopped before them)."""
     count = 0

@@ -24,6 +24,8 @@ def test_bench_policy_replays_both_modes_and_runs_the_engine(tmp_path, capsys):
     assert report["best_online"] in POLICIES
     e2e = report["end_to_end"]
     assert e2e["tokens_identical"] and "lru" in e2e["policies"]
+    assert e2e["default"] == "adaptive" and "adaptive" in e2e["policies"]  # the CPU default runs beside LRU
+    assert report["best_online"] in e2e["policies"]
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "topk-100-plain.jsonl", "topk-100-speculative.jsonl"
     ]
