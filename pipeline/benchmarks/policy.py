@@ -44,7 +44,10 @@ def config(args: argparse.Namespace, context: int, *, hot: int, policy: str, num
         max_running_requests=args.requests,
         device_pool_tokens=pool,
         hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=2, policy=policy),
-        speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
+        # rounds at any batch size and context: the speculative traces are there to record verify steps
+        # (the default rule on a CPU keeps rounds to a request alone within 1,024 tokens)
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, max_context=None)
+        if num_steps else None,
         seed=args.seed,
     )
 

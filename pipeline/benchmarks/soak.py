@@ -95,7 +95,8 @@ def round_config(speculative: bool) -> EngineConfig:
         max_running_requests=6,
         device_pool_tokens=128,
         hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=2),
-        speculative=SpeculativeConfig(num_steps=2) if speculative else None,
+        # rounds at any batch size (a CPU's default rule would keep them to a request alone)
+        speculative=SpeculativeConfig(num_steps=2, max_batch_size=None) if speculative else None,
     )
 
 

@@ -7,6 +7,7 @@ import json
 
 from kernels.swap_in_policy import POLICIES
 from pipeline.cli import main
+from pipeline.hisparse.trace import read_trace
 
 
 def test_bench_policy_replays_both_modes_and_runs_the_engine(tmp_path, capsys):
@@ -29,3 +30,5 @@ def test_bench_policy_replays_both_modes_and_runs_the_engine(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == [
         "topk-100-plain.jsonl", "topk-100-speculative.jsonl"
     ]
+    phases = {r["phase"] for r in read_trace(tmp_path / "traces" / "topk-100-speculative.jsonl")}
+    assert "verify" in phases  # the speculative trace records verify steps (rounds over 2 requests)
