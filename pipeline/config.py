@@ -76,7 +76,7 @@ class HiSparseConfig:
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
     # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md). "auto":
-    # "adaptive" on a CPU (12-21% fewer misses than LRU on the bundled model's traces, decode
+    # "adaptive" on a CPU (5-21% fewer misses than LRU on the bundled model's traces, decode
     # tokens/s level with LRU's), "lru" on CUDA (where the Triton swap-in has not been measured
     # against it yet) (``policy_for``)
     policy: str = "auto"
