@@ -40,7 +40,9 @@ log = structlog.get_logger("hispec.config")
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
 DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
 MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
-CPU_SPEC_MAX_CONTEXT = 1024  # SpeculativeConfig.max_context="auto" on a CPU
+# SpeculativeConfig's "auto" limits: requests stepped together (CPU, CUDA), tokens a request holds (CPU)
+CPU_SPEC_MAX_BATCH, CUDA_SPEC_MAX_BATCH = 1, 8
+CPU_SPEC_MAX_CONTEXT = 1024
 CPU_DEFAULT_POLICY = "adaptive"  # HiSparseConfig.policy="auto" on a CPU
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
@@ -174,7 +176,7 @@ class SpeculativeConfig:
         _require_int("speculative.num_steps", self.num_steps, 1)
         for name in ("max_batch_size", "max_context"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, str) and value == "auto"):
+            if value not in (None, "auto"):
                 _require(_is_int(value), f"speculative.{name}", value, 'must be an integer, None or "auto"')
                 _require(value >= 1, f"speculative.{name}", value, "must be >= 1")
         for name in ("timed", "plain_tail", "plain_while_prefilling"):
@@ -207,7 +209,7 @@ class SpeculativeConfig:
     def for_device(self, device: str) -> SpeculativeConfig:
         """This configuration with its ``"auto"`` limits set for ``device`` (``"cpu"`` or ``"cuda"``)."""
         cpu = device == "cpu"
-        batch = (1 if cpu else 8) if self.max_batch_size == "auto" else self.max_batch_size
+        batch = (CPU_SPEC_MAX_BATCH if cpu else CUDA_SPEC_MAX_BATCH) if self.max_batch_size == "auto" else self.max_batch_size
         context = (CPU_SPEC_MAX_CONTEXT if cpu else None) if self.max_context == "auto" else self.max_context
         return attrs.evolve(self, max_batch_size=batch, max_context=context)
 

@@ -59,6 +59,16 @@ def generate(model, cfg, prompts, monkeypatch=None, truth=None):
     return reqs, executor
 
 
+def plain_with_lengths(model, hisparse: bool, prompts, lengths):
+    """Plain greedy decoding of ``prompts``, each for its own number of tokens: the requests, and
+    each one's full token sequence by request id (what the oracle drafter proposes from)."""
+    driver = SyncDriver(Executor(config(hisparse, None), model=model), check=True)
+    with quiet_logs():
+        plain = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        driver.run()
+    return plain, {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+
+
 def check_partial_acceptance(model, monkeypatch, hisparse, num_steps, prompts):
     plain, _ = generate(model, config(hisparse, None), prompts)
     truth = {f"req-{i}": [*r.prompt_ids, *r.output_ids] for i, r in enumerate(plain)}
@@ -149,12 +159,7 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
     catch_up_after = 16
     prompts = make_prompts(2, seed=5)
     lengths = (catch_up_after * 2 + 20, catch_up_after * 2 + 6)
-    plain_ex = Executor(config(hisparse, None), model=tiny_model)
-    plain_driver = SyncDriver(plain_ex, check=True)
-    with quiet_logs():
-        plain = [plain_driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        plain_driver.run()
-    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+    plain, truth = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
     cfg = attrs.evolve(config(hisparse, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False))
     executor = Executor(cfg, model=tiny_model)
     executor.catch_up_after = catch_up_after
@@ -434,12 +439,7 @@ def test_rounds_stop_at_the_context_limit_with_plain_decodings_tokens(tiny_model
     prompts = make_prompts(8, seed=21)[5:7]  # 7 and 50 tokens
     limit = 60  # the long request passes it after 10 tokens, the short one never does
     lengths = (MAX_NEW, 40)
-    plain_ex = Executor(config(hisparse, None), model=tiny_model)
-    plain_driver = SyncDriver(plain_ex, check=True)
-    with quiet_logs():
-        plain = [plain_driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
-        plain_driver.run()
-    truth = {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
+    plain, truth = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
     spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False, plain_tail=False,
                              plain_while_prefilling=False)
     executor = Executor(attrs.evolve(config(hisparse, None), speculative=spec), model=tiny_model)
