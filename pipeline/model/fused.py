@@ -16,6 +16,9 @@ instead whenever no gradient is recorded. What it changes:
   matmul over their ``down``, the routing weights as a dense ``[T, E]`` matrix with zeros for the
   experts a token skips. A skipped expert adds an exact zero, so each token's sum is the sum of its
   chosen experts' contributions in expert order, as the module path's ``index_add`` accumulates.
+  A float32/64 model whose shared expert has the routed experts' shape computes it there as one
+  more expert of weight 1 (its weights and the routed experts' are views of two fused tensors), and
+  each token's weighted sum is one matmul: equal to the module path to rounding, in five fewer calls.
 * **Beyond that the routed experts are grouped by one sort.** The module path finds each
   expert's tokens with a ``unique``, a ``nonzero`` per expert and an ``index_add`` per expert. Here
   the (token, slot) pairs are sorted by expert once, each expert's rows are one segment of one
@@ -63,16 +66,17 @@ DENSE_EXPERT_ROWS = 160
 MAX_HYBRID_TOKENS = 64
 
 
-def _fuse(linears: list[nn.Linear], views: list[tuple[nn.Linear, int]]) -> Tensor:
+def _fuse(linears: list[nn.Linear], views: list[tuple[nn.Module, str, int]]) -> Tensor:
     """Concatenate the weights of ``linears`` (same input width, dtype, device) and make each
     module's weight a row slice of the result. Returns the fused ``[sum(out), in]`` weight; appends
-    each module and its slice's data pointer to ``views`` (``FusedLayer.current`` checks them)."""
+    (each module, ``"weight"``, its slice's data pointer) to ``views`` (``FusedLayer.current`` checks
+    them)."""
     fused = torch.cat([m.weight.detach() for m in linears], dim=0)
     start = 0
     for m in linears:
         rows = m.weight.shape[0]
         m.weight.data = fused[start : start + rows]
-        views.append((m, m.weight.data_ptr()))
+        views.append((m, "weight", m.weight.data_ptr()))
         start += rows
     return fused
 
@@ -104,7 +108,7 @@ class FusedLayer:
             first.append(idx.wk)
             if self.w_in_weights:
                 first.append(idx.weights_proj)
-        self._views: list[tuple[nn.Linear, int]] = []
+        self._views: list[tuple[nn.Module, str, int]] = []  # (module, parameter, where its data must lie)
         self.splits_in = [m.weight.shape[0] for m in first]
         self.w_in = _fuse(first, self._views)
         second = [attn.q_b_proj] + ([idx.wq_b] if idx is not None else [])
@@ -146,7 +150,7 @@ class FusedLayer:
         for parent, name, module in self._links:
             if parent._modules.get(name) is not module:
                 return False
-        return all(m._parameters["weight"].data_ptr() == ptr for m, ptr in self._views)
+        return all(m._parameters[name].data_ptr() == ptr for m, name, ptr in self._views)
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         out = self._compiled(x, cos, sin, backend, layer)
@@ -437,11 +441,12 @@ class _RopeTables:
 
 
 class _FusedDense:
-    """A SwiGLU MLP over one fused ``[gate; up]`` weight."""
+    """A SwiGLU MLP over one fused ``[gate; up]`` weight (``w_gate_up``: one made already, whose row
+    slices the two modules' weights are)."""
 
-    def __init__(self, mlp: DenseMLP, views: list[tuple[nn.Linear, int]]) -> None:
+    def __init__(self, mlp: DenseMLP, views: list[tuple[nn.Module, str, int]], w_gate_up: Tensor | None = None) -> None:
         self.inner = mlp.gate_proj.weight.shape[0]
-        self.w_gate_up = _fuse([mlp.gate_proj, mlp.up_proj], views)
+        self.w_gate_up = _fuse([mlp.gate_proj, mlp.up_proj], views) if w_gate_up is None else w_gate_up
         self.down = mlp.down_proj
 
     def __call__(self, x: Tensor) -> Tensor:
@@ -453,7 +458,7 @@ class _FusedMoE:
     """Routed experts, dense over every expert for few tokens and grouped by expert beyond (module
     docstring), plus shared experts."""
 
-    def __init__(self, moe: nn.Module, views: list[tuple[nn.Linear, int]]) -> None:
+    def __init__(self, moe: nn.Module, views: list[tuple[nn.Module, str, int]]) -> None:
         self.moe = moe
         cfg = moe.gate.cfg
         self.experts = cfg.n_routed_experts
@@ -466,7 +471,19 @@ class _FusedMoE:
         self.cfg = cfg
         shared = moe.shared_experts
         plain = shared is not None and _plain(shared.gate_proj, shared.up_proj)
-        self.shared = _FusedDense(shared, views) if plain else shared
+        # the dense path's weights with the shared expert as one more expert (None where it is not)
+        self.w_all: Tensor | None = None
+        self.down_all: Tensor | None = None
+        self._joined: list[tuple[str, str, int]] = []  # what must still view them: (module, parameter, data)
+        if plain and self.dense_ok and self.grouped_ok and _joins_experts(moe.experts, shared):
+            self.w_all, self.down_all = _fuse_with_experts(moe.experts, shared, views)
+            self._joined = [("experts", "gate_up_proj", moe.experts.gate_up_proj.data_ptr()),
+                            ("experts", "down_proj", moe.experts.down_proj.data_ptr()),
+                            ("shared_experts", "down_proj", shared.down_proj.weight.data_ptr())]
+            routed_rows = moe.experts.gate_up_proj.shape[0] * moe.experts.gate_up_proj.shape[1]
+            self.shared = _FusedDense(shared, views, w_gate_up=self.w_all[routed_rows:])
+        else:
+            self.shared = _FusedDense(shared, views) if plain else shared
 
     def __call__(self, x: Tensor) -> Tensor:
         moe = self.moe
@@ -479,6 +496,8 @@ class _FusedMoE:
         if flat.shape[0] == 1 and flat.device.type == "cpu":
             out = self._single(flat, ids, weights)
         elif self.dense_ok and flat.shape[0] * self.experts <= DENSE_EXPERT_ROWS:
+            if self.w_all is not None and weights.dtype == flat.dtype and self._joined_current():
+                return self._dense_with_shared(flat, ids, weights).view(shape)
             out = self._dense(flat, ids, weights)
         elif self.grouped_ok:
             out = self._grouped(flat, ids, weights)
@@ -546,6 +565,36 @@ class _FusedMoE:
             out = out + part
         return out
 
+    def _joined_current(self) -> bool:
+        """The routed experts' weights and the shared expert's ``down`` are still the views of
+        ``w_all`` and ``down_all`` (a replaced or re-pointed one is read by ``_dense``, live). The
+        shared expert's ``gate``/``up`` are checked with the layer's other fused weights."""
+        for owner, name, ptr in self._joined:
+            module = self.moe._modules[owner]
+            if owner == "shared_experts":
+                module = module._modules[name]
+                name = "weight"
+            param = module._parameters.get(name)
+            if param is None or param.data_ptr() != ptr:
+                return False
+        return True
+
+    def _dense_with_shared(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """``_dense`` plus the shared expert, as one more expert of weight 1 (``_fuse_with_experts``):
+        one matmul over every expert's ``gate_up``, one batched matmul over their ``down``, and each
+        token's output as one product of its ``[E + 1]`` weights with its ``[E + 1, D]`` expert
+        outputs. The same products as the module path, summed by the matmul instead of one by one in
+        expert order (so equal to rounding); float32/64 models only (a narrower one's router weights
+        are wider than its activations, and the module path rounds each product to the narrow type)."""
+        n, e = x.shape[0], self.experts
+        gate, up = F.linear(x, self.w_all).view(n, e + 1, -1).chunk(2, dim=-1)
+        act = (F.silu(gate) * up).transpose(0, 1)  # [E + 1, N, I]
+        y = torch.bmm(act, self.down_all.transpose(1, 2))  # [E + 1, N, D]
+        dense = torch.zeros(n, e + 1, dtype=x.dtype, device=x.device)
+        dense[:, e] = 1  # the shared expert
+        dense[:, :e].scatter_(1, ids, weights)
+        return torch.bmm(dense[:, None, :], y.transpose(0, 1))[:, 0]
+
     def _grouped(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """The module path's arithmetic (``RoutedExperts.forward``) with its bookkeeping in a few
         calls: the (token, slot) pairs sorted by expert once (stably, so each expert's tokens stay in
@@ -583,7 +632,45 @@ class _FusedMoE:
         return out
 
 
-def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Linear, int]]):
+def _joins_experts(experts: RoutedExperts, shared: DenseMLP) -> bool:
+    """The shared expert has the routed experts' shape (``n_shared_experts`` of 1), with plain
+    weights of their float32/64 dtype on their device: it can be one more expert."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    _, two_i, d = gate_up.shape
+    weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    return (
+        _plain(shared.down_proj)
+        and gate_up.dtype in _COMPILED_DTYPES
+        and all(w.dtype == gate_up.dtype and w.device == gate_up.device for w in (down, *weights))
+        and tuple(shared.gate_proj.weight.shape) == tuple(shared.up_proj.weight.shape) == (two_i // 2, d)
+        and tuple(shared.down_proj.weight.shape) == (d, two_i // 2) == tuple(down.shape[1:])
+    )
+
+
+def _fuse_with_experts(
+    experts: RoutedExperts, shared: DenseMLP, views: list[tuple[nn.Module, str, int]]
+) -> tuple[Tensor, Tensor]:
+    """The routed experts' and the shared expert's weights as two tensors, the shared one last:
+    ``[gate_up of every expert; shared gate; shared up]`` ``[(E + 1) 2I, D]`` and ``[down of every
+    expert; shared down]`` ``[E + 1, D, I]``. As ``_fuse`` does, every module's parameter becomes a
+    view of them (no second copy); the shared expert's ``gate`` and ``up`` are recorded in ``views``
+    (``_FusedDense`` reads them as a slice of the first), the rest ``_FusedMoE`` checks itself."""
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    e, two_i, d = gate_up.shape
+    inner = two_i // 2
+    w_all = torch.cat([gate_up.detach().reshape(e * two_i, d), shared.gate_proj.weight.detach(),
+                       shared.up_proj.weight.detach()])
+    down_all = torch.cat([down.detach(), shared.down_proj.weight.detach()[None]])
+    experts.gate_up_proj.data = w_all[: e * two_i].view(e, two_i, d)
+    experts.down_proj.data = down_all[:e]
+    shared.gate_proj.weight.data = w_all[e * two_i : e * two_i + inner]
+    shared.up_proj.weight.data = w_all[e * two_i + inner :]
+    shared.down_proj.weight.data = down_all[e]
+    views += [(m, "weight", m.weight.data_ptr()) for m in (shared.gate_proj, shared.up_proj)]
+    return w_all, down_all
+
+
+def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Module, str, int]]):
     if isinstance(mlp, DenseMLP):
         return _FusedDense(mlp, views)
     return _FusedMoE(mlp, views)

@@ -277,8 +277,11 @@ def test_few_tokens_on_a_cpu_skip_the_dense_expert_path(dtype, tol, monkeypatch)
     cfg = tiny_config(n_group=1, topk_group=1, n_routed_experts=8, num_experts_per_tok=2)
     module, fused = _pair(cfg, dtype=dtype)
     dense_tokens, compiled_tokens = [], []
-    original, compiled = _FusedMoE._dense, moe_numba.moe
-    monkeypatch.setattr(_FusedMoE, "_dense", lambda self, x, *a: dense_tokens.append(x.shape[0]) or original(self, x, *a))
+    compiled = moe_numba.moe
+    for name in ("_dense", "_dense_with_shared"):  # the dense path, with or without the shared expert in it
+        original = getattr(_FusedMoE, name)
+        monkeypatch.setattr(_FusedMoE, name,
+                            lambda self, x, *a, _f=original: dense_tokens.append(x.shape[0]) or _f(self, x, *a))
     monkeypatch.setattr(moe_numba, "moe", lambda x, *a: compiled_tokens.append(x.shape[0]) or compiled(x, *a))
     torch.testing.assert_close(_logits(fused, 12).double(), _logits(module, 12).double(), rtol=0, atol=tol)
     assert dense_tokens and set(dense_tokens) == {12}  # the prefill only, not the one-token decode
@@ -331,3 +334,41 @@ def test_rms_norm_keeps_its_compiled_handle_on_the_live_weight():
     with torch.enable_grad():  # training: the module path, which records the gradient
         y = RMSNorm(8)(x.requires_grad_())
     assert y.requires_grad
+
+
+@pytest.mark.parametrize("change", ["none", "in place", "replaced", "re-pointed"])
+def test_the_shared_expert_joins_the_dense_expert_path(change, monkeypatch):
+    """A float32/64 MoE whose shared expert has the routed experts' shape runs it as one more expert
+    of the dense path: its weights and the routed experts' are views of two fused tensors (a write in
+    place is read through them), and a routed weight replaced or re-pointed after fusion sends the
+    layer's experts back to ``_dense``, which reads them live. The module path's values every way."""
+    from pipeline.model.fused import _FusedMoE
+
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    moe = fused.model.layers[1].fused.mlp
+    experts = fused.model.layers[1].mlp.experts
+    shared = fused.model.layers[1].mlp.shared_experts
+    assert experts.gate_up_proj.data_ptr() == moe.w_all.data_ptr()  # views: no second copy
+    assert shared.down_proj.weight.data_ptr() == moe.down_all[-1].data_ptr()
+    with torch.no_grad():
+        for m in (module, fused):
+            ex = m.model.layers[1].mlp.experts
+            if change == "in place":
+                ex.gate_up_proj.mul_(1.5)
+                m.model.layers[1].mlp.shared_experts.down_proj.weight.mul_(0.5)
+            elif change == "replaced":
+                ex.down_proj = torch.nn.Parameter(ex.down_proj.detach() * 1.5)
+            elif change == "re-pointed":
+                ex.gate_up_proj.data = ex.gate_up_proj.detach() * 1.5
+    joined, dense = [], []
+    for name, seen in (("_dense_with_shared", joined), ("_dense", dense)):
+        original = getattr(_FusedMoE, name)
+        monkeypatch.setattr(_FusedMoE, name,
+                            lambda self, x, *a, _f=original, _seen=seen: _seen.append(x.shape[0]) or _f(self, x, *a))
+    n = DENSE_EXPERT_ROWS // cfg.n_routed_experts  # the most tokens of the dense path
+    torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
+    if change in ("none", "in place"):
+        assert n in joined and not dense
+    else:
+        assert n in dense and not joined
