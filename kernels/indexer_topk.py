@@ -232,6 +232,7 @@ def indexer_topk_reference(
     scale: float,
     *,
     few=None,
+    few_context: int = 0,
 ) -> torch.Tensor:  # [T, top_k] int32 positions, -1 padded
     """Torch reference: each request's keys are gathered once. A request with many queries
     (prefill), or the only request of the call, is scored by matmuls over its keys
@@ -239,12 +240,14 @@ def indexer_topk_reference(
     (``_group_pays``); the others all together by a batched matmul (``_grouped_topk``).
 
     ``few`` (same arguments and result as this function) takes the queries of the requests with at
-    most ``MATMUL_MIN_QUERIES`` queries instead, the only request's included: the compiled CPU loop
-    (``impl="auto"`` on a CPU with numba), while prefill stays on the matmuls."""
+    most ``MATMUL_MIN_QUERIES`` queries instead, the only request's included, and those of the
+    requests whose queries see at most ``few_context`` positions however many they are (a short
+    prompt's prefill): the compiled CPU loop (``impl="auto"`` on a CPU with numba), while long
+    prompts' prefill stays on the matmuls."""
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
-    if few is not None and num_tokens <= MATMUL_MIN_QUERIES:  # no request has many queries
+    if few is not None and (num_tokens <= MATMUL_MIN_QUERIES or int(seq_lens.max()) <= few_context):
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
         return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)
@@ -252,8 +255,11 @@ def indexer_topk_reference(
     if num_tokens <= MATMUL_MIN_QUERIES:
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=index_q.device)
-    row_ids, counts = torch.unique(req_rows, return_counts=True)
+    row_ids, inverse, counts = torch.unique(req_rows, return_inverse=True, return_counts=True)
     is_many = counts > MATMUL_MIN_QUERIES
+    if few_context > 0:  # and long enough contexts
+        longest = torch.zeros_like(row_ids).scatter_reduce_(0, inverse, seq_lens, "amax")
+        is_many &= longest > few_context
     many = row_ids[is_many]
     if many.numel() == 0:
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
@@ -336,8 +342,8 @@ def indexer_topk(
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
     CPU with numba, float32/64 tensors of one dtype and at most ``MAX_HEAD_DIMS`` head x dim products
     (``kernels.indexer_topk_numba``), it sends the queries of requests with few queries each (decode,
-    verify) to the compiled loop and the others (prefill) to the torch matmuls; the torch path
-    otherwise. ``numba`` runs every query compiled.
+    verify), or with short contexts (``prefill_context``: a short prompt's prefill), to the compiled
+    loop and the others (a long prompt's prefill) to the torch matmuls; the torch path otherwise. ``numba`` runs every query compiled.
     ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
     ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
     of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
@@ -366,7 +372,8 @@ def indexer_topk(
         from kernels import indexer_topk_numba as compiled
 
         if compiled.fits(index_q, index_w, index_k) and compiled.pays(index_q):
-            return indexer_topk_reference(*args, few=compiled.indexer_topk_numba)
+            context = compiled.prefill_context(heads, dim)
+            return indexer_topk_reference(*args, few=compiled.indexer_topk_numba, few_context=context)
     if resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "torch":
         return indexer_topk_reference(*args)
     from kernels.indexer_topk_triton import indexer_topk_triton

@@ -26,7 +26,7 @@ compiler vectorises them (``reassoc``), so they agree with the torch path's to r
 Triton kernel's do; the selection given the scores is exact. Float32 and float64 tensors only (the
 compiled loops read numpy views); ``indexer_topk(impl="auto")`` sends the queries of requests with
 few queries each (decode, verify) here on a CPU when numba is installed and the heads are small
-(``MAX_HEAD_DIMS``), and prefill to the matmuls.
+(``MAX_HEAD_DIMS``), and prefill to the matmuls, but for short contexts (``prefill_context``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ BLOCK = 16  # positions scored together: their dots, then their scores, then the
 # Measured on a 2-core x86 CPU, one thread, paged keys, 2K-8K positions: 4 x 32 and 8 x 64 ran
 # 1.6-2.7x the torch path, 16 x 64 0.88x, 64 x 128 0.6-0.8x.
 MAX_HEAD_DIMS = 512
+# ``indexer_topk(impl="auto")`` also sends the queries of a request with many of them (a prefill
+# chunk) here when none sees more than ``prefill_context`` positions: this many head x dim x position
+# products per query. The torch path's cost there is its selection (``torch.topk`` and the masks over
+# score rows), not its matmuls. Measured on a 2-core x86 CPU, one thread, 4 x 32 heads: 3.9x the
+# torch path for 8 requests of 64 positions, 1.5x for one of 512, level at 1,536 (and a 1,500-token
+# prompt's prefill in the engine 2% slower with its last two chunks here); 8 x 64 heads: 2.8x at 64,
+# 1.1x at 512, 0.8x at 1,536.
+PREFILL_DOTS = 1 << 16
 
 
 def _jit(**options):
@@ -172,6 +180,12 @@ def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) ->
 def pays_for(heads: int, dim: int) -> bool:
     """An indexer of ``heads`` x ``dim`` has few enough dots per key for the loop to beat BLAS."""
     return heads * dim <= MAX_HEAD_DIMS
+
+
+def prefill_context(heads: int, dim: int) -> int:
+    """The most positions a prefill query of an indexer of ``heads`` x ``dim`` may see for the loop
+    to take it (``PREFILL_DOTS``): 512 for 4 x 32, 128 for 8 x 64."""
+    return PREFILL_DOTS // max(1, heads * dim)
 
 
 def pays(index_q: torch.Tensor) -> bool:
