@@ -30,7 +30,8 @@ calls are made and hands numpy views of the weights it checked (``LayerWeights``
 For more tokens than ``MAX_TOKENS`` (a verify of a batch of 8, a decode of 16-64 requests) BLAS's
 matmuls read each weight once for all of them, which the per-token loops cannot; there the caller
 runs ``W_in``, ``W_q``, ``o_proj`` and the MLP with torch and the pieces between them here
-(``rms_rows``, ``assemble``: ``project`` after its two matmuls, ``up_values``, ``add_norm``).
+(``rms_rows``, ``assemble``: ``project`` after its two matmuls, ``up_values``, ``add_norm``, and
+``route``: the router, whose dozen small torch calls cost more than its products).
 """
 
 from __future__ import annotations
@@ -361,6 +362,22 @@ def up_values(attn: np.ndarray, w: LayerWeights) -> np.ndarray:
     return out
 
 
+@_jit()
+def _route_rows(h, gate_w, bias, top_k, normalise, scaling, tiny, ids, weights):  # pragma: no cover - compiled
+    for t in range(h.shape[0]):
+        _route(h[t], gate_w, bias, top_k, normalise, scaling, tiny, ids[t], weights[t])
+
+
+def route(h: np.ndarray, w: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
+    """The router over the rows of ``h [T, D]`` (a layer whose loops hold routed experts): each
+    token's expert ids ``[T, k]`` int64 and their weights ``[T, k]``, as ``_route`` gives them."""
+    a = w.w
+    k = a["top_k"]
+    ids, weights = np.empty((h.shape[0], k), np.int64), np.empty((h.shape[0], k), h.dtype)
+    _route_rows(h, a["gate_w"], a["bias"], k, a["normalise"], a["scaling"], a["tiny"], ids, weights)
+    return ids, weights
+
+
 def add_norm(x: np.ndarray, a: np.ndarray, w: LayerWeights) -> tuple[np.ndarray, np.ndarray]:
     """``(x + a, rms_norm(x + a))`` with the layer's post-attention norm."""
     resid, normed = np.empty(x.shape, x.dtype), np.empty(x.shape, x.dtype)
@@ -402,3 +419,4 @@ def warm_up(dtype) -> None:
     assemble(p, z(1, w["w_q"].shape[0]), weights, cos, cos)
     up_values(z(1, heads, latent), weights)
     add_norm(x, z(1, dim), weights)
+    route(x, weights)

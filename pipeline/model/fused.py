@@ -191,6 +191,10 @@ class FusedLayer:
             return torch.from_numpy(layer_numba.finish(xs, out, loops))
         attended = F.linear(torch.from_numpy(layer_numba.up_values(out, loops)), weights.w_o).numpy()
         resid, normed = layer_numba.add_norm(xs, attended, loops)
+        if weights.routes:  # the router as one compiled call, the experts BLAS's
+            ids, routed = layer_numba.route(normed, loops)
+            return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed), (torch.from_numpy(ids),
+                                                                                   torch.from_numpy(routed)))
         return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed))
 
     def _compiled_inputs(self, x: Tensor, cos: Tensor, sin: Tensor):
@@ -302,7 +306,7 @@ class _CompiledWeights:
         self._tensors: list[Tensor] = [fused.w_in, fused.w_q]
         self.dtype = fused.w_in.dtype
         self.arrays: dict[str, object] = {}
-        self.usable = self.whole = False
+        self.usable = self.whole = self.routes = False
         if not layer_numba.AVAILABLE or self.dtype not in _COMPILED_DTYPES:
             return
         self._wide = np.float64 if self.dtype == torch.float64 else np.float32
@@ -317,6 +321,8 @@ class _CompiledWeights:
                 self.arrays[name] = value.detach().numpy()
         self.loops = layer_numba.LayerWeights(self.arrays)
         self.usable, self.whole = True, whole
+        # the hybrid path routes by the loops too: ungrouped routed experts whose weights they hold
+        self.routes = whole and bool(self.arrays["routed"])
 
     def _hold(self, owner: nn.Module, kind: str, name: str) -> Tensor | nn.Module:
         """``owner``'s parameter, buffer or submodule ``name``, remembered for ``current``."""
@@ -485,11 +491,16 @@ class _FusedMoE:
         else:
             self.shared = _FusedDense(shared, views) if plain else shared
 
-    def __call__(self, x: Tensor) -> Tensor:
+    def __call__(self, x: Tensor, routing: tuple[Tensor, Tensor] | None = None) -> Tensor:
+        """``routing``: the tokens' expert ids and weights, when the caller has them already (the
+        compiled layer's ``route``, the router's arithmetic to rounding)."""
         moe = self.moe
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        ids, weights = self._route(flat) if self.ungrouped else moe.gate(flat)
+        if routing is not None:
+            ids, weights = routing
+        else:
+            ids, weights = self._route(flat) if self.ungrouped else moe.gate(flat)
         compiled = self._compiled(flat, ids, weights)
         if compiled is not None:  # routed and shared experts, one compiled call
             return compiled.view(shape)

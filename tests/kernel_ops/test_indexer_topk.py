@@ -262,26 +262,26 @@ def test_auto_sends_few_queries_and_short_contexts_to_the_compiled_loop(monkeypa
     many = MATMUL_MIN_QUERIES + 3
     # a prefill of one request (row 0) beside three decode queries and a two-step verify
     case = make_case(2, tokens=many + 5, n_reqs=4, heads=heads, dim=dim, max_ctx=40,
-                     lens=list(range(30, 30 + many)) + [7, 40, 12, 13, 8])
+                     lens=[*range(30, 30 + many), 7, 40, 12, 13, 8])
     case["req_rows"] = torch.tensor([0] * many + [1, 2, 3, 3, 1])
     case["req_to_token"] = torch.randint(0, case["index_k"].shape[0], (4, 40), generator=torch.Generator().manual_seed(0))
     want = indexer_topk_oracle(**case, top_k=9, scale=0.5)
     assert torch.equal(indexer_topk(**case, top_k=9, scale=0.5), want)
     assert calls == [("numba", 5), ("matmul", many)]  # the prefill's last queries see 31 and more
     calls.clear()
-    short = {**case, "seq_lens": torch.tensor(list(range(20, 20 + many)) + [7, 30, 12, 13, 8])}
+    short = {**case, "seq_lens": torch.tensor([*range(20, 20 + many), 7, 30, 12, 13, 8])}
     assert torch.equal(indexer_topk(**short, top_k=9, scale=0.5), indexer_topk_oracle(**short, top_k=9, scale=0.5))
     assert calls == [("numba", many + 5)]  # every query sees 30 or fewer: one compiled call
     calls.clear()
     # two prefills, a short one (row 0) and a long one (row 2): each where its context sends it
     mixed = {**case, "req_rows": torch.tensor([0] * many + [2] * 5),
-             "seq_lens": torch.tensor(list(range(10, 10 + many)) + [36, 37, 38, 39, 40])}
+             "seq_lens": torch.tensor([*range(10, 10 + many), 36, 37, 38, 39, 40])}
     got = indexer_topk(**mixed, top_k=9, scale=0.5)
     assert torch.equal(got, indexer_topk_oracle(**mixed, top_k=9, scale=0.5))
     assert calls == [("numba", many + 5)]  # the long one has only 5 queries: few, compiled too
     calls.clear()
     mixed["req_rows"] = torch.tensor([0] * 5 + [2] * many)
-    mixed["seq_lens"] = torch.tensor([3, 4, 5, 6, 7] + list(range(40 - many + 1, 41)))
+    mixed["seq_lens"] = torch.tensor([3, 4, 5, 6, 7, *range(40 - many + 1, 41)])
     got = indexer_topk(**mixed, top_k=9, scale=0.5)
     assert torch.equal(got, indexer_topk_oracle(**mixed, top_k=9, scale=0.5))
     assert calls == [("numba", 5), ("matmul", many)]

@@ -43,9 +43,11 @@ def _decode_logits(model, n: int, batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def _count_calls(monkeypatch) -> list[tuple[str, int]]:
-    """Each layer forward the loops take: ("whole", tokens) or ("hybrid", tokens)."""
+    """Each layer forward the loops take: ("whole", tokens) or ("hybrid", tokens), and ("route",
+    tokens) after a hybrid one whose router the loops ran."""
     calls: list[tuple[str, int]] = []
-    project, assemble = layer_numba.project, layer_numba.assemble
+    project, assemble, route = layer_numba.project, layer_numba.assemble, layer_numba.route
+    monkeypatch.setattr(layer_numba, "route", lambda h, *a: calls.append(("route", h.shape[0])) or route(h, *a))
     monkeypatch.setattr(layer_numba, "project", lambda x, *a: calls.append(("whole", x.shape[0])) or project(x, *a))
     monkeypatch.setattr(layer_numba, "assemble",
                         lambda p, *a: calls.append(("hybrid", p.shape[0])) or assemble(p, *a))
@@ -106,7 +108,9 @@ def test_compiled_layer_equals_the_torch_path(n, batch, shared_indexer, glm, exp
         compiled, torch_path, calls = _both_ways(model, mp, n, batch, seed)
     how = "whole" if batch <= layer_numba.MAX_TOKENS else "hybrid"
     layers = model.cfg.num_hidden_layers
-    assert calls[-layers:] == [(how, batch)] * layers  # the decode forward's (the target's layers)
+    # the decode forward's (the target's layers: dense, then MoE, whose router a hybrid layer runs compiled)
+    decode = [(how, batch)] * layers + ([("route", batch)] if how == "hybrid" else [])
+    assert calls[-len(decode):] == decode
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
 
 
