@@ -11,7 +11,11 @@ Reported per workload and configuration (medians over repeats): generated tokens
 the first submission to the last completion (engine start-up and HF's model load excluded), and time
 to first token. On the engine's side that is each request's own ``time_to_first_token``, the median
 over the batch; on HF's side a separate ``generate(max_new_tokens=1)`` of the whole batch, since its
-requests all get their first token together. Ratios are the medians of each repeat's paired ratio
+requests all get their first token together. Before the repeats, ``--warmup`` untimed runs of every
+configuration (default 1) pay for what a process's first run pays once (first touches of freshly
+mapped memory: a first engine run page-faults some 15,000-25,000 times, the later ones a few;
+lazy compilation), which would otherwise fall on whichever configuration the first repeat runs
+first. Ratios are the medians of each repeat's paired ratio
 (engine / HF; above 1 is faster for tokens/s, below 1 is faster for time to first token) with their
 min-max range. HF transformers is an optional dependency: ``pip install 'hispec[bench]'``.
 """
@@ -44,6 +48,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="prompt bytes of the single long-prompt workload (0 = skip it)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed runs of every configuration per workload before the repeats")
     parser.add_argument("--spec-steps", type=int, default=3, help="draft tokens per verify round")
     parser.add_argument("--hot", type=int, default=128,
                         help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)")
@@ -118,6 +124,12 @@ def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> 
     rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
     ttfts: dict[str, list[float]] = {c: [] for c in CONFIGS}
     outputs: dict[str, list[list[int]]] = {}
+    for _ in range(getattr(args, "warmup", 0)):  # first touches of memory, lazy compilation: not timed
+        for name in CONFIGS:
+            if name == "hf":
+                run_hf(hf_model, prompts, args.new_tokens, pad_id)
+            else:
+                run_engine(args, model, prompts, spec=name == "spec")
     for repeat in range(args.repeats):
         shift = repeat % len(CONFIGS)
         for name in CONFIGS[shift:] + CONFIGS[:shift]:

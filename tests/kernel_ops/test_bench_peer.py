@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import json
 
@@ -54,3 +55,21 @@ def test_smoke_run_writes_a_report(tmp_path):
     assert peer.main(args) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert {name: len(row["runs"]["tokens_per_s"][name]) for name in peer.CONFIGS} == {"hf": 1, "plain": 1, "spec": 1}
+
+
+def test_warmup_runs_every_configuration_untimed_first(monkeypatch):
+    """``--warmup`` runs each configuration before the repeats and keeps none of their figures."""
+    calls = []
+
+    def fake(name):
+        def run(*args, **kwargs):
+            calls.append(name if name == "hf" else ("spec" if kwargs.get("spec") else "plain"))
+            return {"seconds": 1.0 if len(calls) > 3 else 100.0, "outputs": [[1, 2]], "ttft": 0.1}
+        return run
+
+    monkeypatch.setattr(peer, "run_hf", fake("hf"))
+    monkeypatch.setattr(peer, "run_engine", fake("engine"))
+    args = argparse.Namespace(seed=0, new_tokens=2, repeats=2, warmup=1)
+    row = peer.measure(args, None, None, 0, batch=1, prompt_len=8)
+    assert calls[:3] == ["hf", "plain", "spec"] and sorted(calls[3:]) == ["hf", "hf", "plain", "plain", "spec", "spec"]
+    assert row["runs"]["tokens_per_s"] == {name: [2.0, 2.0] for name in peer.CONFIGS}  # the slow warm-up left out
