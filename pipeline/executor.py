@@ -532,7 +532,9 @@ class Executor:
                 continue
             if self.speculative:  # a plain step of a speculative request (adaptive speculation)
                 seq.draft = None
-                seq.behind.append((position, hidden.clone(), seq.plain_next))
+                # a view of the step's hidden states, which nothing writes again: the requests of the
+                # step hold its rows together (what a copy each would hold), without a copy per request
+                seq.behind.append((position, hidden, seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
             seq.produced.append(seq.plain_next)
         due = [self.seqs[rid] for rid in out if len(self.seqs[rid].behind) >= self.catch_up_after]
