@@ -117,7 +117,9 @@ class Sequence:
     draft: DraftState | None = None  # speculative: the stash between rounds; its bonus is the next token
     # speculative mode, plain steps since the last draft state: (position, target hidden there, the
     # token after it); the next round's draft extend catches the MTP layer up over them first, or a
-    # plain step once ``Executor.catch_up_after`` of them are held
+    # plain step once ``Executor.catch_up_after`` of them are held. Positions at or past
+    # ``Executor.mtp_limit`` are never held (no draft reads their rows); a request whose prompt
+    # reaches it holds its prompt's positions below it until it leaves (``_never_speculates``)
     behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
     # leaving with its MTP layer behind: its pages go to the prefix cache with the hidden states of
     # ``behind`` in place of their MTP rows (``Executor._catch_up_for_cache``)
@@ -200,9 +202,12 @@ class Executor:
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
         self.prefill_counters = PrefillCounters()
         self.catch_up_after = CATCH_UP_AFTER  # plain steps held before the MTP layer catches up
+        # no round runs while a request of the batch holds more tokens than the rule's max_context,
+        # so no draft ever reads an MTP row at or past it: those rows are never computed (None: all are)
+        self.mtp_limit = None if spec is None else spec.for_device(config.device).max_context
         # positions whose MTP rows the prefix cache may hold as hidden states, left for the first
         # request that shares their pages: as many as the running requests may hold behind
-        self.pending_mtp_limit = CATCH_UP_AFTER * config.max_running_requests
+        self.pending_mtp_limit = max(CATCH_UP_AFTER, self.mtp_limit or 0) * config.max_running_requests
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
         # generators of retracted requests, kept for their re-admission
@@ -363,9 +368,13 @@ class Executor:
                 self.memory.commit_prefill(seq.row, start, end, final=final)
                 seq.prefilled = end
                 if not final:
-                    if self.speculative:  # the chunk's MTP rows; the next id of its last is the prompt's
-                        next_ids = seq.token_ids[start + 1 : end + 1]
-                        extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, None, False)))
+                    keep = self._mtp_rows(start, end)
+                    next_ids = seq.token_ids[start + 1 : start + keep + 1]  # the next id of its last is the prompt's
+                    if keep and self._never_speculates(seq):  # rows only a request sharing its pages reads
+                        seq.behind.extend(zip(range(start, start + keep), hidden[:keep], next_ids))
+                    elif keep:  # the chunk's MTP rows
+                        extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden[:keep], seq.params, None,
+                                                        False)))
                     continue
                 token = sample(logits, seq.params, seq.generator)
             except Exception as exc:  # this request's commit or sampling, this request's failure
@@ -375,11 +384,13 @@ class Executor:
             seq.produced.append(token)
             if self.speculative:
                 next_ids = (*seq.token_ids[start + 1 :], token)
-                if len(seq.behind) + end - start < self.catch_up_after:
+                keep = self._mtp_rows(start, end)
+                if len(seq.behind) + keep < self.catch_up_after or self._never_speculates(seq):
                     # the MTP layer catches up when a round first needs it (or the bound is reached):
-                    # a request that never speculates (a busy batch) never pays for its draft extend
+                    # a request that never speculates (a busy batch, a prompt past mtp_limit) never
+                    # pays for its draft extend (a request that shares its pages may, ``release``)
                     seq.plain_next, seq.draft = token, None
-                    seq.behind.extend(zip(range(start, end), hidden, next_ids))
+                    seq.behind.extend(zip(range(start, start + keep), hidden[:keep], next_ids[:keep]))
                 else:
                     extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
             else:
@@ -438,6 +449,20 @@ class Executor:
             out.append((item, own, logits[i]))
             at += n
         return out
+
+    def _never_speculates(self, seq: Sequence) -> bool:
+        """Its prompt alone reaches ``mtp_limit``: no round will ever run for it, and the MTP rows
+        of its positions below the limit are only for a later request that shares its pages. They
+        are held as hidden states (``behind``, at most ``mtp_limit`` of them) and computed only if
+        one does (``_catch_up_for_cache``)."""
+        return self.mtp_limit is not None and len(seq.token_ids) >= self.mtp_limit
+
+    def _mtp_rows(self, start: int, end: int) -> int:
+        """How many of positions ``[start, end)`` (from ``start``) may have their MTP rows read: all
+        of them in speculative mode, but none at or past ``mtp_limit``; 0 without speculation."""
+        if not self.speculative:
+            return 0
+        return end - start if self.mtp_limit is None else max(0, min(end, self.mtp_limit) - start)
 
     def _extend(self, items: list[tuple[Sequence, ExtendInput]]) -> list[tuple[Sequence, DraftState]]:
         states = draft_extend(self.model, self.memory, [x for _, x in items])
@@ -532,12 +557,15 @@ class Executor:
                 continue
             if self.speculative:  # a plain step of a speculative request (adaptive speculation)
                 seq.draft = None
+            if self._mtp_rows(position, position + 1):
                 # a view of the step's hidden states, which nothing writes again: the requests of the
                 # step hold its rows together (what a copy each would hold), without a copy per request
                 seq.behind.append((position, hidden, seq.plain_next))
             out[seq.request_id] = (seq.plain_next,)
             seq.produced.append(seq.plain_next)
-        due = [self.seqs[rid] for rid in out if len(self.seqs[rid].behind) >= self.catch_up_after]
+        # (one that can no longer speculate, past mtp_limit, keeps its rows for the cache as they are)
+        due = [seq for seq in map(self.seqs.get, out) if len(seq.behind) >= self.catch_up_after
+               and (self.mtp_limit is None or self.memory.length(seq.row) < self.mtp_limit)]
         if due:  # bound what a long run of plain steps keeps: the MTP layer catches up now
             _, errors = self.isolate(due, self._catch_up_group, "draft catch-up")
             for rid, why in errors.items():
@@ -668,6 +696,10 @@ class Executor:
         seqs = [self.seqs[rid] for rid in request_ids]
 
         def chain(group: list[Sequence]) -> list[Sequence]:
+            for seq in group:
+                if seq.draft is None and not seq.behind:  # plain steps past mtp_limit kept no MTP rows
+                    raise ValueError(f"request {seq.request_id!r} holds more than the speculative max_context "
+                                     f"({self.mtp_limit}) tokens: no round may run for it")
             self._catch_up([s for s in group if s.behind])
             spec_round.draft(self.model, self.memory, group, self.num_steps)
             return group
@@ -768,6 +800,8 @@ class Executor:
             end = (index + 1) * page
             if entry.id in before or end <= first:
                 continue
+            if self.mtp_limit is not None and end > self.mtp_limit:  # its sharers never read its rows
+                break
             start = max(index * page, first)
             assert all(p in rows for p in range(start, end)), f"request {seq.request_id}: MTP rows missing"
             cache.set_pending(entry, start - index * page, torch.stack([rows[p] for p in range(start, end)]))
@@ -789,6 +823,8 @@ class Executor:
             if seq.behind:
                 known = len(seq.token_ids) + len(seq.produced)
                 end = min(self.memory.length(seq.row) // page, (known - 1) // page) * page
+                if self.mtp_limit is not None:  # a sharer of a page that ends past it never runs a round
+                    end = min(end, self.mtp_limit // page * page)
                 if seq.behind[-1][0] >= end:
                     seq.behind = [b for b in seq.behind if b[0] < end]
         behind = [s for s in seqs if s.behind and not s.mtp_deferred and self.memory.residency(s.row) is Residency.RESIDENT]

@@ -463,3 +463,75 @@ def test_rounds_stop_at_the_context_limit_with_plain_decodings_tokens(tiny_model
     assert executor.spec_counters.accepted_drafts > 0
     assert executor.pool_counts() == Executor(config(hisparse, None), model=tiny_model).pool_counts()
     executor.close()
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+def test_no_mtp_row_at_or_past_the_context_limit_is_ever_computed(tiny_model, monkeypatch, hisparse):
+    """No round runs for a request holding more than ``max_context`` tokens, so no draft reads an MTP
+    row at or past it: the executor never computes one, not for the plain steps past it, nor for the
+    pages a request leaves to the prefix cache. A prompt that reaches the limit never runs a round at
+    all: the rows of its positions below the limit are left to the cache as hidden states, and the
+    later request that shares its first pages (and stays under the limit) writes them at admission
+    and drafts what it drafts without the cache. Every token is plain decoding's; a draft asked for a
+    request past the limit fails that request with a clear error; the pools come back."""
+    import pipeline.executor as executor_module
+
+    limit = 40
+    gen = torch.Generator().manual_seed(31)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (50, 7)]  # past it, and under it
+    lengths = (12, 40)  # the short one passes the limit after 33 tokens
+    plain, _ = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
+    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False, plain_tail=False,
+                             plain_while_prefilling=False)
+    cfg = attrs.evolve(config(hisparse, None), speculative=spec, prefix_cache=True, chunked_prefill_tokens=16)
+    extends: list = []
+    real = executor_module.draft_extend
+    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: extends.extend(inputs) or real(m, mem,
+                                                                                                              inputs))
+    seen = _record_proposals(monkeypatch)
+    executor = Executor(cfg, model=tiny_model)
+    assert executor.mtp_limit == limit
+    driver = SyncDriver(executor, check=True)
+    with quiet_logs():
+        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        driver.run()
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert extends and max(x.start + len(x.next_ids) for x in extends) <= limit
+    assert len({x.row for x in extends}) == 1  # the short request's only: none over the long prompt
+    assert executor.spec_counters.verify_rounds > 0  # the short request speculated under the limit
+    cache = executor.memory.cache
+    assert cache.pending_positions >= limit  # the long prompt's pages below the limit, as hidden states
+    extends.clear()
+
+    sharer = [*prompts[0][:33], *prompts[1][:5]]  # 4 pages of the long prompt (and the next token), 38 tokens
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+
+    def proposals(ex) -> tuple[list[int], list[int], int]:
+        seen.clear()
+        drv = SyncDriver(ex, check=True)
+        with quiet_logs():
+            req = drv.submit(sharer, params)
+            drv.run()
+        return req.output_ids, list(seen), req.metrics.cached_tokens
+
+    hit = proposals(executor)
+    written = [(x.start, len(x.next_ids)) for x in extends if not x.propose]
+    assert written[:4] == [(0, 8), (8, 8), (16, 8), (24, 8)]  # at its admission: the pages it shares
+    fresh = Executor(attrs.evolve(cfg, prefix_cache=False), model=tiny_model)
+    assert hit[2] == 32 and hit[:2] == proposals(fresh)[:2] and hit[1]
+    fresh.close()
+
+    from pipeline.executor import NewSequence
+
+    with quiet_logs():  # a draft asked for past the limit (the scheduler never asks): that request fails
+        executor.prefill([NewSequence("past", tuple(prompts[0]), params)])
+        executor.wait_staging()
+        executor.collect_ready()
+        executor.decode(["past"])
+        result = executor.draft(["past"])
+    assert "max_context" in result.failed["past"]
+    executor.release("past")
+    executor.flush_prefix_cache()
+    executor.check_integrity()
+    assert executor.pool_counts() == Executor(cfg, model=tiny_model).pool_counts()
+    executor.close()
