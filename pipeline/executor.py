@@ -696,8 +696,8 @@ class Executor:
         seqs = [self.seqs[rid] for rid in request_ids]
 
         def chain(group: list[Sequence]) -> list[Sequence]:
-            for seq in group:
-                if seq.draft is None and not seq.behind:  # plain steps past mtp_limit kept no MTP rows
+            for seq in group:  # the rule never asks past it: its MTP rows there were never computed
+                if self.mtp_limit is not None and self.memory.length(seq.row) >= self.mtp_limit:
                     raise ValueError(f"request {seq.request_id!r} holds more than the speculative max_context "
                                      f"({self.mtp_limit}) tokens: no round may run for it")
             self._catch_up([s for s in group if s.behind])

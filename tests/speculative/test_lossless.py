@@ -524,12 +524,12 @@ def test_no_mtp_row_at_or_past_the_context_limit_is_ever_computed(tiny_model, mo
     from pipeline.executor import NewSequence
 
     with quiet_logs():  # a draft asked for past the limit (the scheduler never asks): that request fails
-        executor.prefill([NewSequence("past", tuple(prompts[0]), params)])
+        executor.prefill([NewSequence("past", tuple(reversed(prompts[0])), params)])  # no cache hit: its rows held
         executor.wait_staging()
         executor.collect_ready()
         executor.decode(["past"])
         result = executor.draft(["past"])
-    assert "max_context" in result.failed["past"]
+    assert "holds more than the speculative max_context (40) tokens" in result.failed["past"]
     executor.release("past")
     executor.flush_prefix_cache()
     executor.check_integrity()
