@@ -247,7 +247,8 @@ def indexer_topk_reference(
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
-    if few is not None and (num_tokens <= MATMUL_MIN_QUERIES or int(seq_lens.max()) <= few_context):
+    if few is not None and (num_tokens <= MATMUL_MIN_QUERIES  # (the longest is read only where it can matter)
+                            or (few_context > 0 and int(seq_lens.max()) <= few_context)):
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
         return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)

@@ -455,7 +455,12 @@ class Executor:
         of its positions below the limit are only for a later request that shares its pages. They
         are held as hidden states (``behind``, at most ``mtp_limit`` of them) and computed only if
         one does (``_catch_up_for_cache``)."""
-        return self.mtp_limit is not None and len(seq.token_ids) >= self.mtp_limit
+        return self._past_limit(len(seq.token_ids))
+
+    def _past_limit(self, length: int) -> bool:
+        """A request whose KV holds ``length`` positions holds more tokens than ``mtp_limit`` (its
+        next token too): no round runs for it, now or later."""
+        return self.mtp_limit is not None and length >= self.mtp_limit
 
     def _mtp_rows(self, start: int, end: int) -> int:
         """How many of positions ``[start, end)`` (from ``start``) may have their MTP rows read: all
@@ -565,7 +570,7 @@ class Executor:
             seq.produced.append(seq.plain_next)
         # (one that can no longer speculate, past mtp_limit, keeps its rows for the cache as they are)
         due = [seq for seq in map(self.seqs.get, out) if len(seq.behind) >= self.catch_up_after
-               and (self.mtp_limit is None or self.memory.length(seq.row) < self.mtp_limit)]
+               and not self._past_limit(self.memory.length(seq.row))]
         if due:  # bound what a long run of plain steps keeps: the MTP layer catches up now
             _, errors = self.isolate(due, self._catch_up_group, "draft catch-up")
             for rid, why in errors.items():
@@ -697,7 +702,7 @@ class Executor:
 
         def chain(group: list[Sequence]) -> list[Sequence]:
             for seq in group:  # the rule never asks past it: its MTP rows there were never computed
-                if self.mtp_limit is not None and self.memory.length(seq.row) >= self.mtp_limit:
+                if self._past_limit(self.memory.length(seq.row)):
                     raise ValueError(f"request {seq.request_id!r} holds more than the speculative max_context "
                                      f"({self.mtp_limit}) tokens: no round may run for it")
             self._catch_up([s for s in group if s.behind])

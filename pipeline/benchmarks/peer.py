@@ -124,7 +124,7 @@ def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> 
     rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
     ttfts: dict[str, list[float]] = {c: [] for c in CONFIGS}
     outputs: dict[str, list[list[int]]] = {}
-    for _ in range(getattr(args, "warmup", 0)):  # first touches of memory, lazy compilation: not timed
+    for _ in range(args.warmup):  # first touches of memory, lazy compilation: not timed
         for name in CONFIGS:
             if name == "hf":
                 run_hf(hf_model, prompts, args.new_tokens, pad_id)

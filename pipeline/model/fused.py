@@ -480,12 +480,13 @@ class _FusedMoE:
         # the dense path's weights with the shared expert as one more expert (None where it is not)
         self.w_all: Tensor | None = None
         self.down_all: Tensor | None = None
-        self._joined: list[tuple[str, str, int]] = []  # what must still view them: (module, parameter, data)
+        # what must still view them: (the module's path under the MoE, its parameter, where its data lies)
+        self._joined: list[tuple[tuple[str, ...], str, int]] = []
         if plain and self.dense_ok and self.grouped_ok and _joins_experts(moe.experts, shared):
             self.w_all, self.down_all = _fuse_with_experts(moe.experts, shared, views)
-            self._joined = [("experts", "gate_up_proj", moe.experts.gate_up_proj.data_ptr()),
-                            ("experts", "down_proj", moe.experts.down_proj.data_ptr()),
-                            ("shared_experts", "down_proj", shared.down_proj.weight.data_ptr())]
+            self._joined = [(("experts",), "gate_up_proj", moe.experts.gate_up_proj.data_ptr()),
+                            (("experts",), "down_proj", moe.experts.down_proj.data_ptr()),
+                            (("shared_experts", "down_proj"), "weight", shared.down_proj.weight.data_ptr())]
             routed_rows = moe.experts.gate_up_proj.shape[0] * moe.experts.gate_up_proj.shape[1]
             self.shared = _FusedDense(shared, views, w_gate_up=self.w_all[routed_rows:])
         else:
@@ -580,11 +581,10 @@ class _FusedMoE:
         """The routed experts' weights and the shared expert's ``down`` are still the views of
         ``w_all`` and ``down_all`` (a replaced or re-pointed one is read by ``_dense``, live). The
         shared expert's ``gate``/``up`` are checked with the layer's other fused weights."""
-        for owner, name, ptr in self._joined:
-            module = self.moe._modules[owner]
-            if owner == "shared_experts":
-                module = module._modules[name]
-                name = "weight"
+        for path, name, ptr in self._joined:
+            module = self.moe
+            for step in path:  # read live: a replaced module is seen
+                module = module._modules[step]
             param = module._parameters.get(name)
             if param is None or param.data_ptr() != ptr:
                 return False
