@@ -1,10 +1,16 @@
 """Chunked prefill: which positions of which prompts the next prefill forward computes.
 
-A prefill forward carries at most ``budget`` prompt tokens (None: no limit). Requests are served in
-admission order; each gets as much of what is left of its prompt as the budget still allows, so a
-long prompt is computed over several forwards (chunks of at most ``budget`` tokens) and short prompts
-share a forward. The head request always gets a chunk (the budget is at least 1), so every forward
-makes progress. The scheduling core and ``Executor.prefill`` both plan with this one rule.
+Two bounds, as vLLM's ``long_prefill_token_threshold`` and ``max_num_batched_tokens`` (SGLang's
+``chunked_prefill_size`` and prefill batch budget): a request's **chunk**, the most positions of one
+prompt one forward computes (``EngineConfig.chunked_prefill_tokens``; with HiSparse it bounds the
+device rows a prefilling request holds), and the forward's **budget**, the most prompt tokens it
+carries over all its requests (``EngineConfig.prefill_batch_tokens``). Requests are served in
+admission order; each gets its chunk, or what is left of the budget if that is less, so a long
+prompt is computed over several forwards and short prompts share one. The head request always gets
+a chunk (the budget is at least 1), so every forward makes progress. Without a chunk (None: whole
+prompts) a prompt joins the head only if the whole of it fits in what is left of the budget; only
+a budget smaller than the head's prompt (the engine's pacing, ``PrefillPace``) splits it. The
+scheduling core and ``Executor.prefill`` both plan with this one rule.
 """
 
 from __future__ import annotations
@@ -16,8 +22,11 @@ import attrs
 from pipeline.messages import PrefillChunk
 
 
-def plan_chunks(pending: Iterable[tuple[str, int, int]], budget: int | None) -> tuple[PrefillChunk, ...]:
-    """``pending``: (request id, positions computed, prompt length) in admission order."""
+def plan_chunks(
+    pending: Iterable[tuple[str, int, int]], budget: int | None, chunk: int | None = None
+) -> tuple[PrefillChunk, ...]:
+    """``pending``: (request id, positions computed, prompt length) in admission order; ``budget``:
+    the forward's prompt tokens (None: no bound); ``chunk``: one request's (None: whole prompts)."""
     chunks: list[PrefillChunk] = []
     left = budget
     for rid, done, total in pending:
@@ -25,10 +34,14 @@ def plan_chunks(pending: Iterable[tuple[str, int, int]], budget: int | None) -> 
             continue
         if left is not None and left <= 0:
             break
-        end = total if left is None else min(total, done + left)
-        chunks.append(PrefillChunk(rid, done, end))
+        size = total - done if chunk is None else min(total - done, chunk)
+        if left is not None and size > left:
+            if chunk is None and chunks:  # a whole prompt that does not fit waits for the next forward
+                break
+            size = left
+        chunks.append(PrefillChunk(rid, done, done + size))
         if left is not None:
-            left -= end - done
+            left -= size
     return tuple(chunks)
 
 

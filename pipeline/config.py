@@ -38,6 +38,7 @@ from pipeline.errors import ConfigError
 log = structlog.get_logger("hispec.config")
 
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
+DEFAULT_PREFILL_BATCH = 2048  # prefill_batch_tokens="auto" (the least of it, with a chunk of 512 or less)
 DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
 MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
 # SpeculativeConfig's "auto" limits: requests stepped together (CPU, CUDA), tokens a request holds (CPU)
@@ -290,11 +291,16 @@ class EngineConfig:
     # CUDA: the budget as this fraction of the device memory free once the weights are loaded
     # (SGLang's mem_fraction_static, vLLM's gpu_memory_utilization, for the KV memory alone)
     device_memory_fraction: float | None = None
-    # chunked prefill: a prompt longer than this is prefilled this many tokens per forward, and one
-    # prefill forward carries at most this many tokens (vLLM's max_num_batched_tokens for prefill);
-    # None prefills every prompt whole. With HiSparse a request holds at most this chunk plus its
-    # buffer in device rows while it is prefilled, whatever its length.
+    # chunked prefill: a prompt longer than this is prefilled this many tokens per forward (vLLM's
+    # long_prefill_token_threshold, SGLang's chunked_prefill_size); None prefills every prompt whole.
+    # With HiSparse a request holds at most this chunk plus its buffer in device rows while it is
+    # prefilled, whatever its length.
     chunked_prefill_tokens: int | None = DEFAULT_CHUNK
+    # the prompt tokens one prefill forward carries over all its requests (vLLM's
+    # max_num_batched_tokens for prefill): short prompts share a forward up to it, each request's
+    # part at most its chunk. "auto": max(2048, chunked_prefill_tokens), None with whole prompts;
+    # None: no bound. Resolved by ``prefill_budget``
+    prefill_batch_tokens: int | Literal["auto"] | None = "auto"
     # mixed steps: while requests decode, the next prefill chunk runs in the same forward as their
     # decode step (the step pays its fixed cost once); False runs the two as separate forwards
     mixed_steps: bool = True
@@ -355,6 +361,7 @@ class EngineConfig:
         _require(_is_int(self.seed), "seed", self.seed, "must be an integer")
         if self.chunked_prefill_tokens is not None:
             _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
+        self._check_prefill_batch()
         _require(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False")
         _require(isinstance(self.mixed_steps, bool), "mixed_steps", self.mixed_steps, "must be True or False")
         if self.num_threads is not None:
@@ -387,6 +394,25 @@ class EngineConfig:
     @property
     def has_budget(self) -> bool:
         return self.device_memory_bytes is not None or self.device_memory_fraction is not None
+
+    def _check_prefill_batch(self) -> None:
+        batch, chunk = self.prefill_batch_tokens, self.chunked_prefill_tokens
+        if batch is None or batch == "auto":
+            return
+        _require(_is_int(batch), "prefill_batch_tokens", batch, "must be an integer, 'auto' or None")
+        _require(batch >= 1, "prefill_batch_tokens", batch, "must be >= 1")
+        _require(chunk is not None, "prefill_batch_tokens", batch,
+                 "bounds the chunks of a forward: with whole prompts (chunked_prefill_tokens None) use None")
+        _require(batch >= chunk, "prefill_batch_tokens", batch,
+                 f"must be at least chunked_prefill_tokens ({chunk}): a forward carries one whole chunk")
+
+    @property
+    def prefill_budget(self) -> int | None:
+        """The prompt tokens of one prefill forward (``prefill_batch_tokens`` resolved): None, no bound."""
+        batch, chunk = self.prefill_batch_tokens, self.chunked_prefill_tokens
+        if batch != "auto":
+            return batch
+        return None if chunk is None else max(DEFAULT_PREFILL_BATCH, chunk)
 
     def _check_budget(self) -> None:
         if self.device_memory_bytes is not None:

@@ -43,6 +43,7 @@ class SyncDriver:
             num_steps=executor.num_steps,
             policy=policy,
             chunk_tokens=executor.config.chunked_prefill_tokens,
+            batch_tokens=executor.config.prefill_budget,
             mixes=self.mixes,
         )
         self.requests: dict[str, Request] = {}

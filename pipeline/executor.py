@@ -482,8 +482,9 @@ class Executor:
 
     def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
         """``Admit`` then every ``Prefill`` forward their prompts take, in chunks of the config's
-        ``chunked_prefill_tokens`` (tests and benchmarks): the sequences that do not fit are left out
-        of the result (neither in ``first_tokens`` nor in ``failed``)."""
+        ``chunked_prefill_tokens`` within its ``prefill_budget`` (tests and benchmarks): the
+        sequences that do not fit are left out of the result (neither in ``first_tokens`` nor in
+        ``failed``)."""
         admitted = list(self.admit(sequences).admitted)
         first: dict[str, int] = {}
         failed: dict[str, str] = {}
@@ -493,7 +494,7 @@ class Executor:
                 for rid in admitted
                 if rid not in failed and rid in self.seqs
             ]
-            chunks = plan_chunks(pending, self.config.chunked_prefill_tokens)
+            chunks = plan_chunks(pending, self.config.prefill_budget, self.config.chunked_prefill_tokens)
             if not chunks:
                 return PrefillResult(first, failed)
             result = self.prefill_chunks(chunks)

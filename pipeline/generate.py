@@ -23,7 +23,13 @@ import anyio
 import structlog
 
 from kernels.swap_in_policy import POLICIES
-from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.config import (
+    DEFAULT_CHUNK,
+    DEFAULT_PREFILL_BATCH,
+    EngineConfig,
+    HiSparseConfig,
+    SpeculativeConfig,
+)
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
 
@@ -102,11 +108,26 @@ def add_chunk_argument(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prefill long prompts N tokens per forward (default {DEFAULT_CHUNK}; 0 = whole prompts)",
     )
+    p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"prompt tokens one prefill forward carries over all its requests (default: the larger of "
+        f"{DEFAULT_PREFILL_BATCH} and the chunk, none with whole prompts; 0 = no bound)",
+    )
 
 
 def chunk_tokens(args: argparse.Namespace) -> int | None:
     """``--chunked-prefill-tokens``: 0 turns chunking off (negative values reach the config's check)."""
     return None if args.chunked_prefill_tokens == 0 else args.chunked_prefill_tokens
+
+
+def batch_tokens(args: argparse.Namespace) -> int | str | None:
+    """``--prefill-batch-tokens``: not given is "auto", 0 is no bound (negative values reach the
+    config's check)."""
+    given = args.prefill_batch_tokens
+    return "auto" if given is None else None if given == 0 else given
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -130,6 +151,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy, near_margin=args.near_margin),
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
+        prefill_batch_tokens=batch_tokens(args),
         mixed_steps=not args.no_mixed_steps,
         prefix_cache=not args.no_prefix_cache,
         seed=args.seed,

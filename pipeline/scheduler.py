@@ -293,18 +293,20 @@ class PrefillPace:
 class PrefillPart:
     """The admitted requests whose prompts are being computed (PREFILL), in admission order.
 
-    A turn is one prefill forward: the head requests get a chunk each within the token budget
-    (``pipeline.chunking.plan_chunks``; a prompt longer than the budget takes several turns, and
-    another part's commands run between them, so a long prompt never holds up decoding for long).
+    A turn is one prefill forward: the head requests get a chunk each (at most ``chunk_tokens`` of
+    a prompt) within the forward's token budget (``batch_tokens``; ``pipeline.chunking.plan_chunks``).
+    A prompt longer than a chunk takes several turns, and another part's commands run between them,
+    so a long prompt never holds up decoding for long.
     After the forward each request whose chunk does not end its prompt logs ``ChunkDone`` and stays;
     the others end (their first token ends them: ``FinishedAtPrefill``; an abort arrived:
     ``AbortRequested``; the executor failed them: ``Crashed``) or go on to staging (``PrefillDone``).
     """
 
     aborts: AbortBook
-    chunk_tokens: int | None = None  # a forward's token budget (None: whole prompts)
+    chunk_tokens: int | None = None  # one request's tokens in a forward (None: whole prompts)
     pace: PrefillPace | None = None  # the async engine's pacing of chunks while requests decode
     name: str = "prefill"
+    batch_tokens: int | None = None  # a forward's prompt tokens over all its requests (None: no bound)
     owned: dict[str, Request] = attrs.field(factory=dict)  # admission order
     progress: dict[str, int] = attrs.field(factory=dict)  # request id -> prompt positions computed
 
@@ -326,8 +328,8 @@ class PrefillPart:
             self.remove(req.request_id)
         done = yield from end([(r, AbortRequested()) for r in aborted], self.name)
         pending = ((rid, self.progress[rid], len(r.known_tokens())) for rid, r in self.owned.items())
-        budget = self.chunk_tokens if self.pace is None else self.pace.budget(self.chunk_tokens)
-        chunks = plan_chunks(pending, budget)
+        budget = self.batch_tokens if self.pace is None else self.pace.budget(self.batch_tokens)
+        chunks = plan_chunks(pending, budget, self.chunk_tokens)
         if not chunks:
             return done
         reqs = [self.owned[c.request_id] for c in chunks]
@@ -724,15 +726,18 @@ class Scheduler:
         num_steps: int,
         policy: SpecPolicy | None = None,
         chunk_tokens: int | None = None,
+        batch_tokens: int | None = None,
         pace: bool = False,
         mixes: bool = False,
     ) -> Scheduler:
-        """``pace``: pace prefill chunks by the decode steps' device time (``PrefillPace``).
+        """``chunk_tokens``, ``batch_tokens``: a request's chunk and a prefill forward's budget
+        (``EngineConfig.chunked_prefill_tokens``, ``prefill_budget``).
+        ``pace``: pace prefill chunks by the decode steps' device time (``PrefillPace``).
         ``mixes``: a prefill chunk shares a plain decode step's forward (``EngineConfig.mixed_steps``),
         so speculation pauses while prompts wait for their prefill (``DecodePart.prefill_waiting``)."""
         aborts = AbortBook()
         pacer = PrefillPace() if pace else None
-        prefill = PrefillPart(aborts, chunk_tokens, pacer)
+        prefill = PrefillPart(aborts, chunk_tokens, pacer, batch_tokens=batch_tokens)
         decode = DecodePart(aborts, num_steps, policy if policy is not None else SpecPolicy(), pacer)
         if mixes:
             decode.prefill_waiting = lambda: len(prefill) > 0

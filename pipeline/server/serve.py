@@ -27,7 +27,7 @@ import structlog
 import uvicorn
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
-from pipeline.generate import add_budget_arguments, add_chunk_argument, chunk_tokens
+from pipeline.generate import add_budget_arguments, add_chunk_argument, batch_tokens, chunk_tokens
 from pipeline.logs import configure_logging
 from pipeline.server.app import ServerState, create_app
 
@@ -99,6 +99,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
         speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
         chunked_prefill_tokens=chunk_tokens(args),
+        prefill_batch_tokens=batch_tokens(args),
         mixed_steps=not args.no_mixed_steps,
         prefix_cache=not args.no_prefix_cache,
         seed=args.seed,

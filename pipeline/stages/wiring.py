@@ -159,6 +159,7 @@ def build_pipeline(
         num_steps=executor.num_steps,
         policy=spec_policy_of(executor),
         chunk_tokens=executor.config.chunked_prefill_tokens,
+        batch_tokens=executor.config.prefill_budget,
         pace=prefill_pacing,
         mixes=executor.config.mixed_steps and hasattr(executor, "run_together"),
     )

@@ -194,6 +194,25 @@ RULES = [
         lambda: dict(speculative=SP(max_context=-5)),
         "must be >= 1",
     ),
+    # a prefill forward's budget: an integer >= the chunk, "auto" or None; none with whole prompts
+    (
+        "prefill_batch_tokens",
+        lambda: dict(prefill_batch_tokens=512),
+        lambda: dict(prefill_batch_tokens=511),
+        "must be at least chunked_prefill_tokens (512)",
+    ),
+    (
+        "prefill_batch_tokens",
+        lambda: dict(prefill_batch_tokens="auto"),
+        lambda: dict(prefill_batch_tokens="big"),
+        "must be an integer, 'auto' or None",
+    ),
+    (
+        "prefill_batch_tokens",
+        lambda: dict(chunked_prefill_tokens=None, prefill_batch_tokens=None),
+        lambda: dict(chunked_prefill_tokens=None, prefill_batch_tokens=4096),
+        "with whole prompts",
+    ),
     # verify tokens live in the draft zone: D <= page_size - 1
     (
         "speculative.num_steps",
@@ -669,3 +688,11 @@ def test_the_replacement_policy_auto_follows_the_device():
     assert HS(policy="near").policy_for("cpu") == "near" and HS(policy="lru").policy_for("cpu") == "lru"
     assert EngineConfig(**RESOLVED).memory_plan(64).policy == "adaptive"
     assert EngineConfig(**RESOLVED, hisparse=HS(policy="slide")).memory_plan(64).policy == "slide"
+
+
+def test_the_prefill_budget_auto_is_2048_or_the_chunk_and_none_with_whole_prompts():
+    assert EngineConfig().prefill_budget == 2048
+    assert EngineConfig(chunked_prefill_tokens=4096, max_context_len=8192).prefill_budget == 4096
+    assert EngineConfig(chunked_prefill_tokens=None, max_context_len=1024).prefill_budget is None
+    assert EngineConfig(prefill_batch_tokens=None).prefill_budget is None
+    assert EngineConfig(prefill_batch_tokens=1000).prefill_budget == 1000

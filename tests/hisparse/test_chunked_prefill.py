@@ -82,6 +82,25 @@ def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny_model, refer
 
 
 @pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
+@pytest.mark.parametrize("budget", [7, 20, 64, None], ids=lambda b: f"budget{b}")
+def test_a_forwards_budget_above_the_chunk_shares_forwards_and_keeps_the_tokens(tiny_model, reference, hisparse,
+                                                                                 budget):
+    """Chunks of 7 within a forward budget of 7 (one chunk a forward), 20, 64 or none: the requests'
+    chunks share forwards as the plan says, and the tokens are the unchunked reference's."""
+    cfg = config(hisparse=hisparse, chunk=7, prefill_batch_tokens=budget)
+    tokens, stats = generate(tiny_model, cfg, prompts(0), check=budget == 20)
+    assert tokens == reference(0)
+    chunks = sum(-(-n // 7) for n in PROMPT_LENS)  # a budget that ends inside a chunk cuts it in two
+    forwards = stats["prefill"]["forwards"]
+    if budget is None:  # every prompt's next chunk in each forward: as many as the longest has chunks
+        assert stats["prefill"]["chunks"] == chunks and forwards == -(-max(PROMPT_LENS) // 7)
+    elif budget == 7:  # one chunk's worth a forward, every forward full but the last
+        assert forwards == -(-sum(PROMPT_LENS) // 7)
+    else:
+        assert -(-sum(PROMPT_LENS) // budget) <= forwards < chunks
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
 @pytest.mark.parametrize("chunk", [PAGE, 13], ids=lambda c: f"chunk{c}")
 def test_chunked_prefill_with_speculation_gives_the_plain_tokens(tiny_model, reference, hisparse, chunk):
     """The MTP layer's draft extend is chunked with the target's forward: greedy speculation gives

@@ -210,12 +210,12 @@ def test_prefill_aborts_before_the_forward_skip_it():
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
-    """Budget 10: a 25-token prompt takes three forwards (10, 10, 5); a 4-token prompt behind it
-    shares the third. Each chunk that does not end its prompt logs ``ChunkDone`` and stays."""
+    """Chunks and budget 10: a 25-token prompt takes three forwards (10, 10, 5); a 4-token prompt
+    behind it shares the third. Each chunk that does not end its prompt logs ``ChunkDone`` and stays."""
     long, short = request("long", prompt_len=25, max_new_tokens=5), request("short", prompt_len=4, max_new_tokens=5)
     for req in (long, short):
         req.apply(Admitted())
-    part = PrefillPart(AbortBook(), chunk_tokens=10)
+    part = PrefillPart(AbortBook(), chunk_tokens=10, batch_tokens=10)
     part.accept([long, short])
     seen = []
 
@@ -231,6 +231,27 @@ def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     assert seen == [[("long", 0, 10)], [("long", 10, 20)], [("long", 20, 25), ("short", 0, 4)]]
     assert ids(handoff.onward) == ["long", "short"] and len(part) == 0
     assert long.state is State.STAGING and long.output_ids == [70]
+
+
+def test_a_forward_budget_above_the_chunk_carries_several_requests_chunks():
+    """Chunks of 10 within a forward budget of 24: the long prompt gets one chunk a forward, the
+    short prompts behind it share the forward up to the budget (the last one cut to what is left)."""
+    reqs = [request("long", prompt_len=25, max_new_tokens=5), request("a", prompt_len=8, max_new_tokens=5),
+            request("b", prompt_len=9, max_new_tokens=5)]
+    for req in reqs:
+        req.apply(Admitted())
+    part = PrefillPart(AbortBook(), chunk_tokens=10, batch_tokens=24)
+    part.accept(reqs)
+    ends = {"long": 25, "a": 8, "b": 9}
+    seen = []
+
+    def answer(command):
+        seen.append([(c.request_id, c.start, c.end) for c in command.chunks])
+        return PrefillResult({c.request_id: 70 for c in command.chunks if c.end == ends[c.request_id]})
+
+    while len(part):
+        Script(part.turn(), {Prefill: answer}).run()
+    assert seen == [[("long", 0, 10), ("a", 0, 8), ("b", 0, 6)], [("long", 10, 20), ("b", 6, 9)], [("long", 20, 25)]]
 
 
 # --- staging -----------------------------------------------------------------------------------------
