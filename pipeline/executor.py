@@ -29,6 +29,7 @@ continues where it stopped when it is admitted again.
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -103,6 +104,80 @@ RESIDENCY: dict[State, Residency] = {
 
 
 @attrs.define(eq=False)
+class HiddenRun:
+    """The target's hidden states at consecutive positions whose MTP rows are not written yet, and
+    the token after each (what the MTP layer's draft extend over them reads). Kept as the blocks
+    they came in (a prefill chunk's ``[n, D]``, a decode step's row ``[D]``), never split into one
+    tensor per position: a prompt's block costs one entry, not one view per position."""
+
+    blocks: list[tuple[int, torch.Tensor, tuple[int, ...]]] = attrs.Factory(list)  # (first position, rows, next ids)
+    count: int = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    @property
+    def first(self) -> int:
+        return self.blocks[0][0]
+
+    @property
+    def last(self) -> int:
+        return self.blocks[0][0] + self.count - 1
+
+    def add(self, start: int, hidden: torch.Tensor, next_ids: Seq[int]) -> None:
+        """Positions ``start, start + 1, ...`` (they continue the run): ``hidden`` ``[n, D]`` (or one
+        row ``[D]``), ``next_ids`` of length n."""
+        n = 1 if hidden.dim() == 1 else hidden.shape[0]
+        assert n == len(next_ids) > 0, (n, len(next_ids))
+        assert not self.count or start == self.last + 1, f"position {start} does not continue the run at {self.last}"
+        self.blocks.append((start, hidden, tuple(next_ids)))
+        self.count += n
+
+    def truncate(self, end: int) -> None:
+        """Keep the positions below ``end``."""
+        kept: list[tuple[int, torch.Tensor, tuple[int, ...]]] = []
+        for start, hidden, ids in self.blocks:
+            if start >= end:
+                break
+            if start + len(ids) > end:
+                hidden, ids = hidden[: end - start], ids[: end - start]
+            kept.append((start, hidden, ids))
+        self.blocks, self.count = kept, sum(len(ids) for _, _, ids in kept)
+
+    def rows(self, start: int, end: int, *, own: bool = False) -> torch.Tensor:
+        """The hidden states of positions ``[start, end)`` (held), ``[end - start, D]``: a view where
+        one block holds them all, unless ``own`` (a copy then, which keeps no block alive)."""
+        assert self.count and self.first <= start < end <= self.last + 1, f"positions [{start}, {end}) not held"
+        i = bisect.bisect_right(self.blocks, start, key=lambda block: block[0]) - 1
+        parts: list[torch.Tensor] = []
+        single: list[torch.Tensor] = []  # consecutive decode rows, stacked together
+        while i < len(self.blocks) and self.blocks[i][0] < end:
+            first, hidden, ids = self.blocks[i]
+            if hidden.dim() == 1:
+                single.append(hidden)
+            else:
+                if single:
+                    parts.append(torch.stack(single))
+                    single = []
+                lo, hi = max(start, first), min(end, first + len(ids))
+                parts.append(hidden[lo - first : hi - first])
+            i += 1
+        if single:
+            parts.append(torch.stack(single))
+        if len(parts) > 1:
+            return torch.cat(parts)
+        return parts[0].clone() if own and parts[0]._base is not None else parts[0]
+
+    def whole(self) -> tuple[int, torch.Tensor, tuple[int, ...]]:
+        """(first position, every row ``[count, D]``, every next id)."""
+        ids = tuple(t for _, _, block in self.blocks for t in block)
+        return self.first, self.rows(self.first, self.last + 1), ids
+
+
+@attrs.define(eq=False)
 class Sequence:
     """What the executor keeps per live request."""
 
@@ -120,7 +195,7 @@ class Sequence:
     # plain step once ``Executor.catch_up_after`` of them are held. Positions at or past
     # ``Executor.mtp_limit`` are never held (no draft reads their rows); a request whose prompt
     # reaches it holds its prompt's positions below it until it leaves (``_never_speculates``)
-    behind: list[tuple[int, torch.Tensor, int]] = attrs.Factory(list)
+    behind: HiddenRun = attrs.Factory(HiddenRun)
     # leaving with its MTP layer behind: its pages go to the prefix cache with the hidden states of
     # ``behind`` in place of their MTP rows (``Executor._catch_up_for_cache``)
     mtp_deferred: bool = False
@@ -371,7 +446,7 @@ class Executor:
                     keep = self._mtp_rows(start, end)
                     next_ids = seq.token_ids[start + 1 : start + keep + 1]  # the next id of its last is the prompt's
                     if keep and self._never_speculates(seq):  # rows only a request sharing its pages reads
-                        seq.behind.extend(zip(range(start, start + keep), hidden[:keep], next_ids))
+                        seq.behind.add(start, hidden[:keep], next_ids)
                     elif keep:  # the chunk's MTP rows
                         extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden[:keep], seq.params, None,
                                                         False)))
@@ -390,7 +465,8 @@ class Executor:
                     # a request that never speculates (a busy batch, a prompt past mtp_limit) never
                     # pays for its draft extend (a request that shares its pages may, ``release``)
                     seq.plain_next, seq.draft = token, None
-                    seq.behind.extend(zip(range(start, start + keep), hidden[:keep], next_ids[:keep]))
+                    if keep:
+                        seq.behind.add(start, hidden[:keep], next_ids[:keep])
                 else:
                     extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator)))
             else:
@@ -566,7 +642,7 @@ class Executor:
             if self._mtp_rows(position, position + 1):
                 # a view of the step's hidden states, which nothing writes again: the requests of the
                 # step hold its rows together (what a copy each would hold), without a copy per request
-                seq.behind.append((position, hidden, seq.plain_next))
+                seq.behind.add(position, hidden, (seq.plain_next,))
             out[seq.request_id] = (seq.plain_next,)
             seq.produced.append(seq.plain_next)
         # (one that can no longer speculate, past mtp_limit, keeps its rows for the cache as they are)
@@ -722,12 +798,10 @@ class Executor:
             return
         inputs = []
         for seq in seqs:
-            start = seq.behind[0][0]
-            hidden = torch.stack([h for _, h, _ in seq.behind])
-            next_ids = tuple(t for *_, t in seq.behind)
+            start, hidden, next_ids = seq.behind.whole()
             inputs.append(ExtendInput(seq.row, start, next_ids, hidden, seq.params, seq.generator, propose=propose))
         for seq, state in zip(seqs, draft_extend(self.model, self.memory, inputs)):
-            seq.draft, seq.behind = state, []
+            seq.draft, seq.behind = state, HiddenRun()
 
     @torch.inference_mode()
     def verify(self, request_ids: list[str]) -> StepResult:
@@ -800,8 +874,7 @@ class Executor:
         """The pages ``seq``'s release just gave the cache (entries not among ``before``) whose MTP
         rows are behind hold the target's hidden states there instead."""
         cache, page = self.memory.cache, self.config.page_size
-        first = seq.behind[0][0]
-        rows = {position: hidden for position, hidden, _ in seq.behind}
+        first = seq.behind.first
         for index, entry in enumerate(cache.match(tokens)):
             end = (index + 1) * page
             if entry.id in before or end <= first:
@@ -809,8 +882,9 @@ class Executor:
             if self.mtp_limit is not None and end > self.mtp_limit:  # its sharers never read its rows
                 break
             start = max(index * page, first)
-            assert all(p in rows for p in range(start, end)), f"request {seq.request_id}: MTP rows missing"
-            cache.set_pending(entry, start - index * page, torch.stack([rows[p] for p in range(start, end)]))
+            assert end <= seq.behind.last + 1, f"request {seq.request_id}: MTP rows missing"
+            # a copy of the page's rows alone: a view would keep its whole block (a prompt chunk) alive
+            cache.set_pending(entry, start - index * page, seq.behind.rows(start, end, own=True))
 
     def _catch_up_for_cache(self, seqs: list[Sequence]) -> None:
         """Decoding requests leaving with their MTP layer behind (they never speculated since): only
@@ -831,8 +905,8 @@ class Executor:
                 end = min(self.memory.length(seq.row) // page, (known - 1) // page) * page
                 if self.mtp_limit is not None:  # a sharer of a page that ends past it never runs a round
                     end = min(end, self.mtp_limit // page * page)
-                if seq.behind[-1][0] >= end:
-                    seq.behind = [b for b in seq.behind if b[0] < end]
+                if seq.behind.last >= end:
+                    seq.behind.truncate(end)
         behind = [s for s in seqs if s.behind and not s.mtp_deferred and self.memory.residency(s.row) is Residency.RESIDENT]
         # within ``pending_mtp_limit``, the rows are left for the first request that shares the pages
         # (most cached pages are never shared again: the work is done only for those that are)
@@ -856,7 +930,7 @@ class Executor:
         up to the first position whose MTP row is missing (a cached page's rows must all be there)."""
         tokens = (*seq.token_ids, *seq.produced)
         if seq.behind and not seq.mtp_deferred:
-            tokens = tokens[: seq.behind[0][0] + 1]
+            tokens = tokens[: seq.behind.first + 1]
         return tokens
 
     def flush_prefix_cache(self) -> int:
