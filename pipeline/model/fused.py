@@ -446,6 +446,14 @@ class _RopeTables:
         return x * self.c + x.roll(self.half, dims=-1) * self.s
 
 
+def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """``silu(gate) * up``, the product written into the ``silu`` result: the same values, one
+    temporary fewer. A prefill's temporaries are megabytes, and each fresh one is new pages from the
+    system (a page fault per 4 KiB): the dense MLP over 2,048 tokens took 21 ms with the product in
+    a tensor of its own, 14 ms without."""
+    return F.silu(gate).mul_(up)
+
+
 class _FusedDense:
     """A SwiGLU MLP over one fused ``[gate; up]`` weight (``w_gate_up``: one made already, whose row
     slices the two modules' weights are)."""
@@ -457,7 +465,7 @@ class _FusedDense:
 
     def __call__(self, x: Tensor) -> Tensor:
         gate, up = F.linear(x, self.w_gate_up).split(self.inner, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(_swiglu(gate, up))
 
 
 class _FusedMoE:
@@ -557,7 +565,7 @@ class _FusedMoE:
         out = torch.zeros_like(x)
         for slot, expert in sorted(enumerate(ids[0].tolist()), key=lambda chosen: chosen[1]):
             gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, experts.down_proj[expert])
+            y = F.linear(_swiglu(gate, up), experts.down_proj[expert])
             out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)  # a [1, 1] weight: wide, as the module's
         return out
 
@@ -566,7 +574,7 @@ class _FusedMoE:
         e, two_i, d = experts.gate_up_proj.shape
         n = x.shape[0]
         gate, up = F.linear(x, experts.gate_up_proj.view(e * two_i, d)).view(n, e, two_i).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).transpose(0, 1)  # [E, N, I]
+        act = _swiglu(gate, up).transpose(0, 1)  # [E, N, I]
         y = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, N, D]
         dense = torch.zeros(n, e, dtype=weights.dtype, device=x.device).scatter_(1, ids, weights)  # [N, E]
         # as the module path: each expert's output times its wide-dtype weight, cast back, added in
@@ -599,7 +607,7 @@ class _FusedMoE:
         are wider than its activations, and the module path rounds each product to the narrow type)."""
         n, e = x.shape[0], self.experts
         gate, up = F.linear(x, self.w_all).view(n, e + 1, -1).chunk(2, dim=-1)
-        act = (F.silu(gate) * up).transpose(0, 1)  # [E + 1, N, I]
+        act = _swiglu(gate, up).transpose(0, 1)  # [E + 1, N, I]
         y = torch.bmm(act, self.down_all.transpose(1, 2))  # [E + 1, N, D]
         dense = torch.zeros(n, e + 1, dtype=x.dtype, device=x.device)
         dense[:, e] = 1  # the shared expert
@@ -625,7 +633,7 @@ class _FusedMoE:
                 continue
             seg = slice(start, start + count)
             gate, up = F.linear(rows[seg], experts.gate_up_proj[expert]).chunk(2, dim=-1)
-            out_rows[seg] = F.linear(F.silu(gate) * up, experts.down_proj[expert])
+            out_rows[seg] = F.linear(_swiglu(gate, up), experts.down_proj[expert])
             start += count
         # HF multiplies by the wide-dtype weight, then casts back before accumulating
         contrib = (out_rows * weights.reshape(-1).index_select(0, order)[:, None]).to(x.dtype)
