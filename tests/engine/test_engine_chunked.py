@@ -242,3 +242,32 @@ async def test_a_chunk_whose_decode_partner_stops_coming_still_runs(tiny_model, 
             tokens = await running_then_long(engine, prompts, params)
     assert tokens == expected
     assert engine.executor.pool_counts() == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("budget", [CHUNK, "auto"], ids=["budget-one-chunk", "budget-auto"])
+async def test_prompts_arriving_together_share_prefill_forwards_up_to_the_budget(tiny_model, budget):
+    """Eight prompts of 20 tokens, chunks of 8: with a forward budget of one chunk they take at least
+    20 prefill forwards (160 tokens, 8 a forward); with the default budget each forward carries the
+    next chunk of every admitted prompt, so far fewer. The tokens are the driver's either way."""
+    cfg = attrs.evolve(chunked(), prefill_batch_tokens=budget)
+    prompts = make_prompts([20] * 8, seed=3)
+    params = [SamplingParams(max_new_tokens=3, ignore_eos=True)] * 8
+    ids = [f"p{i}" for i in range(8)]
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    results = {}
+    async with Engine(cfg, model=tiny_model) as engine:
+
+        async def one(i):
+            results[ids[i]] = list((await engine.generate_text(prompts[i], params[i], request_id=ids[i])).token_ids)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(one, i)
+        forwards = engine.stats()["prefill"]["forwards"]
+    assert results == expected
+    assert engine.executor.pool_counts() == engine.initial_pool_counts
+    if budget == CHUNK:
+        assert forwards >= 20
+    else:
+        assert forwards < 20 and forwards >= 3, forwards  # each prompt takes 3 chunks
