@@ -87,7 +87,8 @@ class Engine:
 
     ``model`` replaces loading ``config.model`` (tests inject a random tiny model); ``tokenizer``
     replaces the checkpoint's (with an injected model and none given: the byte-level tokenizer).
-    ``max_prefill_tokens``: token budget of one prefill batch. ``max_undelivered_tokens``: park a
+    ``max_prefill_tokens``: prompt tokens one admission turn takes in (their prefill forwards carry
+    ``EngineConfig.prefill_batch_tokens`` each). ``max_undelivered_tokens``: park a
     request whose consumer is that many tokens behind (None: never; deltas coalesce instead).
     ``on_exit``: what leaving the block does to requests in flight, ``"abort"`` or ``"finish"``.
     ``trace_path``: record every top-k selection for offline cache-policy replay.

@@ -1,10 +1,14 @@
 """``hispec bench peer``: the engine beside HF transformers ``generate`` on the same weights.
 
 One process, one checkpoint (HF loads the same directory with ``AutoModelForCausalLM``, i.e. its
-DeepSeek-V3.2 class), greedy, the same prompts. Three configurations alternate within every repeat
-(the order rotates from one repeat to the next, so the machine's drift hits each alike): HF
-``generate`` on a left-padded batch, the engine decoding plainly, and the engine with MTP
-speculation; both engine configurations run HiSparse. Workloads: batches of ``--concurrency``
+DeepSeek-V3.2 class), greedy, the same prompts. Three configurations alternate within every repeat:
+HF ``generate`` on a left-padded batch, the engine decoding plainly, and the engine with MTP
+speculation; both engine configurations run HiSparse. Repeat by repeat the order goes through all
+six orders of the three, so that each configuration runs first, second and third, and right after
+each of the others, equally often (over 6 repeats): a run is affected by the one before it (an engine
+run right after HF's was measured 2-3% faster than one right after another engine run, so with the
+orders only rotated, speculation, which followed plain decoding in most repeats, came out 2-4%
+behind it when the two were level). Workloads: batches of ``--concurrency``
 requests with ``--prompt-len``-byte prompts, and one ``--long-prompt-len``-byte prompt alone.
 
 Reported per workload and configuration (medians over repeats): generated tokens per second from
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import statistics
 import time
 
@@ -47,7 +52,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-prompt-len", type=int, default=1500,
                         help="prompt bytes of the single long-prompt workload (0 = skip it)")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6, help="a multiple of 6 balances the orders")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed runs of every configuration per workload before the repeats")
     parser.add_argument("--spec-steps", type=int, default=3, help="draft tokens per verify round")
@@ -130,9 +135,9 @@ def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> 
                 run_hf(hf_model, prompts, args.new_tokens, pad_id)
             else:
                 run_engine(args, model, prompts, spec=name == "spec")
+    orders = list(itertools.permutations(CONFIGS))  # each after each other equally often (module docstring)
     for repeat in range(args.repeats):
-        shift = repeat % len(CONFIGS)
-        for name in CONFIGS[shift:] + CONFIGS[:shift]:
+        for name in orders[repeat % len(orders)]:
             if name == "hf":
                 run = run_hf(hf_model, prompts, args.new_tokens, pad_id)
             else:

@@ -4,7 +4,9 @@ Held-out prompts, greedy, batch 1 (or ``--batch``), HiSparse on unless ``--no-hi
 configuration it reports the accept length (tokens committed per verify, bonus included), the accept
 rate (drafts accepted / proposed) and decode tokens/s (from the first output token to the last, so
 prefill is excluded), and the speed-up over plain decoding. Configurations alternate prompt by
-prompt, so machine noise hits all of them alike; the whole alternation runs ``--repeats`` times.
+prompt, so machine noise hits all of them alike, in an order that goes through every order of them
+from one prompt to the next (each configuration runs right after each other one equally often:
+what ran just before moves a run's speed); the whole alternation runs ``--repeats`` times.
 Tokens/s is the median over repeats; the speed-up is the median of the paired per-prompt ratios
 (each configuration against plain decoding on the same prompt in the same repeat), which cancels
 the drift of a shared machine between prompts. The outputs must be identical (greedy is lossless);
@@ -14,6 +16,7 @@ the benchmark says so if they are not.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 from pipeline.benchmarks.common import (
     add_common_args,
@@ -82,17 +85,20 @@ def main(argv: list[str]) -> int:
     per_repeat: dict[int, list[float]] = {k: [] for k in steps}  # tokens/s of each whole repeat
     ratios: dict[int, list[float]] = {k: [] for k in steps}  # paired per-prompt speed-ups
     identical = True
+    orders = list(itertools.permutations(steps))  # each after each other equally often (docstring)
+    turn = 0
     for _ in range(args.repeats):
         seconds = dict.fromkeys(steps, 0.0)
         tokens = dict.fromkeys(steps, 0)
         for start in range(0, len(prompts), args.batch):
             batch = prompts[start : start + args.batch]
             outputs, rates = {}, {}
-            for k in steps:
+            for k in orders[turn % len(orders)]:
                 outputs[k], sec, count = run_batch(executors[k], batch, args.new_tokens)
                 seconds[k] += sec
                 tokens[k] += count
                 rates[k] = count / sec
+            turn += 1
             for k in steps:
                 ratios[k].append(rates[k] / rates[0])
             identical &= all(outputs[k] == outputs[0] for k in steps)

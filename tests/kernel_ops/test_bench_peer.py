@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import collections
+import itertools
 import json
 
 import pytest
@@ -73,3 +75,23 @@ def test_warmup_runs_every_configuration_untimed_first(monkeypatch):
     row = peer.measure(args, None, None, 0, batch=1, prompt_len=8)
     assert calls[:3] == ["hf", "plain", "spec"] and sorted(calls[3:]) == ["hf", "hf", "plain", "plain", "spec", "spec"]
     assert row["runs"]["tokens_per_s"] == {name: [2.0, 2.0] for name in peer.CONFIGS}  # the slow warm-up left out
+
+
+def test_over_six_repeats_each_configuration_runs_right_after_each_other_equally_often(monkeypatch):
+    """The repeats go through every order of the three configurations: each runs first, second and
+    third twice, and right after each other configuration (within a repeat) twice."""
+    calls = []
+
+    def fake(name):
+        def run(*args, **kwargs):
+            calls.append(name if name == "hf" else ("spec" if kwargs.get("spec") else "plain"))
+            return {"seconds": 1.0, "outputs": [[1, 2]], "ttft": 0.1}
+        return run
+
+    monkeypatch.setattr(peer, "run_hf", fake("hf"))
+    monkeypatch.setattr(peer, "run_engine", fake("engine"))
+    peer.measure(argparse.Namespace(seed=0, new_tokens=2, repeats=6, warmup=0), None, None, 0, batch=1, prompt_len=8)
+    repeats = [tuple(calls[i : i + 3]) for i in range(0, 18, 3)]
+    assert sorted(repeats) == sorted(itertools.permutations(peer.CONFIGS))
+    after = collections.Counter((r[i], r[i + 1]) for r in repeats for i in range(2))
+    assert set(after.values()) == {2} and len(after) == 6
