@@ -5,10 +5,10 @@ DeepSeek-V3.2 class), greedy, the same prompts. Three configurations alternate w
 HF ``generate`` on a left-padded batch, the engine decoding plainly, and the engine with MTP
 speculation; both engine configurations run HiSparse. Repeat by repeat the order goes through all
 six orders of the three, so that each configuration runs first, second and third, and right after
-each of the others, equally often (over 6 repeats): a run is affected by the one before it (an engine
-run right after HF's was measured 2-3% faster than one right after another engine run, so with the
-orders only rotated, speculation, which followed plain decoding in most repeats, came out 2-4%
-behind it when the two were level). Workloads: batches of ``--concurrency``
+each of the others, equally often (over 6 repeats): a run is affected by the one before it. With
+the orders only rotated, speculation ran right after plain decoding in most repeats and came out
+2-4% behind it at batches of 8 and 32, where it decodes plainly too; plain decoding in both places
+of that order measured the same way gave 0.98x for the second one (9 alternations). Workloads: batches of ``--concurrency``
 requests with ``--prompt-len``-byte prompts, and one ``--long-prompt-len``-byte prompt alone.
 
 Reported per workload and configuration (medians over repeats): generated tokens per second from
