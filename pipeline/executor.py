@@ -136,12 +136,6 @@ class HiddenRun:
         self.blocks.append((start, hidden, tuple(next_ids)))
         self.count += n
 
-    def add_row(self, position: int, row: torch.Tensor, next_id: int) -> None:
-        """``add`` of a decode step's one row ``[D]`` (the step's hot path: no checks of its shape)."""
-        assert not self.count or position == self.blocks[0][0] + self.count, f"position {position} does not continue"
-        self.blocks.append((position, row, (next_id,)))
-        self.count += 1
-
     def truncate(self, end: int) -> None:
         """Keep the positions below ``end``."""
         kept: list[tuple[int, torch.Tensor, tuple[int, ...]]] = []
@@ -636,7 +630,7 @@ class Executor:
         out: dict[str, tuple[int, ...]] = {}
         if ran:
             self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
-        speculative, limit = self.speculative, self.mtp_limit
+        speculative = self.speculative
         due: list[Sequence] = []
         for seq, (_, logits, hidden, pick) in ran:
             try:
@@ -650,10 +644,10 @@ class Executor:
                 continue
             seq.draft = None  # a plain step of a speculative request (adaptive speculation)
             position = self.memory.length(seq.row) - 1  # of the token this step computed
-            if limit is None or position < limit:  # (``_mtp_rows``: a row past the limit is never read)
+            if not self._past_limit(position):  # (a row at or past the limit is never read)
                 # a view of the step's hidden states, which nothing writes again: the requests of the
                 # step hold its rows together (what a copy each would hold), without a copy per request
-                seq.behind.add_row(position, hidden, seq.plain_next)
+                seq.behind.add(position, hidden, (seq.plain_next,))
                 # (one that can no longer speculate, past mtp_limit, keeps its rows for the cache)
                 if seq.behind.count >= self.catch_up_after and not self._past_limit(position + 1):
                     due.append(seq)
