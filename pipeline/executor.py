@@ -71,6 +71,7 @@ from pipeline.messages import (
     RoomResult,
     StepFigures,
     StepResult,
+    TokenLogprob,
     Verify,
 )
 from pipeline.model import DeepseekV32, load_model
@@ -78,7 +79,7 @@ from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
-from pipeline.sampling import SamplingParams, greedy_picks, make_generator, sample
+from pipeline.sampling import LogitContext, SamplingParams, choose, greedy_picks, make_generator
 from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
@@ -186,6 +187,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     token_ids: tuple[int, ...] = ()  # what the prefill runs (prompt, plus output after a retraction)
+    num_prompt: int = 0  # the prompt's share of token_ids (the rest is output from before a retraction)
+    end_ids: frozenset[int] = frozenset()  # the ids that end it (what ``min_tokens`` keeps from being drawn)
     prefilled: int = 0  # positions of token_ids computed so far (chunked prefill; the cached prefix)
     produced: list[int] = attrs.Factory(list)  # tokens returned since admission, in order
     plain_next: int = -1  # plain decoding: sampled, its KV not computed yet (it sits at position = length)
@@ -204,6 +207,17 @@ class Sequence:
     def next_token(self) -> int:
         """The token whose KV comes next: the draft state's bonus in speculative mode."""
         return self.draft.bonus if self.draft is not None else self.plain_next
+
+    def context(self) -> LogitContext | None:
+        """What its logit adjustments read before its next token is chosen (None when none apply)."""
+        if not self.params.adjusts_logits:
+            return None
+        output = (*self.token_ids[self.num_prompt :], *self.produced)
+        return LogitContext(self.token_ids[: self.num_prompt], output, self.end_ids)
+
+    def choose(self, logits: torch.Tensor, pick: int | None = None) -> tuple[int, TokenLogprob | None]:
+        """Its next token from ``logits [V]`` (``pipeline.sampling.choose``) and its log-probabilities."""
+        return choose(logits, self.params, self.generator, self.context(), pick)
 
 
 def _reason(exc: BaseException) -> str:
@@ -436,6 +450,7 @@ class Executor:
         """After a prefill forward: commit each chunk; a prompt's last chunk samples its first token,
         draft-extends (speculative) and starts staging."""
         first: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
         extend: list[tuple[Sequence, ExtendInput]] = []
         for (seq, start, end), hidden, logits in ran:
             final = end == len(seq.token_ids)
@@ -451,11 +466,13 @@ class Executor:
                         extend.append((seq, ExtendInput(seq.row, start, next_ids, hidden[:keep], seq.params, None,
                                                         False)))
                     continue
-                token = sample(logits, seq.params, seq.generator)
+                token, logprob = seq.choose(logits)
             except Exception as exc:  # this request's commit or sampling, this request's failure
                 failed[seq.request_id] = _reason(exc)
                 continue
             first[seq.request_id] = token
+            if logprob is not None:
+                logprobs[seq.request_id] = logprob
             seq.produced.append(token)
             if self.speculative:
                 next_ids = (*seq.token_ids[start + 1 :], token)
@@ -479,11 +496,12 @@ class Executor:
             failed.update(errors)
             for rid in errors:
                 first.pop(rid, None)
+                logprobs.pop(rid, None)
         for rid, token in first.items():
             seq = self.seqs[rid]
             if not self._ends_at_first(seq, token):
                 self.memory.start_staging(seq.row, len(seq.token_ids))
-        return PrefillResult(first, failed)
+        return PrefillResult(first, failed, logprobs)
 
     def _prefill_forward(
         self, items: list[tuple[Sequence, int, int]]
@@ -628,17 +646,23 @@ class Executor:
     def _finish_decode(self, ran: list, failed: dict[str, str], refused: tuple[str, ...]) -> StepResult:
         """After a decode forward: commit the new rows, sample each request's next token."""
         out: dict[str, tuple[int, ...]] = {}
+        logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
         if ran:
             self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
         speculative = self.speculative
         due: list[Sequence] = []
         for seq, (_, logits, hidden, pick) in ran:
             try:
-                seq.plain_next = pick if pick is not None else sample(logits, seq.params, seq.generator)
+                if pick is not None and seq.params.plain_choice:
+                    seq.plain_next, logprob = pick, None
+                else:
+                    seq.plain_next, logprob = seq.choose(logits, pick)
             except Exception as exc:  # this request's sampling, this request's failure
                 failed[seq.request_id] = _reason(exc)
                 continue
             out[seq.request_id] = (seq.plain_next,)
+            if logprob is not None:
+                logprobs[seq.request_id] = (logprob,)
             seq.produced.append(seq.plain_next)
             if not speculative:
                 continue
@@ -656,7 +680,8 @@ class Executor:
             for rid, why in errors.items():
                 failed[rid] = why
                 out.pop(rid, None)
-        return StepResult(out, refused, failed=failed)
+                logprobs.pop(rid, None)
+        return StepResult(out, refused, failed=failed, logprobs=logprobs)
 
     def _catch_up_group(self, seqs: list[Sequence]) -> list[Sequence]:
         self._catch_up(seqs)
@@ -828,7 +853,7 @@ class Executor:
                 self.spec_counters.record(done.accepted[rid])
             if rid in done.tokens:
                 self.seqs[rid].produced.extend(done.tokens[rid])
-        return StepResult(done.tokens, accepted=done.accepted, failed=done.failed)
+        return StepResult(done.tokens, accepted=done.accepted, failed=done.failed, logprobs=done.logprobs)
 
     # --- fault isolation ----------------------------------------------------------------------------
 
@@ -1006,7 +1031,10 @@ class Executor:
             gen = self._sampling_state.pop(seq.request_id)
         else:
             gen = make_generator(seq.params, self.config.seed, seq.request_id)
-        self.seqs[seq.request_id] = Sequence(seq.request_id, row, seq.params, gen, tuple(seq.token_ids))
+        params = seq.params
+        prompt = len(seq.token_ids) if seq.num_prompt_tokens is None else seq.num_prompt_tokens
+        ends = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids)
+        self.seqs[seq.request_id] = Sequence(seq.request_id, row, params, gen, tuple(seq.token_ids), prompt, ends)
         self._by_row[row] = seq.request_id
 
     def _labels(self) -> dict[int, str] | None:

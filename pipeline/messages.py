@@ -38,6 +38,9 @@ class NewSequence:
     request_id: str
     token_ids: tuple[int, ...]  # the prompt (after a retraction: prompt + tokens generated so far)
     params: SamplingParams
+    # how many of ``token_ids`` are the prompt (the rest: output before a retraction, which the
+    # logit adjustments count as output); None: all of them
+    num_prompt_tokens: int | None = None
 
 
 @attrs.frozen
@@ -135,6 +138,17 @@ Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | R
 
 
 @attrs.frozen
+class TokenLogprob:
+    """One output token's log-probability under the distribution it was drawn from (after the
+    request's logit adjustments, temperature, top-k and top-p; ``-inf`` for a token it could not
+    draw), and the most likely tokens of that distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; as many as asked
+
+
+@attrs.frozen
 class AdmitResult:
     admitted: tuple[str, ...]  # a prefix of the candidates, in order; they own memory now
     # request id -> leading prompt tokens found in the prefix cache (their KV is shared, not computed)
@@ -145,6 +159,8 @@ class AdmitResult:
 class PrefillResult:
     first_tokens: dict[str, int]  # request id -> the token sampled after its prompt (its last chunk ran)
     failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue (others unaffected)
+    # request id -> its first token's log-probabilities (requests that ask for them)
+    logprobs: dict[str, TokenLogprob] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -166,6 +182,8 @@ class StepResult:
     refused: tuple[str, ...] = ()  # could not step (memory): the caller retracts them
     accepted: dict[str, int] = attrs.Factory(dict)  # speculative: accepted drafts per request
     failed: dict[str, str] = attrs.Factory(dict)  # request id -> why it cannot continue (others unaffected)
+    # request id -> one entry per token of ``tokens`` (requests that ask for log-probabilities)
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.Factory(dict)
 
 
 @attrs.frozen
@@ -260,6 +278,8 @@ class RequestOutput:
     finished: bool  # True on the last delta only
     finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
     metrics: RequestMetrics | None  # timings and counters, on the last delta only
+    # one per entry of ``token_ids`` when the request asked (``SamplingParams.logprobs``), else None
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 @attrs.frozen
@@ -271,3 +291,4 @@ class GenerateResult:
     token_ids: tuple[int, ...]  # every output token (EOS included when it ended the request)
     finish_reason: str  # "stop" | "length" | "abort"
     metrics: RequestMetrics  # queue time, TTFT, ITL, e2e latency, retractions, speculative counters
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per output token when asked, else None

@@ -14,6 +14,7 @@ import structlog
 
 from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.logs import info_enabled, request_context
+from pipeline.messages import TokenLogprob
 from pipeline.model.tokenizer import Tokenizer
 from pipeline.sampling import SamplingParams
 from pipeline.speculative.metrics import SpecCounters
@@ -87,6 +88,8 @@ class Request:
     max_context_len: int
     state: State = State.QUEUED
     output_ids: list[int] = attrs.Factory(list)
+    # one per output id when the request asks for log-probabilities (``SamplingParams.logprobs``)
+    output_logprobs: list[TokenLogprob] | None = None
     # set only by the terminal event (``apply``): "stop" | "length" | "abort" | "error"
     finish_reason: str | None = None
     error: str | None = None  # a crash's reason
@@ -98,6 +101,8 @@ class Request:
 
     def __attrs_post_init__(self) -> None:
         self.metrics.num_prompt_tokens = len(self.prompt_ids)
+        if self.params.logprobs is not None and self.output_logprobs is None:
+            self.output_logprobs = []
         self._detok = IncrementalDetokenizer(self.tokenizer)
         # as vLLM: ignore_eos ignores the model's end ids, never the request's own stop_token_ids
         model_ends = frozenset() if self.params.ignore_eos else self.tokenizer.eos_token_ids
@@ -153,13 +158,25 @@ class Request:
         """Prompt and output so far: what a re-admission after a retraction prefills."""
         return self.prompt_ids + tuple(self.output_ids)
 
-    def append(self, tokens: tuple[int, ...] | list[int], now: float | None = None) -> str | None:
-        """Add newly committed tokens, one by one; returns the finish reason if one of them ends the
-        request (the tokens after it are dropped). The caller ends the request with the terminal
-        event carrying that reason (``finish_reason`` is set there, not here)."""
+    def append(
+        self,
+        tokens: tuple[int, ...] | list[int],
+        now: float | None = None,
+        logprobs: tuple[TokenLogprob, ...] | None = None,
+    ) -> str | None:
+        """Add newly committed tokens, one by one (with their ``logprobs``, one each, when the
+        request asks for them); returns the finish reason if one of them ends the request (the
+        tokens after it are dropped). The caller ends the request with the terminal event carrying
+        that reason (``finish_reason`` is set there, not here)."""
         now = time.monotonic() if now is None else now
-        for token in tokens:
+        keep = self.output_logprobs
+        if keep is not None and (logprobs is None or len(logprobs) != len(tokens)):
+            raise ValueError(f"request {self.request_id!r}: {len(tokens)} tokens came with "
+                             f"{0 if logprobs is None else len(logprobs)} log-probabilities")
+        for i, token in enumerate(tokens):
             self.output_ids.append(token)
+            if keep is not None:
+                keep.append(logprobs[i])
             self.metrics.num_generation_tokens += 1
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now

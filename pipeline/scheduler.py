@@ -219,7 +219,9 @@ class AdmissionPart:
         if not candidates:
             self.waiting_for_memory = False
             return done
-        outcome = yield Admit(tuple(NewSequence(r.request_id, r.known_tokens(), r.params) for r in candidates))
+        outcome = yield Admit(tuple(
+            NewSequence(r.request_id, r.known_tokens(), r.params, len(r.prompt_ids)) for r in candidates
+        ))
         if outcome.error is not None:
             # nothing is known of the command's effect: release whatever it may have allocated
             self.remove({r.request_id for r in candidates})
@@ -355,7 +357,8 @@ class PrefillPart:
             if rid in result.failed:
                 ending.append((req, Crashed(result.failed[rid])))
                 continue
-            reason = req.append((result.first_tokens[rid],))
+            logprob = result.logprobs.get(rid)
+            reason = req.append((result.first_tokens[rid],), logprobs=None if logprob is None else (logprob,))
             if reason is not None:
                 ending.append((req, FinishedAtPrefill(reason)))
             elif rid in self.aborts.pending:
@@ -677,7 +680,7 @@ class DecodePart:
             req = self.members[rid]
             if verified:
                 req.record_verify(result.accepted[rid], self.num_steps)
-            reason = req.append(tokens)
+            reason = req.append(tokens, logprobs=result.logprobs.get(rid))
             notify.append(req)
             if reason is not None:
                 ending.append((req, Finished(reason)))

@@ -10,7 +10,8 @@ The rules:
   surrogate is refused) or a list or tuple of token ids: Python ints (bools are not token ids) in
   ``[0, vocab_size)``; not empty, and shorter than ``max_context_len`` so that at least one output
   token fits;
-* ``params`` is a ``SamplingParams`` whose own ``validate`` passes (every field's type and range).
+* ``params`` is a ``SamplingParams`` whose own ``validate`` passes (every field's type and range),
+  and whose ``logit_bias`` names ids of the vocabulary.
 """
 
 from __future__ import annotations
@@ -61,6 +62,9 @@ def validate_request(
     ]
     if bad:
         raise RequestError("prompt", bad[:8], f"token ids must be ints (not bools) in [0, {vocab_size})")
+    biased = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if biased:
+        raise RequestError("logit_bias", biased[:8], f"token ids must be in [0, {vocab_size})")
     if len(prompt_ids) >= max_context_len:
         raise RequestError(
             "prompt",

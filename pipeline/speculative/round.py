@@ -25,6 +25,7 @@ from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_
 
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
+    from pipeline.messages import TokenLogprob
     from pipeline.model.model import DeepseekV32
 
 
@@ -35,6 +36,8 @@ class VerifyRound:
     tokens: dict[str, tuple[int, ...]]  # committed after the previous bonus: d_1..d_a, then the new bonus
     accepted: dict[str, int]  # a: accepted drafts (the bonus excluded)
     failed: dict[str, str]  # why a request cannot go on (finalize rolled back, or its own error)
+    # one per committed token, for the requests that ask for log-probabilities
+    logprobs: dict[str, tuple[TokenLogprob, ...]] = attrs.Factory(dict)
 
 
 def draft(model: DeepseekV32, memory: KVMemory, seqs: Sequence, num_steps: int) -> None:
@@ -92,13 +95,16 @@ def verify(
     failed.update(errors)
     # acceptance, one request at a time (its own sampling can fail it alone)
     decided = []
+    logprob_of: dict[str, tuple[TokenLogprob, ...]] = {}
     for seq, n, layout, hidden, logits, choice in ran:
         try:
-            a, token = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params, seq.generator,
-                              choice)
+            a, token, logprobs = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params,
+                                        seq.generator, choice, seq.context())
         except Exception as exc:  # one request's fault fails that request
             failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
             continue
+        if logprobs is not None:
+            logprob_of[seq.request_id] = logprobs
         decided.append((seq, n, layout, hidden, a, token))
     tokens: dict[str, tuple[int, ...]] = {}
     accepted: dict[str, int] = {}
@@ -132,7 +138,7 @@ def verify(
         failed[rid] = why
         tokens.pop(rid, None)
         accepted.pop(rid, None)
-    return VerifyRound(tokens, accepted, failed)
+    return VerifyRound(tokens, accepted, failed, {rid: lp for rid, lp in logprob_of.items() if rid in tokens})
 
 
 def _sub_layout(layout, items, d: int):

@@ -21,12 +21,20 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from pipeline.sampling import SamplingParams, greedy_picks, probabilities
+from pipeline.sampling import (
+    LogitContext,
+    SamplingParams,
+    adjust_logits,
+    greedy_picks,
+    probabilities,
+    token_logprob,
+)
 from pipeline.speculative.acceptance import greedy_accept, rejection_accept
 from pipeline.speculative.draft_state import DraftBatch, DraftState
 
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
+    from pipeline.messages import TokenLogprob
     from pipeline.model.model import DeepseekV32
 
 
@@ -48,13 +56,6 @@ class ExtendInput:
     # False for a prompt chunk that is not the prompt's last: only the MTP rows are written (the next
     # id of its last position is the next chunk's first token; nothing is proposed or sampled)
     propose: bool = True
-
-
-@attrs.frozen
-class VerifyOutcome:
-    tokens: tuple[int, ...]  # committed this round after the previous bonus: d_1..d_a, new bonus
-    accepted: int  # a, accepted drafts (the bonus token excluded)
-    state: DraftState | None  # for the next round; None when finalize failed
 
 
 def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
@@ -158,9 +159,24 @@ def accept(
     params: SamplingParams,
     generator: torch.Generator | None,
     choice: list[int] | None = None,  # greedy: the target's argmax per row, when already read
-) -> tuple[int, int]:
+    context: LogitContext | None = None,  # the request's, before the bonus token's successor
+) -> tuple[int, int, tuple[TokenLogprob, ...] | None]:
+    """(accepted drafts a, the new bonus token, the log-probabilities of the ``a + 1`` committed
+    tokens when the request asks for them). Row j's logits are adjusted for the context extended by
+    ``d_1..d_j`` (the output a plain step there would have seen), so a request with penalties, a
+    bias or ``min_tokens`` is verified against exactly the distribution plain decoding samples."""
+    if params.adjusts_logits:
+        assert context is not None, "adjusted logits need the request's context"
+        logits = torch.stack([adjust_logits(logits[j], params, context.extended(drafts[:j]))
+                              for j in range(logits.shape[0])])
+        choice = None
     if params.greedy:
-        return greedy_accept(drafts, logits, choice)
-    assert draft_probs is not None
-    target = probabilities(logits.cpu(), params)
-    return rejection_accept(drafts, draft_probs, target, generator)
+        a, token = greedy_accept(drafts, logits, choice)
+    else:
+        assert draft_probs is not None
+        target = probabilities(logits.cpu(), params)
+        a, token = rejection_accept(drafts, draft_probs, target, generator)
+    if params.logprobs is None:
+        return a, token, None
+    committed = (*drafts[:a], token)
+    return a, token, tuple(token_logprob(logits[j], params, t) for j, t in enumerate(committed))

@@ -70,6 +70,7 @@ class OutputBuffer:
         if len(visible) > len(self.sent_text):
             self.sent_text = visible
         tokens = tuple(req.output_ids[self.sent_tokens :])
+        logprobs = None if req.output_logprobs is None else tuple(req.output_logprobs[self.sent_tokens :])
         self.sent_tokens = len(req.output_ids)
         self.final_sent = finished
         self.on_read()
@@ -80,6 +81,7 @@ class OutputBuffer:
             finished=finished,
             finish_reason=req.finish_reason if finished else None,
             metrics=req.metrics if finished else None,
+            logprobs=logprobs,
         )
 
     def _settled_text(self) -> str:

@@ -96,3 +96,21 @@ async def test_bells_keep_one_wake_outstanding_and_never_block():
     bells.close()
     bells.ring("decode", reason="late")  # closed: ignored
     receive.close()
+
+
+def test_deltas_carry_the_logprobs_of_their_tokens_and_a_stop_drops_the_rest():
+    from pipeline.messages import TokenLogprob
+
+    req = decoding("r", max_new_tokens=20, logprobs=1, stop_token_ids=(33,))
+    buffer = OutputBuffer(req)
+    entries = [TokenLogprob(t, -0.5 * i, ((t, -0.5 * i),)) for i, t in enumerate((65, 66, 33, 67))]
+    assert req.append((65, 66), logprobs=tuple(entries[:2])) is None
+    first = buffer.take()
+    assert first.token_ids == (65, 66) and first.logprobs == tuple(entries[:2])
+    assert req.append((33, 67), logprobs=tuple(entries[2:])) == "stop"  # 67 comes after the stop id
+    assert buffer.take().logprobs == (entries[2],)
+    with pytest.raises(ValueError):
+        req.append((68,))  # a request that asks for them gets them with every token
+    plain = decoding("p", max_new_tokens=4)
+    plain.append((65,))
+    assert OutputBuffer(plain).take().logprobs is None
