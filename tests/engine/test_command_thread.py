@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextvars
 import itertools
 import threading
-import time
 
 import anyio
 import anyio.lowlevel
@@ -66,11 +65,13 @@ def test_a_command_sees_the_callers_context():
 def test_cancelling_the_caller_waits_for_the_running_command():
     """A cancel scope around the call does not abandon a running command: the caller returns only
     after it ended (the executor's state is never left half-changed), and the cancellation then
-    takes effect at the scope's next checkpoint."""
-    finished = threading.Event()
+    takes effect at the scope's next checkpoint. The scope is cancelled while the command is
+    known to run, and the command ends only after that: no timing is assumed."""
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
 
     def slow() -> str:
-        time.sleep(0.2)
+        started.set()
+        release.wait(timeout=60)  # a hang guard only
         finished.set()
         return "done"
 
@@ -78,9 +79,18 @@ def test_cancelling_the_caller_waits_for_the_running_command():
         thread = CommandThread()
         got: list[object] = []
         try:
-            with anyio.move_on_after(0.02) as scope:
-                got.append(await thread.run(slow))
-                await anyio.sleep(1)  # the cancellation lands here
+            async with anyio.create_task_group() as tg:
+                with anyio.CancelScope() as scope:
+
+                    async def cancel_while_running() -> None:
+                        while not started.is_set():
+                            await anyio.sleep(0.001)
+                        scope.cancel()
+                        release.set()
+
+                    tg.start_soon(cancel_while_running)
+                    got.append(await thread.run(slow))
+                    await anyio.sleep_forever()  # the cancellation lands here
             return got[0] if got else None, finished.is_set(), scope.cancelled_caught
         finally:
             thread.close()
