@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 
 import attrs
+import structlog
 
 from pipeline.chunking import plan_chunks
 from pipeline.messages import (
@@ -78,6 +79,8 @@ from statemachines.request import (
     StepDone,
     Verified,
 )
+
+log = structlog.get_logger("hispec.scheduler")
 
 
 @attrs.define(eq=False)
@@ -153,6 +156,12 @@ def retract(reqs: list[Request], stage: str) -> Turn:
         req.apply(Retracted(), stage)
         req.metrics.num_retractions += 1
     return Handoff(requeue=list(reqs))
+
+
+def output_fault(exc: BaseException) -> str:
+    """The reason a request fails when turning its tokens into output raised (logged with its trace)."""
+    log.error("scheduler.output_failed", error=f"{type(exc).__name__}: {exc}", exc_info=True)
+    return f"its output could not be detokenized: {type(exc).__name__}: {exc}"
 
 
 def fail(reqs: Iterable[Request], reason: str, stage: str) -> Turn:
@@ -358,7 +367,11 @@ class PrefillPart:
                 ending.append((req, Crashed(result.failed[rid])))
                 continue
             logprob = result.logprobs.get(rid)
-            reason = req.append((result.first_tokens[rid],), logprobs=None if logprob is None else (logprob,))
+            try:
+                reason = req.append((result.first_tokens[rid],), logprobs=None if logprob is None else (logprob,))
+            except Exception as exc:  # its detokenizer (or its text's stop rule): this request's fault alone
+                ending.append((req, Crashed(output_fault(exc))))
+                continue
             if reason is not None:
                 ending.append((req, FinishedAtPrefill(reason)))
             elif rid in self.aborts.pending:
@@ -680,7 +693,11 @@ class DecodePart:
             req = self.members[rid]
             if verified:
                 req.record_verify(result.accepted[rid], self.num_steps)
-            reason = req.append(tokens, logprobs=result.logprobs.get(rid))
+            try:
+                reason = req.append(tokens, logprobs=result.logprobs.get(rid))
+            except Exception as exc:  # its detokenizer (or its text's stop rule): this request's fault alone
+                ending.append((req, Crashed(output_fault(exc))))
+                continue
             notify.append(req)
             if reason is not None:
                 ending.append((req, Finished(reason)))

@@ -39,6 +39,10 @@ def encode_prompt(prompt: object, tokenizer: Encoder) -> list[int]:
                 prompt[max(0, exc.start - 8) : exc.end + 8],
                 f"is not valid Unicode text ({exc.reason} at character {exc.start})",
             ) from None
+        except Exception as exc:  # the tokenizer's own failure on this text: this request's error alone
+            raise RequestError(
+                "prompt", prompt[:40], f"the tokenizer could not encode it ({type(exc).__name__}: {exc})"
+            ) from exc
     if isinstance(prompt, (list, tuple)):
         return list(prompt)
     raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids")
