@@ -47,13 +47,22 @@ def score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _no_nan(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` with NaN as ``-inf``: a NaN score (from non-finite weights or activations) is never
+    selected, in every implementation alike (the request then fails on its non-finite logits)."""
+    nan = torch.isnan(scores)
+    return scores.masked_fill(nan, float("-inf")) if bool(nan.any()) else scores
+
+
 def stable_topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Stable descending top-k over the last dim of ``scores`` (``-inf`` = not visible).
+    """Stable descending top-k over the last dim of ``scores`` (``-inf`` = not visible; NaN is never
+    selected either).
 
     Returns int32 positions ``[..., top_k]`` in contract order, -1 where fewer positions are visible.
     """
     n = scores.shape[-1]
     k = min(top_k, n)
+    scores = _no_nan(scores)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
     picked = torch.gather(scores, -1, order)
     out = torch.where(picked == float("-inf"), torch.full_like(order, -1), order).to(torch.int32)
@@ -79,7 +88,7 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
     """
     lead, n = scores.shape[:-1], scores.shape[-1]
     rows, k = lead.numel(), min(top_k, n)
-    scores = scores.reshape(rows, n)
+    scores = _no_nan(scores.reshape(rows, n))
     out = torch.full((rows, top_k), -1, dtype=torch.int32, device=scores.device)
     if k == 0 or rows == 0:
         return out.view(*lead, top_k)

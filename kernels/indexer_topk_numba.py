@@ -19,7 +19,9 @@ kept entry is written at its rank, the number of kept entries before it in contr
 branch-free over all of them (``top_k`` squared comparisons that the compiler vectorises, about
 half the time of the pops for 64 of them). Rows with fewer visible positions than ``top_k`` (never
 ordered as a heap) are padded with -1, and a ``-inf`` score is never selected (the torch path
-writes -1 for it too). ``-0.0`` equals ``0.0`` in every comparison.
+writes -1 for it too), nor is a NaN score (a NaN compares false both ways, which would leave two
+entries one rank and a rank unwritten: a garbage position). ``-0.0`` equals ``0.0`` in every
+comparison.
 
 Scores are summed in the score dtype (float32, float64 for float64 inputs) in the order the
 compiler vectorises them (``reassoc``), so they agree with the torch path's to rounding, as the
@@ -143,6 +145,8 @@ def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma:
                 hs, hp, size = heap_s[t], heap_p[t], sizes[t]
                 for i in range(seen):
                     score = scores[i]
+                    if score != score:  # NaN: never selected, as -inf (it would break the ranking)
+                        score = -np.inf
                     if size < top_k:  # filling: kept unordered, ordered once when full
                         if score != -np.inf:
                             hs[size] = score

@@ -68,6 +68,7 @@ def _select_kernel(score_ptr, lens_ptr, out_ptr, max_len, top_k, NONE_KEY: tl.co
         s = start + ik
         ok = (s < n) & (s < max_len)
         score = tl.load(score_ptr + t.to(tl.int64) * max_len + s, mask=ok, other=0.0)
+        ok = ok & (score == score)  # a NaN score is never selected (the contract's rule)
         score = tl.where(score == 0.0, 0.0, score)  # -0.0 ties with 0.0
         bits = score.to(tl.int32, bitcast=True)
         key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # monotone: int order == float order

@@ -79,7 +79,15 @@ from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
-from pipeline.sampling import LogitContext, SamplingParams, choose, greedy_picks, make_generator
+from pipeline.sampling import (
+    NON_FINITE,
+    LogitContext,
+    NonFiniteLogits,
+    SamplingParams,
+    checked_picks,
+    choose,
+    make_generator,
+)
 from pipeline.speculative import round as spec_round
 from pipeline.speculative.draft_state import DraftState
 from pipeline.speculative.metrics import SpecCounters
@@ -653,6 +661,8 @@ class Executor:
         due: list[Sequence] = []
         for seq, (_, logits, hidden, pick) in ran:
             try:
+                if pick == NON_FINITE:
+                    raise NonFiniteLogits()
                 if pick is not None and seq.params.plain_choice:
                     seq.plain_next, logprob = pick, None
                 else:
@@ -705,11 +715,12 @@ class Executor:
         return _Batch(ids, positions, backend, targets.slots)
 
     def _decode_outputs(self, seqs: list[Sequence], batch: _Batch, hidden: torch.Tensor) -> list:
-        """Per request: (its new row's slot, its logits, its hidden state, its greedy token or None).
-        The greedy requests' tokens are one ``argmax`` over the batch's rows (the one ``sample``
-        takes of each row alone: the first maximum), read back in one transfer."""
+        """Per request: (its new row's slot, its logits, its hidden state, its greedy token or None,
+        or ``NON_FINITE``). The greedy requests' tokens are one ``argmax`` over the batch's rows (the
+        one ``sample`` takes of each row alone: the first maximum), read back in one transfer with
+        whether each request's logits are finite."""
         logits = self.model.logits(hidden)  # [B, V]
-        picks = greedy_picks(logits, [s.params for s in seqs])
+        picks = checked_picks(logits, [s.params for s in seqs])
         return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i])) for i, s in enumerate(seqs)]
 
     # --- a mixed step -------------------------------------------------------------------------------

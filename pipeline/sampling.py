@@ -66,6 +66,17 @@ def _bias_pairs(value: object) -> object:
     return value
 
 
+class NonFiniteLogits(ValueError):
+    """A request's logits hold a NaN or an infinity: no token can be chosen from them (the request
+    fails with this reason; nothing derived from them is ever used as an index)."""
+
+    def __init__(self) -> None:
+        super().__init__("the model's logits hold NaN or infinite values (non-finite weights or activations)")
+
+
+# a request's entry in ``checked_picks`` when its logits are not all finite
+NON_FINITE = -1
+
 # the most alternatives a request may ask log-probabilities for (OpenAI's chat limit)
 MAX_LOGPROBS = 20
 # the largest |bias| of ``logit_bias`` (OpenAI's range)
@@ -238,6 +249,8 @@ def choose(
     """One token from ``logits [V]`` and its log-probabilities (None unless asked): ``sample`` on the
     logits adjusted for ``context`` (needed when ``params.adjusts_logits``). ``pick``: the greedy
     argmax of the raw logits, when the caller read it already (used only if nothing adjusts them)."""
+    if pick is None and not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits()
     if params.adjusts_logits:
         assert context is not None, "adjusted logits need the request's context"
         logits = adjust_logits(logits, params, context)
@@ -281,6 +294,27 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
+
+
+def checked_picks(logits: torch.Tensor, params: list[SamplingParams]) -> list:
+    """``greedy_picks`` of ``logits [B, ..., V]``, and ``NON_FINITE`` for every request whose rows
+    hold a NaN or an infinity (whatever its parameters), from one read-back: a request the caller
+    fails (``NonFiniteLogits``) instead of choosing a token from garbage."""
+    batch = logits.shape[0]
+    finite = torch.isfinite(logits).reshape(batch, -1).all(-1)  # [B]
+    greedy = [p.greedy and not p.adjusts_logits for p in params]
+    if not any(greedy):
+        return [None if ok else NON_FINITE for ok in finite.tolist()]
+    picks = logits.argmax(-1).reshape(batch, -1)  # [B, rows per request]
+    picks = torch.where(finite[:, None], picks, NON_FINITE).tolist()
+    whole = logits.dim() > 2  # a list of picks per request (a verify's rows)
+    out: list = []
+    for row, g in zip(picks, greedy):
+        if row[0] == NON_FINITE:
+            out.append(NON_FINITE)
+        else:
+            out.append((row if whole else row[0]) if g else None)
+    return out
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from pipeline.sampling import greedy_picks
+from pipeline.sampling import NON_FINITE, NonFiniteLogits, checked_picks
 from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
 
 if TYPE_CHECKING:
@@ -86,8 +86,9 @@ def verify(
         )
         hidden = model(ids, positions, backend)  # [B * D, H]
         logits = model.logits(hidden).reshape(len(group), d, -1)
-        # the greedy requests' target choices in one argmax over the batch, read back at once
-        choices = greedy_picks(logits, [s.params for s in group])
+        # the greedy requests' target choices in one argmax over the batch, read back at once with
+        # whether each request's logits are finite
+        choices = checked_picks(logits, [s.params for s in group])
         return [(s, n, layout, hidden[i * d : (i + 1) * d], logits[i], choices[i])
                 for i, (s, n) in enumerate(zip(group, lengths))]
 
@@ -98,6 +99,8 @@ def verify(
     logprob_of: dict[str, tuple[TokenLogprob, ...]] = {}
     for seq, n, layout, hidden, logits, choice in ran:
         try:
+            if choice == NON_FINITE:
+                raise NonFiniteLogits()
             a, token, logprobs = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params,
                                         seq.generator, choice, seq.context())
         except Exception as exc:  # one request's fault fails that request

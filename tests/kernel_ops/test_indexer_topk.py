@@ -497,3 +497,27 @@ def test_auto_keeps_wide_indexers_on_the_torch_path(monkeypatch):
     for case in (narrow, wide):
         assert torch.equal(indexer_topk(**case, top_k=6, scale=0.5), indexer_topk_oracle(**case, top_k=6, scale=0.5))
     assert calls == [(4, 4, 8)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_nan_score_is_never_selected(impl, dtype):
+    """Non-finite keys (a NaN weight upstream) give NaN scores: they are never selected, as ``-inf``,
+    and every position is one the query sees or -1 (a NaN once broke the compiled loop's ranking and
+    left a rank unwritten: a garbage position that read far out of bounds)."""
+    if impl == "triton" and dtype == torch.float64:
+        dtype = torch.float32  # the Triton kernels read float32 and narrower
+    case = make_case(7, tokens=4, lens=[40, 33, 20, 5], dtype=dtype, integer=False)
+    keys = case["index_k"]
+    poisoned = case["req_to_token"][case["req_rows"][0], [0, 3, 4, 9, 30]]
+    keys[poisoned] = float("nan")
+    got = indexer_topk(**case, top_k=16, scale=0.5, impl=impl)
+    lens = case["seq_lens"].tolist()
+    for t in range(got.shape[0]):
+        row = got[t].tolist()
+        seen = [p for p in row if p >= 0]
+        assert all(p < lens[t] for p in seen) and len(set(seen)) == len(seen)
+        visible = case["req_to_token"][case["req_rows"][t], : lens[t]]
+        bad = {s for s in range(lens[t]) if bool(torch.isnan(keys[visible[s]]).any())}
+        assert not bad & set(seen), f"query {t} selected a NaN-scored position"
+        assert len(seen) == min(16, lens[t] - len(bad))
