@@ -602,6 +602,8 @@ class HiSparseCoordinator:
                    self.req_to_token_device, self.req_to_host_device)
         if not hisparse_attend_numba.AVAILABLE or any(t.device.type != "cpu" for t in tensors):
             return None
+        if self.device_kv.dtype not in hisparse_attend_numba.DTYPES:  # (numpy has no bfloat16)
+            return None
         return hisparse_attend_numba.Pools(
             self.device_kv, self.index_k, self.buffers.tokens, self.buffers.locs, self.buffers.lru,
             self.host.kv, self.req_to_token_device, self.req_to_host_device,
