@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 import traceback
 
+from pipeline.cli_types import OptionError
 from pipeline.errors import ConfigError, HispecError, RequestError
 
 # subcommand -> (module, help); a bench target adds one more word: `hispec bench kernels ...`
@@ -43,9 +46,12 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
 
 VERBOSE_FLAGS = ("-v", "--verbose")
 # a mistake in what the user asked for: exit status 2 (ConfigError and RequestError are ValueErrors)
-USER_ERRORS = (ConfigError, RequestError, ValueError, OSError)
+USER_ERRORS = (ConfigError, RequestError, OptionError, ValueError, OSError)
 # the engine or a request failed while serving (EngineError, RequestFailed, ...): exit status 1
 RUN_ERRORS = (HispecError,)
+# stdout's reader has gone (`hispec plan | head`): no message, and the status a shell reports for a
+# program that SIGPIPE ended, 128 + 13 (as `seq 100000 | head` under `set -o pipefail`)
+CLOSED_STDOUT = 141
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="target", metavar="TARGET")
     for name, (_, text) in BENCH_TARGETS.items():
         bench_sub.add_parser(name, help=text, add_help=False)
+    # what a command line that names no command (or no bench target) prints
+    parser.set_defaults(command_help=parser.format_help, target_help=bench.format_help)
     return parser
 
 
@@ -86,14 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     A user error (a bad value, request, configuration or file) is one line on stderr,
     ``hispec COMMAND: message``, and status 2; a request or engine failure is one such line and
     status 1. ``-v`` / ``--verbose`` (``hispec -v COMMAND ...`` or among the command's options)
-    prints the traceback too. argparse's own errors print usage and exit 2 as usual.
+    prints the traceback too. argparse's own errors print usage and exit 2 as usual, and so does a
+    command line without a command. Ctrl+C is one line and status 130; a closed stdout (the reader
+    of a pipe has gone) ends the command quietly with status 141.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     verbose = bool(argv) and argv[0] in VERBOSE_FLAGS
     argv = argv[1:] if verbose else argv
     verbose = verbose or any(arg in VERBOSE_FLAGS for arg in argv)
     try:
-        return _run(argv)
+        status = _run(argv)
+        sys.stdout.flush()  # what is still buffered meets a closed pipe here, not at exit
+        return status
     except SystemExit as exc:  # argparse has printed its message already
         if exc.code is None or isinstance(exc.code, int):
             return exc.code or 0
@@ -104,13 +116,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseException as exc:
         error, others = reportable(exc)
+        if error is not None and any(isinstance(e, BrokenPipeError) for e in _leaves(exc)) and _stdout_closed():
+            return CLOSED_STDOUT
         if error is None:
             raise  # a bug, not a mistake: the traceback is the report
         if verbose:
             traceback.print_exception(exc)
         more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
         print(f"{_prog(argv)}: {one_line(error)}{more}", file=sys.stderr)
-        failed = isinstance(error, RUN_ERRORS) and not isinstance(error, (ConfigError, RequestError))
+        failed = isinstance(error, RUN_ERRORS) and not isinstance(error, (ConfigError, RequestError, OptionError))
         return 1 if failed else 2
 
 
@@ -120,10 +134,32 @@ def _run(argv: list[str]) -> int:
         return _dispatch(COMMANDS, argv[0], argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_TARGETS:
         return _dispatch(BENCH_TARGETS, argv[1], argv[2:])
-    args = parser.parse_args(argv)
-    if args.command is None or args.command == "bench":
-        parser.print_help()
-    return 0
+    args = parser.parse_args(argv)  # --help, --version, or an unknown command: argparse's answer
+    # no command, or `bench` without a target: the choices, and a usage error's status
+    shown = args.command_help if args.command is None else args.target_help
+    print(shown(), end="", file=sys.stderr)
+    return 2
+
+
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone; if so, stdout is pointed at the null device, so that the
+    interpreter's last flush at exit does not fail again (nobody reads what is left anyway). Where
+    that cannot be told (stdout is no pipe one can poll), a broken pipe is taken to be stdout's."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return True
+    if hasattr(select, "poll"):  # a pipe whose reader has gone polls as an error on its write end
+        poll = select.poll()
+        poll.register(fd, select.POLLOUT)
+        if not any(events & (select.POLLERR | select.POLLHUP) for _, events in poll.poll(0)):
+            return False
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+    return True
 
 
 def _prog(argv: list[str]) -> str:

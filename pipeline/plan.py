@@ -7,6 +7,10 @@ and the page size trade at the same budget. Nothing is loaded but the model's ``
 
     hispec plan --device-memory 64MB --context 2048
     hispec plan --device-memory 64MB --context 2048 --ratio 16 --no-spec --json plan.json
+
+Without ``--hot`` the plan takes the engine's default HOT, raised to the model's ``index_topk``
+(rounded up to whole pages) when the indexer selects more: the hot region holds a step's whole
+top-k. A value the model or the engine cannot run with is a ``ConfigError`` naming the option.
 """
 
 from __future__ import annotations
@@ -18,8 +22,17 @@ from typing import Any
 import attrs
 
 from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
-from pipeline.config import DEFAULT_CHUNK, EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
+from pipeline.config import (
+    DEFAULT_CHUNK,
+    EngineConfig,
+    HiSparseConfig,
+    SpeculativeConfig,
+    check_against_model,
+    resolve_for_model,
+)
 from pipeline.errors import ConfigError
+
+DEFAULT_HOT = HiSparseConfig().device_buffer_size
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -52,8 +65,40 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--context", type=int, required=True, help="tokens of one request (prompt and output)")
     add_plan_arguments(p)
+    p.set_defaults(hot=None)
     p.add_argument("--json", metavar="FILE", help="also write the plans as JSON")
     return p
+
+
+def default_hot(model_cfg: Any, page_size: int) -> int:
+    """HOT when none is given: the engine's default, or the model's top-k when it selects more,
+    in whole pages."""
+    return -(-max(DEFAULT_HOT, model_cfg.index_topk or 0) // page_size) * page_size
+
+
+def check_arguments(args: argparse.Namespace, model_cfg: Any) -> None:
+    """The options against each other and the model, each mistake a ``ConfigError`` naming its
+    option (before any plan is made, so none reads a context the model has no positions for)."""
+    positions = model_cfg.max_position_embeddings
+    top_k = model_cfg.index_topk or 0
+    for name, value in (("--context", args.context), ("--max-context-len", args.max_context_len)):
+        if value is None:
+            continue
+        if value < 1:
+            raise ConfigError(name, value, "must be >= 1")
+        if value > positions:
+            raise ConfigError(name, value, f"must be <= the model's max_position_embeddings ({positions})")
+    if args.max_context_len is not None and args.max_context_len < args.context:
+        raise ConfigError("--max-context-len", args.max_context_len, f"must be >= --context ({args.context})")
+    if args.page_size < 1:
+        raise ConfigError("--page-size", args.page_size, "must be >= 1")
+    if args.hot is None:
+        return
+    if args.hot < top_k:
+        raise ConfigError("--hot", args.hot, f"must be >= the model's index_topk ({top_k}): the hot region "
+                          f"holds a step's whole top-k (leave --hot out for {default_hot(model_cfg, args.page_size)})")
+    if args.hot % args.page_size:
+        raise ConfigError("--hot", args.hot, f"must be a multiple of --page-size ({args.page_size})")
 
 
 def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> EngineConfig:
@@ -81,6 +126,8 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
 
 def device_plan(config: EngineConfig, model_cfg: Any) -> DevicePlan:
     resolved = resolve_for_model(config, model_cfg, log_choices=False)
+    check_against_model(resolved, index_topk=model_cfg.index_topk, has_mtp=model_cfg.num_nextn_predict_layers > 0,
+                        max_positions=model_cfg.max_position_embeddings)
     return DevicePlan.of(resolved, resolved.memory_plan(model_cfg.index_topk or 0), model_cfg)
 
 
@@ -104,7 +151,7 @@ def trade_offs(
     for r in sorted({1, 2, 4, 8, 16, 32, ratio}):
         cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, host_to_device_ratio=r), **free)
         out["host_to_device_ratio"][r] = seats_at(cfg, model_cfg, context)
-    for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hs.device_buffer_size}):
+    for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hs.device_buffer_size, 2 * hs.device_buffer_size}):
         if hot < (model_cfg.index_topk or 0):
             continue
         cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, device_buffer_size=hot), **free)
@@ -162,6 +209,9 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     ratio = plans["hisparse"].plan.logical_tokens // plans["hisparse"].plan.device_tokens
     chosen = "" if args.ratio else ", chosen for the budget"
     title = f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {ratio}{chosen})"
+    if getattr(args, "hot_chosen", False) and args.hot > DEFAULT_HOT:
+        lines.append(f"--hot unset: HOT {args.hot} holds the model's index_topk of {model_cfg.index_topk} "
+                     f"(the default {DEFAULT_HOT} cannot)")
     lines += [*describe(title, plans["hisparse"], context), ""]
     r, h = plans["resident"].seats(context).running, plans["hisparse"].seats(context).running
     lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
@@ -170,7 +220,7 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     for knob, row in trades.items():
         lines.append(f"  {knob:<22} " + "  ".join(f"{k}: {'-' if v is None else v}" for k, v in row.items()))
     lines += notes(plans["hisparse"], context)
-    payload = {"context": context, "plans": {k: p.as_dict(context) for k, p in plans.items()}, "trade_offs": trades}
+    payload = {"context": context, "hot": args.hot, "plans": {k: p.as_dict(context) for k, p in plans.items()}, "trade_offs": trades}
     return "\n".join(lines), payload
 
 
@@ -206,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     model_cfg = read_model_config(args.model)
+    check_arguments(args, model_cfg)
+    args.hot_chosen = args.hot is None
+    if args.hot is None:
+        args.hot = default_hot(model_cfg, args.page_size)
     text, payload = report(args, model_cfg)
     print(text)
     if args.json:

@@ -4,7 +4,16 @@ For every (request, layer) the records of a trace (``docs/topk-trace.md``) becom
 swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves them:
 
 * a request's hot region starts as positions ``0..hot-1`` (its identity columns) when its buffer is
-  assigned, i.e. after every prefill: a retracted request's re-admission starts afresh;
+  assigned, at admission: a retracted request's re-admission starts afresh;
+* a prefill chunk that starts past HOT (a long prompt's later chunks, or the first one after a
+  prefix-cache hit) reads its earlier positions through workspace rows the forward borrows: the hot
+  region keeps its positions, and the columns holding a position the chunk's queries selected become
+  the most recent (in their previous order), as ``pipeline/hisparse/prefill_swap.py`` leaves them.
+  A chunk is a run of consecutive records of one request and layer: in a model of more than one
+  layer, the records of the other layers always separate two forwards (in a one-layer model two
+  chunks of a prompt prefilled alone read as one). Replay takes it that the forward borrowed all
+  the workspace rows it asked for; a device pool too full to lend them makes the chunk evict hot
+  columns instead, which the trace does not show;
 * a step whose query sees ``n <= hot`` positions takes the fast path (no miss; in a verify call its
   positions are protected for the later steps of the call);
 * a long step wants its valid positions (``0 <= t < n``) except those held by the newest column
@@ -50,6 +59,9 @@ class Step:
     call_start: bool  # first step of a swap-in call: protection starts afresh
     reset: bool  # the request's buffer was (re)assigned before this step: identity hot region
     near: tuple[int, ...] = ()  # valid positions the indexer ranked next after the top-k (version 3)
+    # per prefill chunk since the previous step that started past HOT: the earlier positions its
+    # queries selected (their hot columns became the most recent, chunk by chunk, after any reset)
+    prefill: tuple[tuple[int, ...], ...] = ()
 
 
 def _check(rec: object) -> tuple[str, int, str, int, list[int]]:
@@ -66,10 +78,23 @@ def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], li
     finalize: set[tuple[str, int]] = set()  # a verify call ran last: its finalize sets the newest
     fresh: set[tuple[str, int]] = set()  # buffer (re)assigned, no step since
     call: dict[tuple[str, int], int] = {}  # committed length of the verify call in progress
+    chunks: dict[tuple[str, int], list[set[int]]] = {}  # prefill chunks since the last step: earlier positions
+    chunk: dict[tuple[str, int], tuple[int, int]] = {}  # the open prefill chunk: (start, next position)
+    previous: tuple[tuple[str, int], str] | None = None  # the key and phase of the record before
     for rec in records:
         request, layer, phase, position, top_k = _check(rec)
         key = (request, layer)
+        last, previous = previous, (key, phase)
         if phase == "prefill":
+            first, end = chunk.get(key, (-1, -1))
+            if last != (key, "prefill") or position != end:  # a new chunk (another forward)
+                if position != end:  # not where the last chunk ended: a new admission
+                    chunks[key] = []
+                first = position
+                chunks[key].append(set())
+            chunk[key] = (first, position + 1)
+            if first > hot:  # the chunk's reads of earlier positions go through the hot region
+                chunks[key][-1].update(t for t in top_k if 0 <= t < first)
             newest[key] = -1
             finalize.discard(key)
             fresh.add(key)
@@ -97,7 +122,9 @@ def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], li
             held.update(range(max(call[key], hot), n))  # the call's verify tokens in the draft zone
         want = tuple(t for t in valid if t not in held) if n > hot else ()
         near = tuple(t for t in rec.get("near", ()) if 0 <= t < n)
-        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh, near))
+        chunk.pop(key, None)
+        read = tuple(tuple(sorted(c)) for c in chunks.pop(key, ()) if c)
+        streams[key].append(Step(want, tuple(sorted(valid)), n > hot, start, key in fresh, near, read))
         fresh.discard(key)
     return streams
 
@@ -124,6 +151,9 @@ def online_misses(steps: list[Step], hot: int, policy: str, top_k: int | None = 
     for step, protected, reset in _rounds(steps, hot):
         if reset:
             order = list(range(hot))
+        for chunk in step.prefill:  # a chunk's hits in the hot region become the most recent
+            read = set(chunk)
+            order = [p for p in order if p not in read] + [p for p in order if p in read]
         if not step.long:
             continue
         want = set(step.want)

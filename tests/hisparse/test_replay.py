@@ -1,6 +1,7 @@
 """Offline replay: every engine policy replayed over a recorded trace reproduces the engine's own
 per-layer miss counters exactly (plain decode, speculative verify of 2-4 tokens, retraction and
-re-admission, abort), and Belady's MIN is a floor (and the optimum, by brute force on small traces)."""
+re-admission, abort, chunked prefill, prefix-cache hits), and Belady's MIN is a floor (and the
+optimum, by brute force on small traces)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,14 @@ from pipeline.sampling import SamplingParams
 HOT = 16
 
 
-def _record(tiny_model, path, *, policy: str, num_steps: int | None, pool: int = 176):
+def _record(
+    tiny_model, path, *, policy: str, num_steps: int | None, pool: int = 176, chunk: int | None = None,
+    prefix_cache: bool = False,
+):
     """A workload on small pools: prompts short, crossing HOT and long; one request aborted midway.
-    Prompts are prefilled whole and recomputed on re-admission (no prefix cache): replay models the
-    hot region from a whole-prompt prefill on (a chunk's or a cache hit's grouped reads of earlier
-    positions leave it in another state, and are counted apart, as prefill loads)."""
+    By default prompts are prefilled whole and recomputed on re-admission (no prefix cache); with
+    ``chunk`` they are prefilled in chunks, and with ``prefix_cache`` two more prompts share the long
+    ones' first 100 tokens (their first chunk starts past HOT)."""
     config = EngineConfig(
         dtype="float64",
         page_size=8,
@@ -43,12 +47,14 @@ def _record(tiny_model, path, *, policy: str, num_steps: int | None, pool: int =
         device_pool_tokens=pool,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=1, policy=policy),
         speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=8) if num_steps else None,
-        chunked_prefill_tokens=None,
-        prefix_cache=False,
+        chunked_prefill_tokens=chunk,
+        prefix_cache=prefix_cache,
     )
     executor = Executor(config, model=tiny_model, trace_path=str(path))
     driver = SyncDriver(executor)
     prompts = [[(7 * i + j) % 256 for i in range(n)] for j, n in enumerate((5, 40, 90, 120))]
+    if prefix_cache:
+        prompts += [[*p[:100], 1, 2, 3] for p in prompts[2:]]
     reqs = [driver.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
     for turn in itertools.count():
         if not driver.step():
@@ -99,6 +105,52 @@ def test_the_default_policy_on_a_cpu_is_adaptive_and_replays_as_such(tiny_model,
     result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"], policies=("adaptive", "lru"))
     assert result.misses["adaptive"] == engine_misses
     assert result.misses["lru"] != engine_misses  # the two differ on this workload: the check has teeth
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("num_steps", [None, 3])
+def test_replay_reproduces_the_engines_misses_with_chunked_prefill(tiny_model, tmp_path, policy, num_steps):
+    # prompts of up to 120 tokens in chunks of 24 (HOT 16): every chunk after the first reads the
+    # earlier positions through the hot region, which leaves its columns in another recency order;
+    # a prefix-cache hit starts its prompt's first chunk past HOT too. Replay follows both
+    path = tmp_path / "topk.jsonl"
+    engine_misses, _ = _record(
+        tiny_model, path, policy=policy, num_steps=num_steps, chunk=24, prefix_cache=True, pool=512
+    )
+    records = read_trace(path)
+    assert any(r["phase"] == "prefill" and r["position"] == 24 for r in records)  # a second chunk ran
+    steps = swap_in_steps(records, HOT)
+    assert any(s.prefill for stream in steps.values() for s in stream)
+    result = replay(records, HOT, policies=[policy], top_k=read_header(path)["top_k"])
+    assert result.misses[policy] == engine_misses
+
+
+def test_prefill_chunks_are_runs_of_one_request_and_layer():
+    # layers 0 and 1 of a request's chunk [0, 20), then of [20, 40) (HOT 4): the other layer's records
+    # part the forwards, and the second chunk reads 0 (layer 0) and 2 (layer 1) through the hot region
+    def chunk(layer, a, b, picked):
+        return [{"request": "r", "layer": layer, "phase": "prefill", "position": p, "top_k": picked}
+                for p in range(a, b)]
+
+    def decode(layer, position, picked):
+        return {"request": "r", "layer": layer, "phase": "decode", "position": position, "top_k": picked}
+
+    rec = [*chunk(0, 0, 20, [0]), *chunk(1, 0, 20, [1]), *chunk(0, 20, 40, [0, 25]), *chunk(1, 20, 40, [2])]
+    rec += [decode(0, 40, [10]), decode(1, 40, [10]), decode(0, 41, [0]), decode(1, 41, [0])]
+    steps = swap_in_steps(rec, hot=4)
+    assert [s.prefill for s in steps[("r", 0)]] == [((0,),), ()]
+    assert [s.prefill for s in steps[("r", 1)]] == [((2,),), ()]
+    assert [s.reset for s in steps[("r", 0)]] == [True, False]
+    # layer 0: the chunk made 0 the most recent, so LRU evicts 1 for 10 and 0 is a hit next; layer 1
+    # evicts 0 for 10 (2 was the one made recent) and misses 0 again
+    assert policy_function("lru")(steps[("r", 0)], 4) == 1
+    assert policy_function("lru")(steps[("r", 1)], 4) == 2
+    # a re-admission (its positions start over) forgets the first admission's chunks
+    again = [*rec, *chunk(0, 0, 20, [0]), *chunk(1, 0, 20, [0]), *chunk(0, 20, 30, [3]), decode(0, 30, [1])]
+    assert swap_in_steps(again, hot=4)[("r", 0)][2].prefill == ((3,),)
+    # one layer and nothing between two forwards: the chunks cannot be told apart (read as one from 0)
+    merged = [*chunk(0, 0, 20, [0]), *chunk(0, 20, 40, [3])]
+    assert swap_in_steps([*merged, decode(0, 40, [1])], hot=4)[("r", 0)][0].prefill == ()
 
 
 def _round_restarts(streams) -> int:
