@@ -233,7 +233,7 @@ async def test_speculation_with_draft_rows_on_host_runs_its_seats(wide_model):
 
 def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
     """The bundled model at 32 MB, 2,048-token requests, no speculation: the plan's figures (the
-    README's table) and its JSON agree with the library's arithmetic."""
+    table of docs/capacity.md) and its JSON agree with the library's arithmetic."""
     import json
 
     from pipeline.cli import main as cli
