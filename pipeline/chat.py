@@ -3,17 +3,23 @@
 Interactive: each line read from stdin is a user message; the answer streams back and joins the
 conversation, so the next message is answered in context. ``/reset`` starts a new conversation,
 ``/exit`` (or the end of input) ends the session. ``--message TEXT`` sends one message, prints the
-answer and exits. The model must have a chat template (the bundled byte-level model has none).
+answer and exits. The model must have a chat template (the bundled byte-level model has none: pass
+``--chat-template FILE``). Sampling flags not given take the checkpoint's ``generation_config.json``
+defaults. Ctrl+C ends the session at once, an answer being streamed or not (exit status 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+from anyio.from_thread import BlockingPortal
 
 from pipeline.generate import add_engine_arguments, drop, engine_config, sampling_params, user_error
 from pipeline.logs import configure_logging
@@ -29,15 +35,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def read_line() -> str | None:
-    """One message from stdin (a prompt shown on a terminal); None at the end of input."""
-    try:
-        if sys.stdin.isatty():
-            return input("> ")
-        line = sys.stdin.readline()
-        return line.rstrip("\n") if line else None
-    except EOFError:
-        return None
+class StdinLines:
+    """Messages from stdin, one a line (a prompt shown on a terminal); None at the end of input.
+
+    Read from stdin's descriptor with ``os.read``, not through ``sys.stdin``: a thread blocked in
+    ``sys.stdin.readline()`` holds its buffer's lock, and an interpreter exiting after Ctrl+C with
+    that lock held by a daemon thread aborts ("could not acquire lock ... at interpreter
+    shutdown"). A ``sys.stdin`` without a descriptor (a test's ``StringIO``) is read as it is."""
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._ended = False
+
+    def __call__(self) -> str | None:
+        stdin = sys.stdin
+        try:
+            fd = stdin.fileno()
+        except (AttributeError, OSError, ValueError):
+            line = stdin.readline()
+            return line.rstrip("\n") if line else None
+        if stdin.isatty():
+            print("> ", end="", flush=True)
+        while b"\n" not in self._pending and not self._ended:
+            chunk = os.read(fd, 1 << 16)
+            self._ended = not chunk
+            self._pending += chunk
+        if not self._pending:
+            return None
+        line, _, self._pending = self._pending.partition(b"\n")
+        text = line.decode(stdin.encoding or "utf-8", stdin.errors or "strict")
+        return text.removesuffix("\r")
+
+
+async def read_message(read: Callable[[], str | None], portal: BlockingPortal) -> str | None:
+    """``read()`` in a daemon thread of its own. A cancelled session (Ctrl+C) leaves that thread
+    blocked on stdin and goes: a worker thread of anyio's would hold the cancellation until a line
+    came, and keep the process from exiting."""
+    done = anyio.Event()
+    result: list[Any] = []
+
+    def work() -> None:
+        try:
+            result.append(read())
+        except BaseException as exc:  # handed to the session, raised there
+            result.append(exc)
+        with contextlib.suppress(RuntimeError):  # the portal has closed: nobody waits any more
+            portal.call(done.set)
+
+    threading.Thread(target=work, name="hispec chat stdin", daemon=True).start()
+    await done.wait()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 async def session(
@@ -46,22 +95,26 @@ async def session(
     from pipeline.engine import Engine
     from pipeline.errors import RequestError
 
-    params = sampling_params(args)
-    async with Engine(engine_config(args), model=model) as engine:
+    sampling_params(args).validate()  # a bad sampling flag is reported before the model loads
+    async with BlockingPortal() as portal, Engine(engine_config(args), model=model) as engine:
+        params = sampling_params(args, defaults=engine.generation_defaults)  # the checkpoint's fill the gaps
         if engine.tokenizer.chat_template is None:
             print(f"hispec chat: the model {args.model!r} has no chat template; use hispec generate", file=sys.stderr)
             return 2
         opening = [{"role": "system", "content": args.system}] if args.system else []
         history = list(opening)
         while True:
-            text = args.message if args.message is not None else await anyio.to_thread.run_sync(read)
-            if text is None or text.strip() == EXIT:
-                return 0
-            if text.strip() == RESET:
-                history = list(opening)
-                continue
-            if not text.strip():
-                continue
+            if args.message is not None:  # sent as it is: /reset and /exit are the session's words
+                text = args.message
+            else:
+                text = await read_message(read, portal)
+                if text is None or text.strip() == EXIT:
+                    return 0
+                if text.strip() == RESET:
+                    history = list(opening)
+                    continue
+                if not text.strip():
+                    continue
             history.append({"role": "user", "content": text})
             answer: list[str] = []
             try:
@@ -83,6 +136,9 @@ async def session(
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     """Entry point of ``hispec chat``; ``model`` replaces loading ``--model`` (tests)."""
     args = build_parser().parse_args(argv)
+    if args.message is not None and not args.message.strip():  # before the model loads
+        print(f"hispec chat: --message={args.message!r}: must hold some text", file=sys.stderr)
+        return 2
     if args.threads > 0:
         import torch
 
@@ -94,7 +150,7 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         print(text, end="", flush=True)
 
     try:
-        return anyio.run(session, args, model, read_line, write)
+        return anyio.run(session, args, model, StdinLines(), write)
     except FileNotFoundError as exc:
         print(f"hispec chat: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
         return 2

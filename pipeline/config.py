@@ -273,6 +273,11 @@ class EngineConfig:
 
     # "tiny" (the bundled model) or a path to an HF-format directory
     model: str = "tiny"
+    # a directory whose tokenizer files replace the model's (None: the model directory's own); the
+    # end ids still come from the model's config.json and generation_config.json
+    tokenizer: str | None = None
+    # a Jinja file whose chat template replaces the tokenizer's (None: the checkpoint's own)
+    chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
     page_size: int = 16
@@ -336,6 +341,7 @@ class EngineConfig:
         _require(
             isinstance(self.model, str) and bool(self.model), "model", self.model, "must be 'tiny' or a path"
         )
+        self._check_tokenizer_files()
         _require(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
         _require(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _require(
@@ -390,6 +396,17 @@ class EngineConfig:
                 f"without HiSparse every token is resident: must hold one request of max_context_len "
                 f"plus the draft tokens ({need})",
             )
+
+    def _check_tokenizer_files(self) -> None:
+        if self.tokenizer is not None:
+            value = self.tokenizer
+            _require(isinstance(value, str) and bool(value), "tokenizer", value, "must be a directory path or None")
+            _require(Path(value).is_dir(), "tokenizer", value, "no such directory (give one holding tokenizer files)")
+        if self.chat_template is not None:
+            value = self.chat_template
+            _require(isinstance(value, str) and bool(value), "chat_template", value, "must be a file path or None")
+            _require(Path(value).is_file(), "chat_template", value, "no such file (give a Jinja template file)")
+            _require(os.access(value, os.R_OK), "chat_template", value, "is not readable")
 
     @property
     def has_budget(self) -> bool:
@@ -598,7 +615,7 @@ def check_against_model(
             f"must be >= the model's index_topk ({index_topk})",
         )
     if isinstance(config.speculative, SpeculativeConfig):
-        _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)
+        _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)  # resolve_for_model says why first
     if max_positions is not None and config.max_context_len is not None:
         _require(
             config.max_context_len <= max_positions,
@@ -657,6 +674,18 @@ NO_MTP_RULE = (
     "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1) and this one has "
     "none: pass speculative=None (--no-spec on the command line), or keep the default 'auto'"
 )
+ABSENT_MTP_RULE = (
+    "speculative decoding needs the model's MTP layer: config.json names one (num_nextn_predict_layers) "
+    "but the checkpoint holds none of its tensors (layer {layer}; a copy re-saved by HF save_pretrained "
+    "drops them): pass speculative=None (--no-spec on the command line), or keep the default 'auto'"
+)
+
+
+def no_mtp_rule(model_cfg: Any) -> str:
+    """Why ``model_cfg`` cannot speculate: no MTP layer, or one config.json names and the weights lack."""
+    if getattr(model_cfg, "absent_mtp_layers", 0):
+        return ABSENT_MTP_RULE.format(layer=model_cfg.num_hidden_layers)
+    return NO_MTP_RULE
 
 
 def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool = True) -> EngineConfig:
@@ -664,7 +693,8 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
 
     * ``speculative="auto"`` -> ``SpeculativeConfig()`` if the model has an MTP layer, else ``None``;
       an explicit ``SpeculativeConfig`` for a model without one is a ``ConfigError`` naming
-      ``speculative``;
+      ``speculative``. An MTP layer config.json names but the weights lack (``absent_mtp_layers``)
+      counts as none: "auto" then also logs the warning ``model.mtp_missing``;
     * ``max_context_len=None`` -> the model's ``max_position_embeddings``, lowered to what the pools
       hold (``EngineConfig.context_capacity``).
 
@@ -672,14 +702,19 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
     ``max_position_embeddings``).
     """
     has_mtp = model_cfg.num_nextn_predict_layers > 0
+    absent = getattr(model_cfg, "absent_mtp_layers", 0)
     spec = config.speculative
     if spec == "auto":
         spec = SpeculativeConfig() if has_mtp else None
         if log_choices:
             reason = "the model has an MTP layer" if has_mtp else "the model has no MTP layer"
+            if absent:
+                reason = "config.json names an MTP layer but the checkpoint holds none of its tensors"
+                log.warning("model.mtp_missing", model=config.model, layer=model_cfg.num_hidden_layers,
+                            num_nextn_predict_layers=absent, speculative="off")
             log.info("config.speculative", speculative="on" if has_mtp else "off", reason=reason)
     elif spec is not None:
-        _require(has_mtp, "speculative", spec, NO_MTP_RULE)
+        _require(has_mtp, "speculative", spec, no_mtp_rule(model_cfg))
     changes: dict[str, Any] = {"speculative": spec}
     if config.has_budget:
         return _resolve_budget(config, model_cfg, spec, log_choices)

@@ -86,7 +86,10 @@ class Engine:
     """Serves requests concurrently; use as ``async with Engine(config) as engine: ...``.
 
     ``model`` replaces loading ``config.model`` (tests inject a random tiny model); ``tokenizer``
-    replaces the checkpoint's (with an injected model and none given: the byte-level tokenizer).
+    replaces the checkpoint's, ``config.tokenizer`` and ``config.chat_template`` included (with an
+    injected model and none given: ``config.tokenizer``'s, else the byte-level tokenizer).
+    ``generation_defaults``: the sampling defaults of the checkpoint's ``generation_config.json``,
+    which a request given no ``SamplingParams`` samples with (``default_sampling_params``).
     ``max_prefill_tokens``: prompt tokens one admission turn takes in (their prefill forwards carry
     ``EngineConfig.prefill_batch_tokens`` each). ``max_undelivered_tokens``: park a
     request whose consumer is that many tokens behind (None: never; deltas coalesce instead).
@@ -140,6 +143,7 @@ class Engine:
         self._running = False
         self._pipe = None
         self._froze_gc = False
+        self._generation_defaults: dict[str, float | int] | None = None  # read at start (or when first asked)
 
     # --- lifetime ---------------------------------------------------------------------------------
     #
@@ -184,13 +188,38 @@ class Engine:
         from pipeline.preflight import preflight
 
         preflight(self.config, model=self._model)  # device, model, memory: before any allocation
+        self._generation_defaults = self._read_generation_defaults()  # a bad file fails before the weights load
+        tokenizer = self._tokenizer if self._tokenizer is not None else self._configured_tokenizer()
         if self.config.tensor_parallel_size > 1:  # this process is rank 0; it starts the others
             from pipeline.distributed.executor import DistributedExecutor
 
             return DistributedExecutor(
-                self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer
+                self.config, model=self._model, trace_path=self._trace_path, tokenizer=tokenizer
             )
-        return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=self._tokenizer)
+        return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=tokenizer)
+
+    def _configured_tokenizer(self) -> Tokenizer | None:
+        """The tokenizer ``config.tokenizer`` / ``config.chat_template`` ask for (None: neither is set,
+        the executor loads the checkpoint's own)."""
+        config = self.config
+        if config.tokenizer is None and config.chat_template is None:
+            return None
+        from pipeline.model import ModelConfig
+        from pipeline.model.tokenizer import tokenizer_for_model
+
+        cfg = self._model.cfg if self._model is not None else ModelConfig.from_dir(config.model)
+        return tokenizer_for_model(
+            None if self._model is not None else config.model, vocab_size=cfg.vocab_size,
+            eos_token_id=cfg.eos_token_id, tokenizer=config.tokenizer, chat_template=config.chat_template,
+        )
+
+    def _read_generation_defaults(self) -> dict[str, float | int]:
+        if self._model is not None:  # an injected model has no checkpoint directory
+            return {}
+        from pipeline.model.config import resolve_model_dir
+        from pipeline.model.generation_config import generation_defaults
+
+        return generation_defaults(resolve_model_dir(self.config.model))
 
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
         self._running = False
@@ -277,9 +306,10 @@ class Engine:
         request_id: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's output as deltas (the last one has ``finished``, ``finish_reason``
-        and ``metrics``). Raises ``RequestError`` naming the field right here if the request is
-        invalid. The request is submitted when iteration starts; closing or cancelling the iterator
-        aborts it. Iteration raises ``RequestFailed`` if the request fails.
+        and ``metrics``); ``params`` None samples with ``default_sampling_params()``. Raises
+        ``RequestError`` naming the field right here if the request is invalid. The request is
+        submitted when iteration starts; closing or cancelling the iterator aborts it. Iteration
+        raises ``RequestFailed`` if the request fails.
 
         ``async with engine.generate(...) as stream: async for delta in stream: ...`` aborts the
         request as soon as the block is left, ``break`` included (a bare ``async for`` that breaks
@@ -301,7 +331,9 @@ class Engine:
             async with aclosing(self._stream(req, whole=True)) as deltas:
                 async for _ in deltas:
                     pass
-        return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics)
+        logprobs = None if req.output_logprobs is None else tuple(req.output_logprobs)
+        return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics,
+                              logprobs)
 
     def chat(
         self, messages: Messages, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -345,6 +377,23 @@ class Engine:
         self._require_running()
         return self.executor.tokenizer
 
+    @property
+    def generation_defaults(self) -> dict[str, float | int]:
+        """The checkpoint's sampling defaults: the fields its ``generation_config.json`` sets among
+        ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``max_new_tokens``
+        (``do_sample: false`` there is ``temperature`` 0), validated. Empty without the file, for the
+        bundled model and for an injected model. Read when the engine starts (or when first asked)."""
+        if self._generation_defaults is None:
+            self._generation_defaults = self._read_generation_defaults()
+        return dict(self._generation_defaults)
+
+    def default_sampling_params(self, **overrides: Any) -> SamplingParams:
+        """``SamplingParams`` with the checkpoint's defaults (``generation_defaults``) under
+        ``overrides``; what a request given no params samples with."""
+        from pipeline.sampling import SamplingParams
+
+        return SamplingParams(**{**self.generation_defaults, **overrides})
+
     def stats(self) -> dict[str, object]:
         """Pools (free and capacity), HiSparse counters, speculative acceptance, request counts and
         throughput, as of the last device command."""
@@ -369,13 +418,12 @@ class Engine:
         self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str | None
     ) -> Request:
         from pipeline.request import Request
-        from pipeline.sampling import SamplingParams
         from pipeline.validation import encode_prompt
 
         self._require_running()
         ex = self.executor
         token_ids = encode_prompt(prompt, ex.tokenizer)  # text or ids, else RequestError naming `prompt`
-        params = SamplingParams() if params is None else params
+        params = self.default_sampling_params() if params is None else params
         ex.validate(token_ids, params)  # reads only the config and the model's vocabulary size
         if request_id is None:
             request_id = next(f"req-{n}" for n in self._ids if f"req-{n}" not in self._registry.live)

@@ -7,6 +7,9 @@ prompt as a user message through the model's chat template. After the texts, one
 through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
 speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
 ``hispec trace FILE``; ``--topk-trace FILE`` records every top-k selection for ``hispec replay``.
+A sampling flag not given (``--temperature``, ``--top-p``, ``--top-k``, ``--max-new-tokens``) takes
+the checkpoint's default from its ``generation_config.json``, else the built-in one
+(docs/checkpoints.md).
 Errors are reported by ``pipeline.cli`` (one line, exit status 2).
 """
 
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -49,12 +52,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# the sampling flags' built-in defaults, where neither the flag nor the checkpoint's
+# generation_config.json sets a value (max_new_tokens: the command's own)
+BUILTIN_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0}
+CHECKPOINT_DEFAULT = "default: the checkpoint's generation_config.json, else"
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> None:
-    """The sampling and engine options ``generate`` and ``chat`` share."""
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
+    """The sampling and engine options ``generate`` and ``chat`` share. A sampling flag not given
+    takes the checkpoint's default (``generation_config.json``), else the built-in one."""
+    p.add_argument("--max-new-tokens", type=int, default=None, help=f"{CHECKPOINT_DEFAULT} {max_new_tokens}")
+    p.set_defaults(builtin_max_new_tokens=max_new_tokens)
+    p.add_argument("--temperature", type=float, default=None, help=f"0 = greedy ({CHECKPOINT_DEFAULT} 0)")
+    p.add_argument("--top-p", type=float, default=None, help=f"{CHECKPOINT_DEFAULT} 1.0")
+    p.add_argument("--top-k", type=int, default=None, help=f"0 = no limit ({CHECKPOINT_DEFAULT} 0)")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="a stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="go on past the model's end tokens")
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
@@ -72,10 +83,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
         "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
     )
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
+    add_tokenizer_arguments(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
-        "--max-context-len", type=int, default=None, help="default: the model's positions, as far as the pools hold"
+        "--max-context-len", "--max-model-len", type=int, default=None,
+        help="default: the model's positions, as far as the pools hold",
     )
     add_chunk_argument(p)
     add_budget_arguments(p)
@@ -83,6 +96,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
+
+
+def add_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
+    """``--tokenizer`` and ``--chat-template`` (generate, chat and serve)."""
+    p.add_argument("--tokenizer", metavar="DIR", default=None,
+                   help="read the tokenizer files from DIR instead of the model directory")
+    p.add_argument("--chat-template", metavar="FILE", default=None,
+                   help="a Jinja chat template replacing the checkpoint's")
 
 
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
@@ -131,24 +152,40 @@ def batch_tokens(args: argparse.Namespace) -> int | str | None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    page = 16
+    """The ``EngineConfig`` of the command-line options ``generate``, ``chat`` and ``serve`` share.
+
+    An option a command does not have takes its default here (``--page-size`` 16, ``--hot`` 128,
+    ``--policy auto``, ``--max-running-requests``/``--device-pool-tokens`` None: with no device
+    memory budget, a pool of 16384 slots or one full context if that is more). No ``--num-steps``
+    is ``speculative="auto"`` (on exactly when the model has an MTP layer); ``--num-steps N``
+    asks for speculation (a model without an MTP layer is then a ``ConfigError``)."""
+    page = getattr(args, "page_size", 16)
     context = args.max_context_len
     if args.no_spec:
         speculative: SpeculativeConfig | str | None = None
     else:  # "auto": on exactly when the model has an MTP layer
         speculative = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
     budget = args.device_memory is not None or args.device_memory_fraction is not None
-    pool = None if budget else 16384 if context is None else max(16384, -(-context // page) * page)
+    pool = getattr(args, "device_pool_tokens", None)
+    if pool is None and not budget:
+        pool = 16384 if context is None else max(16384, -(-context // page) * page)
+    hisparse = None if args.no_hisparse else HiSparseConfig(
+        device_buffer_size=getattr(args, "hot", 128), policy=getattr(args, "policy", "auto"),
+        near_margin=getattr(args, "near_margin", None),
+    )
     return EngineConfig(
         model=args.model,
+        tokenizer=getattr(args, "tokenizer", None),
+        chat_template=getattr(args, "chat_template", None),
         device=args.device,
         dtype=args.dtype,
         page_size=page,
         max_context_len=context,
+        max_running_requests=getattr(args, "max_running_requests", None),
         device_pool_tokens=pool,
         device_memory_bytes=args.device_memory,
         device_memory_fraction=args.device_memory_fraction,
-        hisparse=None if args.no_hisparse else HiSparseConfig(policy=args.policy, near_margin=args.near_margin),
+        hisparse=hisparse,
         speculative=speculative,
         chunked_prefill_tokens=chunk_tokens(args),
         prefill_batch_tokens=batch_tokens(args),
@@ -159,13 +196,14 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def sampling_params(args: argparse.Namespace) -> Any:
+def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Any:
+    """The ``SamplingParams`` of the sampling flags; a flag not given takes ``defaults`` (the
+    checkpoint's: ``Engine.generation_defaults``), else its built-in default."""
     from pipeline.sampling import SamplingParams
 
-    return SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )
+    builtin = {**BUILTIN_SAMPLING, "max_new_tokens": getattr(args, "builtin_max_new_tokens", 64)}
+    given = {name: getattr(args, name) for name in builtin if getattr(args, name) is not None}
+    return SamplingParams(**{**builtin, **(defaults or {}), **given}, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 class Collector:
@@ -216,11 +254,11 @@ def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
 async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str, object]]:
     from pipeline.engine import Engine
 
-    params = sampling_params(args)
-    params.validate()  # a bad sampling flag is reported before the model loads
+    sampling_params(args).validate()  # a bad sampling flag is reported before the model loads
     results: list[Any] = [None] * len(args.prompts)
     trace = getattr(args, "topk_trace", None)
     async with Engine(engine_config(args), model=model, trace_path=trace) as engine:
+        params = sampling_params(args, defaults=engine.generation_defaults)
         inputs = [engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
         if args.no_stream:
 

@@ -23,6 +23,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+# a token's log-probabilities: a value of the sampling module, carried by results and deltas
+from pipeline.sampling import TokenLogprob
+
 if TYPE_CHECKING:
     from pipeline.request import Request, RequestMetrics
     from pipeline.sampling import SamplingParams
@@ -135,17 +138,6 @@ class FlushCache:
 Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release | FlushCache
 
 # --- results -------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class TokenLogprob:
-    """One output token's log-probability under the distribution it was drawn from (after the
-    request's logit adjustments, temperature, top-k and top-p; ``-inf`` for a token it could not
-    draw), and the most likely tokens of that distribution."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; as many as asked
 
 
 @attrs.frozen

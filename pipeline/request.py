@@ -14,9 +14,8 @@ import structlog
 
 from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.logs import info_enabled, request_context
-from pipeline.messages import TokenLogprob
 from pipeline.model.tokenizer import Tokenizer
-from pipeline.sampling import SamplingParams
+from pipeline.sampling import SamplingParams, TokenLogprob
 from pipeline.speculative.metrics import SpecCounters
 from statemachines.request import TERMINAL, Crashed, Event, State, advance
 

@@ -22,7 +22,6 @@ import attrs
 import torch
 
 from pipeline.errors import RequestError
-from pipeline.messages import TokenLogprob
 
 # A temperature below this is treated as greedy: dividing logits by it would overflow to inf (and
 # sampling raise), and the distribution it asks for is already the argmax to float precision.
@@ -64,6 +63,17 @@ def _bias_pairs(value: object) -> object:
         except TypeError:  # ids that do not compare: validate names them
             return tuple(tuple(p) for p in value)
     return value
+
+
+@attrs.frozen
+class TokenLogprob:
+    """One output token's log-probability under the distribution it was drawn from (after the
+    request's logit adjustments, temperature, top-k and top-p; ``-inf`` for a token it could not
+    draw), and the most likely tokens of that distribution."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, logprob), most likely first; as many as asked
 
 
 class NonFiniteLogits(ValueError):

@@ -3,7 +3,10 @@
 The architectures served are listed in ``registry`` (``deepseek_v32``, ``glm_moe_dsa``); any other
 ``model_type`` is refused. Only what the forward pass needs is kept; everything else in the file is
 ignored on read. The MTP layer count comes from ``num_nextn_predict_layers`` (HF's DeepSeek-V3 calls
-it ``num_mtp_layers``; both spellings are read, 0 means no MTP layer). RoPE is plain or YaRN
+it ``num_mtp_layers``; both spellings are read, 0 means no MTP layer). A checkpoint whose weights
+hold no tensor of the MTP layer that ``config.json`` names (HF's ``save_pretrained`` keeps the count
+but writes no MTP tensors) is served as a model without one: ``ModelConfig.from_dir`` (and the
+loader) set the count to 0 and keep the named count as ``absent_mtp_layers``. RoPE is plain or YaRN
 (``rope``); a ``quantization_config`` is read by the loader (``fp8``), not here.
 
 Every error is a :class:`ModelConfigError`, a ``ConfigError`` on the field ``model``.
@@ -12,6 +15,7 @@ Every error is a :class:`ModelConfigError`, a ``ConfigError`` on the field ``mod
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +100,9 @@ class ModelConfig:
     # per target layer "full" (runs its indexer) or "shared" (reuses the previous full layer's
     # top-k); empty = every layer full. The first layer is full; MTP layers are always full.
     indexer_types: tuple[str, ...] = ()
+    # MTP layers config.json names but the checkpoint's weights lack entirely: num_nextn_predict_layers
+    # is then 0 (``without_absent_mtp``); kept so that asking for speculation can say why it cannot run
+    absent_mtp_layers: int = 0
 
     def __attrs_post_init__(self) -> None:
         try:
@@ -186,6 +193,18 @@ class ModelConfig:
     def num_cache_layers(self) -> int:
         """Target layers plus MTP layers: every one of them owns a KV pool layer."""
         return self.num_hidden_layers + self.num_nextn_predict_layers
+
+    def without_absent_mtp(self, tensor_names: Iterable[str] | None) -> ModelConfig:
+        """This config as served from a checkpoint holding ``tensor_names`` (None: unknown, kept as
+        it is): when none of them belongs to the first MTP layer (index ``num_hidden_layers``), the
+        model has no MTP layer (``num_nextn_predict_layers`` 0, ``absent_mtp_layers`` the count
+        config.json names). A layer present in part stays, and loading it names what is missing."""
+        if self.num_nextn_predict_layers == 0 or tensor_names is None:
+            return self
+        prefix = f"model.layers.{self.num_hidden_layers}."
+        if any(name.startswith(prefix) for name in tensor_names):
+            return self
+        return attrs.evolve(self, num_nextn_predict_layers=0, absent_mtp_layers=self.num_nextn_predict_layers)
 
     def mlp_kind(self, layer: int) -> str:
         """``"dense"`` or ``"sparse"`` for a target layer; MTP layers are MoE whenever experts exist (as in HF)."""
@@ -279,7 +298,7 @@ class ModelConfig:
             **self.arch.hf_extra(self),
         }
         for field in attrs.fields(ModelConfig):
-            if field.name in ("rope_theta", "rope_yarn", "indexer_types"):
+            if field.name in ("rope_theta", "rope_yarn", "indexer_types", "absent_mtp_layers"):
                 continue
             value = getattr(self, field.name)
             out[field.name] = list(value) if isinstance(value, tuple) else value
@@ -287,14 +306,40 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, name_or_path: str | Path) -> ModelConfig:
-        """Read ``config.json`` of a model directory; every problem is a :class:`ModelConfigError` on it."""
+        """Read ``config.json`` of a model directory; every problem is a :class:`ModelConfigError` on it.
+
+        An MTP layer the weights lack entirely is set aside (``without_absent_mtp``; the tensor
+        names come from the index or the files' headers, no weight is read)."""
         path = resolve_model_dir(name_or_path)
         try:
-            return cls.from_hf_dict(read_config_json(path))
+            cfg = cls.from_hf_dict(read_config_json(path))
         except ModelConfigError as exc:
             if exc.value != "config.json":
                 raise
             raise ModelConfigError(f"config.json: {exc.rule}", str(path)) from None
+        return cfg.without_absent_mtp(tensor_names(path)) if cfg.num_nextn_predict_layers else cfg
+
+
+INDEX_FILE = "model.safetensors.index.json"  # HF's sharded checkpoints: tensor name -> shard file
+
+
+def tensor_names(path: Path) -> list[str] | None:
+    """The tensor names of a checkpoint directory, from its index file (else its safetensors files'
+    headers), without reading a tensor; None when it holds no weights or they cannot be read
+    (loading them then says why: ``weights.CheckpointFiles``)."""
+    index = path / INDEX_FILE
+    try:
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [str(name) for name in weight_map] if isinstance(weight_map, dict) else None
+        names: list[str] = []
+        for file in sorted(path.glob("*.safetensors")):
+            with open(file, "rb") as f:  # [u64 little-endian N][N bytes of JSON header]
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            names += [name for name in header if name != "__metadata__"]
+        return names or None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def read_config_json(path: Path) -> dict[str, Any]:

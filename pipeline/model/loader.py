@@ -13,21 +13,33 @@ Steps, each with bounded host memory:
 
 Tensors of layers that are not served are skipped unread: layers past the target layers and the
 MTP layers kept (``mtp_layers`` can keep fewer than the checkpoint has), the MTP layer's copies of
-the embedding and head, the indexer of a GLM-5 shared layer. Anything else missing or unknown is a
-:class:`CheckpointError` in one line.
+the embedding and head, the indexer of a GLM-5 shared layer. An MTP layer that ``config.json``
+names but the weights lack entirely is not served (``ModelConfig.without_absent_mtp``). Anything
+else missing or unknown is a :class:`CheckpointError` in one line.
+
+While the tensors are read, a progress bar (``tqdm``, in bytes) is drawn on stderr when stderr is a
+terminal; otherwise nothing is written.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import attrs
 import torch
 from torch import Tensor
+from tqdm import tqdm
 
 from pipeline.model.checkpoint import MTP_SHARED_COPIES, parse_dtype, to_checkpoint_name
-from pipeline.model.config import ModelConfig, ModelConfigError, read_config_json, resolve_model_dir
+from pipeline.model.config import (
+    ModelConfig,
+    ModelConfigError,
+    read_config_json,
+    resolve_model_dir,
+    tensor_names,
+)
 from pipeline.model.fp8 import FP8_DTYPES, Fp8Config, QuantizationError, dequantize_into
 from pipeline.model.model import DeepseekV32
 from pipeline.model.weights import CheckpointError, CheckpointFiles
@@ -42,13 +54,15 @@ def load_model(
     device: str | torch.device = "cpu",
     *,
     mtp_layers: int | None = None,
+    progress: bool | None = None,
 ) -> DeepseekV32:
     """The model of an HF-format directory (or a bundled name such as ``"tiny"``).
 
     ``dtype`` defaults to the checkpoint's own (``config.json`` ``dtype``); FP8 weights are
     dequantized to it. ``mtp_layers`` keeps at most that many MTP layers (their weights are not
-    read otherwise). Raises :class:`ModelConfigError` (field ``model``) for a config it cannot
-    serve and :class:`CheckpointError` (a subclass) for weights it cannot load.
+    read otherwise). ``progress``: draw a progress bar on stderr while the weights are read (None:
+    when stderr is a terminal). Raises :class:`ModelConfigError` (field ``model``) for a config it
+    cannot serve and :class:`CheckpointError` (a subclass) for weights it cannot load.
     """
     path = resolve_model_dir(name_or_path)
     cfg, quant = read_model_config(path)
@@ -60,56 +74,85 @@ def load_model(
     # cast before loading, so a float64 checkpoint is not rounded through float32 on the way in
     model.to_empty(device=device).to_dtype(target)
     with torch.no_grad(), CheckpointFiles(path) as files:
-        load_weights(model, files, quant)
+        load_weights(model, files, quant, progress=progress)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model.eval()
 
 
 def read_model_config(path: Path) -> tuple[ModelConfig, Fp8Config | None]:
-    """``config.json`` of ``path`` -> the model config and the FP8 settings (None = unquantized)."""
+    """``config.json`` of ``path`` -> the model config as served (an MTP layer the weights lack set
+    aside) and the FP8 settings (None = unquantized)."""
     raw = read_config_json(path)
     try:
-        return ModelConfig.from_hf_dict(raw), Fp8Config.from_hf_dict(raw)
+        cfg, quant = ModelConfig.from_hf_dict(raw), Fp8Config.from_hf_dict(raw)
     except ModelConfigError as exc:
         raise ModelConfigError(f"config.json: {exc.rule}", str(path)) from None
     except QuantizationError as exc:
         raise ModelConfigError(f"config.json: {exc}", str(path)) from None
+    return (cfg.without_absent_mtp(tensor_names(path)) if cfg.num_nextn_predict_layers else cfg), quant
 
 
-def load_weights(model: DeepseekV32, files: CheckpointFiles, quant: Fp8Config | None) -> None:
-    """Fill every parameter and buffer of ``model`` from ``files``, one tensor at a time."""
+def load_weights(
+    model: DeepseekV32, files: CheckpointFiles, quant: Fp8Config | None, *, progress: bool | None = None
+) -> None:
+    """Fill every parameter and buffer of ``model`` from ``files``, one tensor at a time (a progress
+    bar on stderr, in bytes read, when ``progress``; None: when stderr is a terminal)."""
     where = str(files.path)
     dests, fused = destinations(model)
     filled: set[str] = set()
     unknown: list[str] = []
-    for name in files:
-        if name.endswith(_SCALE_SUFFIXES) or not is_served(name, model.cfg):
-            continue
-        if name in fused:
-            dest, names = fused[name]
-        elif name in dests:
-            dest, names = dests[name], (name,)
-        else:
-            unknown.append(name)
-            continue
-        scale = name.removesuffix("weight") + "weight_scale_inv"
-        try:
-            if scale in files:
-                if quant is None:
-                    raise CheckpointError(f"{scale} is present but config.json has no quantization_config", where)
-                dequantize_into(dest, files.read(name), files.read(scale), quant, name)
-            elif files.entries[name].dtype in FP8_DTYPES:
-                raise CheckpointError(f"{name} is float8 but has no {scale}", where)
-            else:
-                files.read_into(name, dest)
-        except QuantizationError as exc:
-            raise CheckpointError(str(exc), where) from None
-        filled.update(names)
+    served = [name for name in files if is_served(name, model.cfg)]  # a weight's scales with it
+    with _progress_bar(sum(files.entries[name].nbytes for name in served), progress) as bar:
+        for name in served:
+            if not name.endswith(_SCALE_SUFFIXES):
+                _load_one(name, files, quant, dests, fused, filled, unknown)
+            bar.update(files.entries[name].nbytes)
     missing = [name for name in dests if name not in filled]
     if missing or unknown:
         parts = [_listing(what, names) for what, names in (("missing", missing), ("unexpected", unknown)) if names]
         raise CheckpointError("tensors " + "; ".join(parts), where)
+
+
+def _progress_bar(total: int, progress: bool | None) -> tqdm:
+    """The weights' progress bar (bytes); drawn on stderr only when ``progress``, or with None when
+    stderr is a terminal."""
+    show = progress if progress is not None else sys.stderr.isatty()
+    return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not show, leave=False, file=sys.stderr)
+
+
+def _load_one(
+    name: str,
+    files: CheckpointFiles,
+    quant: Fp8Config | None,
+    dests: dict[str, Tensor],
+    fused: dict[str, tuple[Tensor, tuple[str, ...]]],
+    filled: set[str],
+    unknown: list[str],
+) -> None:
+    """Read one served checkpoint tensor into its destination (noting what it filled)."""
+    if name in fused:
+        dest, names = fused[name]
+    elif name in dests:
+        dest, names = dests[name], (name,)
+    else:
+        unknown.append(name)
+        return
+    where = str(files.path)
+    scale = name.removesuffix("weight") + "weight_scale_inv"
+    try:
+        if scale in files:
+            if quant is None:
+                raise CheckpointError(f"{scale} is present but config.json has no quantization_config", where)
+            dequantize_into(dest, files.read(name), files.read(scale), quant, name)
+        elif files.entries[name].dtype in FP8_DTYPES:
+            raise CheckpointError(f"{name} is float8 but has no {scale}", where)
+        else:
+            files.read_into(name, dest)
+    except QuantizationError as exc:
+        raise CheckpointError(str(exc), where) from None
+    filled.update(names)
 
 
 def is_served(name: str, cfg: ModelConfig) -> bool:

@@ -8,7 +8,10 @@ implementations:
   an incomplete multi-byte character until its last byte arrives (or the stream ends).
 * :class:`HFTokenizer`: a checkpoint's ``tokenizer.json`` (HF ``tokenizers``), with the special
   tokens and chat template of its ``tokenizer_config.json`` (or ``chat_template.jinja``). Loaded from
-  the model directory only, never from the network.
+  the model directory only (or the directory ``EngineConfig.tokenizer`` names), never from the network.
+
+A Jinja file (``EngineConfig.chat_template``) replaces either one's chat template (the byte-level
+tokenizer has none of its own): :func:`read_chat_template` reads and compiles it once.
 
 :func:`load_tokenizer` chooses by what the directory holds (the rule is in its docstring). It also
 collects the ids that end generation: ``eos_token_id`` of ``config.json`` and of
@@ -90,6 +93,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     eos_token_id: int = 256
     eos_token_ids: frozenset[int] = attrs.field(converter=frozenset)
+    chat_template: str | None = None  # none of its own; one given renders to text encoded as bytes
 
     @eos_token_ids.default
     def _just_eos(self) -> frozenset[int]:
@@ -107,10 +111,6 @@ class ByteTokenizer:
     def special_ids(self) -> frozenset[int]:
         return frozenset({self.eos_token_id})
 
-    @property
-    def chat_template(self) -> str | None:
-        return None
-
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
@@ -119,7 +119,10 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
-        raise RequestError("messages", "<conversation>", "the model has no chat template (byte-level tokenizer)")
+        if self.chat_template is None:
+            raise RequestError("messages", "<conversation>", "the model has no chat template (byte-level tokenizer)")
+        _check_messages(messages)
+        return self.encode(_render(self.chat_template, messages, add_generation_prompt, {}))
 
     def stream(self) -> StreamDecoder:
         return StreamDecoder()
@@ -212,9 +215,12 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values(), default=-1) + 1
 
     @classmethod
-    def from_dir(cls, path: str | Path, *, eos_token_ids: Sequence[int] | None = None) -> HFTokenizer:
+    def from_dir(
+        cls, path: str | Path, *, eos_token_ids: Sequence[int] | None = None, chat_template: str | None = None
+    ) -> HFTokenizer:
         """Load ``path``'s tokenizer (``tokenizer.json``, else through ``transformers`` from the other
-        tokenizer files), offline. ``eos_token_ids`` default: :func:`end_token_ids` of ``path``."""
+        tokenizer files), offline. ``eos_token_ids`` default: :func:`end_token_ids` of ``path``;
+        ``chat_template`` (a template's text) replaces the directory's own."""
         path = Path(path)
         config = _read_json(path / "tokenizer_config.json")
         backend = _load_backend(path)
@@ -223,7 +229,8 @@ class HFTokenizer:
         if not ends and special["eos_token"] is not None:  # no end id in the model's files: the tokenizer's
             eos = backend.token_to_id(special["eos_token"])
             ends = [] if eos is None else [eos]
-        return cls(backend, eos_token_ids=ends, chat_template=_chat_template(path, config), special_tokens=special)
+        template = chat_template if chat_template is not None else _chat_template(path, config)
+        return cls(backend, eos_token_ids=ends, chat_template=template, special_tokens=special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -246,10 +253,14 @@ class HFTokenizer:
         return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
 
 
-def load_tokenizer(name_or_path: str | Path) -> ByteTokenizer | HFTokenizer:
+def load_tokenizer(
+    name_or_path: str | Path, *, tokenizer: str | Path | None = None, chat_template: str | Path | None = None
+) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a model directory (or of a bundled model's name), from its files only.
 
-    The rule, in order:
+    ``tokenizer``: read the tokenizer files from this directory instead (the end ids still come from
+    the model's); it must hold some. ``chat_template``: a Jinja file replacing the chat template
+    (:func:`read_chat_template`). The rule, in order (in the tokenizer's directory):
 
     1. ``tokenizer_config.json`` has ``"hispec_tokenizer": "byte"`` -> :class:`ByteTokenizer` (the
        bundled model: its HF files describe the same byte-level tokenizer);
@@ -258,19 +269,40 @@ def load_tokenizer(name_or_path: str | Path) -> ByteTokenizer | HFTokenizer:
        :class:`HFTokenizer` over ``transformers.AutoTokenizer.from_pretrained(dir, local_files_only=True)``;
     4. none -> :class:`ByteTokenizer` (logged).
 
-    Either way the end ids are :func:`end_token_ids` of the directory.
+    Either way the end ids are :func:`end_token_ids` of the model directory.
     """
     from pipeline.model.config import resolve_model_dir
 
     path = resolve_model_dir(name_or_path)
     ends = end_token_ids(path)
-    config = _read_json(path / "tokenizer_config.json")
-    if config.get(BYTE_MARKER) == "byte" or not any((path / name).exists() for name in _TOKENIZER_FILES):
+    template = None if chat_template is None else read_chat_template(chat_template)
+    source = path if tokenizer is None else Path(tokenizer)
+    config = _read_json(source / "tokenizer_config.json")
+    has_files = any((source / name).exists() for name in _TOKENIZER_FILES)
+    if tokenizer is not None and not has_files:
+        raise ConfigError("tokenizer", str(tokenizer), f"holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+    if config.get(BYTE_MARKER) == "byte" or not has_files:
         if config.get(BYTE_MARKER) != "byte":
             log.warning("tokenizer.byte_level", model=str(path), reason="the directory has no tokenizer files")
         primary = ends[0] if ends else 256
-        return ByteTokenizer(eos_token_id=primary, eos_token_ids=ends or (primary,))
-    return HFTokenizer.from_dir(path, eos_token_ids=ends or None)
+        return ByteTokenizer(eos_token_id=primary, eos_token_ids=ends or (primary,), chat_template=template)
+    return HFTokenizer.from_dir(source, eos_token_ids=ends or None, chat_template=template)
+
+
+def read_chat_template(path: str | Path) -> str:
+    """The text of a chat template file, compiled once here: an unreadable file or a template Jinja
+    cannot parse is a ``ConfigError`` naming ``chat_template``."""
+    from jinja2 import TemplateError
+
+    try:
+        template = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError("chat_template", str(path), f"cannot be read ({exc})") from None
+    try:
+        _jinja_environment().from_string(template)
+    except TemplateError as exc:
+        raise ConfigError("chat_template", str(path), f"is not a valid Jinja template ({exc})") from None
+    return template
 
 
 def end_token_ids(path: str | Path) -> tuple[int, ...]:
@@ -289,20 +321,27 @@ def end_token_ids(path: str | Path) -> tuple[int, ...]:
 
 
 def tokenizer_for_model(
-    model_dir: str | Path | None, *, vocab_size: int, eos_token_id: int | None
+    model_dir: str | Path | None,
+    *,
+    vocab_size: int,
+    eos_token_id: int | None,
+    tokenizer: str | Path | None = None,
+    chat_template: str | Path | None = None,
 ) -> ByteTokenizer | HFTokenizer:
-    """The engine's tokenizer: ``model_dir``'s (:func:`load_tokenizer`), or for a model built in
-    memory (no directory) the byte-level one with the model's EOS. Refuses a tokenizer whose ids
-    the model cannot embed."""
-    if model_dir is None:
-        return ByteTokenizer(eos_token_id=eos_token_id if eos_token_id is not None else 256)
-    tokenizer = load_tokenizer(model_dir)
-    if tokenizer.vocab_size > vocab_size:
+    """The engine's tokenizer: ``model_dir``'s (:func:`load_tokenizer`, with ``tokenizer`` and
+    ``chat_template`` as there), or for a model built in memory (no directory) ``tokenizer``'s, else
+    the byte-level one with the model's EOS. Refuses a tokenizer whose ids the model cannot embed."""
+    if model_dir is None and tokenizer is None:
+        template = None if chat_template is None else read_chat_template(chat_template)
+        return ByteTokenizer(eos_token_id=eos_token_id if eos_token_id is not None else 256, chat_template=template)
+    source = model_dir if model_dir is not None else tokenizer
+    loaded = load_tokenizer(source, tokenizer=tokenizer, chat_template=chat_template)
+    if loaded.vocab_size > vocab_size:
+        field, where = ("model", model_dir) if tokenizer is None else ("tokenizer", tokenizer)
         raise ConfigError(
-            "model", str(model_dir),
-            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocab_size is {vocab_size}",
+            field, str(where), f"the tokenizer has {loaded.vocab_size} ids but the model's vocab_size is {vocab_size}"
         )
-    return tokenizer
+    return loaded
 
 
 # ----- helpers ----------------------------------------------------------------------------------------
@@ -368,6 +407,19 @@ def _render(template: str, messages: Messages, add_generation_prompt: bool, spec
     """Render like ``transformers``' ``apply_chat_template`` (sandboxed Jinja, trim_blocks and
     lstrip_blocks, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII)."""
     from jinja2 import TemplateError
+
+    try:
+        return _jinja_environment().from_string(template).render(
+            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tools=None,
+            documents=None, **special
+        )
+    except TemplateError as exc:
+        raise RequestError("messages", "<conversation>", f"the chat template refused it: {exc}") from exc
+
+
+def _jinja_environment() -> Any:
+    """The sandboxed environment chat templates render in (as ``transformers``' own)."""
+    from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -381,10 +433,4 @@ def _render(template: str, messages: Messages, add_generation_prompt: bool, spec
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tools=None,
-            documents=None, **special
-        )
-    except TemplateError as exc:
-        raise RequestError("messages", "<conversation>", f"the chat template refused it: {exc}") from exc
+    return env

@@ -27,9 +27,8 @@ import attrs
 import torch
 from torch import Tensor
 
-from pipeline.model.config import ModelConfigError
+from pipeline.model.config import INDEX_FILE, ModelConfigError
 
-INDEX_FILE = "model.safetensors.index.json"
 _MAX_HEADER = 100 << 20  # bytes; a larger header is not a safetensors file
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

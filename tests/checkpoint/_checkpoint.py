@@ -1,5 +1,6 @@
 """A user's checkpoint built offline: a random HF ``DeepseekV32ForCausalLM`` with a BPE tokenizer
-trained here on a few KB of text.
+trained here on a few KB of text (``build_checkpoint``), and the checkpoints users bring as
+``save_pretrained`` writes them (``build_saved_checkpoint``, ``resave_without_mtp``).
 
 The tokenizer is SentencePiece-style (spaces as ``▁``, pieces within words, a decoder that strips
 the text's first space), with byte fallback (``<0x00>``..``<0xFF>``: characters outside its small alphabet, capitals
@@ -180,3 +181,103 @@ def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = Tru
         tok_config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(tok_config, indent=2))
     return Checkpoint(out, eos_id, end_id, tuple(prompt), vocab, *positions)
+
+
+# ----- checkpoints as users have them ----------------------------------------------------------------
+# sampling fields of generation_config.json, as DeepSeek's and GLM's checkpoints ship them
+DEEPSEEK_SAMPLING = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+GLM_SAMPLING = {"do_sample": True, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "max_new_tokens": 12}
+
+
+@attrs.frozen
+class SavedCheckpoint:
+    path: Path
+    model_type: str  # "deepseek_v32" or "glm_moe_dsa"
+    mtp: bool  # the weights hold an MTP layer (layer num_hidden_layers)
+    sampling: dict  # the sampling fields of its generation_config.json
+    eos_id: int
+
+
+def build_saved_checkpoint(out: Path, *, model_type: str = "deepseek_v32", mtp: bool = False, seed: int = 0,
+                           tokenizer=None) -> SavedCheckpoint:
+    """A random tiny model written by HF ``save_pretrained`` in bfloat16 in two shards (with HF's
+    index file), the trained tokenizer with its chat template, and a ``generation_config.json`` with
+    sampling fields (:data:`DEEPSEEK_SAMPLING`, or :data:`GLM_SAMPLING` for ``glm_moe_dsa``).
+
+    ``mtp``: add a DeepSeek-style MTP layer (``model.layers.{num_hidden_layers}.*``, hispec's
+    names, its copies of the embedding and head included) in a third shard, the shards renamed
+    ``-of-00003`` and the index updated, and ``num_nextn_predict_layers: 1`` in ``config.json``."""
+    from _hf_oracle import random_hf_model, tiny_glm_config, tiny_hf_config
+    from transformers import PreTrainedTokenizerFast
+
+    out.mkdir(parents=True, exist_ok=True)
+    backend = tokenizer if tokenizer is not None else train_tokenizer()
+    vocab, eos_id = backend.get_vocab_size(), backend.token_to_id("</s>")
+    shape = dict(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        n_routed_experts=4, n_group=1, kv_lora_rank=16, q_lora_rank=16, max_position_embeddings=256,
+        eos_token_id=eos_id,
+    )
+    glm = model_type == "glm_moe_dsa"
+    cfg = tiny_glm_config(**shape, indexer_types=["full", "shared"]) if glm else tiny_hf_config(**shape)
+    model = random_hf_model(cfg, seed).to(torch.bfloat16)
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    model.save_pretrained(out, max_shard_size=total * 3 // 5)  # two shards
+    shards = sorted(out.glob("*.safetensors"))
+    assert [f.name for f in shards] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    sampling = GLM_SAMPLING if glm else DEEPSEEK_SAMPLING
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, **sampling}, indent=2))
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    hf_tok.save_pretrained(out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config_path = out / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": CHAT_TEMPLATE}))
+    if mtp:
+        _add_mtp_shard(out, seed)
+    return SavedCheckpoint(out, model_type, mtp, sampling, eos_id)
+
+
+def _add_mtp_shard(out: Path, seed: int) -> None:
+    """A random MTP layer in a third shard (see ``build_saved_checkpoint``)."""
+    from _model_util import random_model
+    from safetensors.torch import save_file
+
+    from pipeline.model import ModelConfig
+    from pipeline.model.checkpoint import model_tensors
+    from pipeline.model.weights import INDEX_FILE
+
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    cfg = ModelConfig.from_hf_dict(raw)
+    prefix = f"model.layers.{cfg.num_hidden_layers}."
+    donor = random_model(cfg, seed=seed + 1)
+    tensors = {k: v for k, v in model_tensors(donor, torch.bfloat16).items() if k.startswith(prefix)}
+    index = json.loads((out / INDEX_FILE).read_text())
+    renamed = {}
+    for i in (1, 2):
+        old, new = f"model-0000{i}-of-00002.safetensors", f"model-0000{i}-of-00003.safetensors"
+        (out / old).rename(out / new)
+        renamed[old] = new
+    third = "model-00003-of-00003.safetensors"
+    save_file(tensors, str(out / third), metadata={"format": "pt"})
+    index["weight_map"] = {name: renamed[file] for name, file in index["weight_map"].items()}
+    index["weight_map"].update(dict.fromkeys(tensors, third))
+    (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+
+
+def resave_without_mtp(src: SavedCheckpoint, out: Path) -> SavedCheckpoint:
+    """``src`` (no MTP layer in its weights) with ``num_nextn_predict_layers: 1`` in ``config.json``:
+    what loading a DeepSeek checkpoint in HF and saving it again writes (HF keeps the count, drops
+    the MTP tensors)."""
+    import shutil
+
+    assert not src.mtp
+    shutil.copytree(src.path, out)
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw, indent=2))
+    return attrs.evolve(src, path=out)

@@ -696,3 +696,47 @@ def test_the_prefill_budget_auto_is_2048_or_the_chunk_and_none_with_whole_prompt
     assert EngineConfig(chunked_prefill_tokens=None, max_context_len=1024).prefill_budget is None
     assert EngineConfig(prefill_batch_tokens=None).prefill_budget is None
     assert EngineConfig(prefill_batch_tokens=1000).prefill_budget == 1000
+
+
+def test_an_mtp_layer_the_weights_lack_is_none_with_one_warning_for_auto():
+    import structlog
+
+    from pipeline.config import resolve_for_model
+    from pipeline.model import ModelConfig
+
+    from tiny_models import TINY_CONFIG
+
+    named = ModelConfig.from_hf_dict(TINY_CONFIG)
+    assert named.num_nextn_predict_layers == 1
+    absent = named.without_absent_mtp(["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight"])
+    assert (absent.num_nextn_predict_layers, absent.absent_mtp_layers) == (0, 1)
+    layer = f"model.layers.{named.num_hidden_layers}.eh_proj.weight"
+    assert named.without_absent_mtp([layer]) is named and named.without_absent_mtp(None) is named
+    with structlog.testing.capture_logs() as logs:
+        assert resolve_for_model(EngineConfig(), absent).speculative is None
+        assert resolve_for_model(EngineConfig(speculative=None), absent).speculative is None
+        resolve_for_model(EngineConfig(), absent, log_choices=False)
+    assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["model.mtp_missing"]
+    with pytest.raises(ConfigError) as info:
+        resolve_for_model(EngineConfig(speculative=SpeculativeConfig(num_steps=2)), absent)
+    assert info.value.field == "speculative" and "holds none of its tensors" in info.value.rule
+    with pytest.raises(ConfigError) as info:  # a model with no MTP layer at all says so
+        resolve_for_model(EngineConfig(speculative=SpeculativeConfig()), attrs.evolve(named, num_nextn_predict_layers=0))
+    assert "has none" in info.value.rule
+
+
+def test_tokenizer_and_chat_template_name_existing_paths(tmp_path):
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}")
+    config = EngineConfig(tokenizer=str(tmp_path), chat_template=str(template))
+    assert (config.tokenizer, config.chat_template) == (str(tmp_path), str(template))
+    for field, value, rule in (
+        ("tokenizer", str(tmp_path / "missing"), "no such directory"),
+        ("tokenizer", str(template), "no such directory"),
+        ("tokenizer", 3, "must be a directory path"),
+        ("chat_template", str(tmp_path), "no such file"),
+        ("chat_template", "", "must be a file path"),
+    ):
+        with pytest.raises(ConfigError) as info:
+            EngineConfig(**{field: value})
+        assert info.value.field == field and rule in info.value.rule
