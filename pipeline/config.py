@@ -7,9 +7,10 @@ loads it, and those that need the machine (device, memory) by ``pipeline.preflig
 ``check_engine_options`` checks the engine's keyword arguments. A violation raises ``ConfigError``
 naming the field, the value and the rule.
 
-Two defaults come from the model: ``speculative="auto"`` (on exactly when it has an MTP layer) and
-``max_context_len=None`` (its positions, as far as the pools hold); ``resolve_for_model`` fills them
-in where the model is loaded.
+Three defaults come from the model: ``speculative="auto"`` (on exactly when it has an MTP layer),
+``max_context_len=None`` (its positions, as far as the pools hold) and
+``hisparse.device_buffer_size=None`` (HOT: 128, or the indexer's top-k in whole pages when that is
+more); ``resolve_for_model`` fills them in where the model is loaded.
 
 Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
 """
@@ -45,6 +46,7 @@ MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
 CPU_SPEC_MAX_BATCH, CUDA_SPEC_MAX_BATCH = 1, 8
 CPU_SPEC_MAX_CONTEXT = 1024
 CPU_DEFAULT_POLICY = "adaptive"  # HiSparseConfig.policy="auto" on a CPU
+DEFAULT_HOT = 128  # HiSparseConfig.device_buffer_size=None: at least this many hot columns (auto_hot)
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -67,12 +69,19 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def auto_hot(index_topk: int | None, page_size: int) -> int:
+    """HOT when ``device_buffer_size`` is None: the larger of ``DEFAULT_HOT`` and the model's top-k
+    (the hot region must hold one step's whole selection), in whole pages."""
+    return _round_up(max(DEFAULT_HOT, index_topk or 0), page_size)
+
+
 @attrs.frozen
 class HiSparseConfig:
     """The per-request device buffer over a host copy of every token's KV."""
 
-    # HOT: hot columns per request (LRU managed); a multiple of page_size and >= top_k
-    device_buffer_size: int = 128
+    # HOT: hot columns per request; a multiple of page_size and >= the model's top_k. None: the
+    # larger of 128 and the model's index_topk, in whole pages (``auto_hot``; resolve_for_model)
+    device_buffer_size: int | None = None
     # logical (and host) pool = device pool * ratio. None: with a device memory budget, the ratio
     # that seats the most requests of max_context_len; without one, 4
     host_to_device_ratio: int | None = None
@@ -100,6 +109,13 @@ class HiSparseConfig:
     # decoding seats. Output unchanged.
     draft_keys_on_host: bool = False
 
+    def hot_for(self, index_topk: int | None, page_size: int) -> int:
+        """HOT for a model whose indexer selects ``index_topk`` positions: ``device_buffer_size``,
+        or when it is None ``auto_hot``."""
+        if self.device_buffer_size is not None:
+            return self.device_buffer_size
+        return auto_hot(index_topk, page_size)
+
     def policy_for(self, device: str) -> str:
         """The replacement policy an engine on ``device`` runs: ``policy``, ``"auto"`` resolved."""
         if self.policy != "auto":
@@ -115,11 +131,13 @@ class HiSparseConfig:
                  self.draft_keys_on_host, "needs hisparse.draft_rows_on_host (the keys go to the host with the rows)")
         if self.near_margin is not None:
             _require_int("hisparse.near_margin", self.near_margin, 0)
-        _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
+        if self.device_buffer_size is not None:
+            _require_int("hisparse.device_buffer_size", self.device_buffer_size, 1)
         if self.host_to_device_ratio is not None:
             _require_int("hisparse.host_to_device_ratio", self.host_to_device_ratio, 1)
         if self.top_k is not None:
             _require_int("hisparse.top_k", self.top_k, 1)
+        if self.top_k is not None and self.device_buffer_size is not None:
             _require(
                 self.device_buffer_size >= self.top_k,
                 "hisparse.device_buffer_size",
@@ -351,6 +369,12 @@ class EngineConfig:
             "float64 is for exactness checks on the CPU only",
         )
         _require_int("page_size", self.page_size, 1)
+        _require(
+            self.hisparse is None or isinstance(self.hisparse, HiSparseConfig),
+            "hisparse",
+            self.hisparse,
+            "must be a HiSparseConfig or None (every token's KV on the device)",
+        )
         if self.max_context_len is not None:
             _require_int("max_context_len", self.max_context_len, 1)
         self._check_budget()
@@ -508,12 +532,13 @@ class EngineConfig:
 
     def _check_hisparse(self, hs: HiSparseConfig) -> None:
         page = self.page_size
-        _require(
-            hs.device_buffer_size % page == 0,
-            "hisparse.device_buffer_size",
-            hs.device_buffer_size,
-            f"must be a multiple of page_size ({page})",
-        )
+        if hs.device_buffer_size is not None:
+            _require(
+                hs.device_buffer_size % page == 0,
+                "hisparse.device_buffer_size",
+                hs.device_buffer_size,
+                f"must be a multiple of page_size ({page})",
+            )
         draft = self._draft_tokens()
         if draft:
             spec = self.speculative
@@ -527,7 +552,10 @@ class EngineConfig:
             )
         if self.device_pool_tokens is None:  # sized from the budget by resolve_for_model; checked then
             return
-        buffer_columns = hs.device_buffer_size + page
+        # HOT None is resolved from the model (checked again then): here the least it can become, as
+        # what the pool must hold grows with HOT
+        hot = hs.device_buffer_size if hs.device_buffer_size is not None else auto_hot(hs.top_k, page)
+        buffer_columns = hot + page
         _require(
             self.device_pool_tokens >= buffer_columns,
             "device_pool_tokens",
@@ -536,7 +564,6 @@ class EngineConfig:
         )
         if self.max_context_len is None:  # checked once resolve_for_model has set it
             return
-        hot = hs.device_buffer_size
         chunk = self.max_context_len if self.chunked_prefill_tokens is None else self.chunked_prefill_tokens
         beyond = min(chunk, self.max_context_len - hot)  # a chunk's rows past HOT: newest, draft zone, more
         prefill = max(buffer_columns, hot + _round_up(beyond, page))
@@ -552,6 +579,8 @@ class EngineConfig:
             f"{what}: the device pool must hold one request's hot region and the chunk's rows past "
             f"it ({prefill}); lower chunked_prefill_tokens or raise device_pool_tokens",
         )
+        if hs.host_to_device_ratio is None:  # a budget chooses it in resolve_for_model; checked then
+            return
         logical = self.device_pool_tokens * hs.host_to_device_ratio
         need = _round_up(self.max_context_len + draft, page)
         _require(
@@ -568,7 +597,7 @@ class EngineConfig:
         Call ``check_against_model`` first: the plan assumes the config passed it.
         """
         hs = self.hisparse
-        hot = 0 if hs is None else hs.device_buffer_size
+        hot = 0 if hs is None else hs.hot_for(model_top_k, self.page_size)
         ratio = 1 if hs is None else hs.host_to_device_ratio
         return MemoryPlan(
             page_size=self.page_size,
@@ -608,12 +637,13 @@ def check_against_model(
                 hs.top_k,
                 f"must equal the model's index_topk ({index_topk}); another value would change the answer",
             )
-        _require(
-            hs.device_buffer_size >= index_topk,
-            "hisparse.device_buffer_size",
-            hs.device_buffer_size,
-            f"must be >= the model's index_topk ({index_topk})",
-        )
+        if hs.device_buffer_size is not None:  # None: resolved to hold it (auto_hot)
+            _require(
+                hs.device_buffer_size >= index_topk,
+                "hisparse.device_buffer_size",
+                hs.device_buffer_size,
+                f"must be >= the model's index_topk ({index_topk})",
+            )
     if isinstance(config.speculative, SpeculativeConfig):
         _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)  # resolve_for_model says why first
     if max_positions is not None and config.max_context_len is not None:
@@ -696,7 +726,9 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
       ``speculative``. An MTP layer config.json names but the weights lack (``absent_mtp_layers``)
       counts as none: "auto" then also logs the warning ``model.mtp_missing``;
     * ``max_context_len=None`` -> the model's ``max_position_embeddings``, lowered to what the pools
-      hold (``EngineConfig.context_capacity``).
+      hold (``EngineConfig.context_capacity``);
+    * ``hisparse.device_buffer_size=None`` -> ``auto_hot``: 128, or the model's ``index_topk`` in
+      whole pages when that is more (the config's rules on HOT are checked again with it).
 
     Each choice is logged. ``model_cfg`` is the model's ``ModelConfig`` (``num_nextn_predict_layers``,
     ``max_position_embeddings``).
@@ -715,6 +747,7 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
             log.info("config.speculative", speculative="on" if has_mtp else "off", reason=reason)
     elif spec is not None:
         _require(has_mtp, "speculative", spec, no_mtp_rule(model_cfg))
+    config = _resolve_hot(config, model_cfg, log_choices)
     changes: dict[str, Any] = {"speculative": spec}
     if config.has_budget:
         return _resolve_budget(config, model_cfg, spec, log_choices)
@@ -732,6 +765,19 @@ def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool
             )
         changes["max_context_len"] = context
     return attrs.evolve(config, **changes)
+
+
+def _resolve_hot(config: EngineConfig, model_cfg: Any, log_choices: bool) -> EngineConfig:
+    """``config`` with HOT set (``auto_hot``) when ``hisparse.device_buffer_size`` is None."""
+    hs = config.hisparse
+    if hs is None or hs.device_buffer_size is not None:
+        return config
+    top_k = getattr(model_cfg, "index_topk", None)
+    hot = auto_hot(top_k, config.page_size)
+    if log_choices:
+        log.info("config.hisparse.device_buffer_size", device_buffer_size=hot, index_topk=top_k,
+                 page_size=config.page_size, raised_to_hold_the_top_k=hot > auto_hot(0, config.page_size))
+    return attrs.evolve(config, hisparse=attrs.evolve(hs, device_buffer_size=hot))
 
 
 def _resolve_budget(

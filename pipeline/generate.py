@@ -154,7 +154,8 @@ def batch_tokens(args: argparse.Namespace) -> int | str | None:
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The ``EngineConfig`` of the command-line options ``generate``, ``chat`` and ``serve`` share.
 
-    An option a command does not have takes its default here (``--page-size`` 16, ``--hot`` 128,
+    An option a command does not have takes its default here (``--page-size`` 16, ``--hot`` None,
+    which the engine resolves to 128 or the model's index_topk in whole pages if that is more,
     ``--policy auto``, ``--max-running-requests``/``--device-pool-tokens`` None: with no device
     memory budget, a pool of 16384 slots or one full context if that is more). No ``--num-steps``
     is ``speculative="auto"`` (on exactly when the model has an MTP layer); ``--num-steps N``
@@ -170,7 +171,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if pool is None and not budget:
         pool = 16384 if context is None else max(16384, -(-context // page) * page)
     hisparse = None if args.no_hisparse else HiSparseConfig(
-        device_buffer_size=getattr(args, "hot", 128), policy=getattr(args, "policy", "auto"),
+        device_buffer_size=getattr(args, "hot", None), policy=getattr(args, "policy", "auto"),
         near_margin=getattr(args, "near_margin", None),
     )
     return EngineConfig(

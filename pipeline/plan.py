@@ -24,6 +24,7 @@ import attrs
 from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
 from pipeline.config import (
     DEFAULT_CHUNK,
+    DEFAULT_HOT,
     EngineConfig,
     HiSparseConfig,
     SpeculativeConfig,
@@ -31,8 +32,6 @@ from pipeline.config import (
     resolve_for_model,
 )
 from pipeline.errors import ConfigError
-
-DEFAULT_HOT = HiSparseConfig().device_buffer_size
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:

@@ -4,7 +4,9 @@
 dimensions is checked here, each mistake a ``ConfigError`` naming the field:
 
 * ``model``: an injected model is a ``DeepseekV32`` on the configured device; a model to load is
-  ``"tiny"`` or an existing directory with a readable ``config.json``;
+  ``"tiny"`` or an existing directory with a ``config.json`` that reads strictly (every field of its
+  type and in its range), whose end ids (``config.json``'s and ``generation_config.json``'s
+  ``eos_token_id``) are ids of the model's vocabulary;
 * ``device``: ``"cuda"`` needs a CUDA build of torch and a visible device;
 * memory: the bytes the memory layer will allocate for this config and model (``estimate_memory``)
   must fit in the memory available now (host RAM, and the CUDA device's free memory on CUDA);
@@ -43,6 +45,7 @@ def preflight(config: EngineConfig, *, model: Any = None) -> None:
         model_cfg = model.cfg
     else:
         model_cfg = read_model_config(config.model)
+        check_end_ids(config.model, model_cfg)
     check_tensor_parallel(config, model_cfg)
     # the model's defaults ("auto" speculation, max_context_len=None) as the executor will resolve them
     check_memory(resolve_for_model(config, model_cfg, log_choices=False), model_cfg)
@@ -123,6 +126,15 @@ def read_model_config(name: str) -> ModelConfig:
         TypeError,
     ) as exc:  # JSON errors and unsupported values are ValueErrors
         raise ConfigError("model", name, f"config.json cannot be used: {type(exc).__name__}: {exc}") from None
+
+
+def check_end_ids(name: str, model_cfg: ModelConfig) -> None:
+    """Every ``eos_token_id`` of the model's ``config.json`` and ``generation_config.json`` is an id
+    of its vocabulary (``ConfigError`` on ``model`` naming the file and the id)."""
+    from pipeline.model.config import resolve_model_dir
+    from pipeline.model.tokenizer import end_token_ids
+
+    end_token_ids(resolve_model_dir(name), vocab_size=model_cfg.vocab_size)
 
 
 # --- memory -----------------------------------------------------------------------------------------

@@ -7,14 +7,18 @@ it ``num_mtp_layers``; both spellings are read, 0 means no MTP layer). A checkpo
 hold no tensor of the MTP layer that ``config.json`` names (HF's ``save_pretrained`` keeps the count
 but writes no MTP tensors) is served as a model without one: ``ModelConfig.from_dir`` (and the
 loader) set the count to 0 and keep the named count as ``absent_mtp_layers``. RoPE is plain or YaRN
-(``rope``); a ``quantization_config`` is read by the loader (``fp8``), not here.
+(``rope``); a ``quantization_config`` is read by the loader (``fp8``), and checked here too.
 
-Every error is a :class:`ModelConfigError`, a ``ConfigError`` on the field ``model``.
+Values are read strictly (``fields``): an integer field must hold a JSON integer in its range, a
+flag a JSON bool, a number a finite one in its range, ``eos_token_id`` an id of the vocabulary (or
+a list of them); ``null`` counts as absent. Every error is a :class:`ModelConfigError`, a
+``ConfigError`` on the field ``model``, naming the ``config.json`` field.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -22,8 +26,10 @@ from typing import Any
 import attrs
 
 from pipeline.errors import ConfigError
+from pipeline.model.fields import FieldError, flag, integer, number, string, strings, token_ids
+from pipeline.model.fp8 import Fp8Config, QuantizationError
 from pipeline.model.registry import INDEXER_ROPES, Architecture, UnsupportedArchitecture, architecture
-from pipeline.model.rope import Rope, RopeError, Yarn
+from pipeline.model.rope import Rope, Yarn
 
 _ASSETS = Path(__file__).resolve().parent.parent / "assets"
 # names that resolve to a directory bundled with the package
@@ -139,6 +145,19 @@ class ModelConfig:
             raise ModelConfigError("num_nextn_predict_layers must be >= 0")
         if self.dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ModelConfigError(f"unsupported dtype {self.dtype!r}")
+        for name in ("moe_intermediate_size", "n_shared_experts", "n_routed_experts", "num_experts_per_tok"):
+            if getattr(self, name) < 0:
+                raise ModelConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.has_moe and self.moe_intermediate_size < 1:
+            raise ModelConfigError("moe_intermediate_size must be positive in a model with routed experts")
+        for name in ("rms_norm_eps", "rope_theta", "routed_scaling_factor"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ModelConfigError(f"{name} must be a finite number > 0, got {value}")
+        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
+            raise ModelConfigError(
+                f"eos_token_id {self.eos_token_id} is outside the model's vocabulary of {self.vocab_size} ids"
+            )
 
     # ----- derived values -------------------------------------------------------------------------
     @property
@@ -222,13 +241,15 @@ class ModelConfig:
             raise ModelConfigError(str(exc)) from None
         try:
             rope = Rope.from_hf_dict(raw)
-        except RopeError as exc:
+        except FieldError as exc:  # RopeError among them
             raise ModelConfigError(str(exc)) from None
         raw = {**arch.defaults, **{k: v for k, v in raw.items() if v is not None}}
         try:
             return cls._from_hf_dict(raw, arch, rope)
         except KeyError as exc:
             raise ModelConfigError(f"config.json lacks the field {exc.args[0]!r}") from None
+        except FieldError as exc:
+            raise ModelConfigError(str(exc)) from None
         except (TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
                 raise
@@ -238,48 +259,53 @@ class ModelConfig:
     def _from_hf_dict(cls, raw: dict[str, Any], arch: Architecture, rope: Rope) -> ModelConfig:
         if raw.get("q_lora_rank") is None:
             raise ModelConfigError("q_lora_rank is required (the DSA indexer reads the query latent)")
-        if raw.get("attention_bias"):
+        if flag(raw.get("attention_bias", False), "attention_bias"):
             raise ModelConfigError("attention_bias=True is not supported")
-        num_layers = int(raw["num_hidden_layers"])
+
+        def size(name: str, default: int | None = None, minimum: int = 1) -> int:
+            """An integer field (required without a default): a KeyError names a missing one."""
+            return integer(raw[name] if default is None else raw.get(name, default), name, minimum)
+
+        vocab_size = size("vocab_size")
+        num_layers = size("num_hidden_layers")
         mlp_types = raw.get("mlp_layer_types")
         if mlp_types is None:
-            dense = min(int(raw.get("first_k_dense_replace", 3)), num_layers)
+            dense = min(size("first_k_dense_replace", 3, minimum=0), num_layers)
             mlp_types = ["dense"] * dense + ["sparse"] * (num_layers - dense)
-        mtp = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 0))
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
+        mtp_name = "num_nextn_predict_layers" if "num_nextn_predict_layers" in raw else "num_mtp_layers"
+        dtype_name = "dtype" if "dtype" in raw else "torch_dtype"
+        eos = token_ids(raw.get("eos_token_id"), "eos_token_id", vocab_size)
         return cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            moe_intermediate_size=int(raw.get("moe_intermediate_size", 0)),
+            vocab_size=vocab_size,
+            hidden_size=size("hidden_size"),
+            intermediate_size=size("intermediate_size"),
+            moe_intermediate_size=size("moe_intermediate_size", 0, minimum=0),
             num_hidden_layers=num_layers,
-            num_attention_heads=int(raw["num_attention_heads"]),
-            n_shared_experts=int(raw.get("n_shared_experts") or 0),
-            n_routed_experts=int(raw.get("n_routed_experts") or 0),
-            routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
-            kv_lora_rank=int(raw["kv_lora_rank"]),
-            q_lora_rank=int(raw["q_lora_rank"]),
-            qk_rope_head_dim=int(raw["qk_rope_head_dim"]),
-            v_head_dim=int(raw["v_head_dim"]),
-            qk_nope_head_dim=int(raw["qk_nope_head_dim"]),
-            n_group=int(raw.get("n_group") or 1),
-            topk_group=int(raw.get("topk_group") or 1),
-            num_experts_per_tok=int(raw.get("num_experts_per_tok") or 0),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
-            mlp_layer_types=tuple(mlp_types),
-            hidden_act=str(raw.get("hidden_act", "silu")),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            num_attention_heads=size("num_attention_heads"),
+            n_shared_experts=size("n_shared_experts", 0, minimum=0),
+            n_routed_experts=size("n_routed_experts", 0, minimum=0),
+            routed_scaling_factor=number(raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", positive=True),
+            kv_lora_rank=size("kv_lora_rank"),
+            q_lora_rank=size("q_lora_rank"),
+            qk_rope_head_dim=size("qk_rope_head_dim"),
+            v_head_dim=size("v_head_dim"),
+            qk_nope_head_dim=size("qk_nope_head_dim"),
+            n_group=size("n_group", 1),
+            topk_group=size("topk_group", 1),
+            num_experts_per_tok=size("num_experts_per_tok", 0, minimum=0),
+            norm_topk_prob=flag(raw.get("norm_topk_prob", True), "norm_topk_prob"),
+            mlp_layer_types=strings(mlp_types, "mlp_layer_types"),
+            hidden_act=string(raw.get("hidden_act", "silu"), "hidden_act"),
+            max_position_embeddings=size("max_position_embeddings"),
+            rms_norm_eps=number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", positive=True),
             rope_theta=rope.theta,
-            index_topk=int(raw["index_topk"]),
-            index_head_dim=int(raw["index_head_dim"]),
-            index_n_heads=int(raw["index_n_heads"]),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_id=None if eos is None else int(eos),
-            num_nextn_predict_layers=int(mtp or 0),
-            dtype=str(raw.get("dtype", raw.get("torch_dtype", "float32")) or "float32"),
+            index_topk=size("index_topk"),
+            index_head_dim=size("index_head_dim"),
+            index_n_heads=size("index_n_heads"),
+            tie_word_embeddings=flag(raw.get("tie_word_embeddings", False), "tie_word_embeddings"),
+            eos_token_id=eos[0] if eos else None,
+            num_nextn_predict_layers=size(mtp_name, 0, minimum=0),
+            dtype=string(raw.get(dtype_name, "float32"), dtype_name) or "float32",
             model_type=arch.model_type,
             rope_yarn=rope.yarn,
             indexer_types=arch.indexer_types(raw, num_layers),
@@ -311,12 +337,16 @@ class ModelConfig:
         An MTP layer the weights lack entirely is set aside (``without_absent_mtp``; the tensor
         names come from the index or the files' headers, no weight is read)."""
         path = resolve_model_dir(name_or_path)
+        raw = read_config_json(path)
         try:
-            cfg = cls.from_hf_dict(read_config_json(path))
+            cfg = cls.from_hf_dict(raw)
+            Fp8Config.from_hf_dict(raw)  # read by the loader; checked here before any weight is read
         except ModelConfigError as exc:
             if exc.value != "config.json":
                 raise
             raise ModelConfigError(f"config.json: {exc.rule}", str(path)) from None
+        except QuantizationError as exc:
+            raise ModelConfigError(f"config.json: {exc}", str(path)) from None
         return cfg.without_absent_mtp(tensor_names(path)) if cfg.num_nextn_predict_layers else cfg
 
 

@@ -20,6 +20,8 @@ import attrs
 import torch
 from torch import Tensor
 
+from pipeline.model.fields import is_integer
+
 SUPPORTED_QUANT_METHODS = ("fp8",)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
@@ -55,7 +57,7 @@ class Fp8Config:
         block = q.get("weight_block_size")
         if block is None:
             return cls(block=None)
-        if not (isinstance(block, list | tuple) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        if not (isinstance(block, list | tuple) and len(block) == 2 and all(is_integer(b) and b > 0 for b in block)):
             raise QuantizationError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
         return cls(block=(int(block[0]), int(block[1])))
 

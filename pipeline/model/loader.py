@@ -11,6 +11,10 @@ Steps, each with bounded host memory:
    tensor's size and then cast; an FP8 weight is dequantized into its parameter one row of scale
    blocks at a time. Peak host memory is therefore about the model plus the largest tensor.
 
+Every tensor is checked once it is in its parameter (after dequantization, in the dtype it is served
+in): one holding NaN or Inf fails the load, a :class:`CheckpointError` listing every such tensor
+(``torch.isfinite`` over a tensor just read costs little beside reading it).
+
 Tensors of layers that are not served are skipped unread: layers past the target layers and the
 MTP layers kept (``mtp_layers`` can keep fewer than the checkpoint has), the MTP layer's copies of
 the embedding and head, the indexer of a GLM-5 shared layer. An MTP layer that ``config.json``
@@ -32,7 +36,7 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from pipeline.model.checkpoint import MTP_SHARED_COPIES, parse_dtype, to_checkpoint_name
+from pipeline.model.checkpoint import MTP_SHARED_COPIES, dtype_name, parse_dtype, to_checkpoint_name
 from pipeline.model.config import (
     ModelConfig,
     ModelConfigError,
@@ -46,6 +50,7 @@ from pipeline.model.weights import CheckpointError, CheckpointFiles
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.*)$")
 _SCALE_SUFFIXES = ("weight_scale_inv", "activation_scale", "input_scale")
+_FINITE_CHUNK = 1 << 24  # elements checked for NaN / Inf at once (a bool temporary of 16 MiB at most)
 
 
 def load_model(
@@ -97,21 +102,40 @@ def load_weights(
     model: DeepseekV32, files: CheckpointFiles, quant: Fp8Config | None, *, progress: bool | None = None
 ) -> None:
     """Fill every parameter and buffer of ``model`` from ``files``, one tensor at a time (a progress
-    bar on stderr, in bytes read, when ``progress``; None: when stderr is a terminal)."""
+    bar on stderr, in bytes read, when ``progress``; None: when stderr is a terminal). Missing or
+    unknown tensors, and tensors holding NaN or Inf as served, are one :class:`CheckpointError`."""
     where = str(files.path)
     dests, fused = destinations(model)
     filled: set[str] = set()
     unknown: list[str] = []
+    checks: list[tuple[str, Tensor]] = []  # (name, is it finite): read back once, after the last tensor
     served = [name for name in files if is_served(name, model.cfg)]  # a weight's scales with it
     with _progress_bar(sum(files.entries[name].nbytes for name in served), progress) as bar:
         for name in served:
             if not name.endswith(_SCALE_SUFFIXES):
-                _load_one(name, files, quant, dests, fused, filled, unknown)
+                dest = _load_one(name, files, quant, dests, fused, filled, unknown)
+                if dest is not None:
+                    checks.append((name, all_finite(dest)))
             bar.update(files.entries[name].nbytes)
     missing = [name for name in dests if name not in filled]
     if missing or unknown:
         parts = [_listing(what, names) for what, names in (("missing", missing), ("unexpected", unknown)) if names]
         raise CheckpointError("tensors " + "; ".join(parts), where)
+    finite = torch.stack([ok for _, ok in checks]).tolist() if checks else []  # one device sync
+    bad = [name for (name, _), ok in zip(checks, finite, strict=True) if not ok]
+    if bad:
+        raise CheckpointError(f"{_listing('tensors hold NaN or Inf', bad)} when served as {dtype_name(model.dtype)}", where)
+
+
+def all_finite(tensor: Tensor) -> Tensor:
+    """A bool scalar on ``tensor``'s device: no NaN or Inf in it. Large tensors are checked a slice
+    of rows at a time, so the temporary stays small."""
+    if not tensor.is_floating_point() or tensor.numel() == 0:
+        return torch.ones((), dtype=torch.bool, device=tensor.device)
+    if tensor.numel() <= _FINITE_CHUNK or tensor.ndim == 0:
+        return torch.isfinite(tensor).all()
+    rows = max(1, _FINITE_CHUNK * tensor.shape[0] // tensor.numel())
+    return torch.stack([torch.isfinite(part).all() for part in tensor.split(rows)]).all()
 
 
 def _progress_bar(total: int, progress: bool | None) -> tqdm:
@@ -130,15 +154,16 @@ def _load_one(
     fused: dict[str, tuple[Tensor, tuple[str, ...]]],
     filled: set[str],
     unknown: list[str],
-) -> None:
-    """Read one served checkpoint tensor into its destination (noting what it filled)."""
+) -> Tensor | None:
+    """Read one served checkpoint tensor into its destination (noting what it filled); the
+    destination, None for an unknown name."""
     if name in fused:
         dest, names = fused[name]
     elif name in dests:
         dest, names = dests[name], (name,)
     else:
         unknown.append(name)
-        return
+        return None
     where = str(files.path)
     scale = name.removesuffix("weight") + "weight_scale_inv"
     try:
@@ -153,6 +178,7 @@ def _load_one(
     except QuantizationError as exc:
         raise CheckpointError(str(exc), where) from None
     filled.update(names)
+    return dest
 
 
 def is_served(name: str, cfg: ModelConfig) -> bool:

@@ -15,7 +15,8 @@ Two scale corrections come with it, and DeepSeek-style models apply both:
 * the MLA softmax scale is multiplied by ``mscale(factor, mscale_all_dim) ** 2`` when
   ``mscale_all_dim`` is set (the indexer's own scale is left alone).
 
-Any other ``rope_type`` is refused.
+Any other ``rope_type`` is refused, and so is a value of the wrong JSON type or out of range (a
+``theta`` or ``factor`` that is not a finite number > 0, say), naming the field.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ import attrs
 import torch
 from torch import Tensor
 
+from pipeline.model.fields import FieldError, flag, integer, number
+
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
-class RopeError(ValueError):
-    """A RoPE setting hispec does not implement; the message names the field."""
+class RopeError(FieldError):
+    """A RoPE setting hispec does not implement or cannot read; the message names the field."""
 
 
 def _mscale(scale: float, mscale: float = 1.0) -> float:
@@ -119,8 +122,15 @@ class Rope:
     def from_hf_dict(cls, raw: dict[str, Any]) -> Rope:
         """Read ``rope_parameters`` (HF 5.x) or ``rope_scaling`` + ``rope_theta`` (the older spelling)."""
         key = "rope_parameters" if raw.get("rope_parameters") is not None else "rope_scaling"
-        params = dict(raw.get(key) or {})
-        theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+        params = raw.get(key) or {}
+        if not isinstance(params, dict):
+            raise RopeError(f"{key} must be an object, got {type(params).__name__}")
+        params = {k: v for k, v in params.items() if v is not None}  # null counts as absent
+        if "rope_theta" in params:
+            theta = number(params["rope_theta"], f"{key}.rope_theta", positive=True)
+        else:
+            top = raw.get("rope_theta")
+            theta = number(10000.0 if top is None else top, "rope_theta", positive=True)
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type == "default":
             return cls(theta=theta)
@@ -130,31 +140,35 @@ class Rope:
             )
         max_pos = raw.get("max_position_embeddings")
         # as HF: a top-level original_max_position_embeddings wins over the one in the rope dict
-        original = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings", max_pos))
-        if original is None:
+        if raw.get("original_max_position_embeddings") is not None:
+            original = integer(raw["original_max_position_embeddings"], "original_max_position_embeddings")
+        elif "original_max_position_embeddings" in params:
+            original = integer(params["original_max_position_embeddings"], f"{key}.original_max_position_embeddings")
+        elif max_pos is not None:
+            original = integer(max_pos, "max_position_embeddings")
+        else:
             raise RopeError(f"{key}.original_max_position_embeddings is required for yarn")
-        factor = params.get("factor")
-        if factor is None:
-            if max_pos is None:
-                raise RopeError(f"{key}.factor is required for yarn")
-            factor = max_pos / original
-        if float(factor) <= 0:
-            raise RopeError(f"{key}.factor must be positive, got {factor!r}")
+        if "factor" in params:
+            factor = number(params["factor"], f"{key}.factor", positive=True)
+        elif max_pos is None:
+            raise RopeError(f"{key}.factor is required for yarn")
+        else:
+            factor = integer(max_pos, "max_position_embeddings") / original
 
-        def opt(name: str) -> float | None:
+        def opt(name: str, default: float | None = None, *, positive: bool = False) -> float | None:
             value = params.get(name)
-            return None if value is None else float(value)
+            return default if value is None else number(value, f"{key}.{name}", positive=positive)
 
         return cls(
             theta=theta,
             yarn=Yarn(
-                factor=float(factor),
-                original_max_position_embeddings=int(original),
-                beta_fast=float(params.get("beta_fast") or 32),
-                beta_slow=float(params.get("beta_slow") or 1),
+                factor=factor,
+                original_max_position_embeddings=original,
+                beta_fast=opt("beta_fast") or 32.0,
+                beta_slow=opt("beta_slow") or 1.0,
                 mscale=opt("mscale"),
                 mscale_all_dim=opt("mscale_all_dim"),
-                attention_factor=opt("attention_factor"),
-                truncate=bool(params.get("truncate", True)),
+                attention_factor=opt("attention_factor", positive=True),
+                truncate=flag(params.get("truncate", True), f"{key}.truncate"),
             ),
         )

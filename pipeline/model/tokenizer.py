@@ -216,20 +216,26 @@ class HFTokenizer:
 
     @classmethod
     def from_dir(
-        cls, path: str | Path, *, eos_token_ids: Sequence[int] | None = None, chat_template: str | None = None
+        cls,
+        path: str | Path,
+        *,
+        eos_token_ids: Sequence[int] | None = None,
+        chat_template: str | None = None,
+        field: str = "model",
     ) -> HFTokenizer:
         """Load ``path``'s tokenizer (``tokenizer.json``, else through ``transformers`` from the other
         tokenizer files), offline. ``eos_token_ids`` default: :func:`end_token_ids` of ``path``;
-        ``chat_template`` (a template's text) replaces the directory's own."""
+        ``chat_template`` (a template's text) replaces the directory's own. A file that cannot be
+        read as what it should hold is a ``ConfigError`` on ``field`` naming it."""
         path = Path(path)
-        config = _read_json(path / "tokenizer_config.json")
-        backend = _load_backend(path)
+        config = _read_json(path / "tokenizer_config.json", field)
+        backend = _load_backend(path, field)
         special = {key: _token_text(config.get(key)) for key in _SPECIAL_KEYS}
         ends = list(end_token_ids(path) if eos_token_ids is None else eos_token_ids)
         if not ends and special["eos_token"] is not None:  # no end id in the model's files: the tokenizer's
             eos = backend.token_to_id(special["eos_token"])
             ends = [] if eos is None else [eos]
-        template = chat_template if chat_template is not None else _chat_template(path, config)
+        template = chat_template if chat_template is not None else _chat_template(path, config, field)
         return cls(backend, eos_token_ids=ends, chat_template=template, special_tokens=special)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -254,13 +260,19 @@ class HFTokenizer:
 
 
 def load_tokenizer(
-    name_or_path: str | Path, *, tokenizer: str | Path | None = None, chat_template: str | Path | None = None
+    name_or_path: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    chat_template: str | Path | None = None,
+    vocab_size: int | None = None,
 ) -> ByteTokenizer | HFTokenizer:
     """The tokenizer of a model directory (or of a bundled model's name), from its files only.
 
     ``tokenizer``: read the tokenizer files from this directory instead (the end ids still come from
     the model's); it must hold some. ``chat_template``: a Jinja file replacing the chat template
-    (:func:`read_chat_template`). The rule, in order (in the tokenizer's directory):
+    (:func:`read_chat_template`). ``vocab_size``: the model's, which every end id must be below. A
+    tokenizer file that cannot be read as one is a ``ConfigError`` on ``model`` (``tokenizer`` for
+    the ``tokenizer`` directory) naming the file. The rule, in order (in the tokenizer's directory):
 
     1. ``tokenizer_config.json`` has ``"hispec_tokenizer": "byte"`` -> :class:`ByteTokenizer` (the
        bundled model: its HF files describe the same byte-level tokenizer);
@@ -274,10 +286,10 @@ def load_tokenizer(
     from pipeline.model.config import resolve_model_dir
 
     path = resolve_model_dir(name_or_path)
-    ends = end_token_ids(path)
+    ends = end_token_ids(path, vocab_size=vocab_size)
     template = None if chat_template is None else read_chat_template(chat_template)
-    source = path if tokenizer is None else Path(tokenizer)
-    config = _read_json(source / "tokenizer_config.json")
+    source, field = (path, "model") if tokenizer is None else (Path(tokenizer), "tokenizer")
+    config = _read_json(source / "tokenizer_config.json", field)
     has_files = any((source / name).exists() for name in _TOKENIZER_FILES)
     if tokenizer is not None and not has_files:
         raise ConfigError("tokenizer", str(tokenizer), f"holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
@@ -286,7 +298,7 @@ def load_tokenizer(
             log.warning("tokenizer.byte_level", model=str(path), reason="the directory has no tokenizer files")
         primary = ends[0] if ends else 256
         return ByteTokenizer(eos_token_id=primary, eos_token_ids=ends or (primary,), chat_template=template)
-    return HFTokenizer.from_dir(source, eos_token_ids=ends or None, chat_template=template)
+    return HFTokenizer.from_dir(source, eos_token_ids=ends or None, chat_template=template, field=field)
 
 
 def read_chat_template(path: str | Path) -> str:
@@ -305,16 +317,24 @@ def read_chat_template(path: str | Path) -> str:
     return template
 
 
-def end_token_ids(path: str | Path) -> tuple[int, ...]:
+def end_token_ids(path: str | Path, *, vocab_size: int | None = None) -> tuple[int, ...]:
     """``eos_token_id`` of ``config.json`` and of ``generation_config.json`` (each an int, a list or
-    absent), in that order, without repeats."""
+    absent), in that order, without repeats; with ``vocab_size``, each must be an id of the model's
+    vocabulary (a ``ConfigError`` on ``model`` naming the file and the id)."""
     path = Path(path)
     ids: list[int] = []
     for name in ("config.json", "generation_config.json"):
         value = _read_json(path / name).get("eos_token_id")
-        for token in [value] if isinstance(value, int) else value or ():
+        if value is None:
+            continue
+        for token in value if isinstance(value, list) else [value]:
             if isinstance(token, bool) or not isinstance(token, int):
                 raise ConfigError("model", str(path), f"{name}: eos_token_id must be an int or a list of ints")
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise ConfigError(
+                    "model", str(path), f"{name}: eos_token_id {token} is outside the model's vocabulary of "
+                    f"{vocab_size} ids (0..{vocab_size - 1})"
+                )
             if token not in ids:
                 ids.append(token)
     return tuple(ids)
@@ -335,7 +355,8 @@ def tokenizer_for_model(
         template = None if chat_template is None else read_chat_template(chat_template)
         return ByteTokenizer(eos_token_id=eos_token_id if eos_token_id is not None else 256, chat_template=template)
     source = model_dir if model_dir is not None else tokenizer
-    loaded = load_tokenizer(source, tokenizer=tokenizer, chat_template=chat_template)
+    ends_below = vocab_size if model_dir is not None else None  # a model built in memory has no end-id files
+    loaded = load_tokenizer(source, tokenizer=tokenizer, chat_template=chat_template, vocab_size=ends_below)
     if loaded.vocab_size > vocab_size:
         field, where = ("model", model_dir) if tokenizer is None else ("tokenizer", tokenizer)
         raise ConfigError(
@@ -345,14 +366,24 @@ def tokenizer_for_model(
 
 
 # ----- helpers ----------------------------------------------------------------------------------------
-def _read_json(path: Path) -> dict[str, Any]:
+def _read_json(path: Path, field: str = "model") -> dict[str, Any]:
+    """A JSON object file of a model (or tokenizer) directory; ``{}`` when it does not exist.
+    Unreadable, not JSON, or not an object: a ``ConfigError`` on ``field`` naming the file."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ConfigError("model", str(path.parent), f"{path.name} is not valid JSON ({exc})") from exc
-    return data if isinstance(data, dict) else {}
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise ConfigError(field, str(path.parent), f"{path.name} is not valid JSON ({_one_line(exc)})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(field, str(path.parent), f"{path.name} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _one_line(exc: BaseException, limit: int = 200) -> str:
+    """An exception's message on one line (a library's own may span several), cut at ``limit``."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _token_text(value: object) -> str | None:
@@ -362,31 +393,47 @@ def _token_text(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _load_backend(path: Path) -> Any:
+def _load_backend(path: Path, field: str = "model") -> Any:
+    """The ``tokenizers`` tokenizer of ``path``: its ``tokenizer.json``, else what ``transformers``
+    makes of its other tokenizer files. Files it cannot read: a ``ConfigError`` on ``field``."""
     if (path / "tokenizer.json").exists():
         from tokenizers import Tokenizer as Backend
 
-        return Backend.from_file(str(path / "tokenizer.json"))
+        try:
+            return Backend.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # the library raises a bare Exception for a bad file
+            raise ConfigError(
+                field, str(path), f"tokenizer.json is not a tokenizer the tokenizers library can read ({_one_line(exc)})"
+            ) from None
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise ConfigError(
-            "model", str(path), "its tokenizer has no tokenizer.json: reading the other tokenizer files "
+            field, str(path), "its tokenizer has no tokenizer.json: reading the other tokenizer files "
             "needs transformers (pip install transformers)"
         ) from exc
-    hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # whatever the files make transformers raise
+        raise ConfigError(
+            field, str(path), f"its tokenizer files cannot be read by transformers ({type(exc).__name__}: "
+            f"{_one_line(exc)})"
+        ) from None
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
-        raise ConfigError("model", str(path), f"{type(hf).__name__} is not a fast (tokenizers) tokenizer")
+        raise ConfigError(field, str(path), f"{type(hf).__name__} is not a fast (tokenizers) tokenizer")
     return backend
 
 
-def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+def _chat_template(path: Path, config: dict[str, Any], field: str = "model") -> str | None:
     """``chat_template.jinja`` if present, else ``tokenizer_config.json``'s ``chat_template`` (a
     string, or a list of named templates: the one named ``default``)."""
     jinja = path / "chat_template.jinja"
     if jinja.exists():
-        return jinja.read_text(encoding="utf-8")
+        try:
+            return jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(field, str(path), f"chat_template.jinja cannot be read ({_one_line(exc)})") from None
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}

@@ -297,7 +297,7 @@ MODEL_RULES = [
         "hisparse.device_buffer_size",
         dict(index_topk=128),
         dict(index_topk=129),
-        EngineConfig(),
+        EngineConfig(hisparse=HS(device_buffer_size=128)),
         "must be >= the model's index_topk (129)",
     ),
     (
@@ -740,3 +740,178 @@ def test_tokenizer_and_chat_template_name_existing_paths(tmp_path):
         with pytest.raises(ConfigError) as info:
             EngineConfig(**{field: value})
         assert info.value.field == field and rule in info.value.rule
+
+
+# --- every field of the wrong type is a ConfigError naming it, never an AttributeError or TypeError ----
+
+# field -> values of a type it does not take (a list of them: each is tried)
+WRONG_TYPES = {
+    "model": [3, None, ["tiny"], b"tiny"],
+    "tokenizer": [3, ["dir"], b"dir"],
+    "chat_template": [3, ["file"]],
+    "device": [0, None, ["cpu"], {"cpu": 1}],
+    "dtype": [torch.float32, None, 32, ["float32"]],
+    "page_size": [16.0, "16", None, True],
+    "max_context_len": [512.0, "512", True, [512]],
+    "max_running_requests": [4.5, "4", True],
+    "device_pool_tokens": [1024.0, "1024", True, [1024]],
+    "device_memory_bytes": [1e9, "1GB", True],
+    "device_memory_fraction": ["0.5", True, [0.5]],
+    "chunked_prefill_tokens": [512.0, "512", True],
+    "prefill_batch_tokens": [2048.0, "2048", True, ["auto"]],
+    "mixed_steps": [1, "yes", None],
+    "prefix_cache": [0, "no", None],
+    "hisparse": ["yes", True, 128, {"device_buffer_size": 128}, SP()],
+    "speculative": ["yes", True, 3, {"num_steps": 3}, HS()],
+    "seed": [1.5, "0", None, True],
+    "num_threads": [1.0, "1", True],
+    "executor_thread": [1, "yes"],
+    "tensor_parallel_size": [1.0, "2", None, True],
+    "freeze_gc": [1, "yes", None],
+}
+HS_WRONG_TYPES = {
+    "device_buffer_size": [128.0, "128", True, [128]],
+    "host_to_device_ratio": [2.0, "2", True],
+    "top_k": [64.0, "64", True],
+    "policy": [None, 3, ["lru"]],
+    "near_margin": [1.5, "1", True],
+    "draft_rows_on_host": [1, "yes", None],
+    "draft_keys_on_host": [1, "yes", None],
+}
+SP_WRONG_TYPES = {
+    "num_steps": [3.0, "3", None, True],
+    "eagle_topk": [1.0, "1", None, True],
+    "num_draft_tokens": [4.0, "4", True],
+    "max_batch_size": [8.0, "8", True, ["auto"]],
+    "max_context": [1024.0, "1024", True],
+    "min_accept_length": ["2", True, [2]],
+    "probe_every": [16.0, "16", None, True],
+    "timed": [1, "yes", None],
+    "plain_tail": [1, "yes", None],
+    "plain_while_prefilling": [0, "no", None],
+}
+
+
+def _wrong(table):
+    return [(field, value) for field, values in table.items() for value in values]
+
+
+def test_every_field_has_wrong_typed_values_in_the_table():
+    """A field added to a config gets its rows here too."""
+    assert set(WRONG_TYPES) == {f.name for f in attrs.fields(EngineConfig)}
+    assert set(HS_WRONG_TYPES) == {f.name for f in attrs.fields(HiSparseConfig)}
+    assert set(SP_WRONG_TYPES) == {f.name for f in attrs.fields(SpeculativeConfig)}
+
+
+@pytest.mark.parametrize(("field", "value"), _wrong(WRONG_TYPES), ids=repr)
+def test_a_wrong_typed_engine_config_field_is_a_config_error_naming_it(field, value):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**{field: value})
+    assert info.value.field == field, str(info.value)
+
+
+@pytest.mark.parametrize(("config", "table"), [(HS, HS_WRONG_TYPES), (SP, SP_WRONG_TYPES)], ids=["hisparse", "speculative"])
+def test_a_wrong_typed_nested_field_is_a_config_error_naming_it(config, table):
+    prefix = "hisparse" if config is HS else "speculative"
+    for field, value in _wrong(table):
+        with pytest.raises(ConfigError) as info:
+            config(**{field: value})
+        assert info.value.field == f"{prefix}.{field}", (field, value, str(info.value))
+
+
+# --- HOT defaults to the model's top-k when that is more than 128 ----------------------------------
+
+
+def _model(index_topk: int, *, positions: int = 4096, mtp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(index_topk=index_topk, num_nextn_predict_layers=mtp, max_position_embeddings=positions,
+                           absent_mtp_layers=0, num_hidden_layers=2, kv_row_dim=80, index_head_dim=32)
+
+
+@pytest.mark.parametrize(("index_topk", "page", "hot"), [
+    (8, 16, 128), (128, 16, 128), (129, 16, 144), (2048, 16, 2048), (2048, 64, 2048), (300, 48, 336), (8, 48, 144),
+])
+def test_hot_unset_is_the_larger_of_128_and_the_models_top_k_in_whole_pages(index_topk, page, hot):
+    from pipeline.config import auto_hot, resolve_for_model
+
+    assert HS().device_buffer_size is None
+    assert auto_hot(index_topk, page) == hot
+    config = EngineConfig(page_size=page, speculative=None, device_pool_tokens=page * 1024)
+    resolved = resolve_for_model(config, _model(index_topk), log_choices=False)
+    assert resolved.hisparse.device_buffer_size == hot
+    check_against_model(resolved, index_topk=index_topk, has_mtp=True, max_positions=4096)
+    assert resolved.memory_plan(index_topk).hot == hot
+    assert config.memory_plan(index_topk).hot == hot  # an unresolved config's plan resolves it the same way
+
+
+def test_a_v32_sized_model_serves_without_hot_and_the_choice_is_logged():
+    """index_topk 2048 (DeepSeek-V3.2): the default config resolves HOT 2048 and passes the model's
+    rules; an explicit HOT below the top-k stays the clear error."""
+    import structlog
+
+    from pipeline.config import resolve_for_model
+
+    model = _model(2048, positions=163840)
+    with structlog.testing.capture_logs() as logs:
+        resolved = resolve_for_model(EngineConfig(device_pool_tokens=65536), model)
+    assert resolved.hisparse.device_buffer_size == 2048
+    check_against_model(resolved, index_topk=2048, has_mtp=True, max_positions=163840)
+    [event] = [e for e in logs if e["event"] == "config.hisparse.device_buffer_size"]
+    assert event["device_buffer_size"] == 2048 and event["index_topk"] == 2048
+    explicit = resolve_for_model(EngineConfig(hisparse=HS(device_buffer_size=128)), model, log_choices=False)
+    with pytest.raises(ConfigError) as info:
+        check_against_model(explicit, index_topk=2048, has_mtp=True, max_positions=163840)
+    assert info.value.field == "hisparse.device_buffer_size" and "index_topk (2048)" in info.value.rule
+
+
+def test_a_pool_too_small_for_the_resolved_hot_names_device_pool_tokens():
+    from pipeline.config import resolve_for_model
+
+    config = EngineConfig(device_pool_tokens=1024, max_context_len=4096, speculative=None)
+    with pytest.raises(ConfigError) as info:
+        resolve_for_model(config, _model(2048), log_choices=False)
+    assert info.value.field == "device_pool_tokens"
+
+
+def test_hot_unset_is_resolved_under_a_budget_too():
+    from pipeline.config import resolve_for_model
+
+    config = EngineConfig(device_memory_bytes=64 << 20, speculative=None)
+    resolved = resolve_for_model(config, _model(256, positions=8192, mtp=0), log_choices=False)
+    assert resolved.hisparse.device_buffer_size == 256
+    assert resolved.device_pool_tokens >= 256 + 16
+
+
+def test_the_cli_leaves_hot_to_the_model():
+    from pipeline.generate import build_parser as generate_parser
+    from pipeline.generate import engine_config
+
+    args = generate_parser().parse_args(["x"])
+    assert engine_config(args).hisparse.device_buffer_size is None
+    pytest.importorskip("uvicorn")
+    from pipeline.server.serve import build_parser as serve_parser
+
+    assert serve_parser().parse_args([]).hot is None
+    assert serve_parser().parse_args(["--hot", "256"]).hot == 256
+
+
+# --- a budget with an explicit device pool, before the ratio is chosen --------------------------------
+
+
+def test_a_budget_with_an_explicit_pool_is_checked_once_the_ratio_is_chosen():
+    """``hispec plan --context 2048 --device-memory 32MB --device-pool-tokens 100000`` ended in a
+    TypeError: the pool was checked against a host_to_device_ratio a budget had not chosen yet."""
+    config = EngineConfig(device_memory_bytes=32 << 20, device_pool_tokens=100_000 // 16 * 16, max_context_len=2048)
+    assert config.hisparse.host_to_device_ratio is None
+
+
+def test_plan_with_a_budget_and_an_explicit_pool_is_one_line_or_a_plan(capsys):
+    import pipeline.cli as cli
+
+    status = cli.main(["plan", "--context", "2048", "--device-memory", "32MB", "--device-pool-tokens", "100000"])
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    if status == 0:
+        assert "HiSparse" in captured.out
+    else:
+        assert status == 2 and len(captured.err.splitlines()) == 1, captured.err
+        assert "device_pool_tokens" in captured.err

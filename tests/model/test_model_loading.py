@@ -210,7 +210,11 @@ def _big_config(**overrides):
 def _uninitialised(cfg) -> DeepseekV32:
     with torch.device("meta"):
         model = DeepseekV32(cfg)
-    return model.to_empty(device="cpu")  # the values do not matter here, only the sizes
+    model = model.to_empty(device="cpu")  # the values do not matter here, only the sizes ...
+    with torch.no_grad():
+        for tensor in model.state_dict().values():
+            tensor.zero_()  # ... but they must be finite: empty memory may hold NaN, which fails a load
+    return model
 
 
 def test_peak_memory_while_loading_a_sharded_checkpoint(tmp_path):

@@ -13,18 +13,19 @@ from collections.abc import Mapping
 from typing import Any
 
 from pipeline.model.archs.base import Architecture
+from pipeline.model.fields import integer, strings
 
 
 def _indexer_types(raw: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
     if raw.get("indexer_types") is not None:
-        return tuple(raw["indexer_types"])
+        return strings(raw["indexer_types"], "indexer_types")
     pattern = raw.get("index_topk_pattern")
     if pattern is not None:
         if isinstance(pattern, str):
             return tuple({"F": "full", "S": "shared"}.get(c, c) for c in pattern)
-        return tuple(pattern)
-    freq = max(int(raw.get("index_topk_freq", 1)), 1)
-    offset = int(raw.get("index_skip_topk_offset", 2))
+        return strings(pattern, "index_topk_pattern")
+    freq = max(integer(raw.get("index_topk_freq", 1), "index_topk_freq", minimum=None), 1)  # as HF: below 1 is 1
+    offset = integer(raw.get("index_skip_topk_offset", 2), "index_skip_topk_offset", minimum=None)
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
 
 
