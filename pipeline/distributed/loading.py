@@ -23,7 +23,7 @@ from pipeline.distributed.sharding import ShardSpec, shard_model
 from pipeline.model.checkpoint import to_checkpoint_name
 from pipeline.model.config import ModelConfig, resolve_model_dir
 from pipeline.model.fp8 import FP8_DTYPES, Fp8Config, dequantize_into
-from pipeline.model.loader import read_model_config
+from pipeline.model.loader import all_finite, read_model_config
 from pipeline.model.model import DeepseekV32
 from pipeline.model.weights import CheckpointError, CheckpointFiles
 
@@ -96,6 +96,7 @@ def build_shard(
     tied = cfg.tie_word_embeddings
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    checks: list[tuple[str, torch.Tensor]] = []  # (name, is it finite): read back once, at the end
     with torch.no_grad():
         for name, dest in model.state_dict().items():
             if tied and name == "lm_head.weight":
@@ -104,6 +105,12 @@ def build_shard(
             if tuple(src.shape) != tuple(dest.shape):
                 raise CheckpointError(f"tensor {name} has shape {list(src.shape)}, the shard needs {list(dest.shape)}", name)
             dest.copy_(src)
+            checks.append((name, all_finite(dest)))
+    finite = torch.stack([ok for _, ok in checks]).tolist() if checks else []  # one device sync
+    bad = [name for (name, _), ok in zip(checks, finite, strict=True) if not ok]
+    if bad:  # as the one-process loader says it (``load_weights``): every rank reads the same tensors
+        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        raise CheckpointError(f"{len(bad)} tensors hold NaN or Inf ({shown}) when served as {dtype}", bad[0])
     return model.eval()
 
 

@@ -62,3 +62,17 @@ def test_every_rank_holds_its_slice_and_together_they_hold_the_model():
     assert "model.layers.0.self_attn.indexer.wq_b.weight" not in specs  # the indexer is replicated
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa.weight" not in specs  # so is the latent KV
 
+
+
+def test_a_shard_holding_nan_or_inf_fails_its_load_naming_the_tensors():
+    """As the one-process loader: a rank's tensors that hold NaN or Inf are a CheckpointError."""
+    from pipeline.model.weights import CheckpointError
+
+    whole = random_model(tiny_config(**CFG))
+    state = dict(whole.state_dict())
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"].clone()
+    state["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("inf"))
+    with pytest.raises(CheckpointError) as err:
+        build_shard(whole.cfg, torch.float64, torch.device("cpu"), group(0), StateDictSource(state))
+    assert "model.layers.0.mlp.up_proj.weight" in str(err.value) and "model.norm.weight" in str(err.value)
