@@ -20,7 +20,11 @@ Fault isolation. Work for one request (sampling, acceptance) is guarded request 
 forward that raises is retried on halves of its batch until the requests that make it fail are
 found, and only those are reported ``failed`` (a mixed forward is bisected over its decode and
 prefill requests together). The retries redo nothing that was committed: a forward
-commits only after it returns, and everything before the commit is idempotent.
+commits only after it returns, and everything before the commit is idempotent. A request whose
+admission raises holds nothing (the memory's admission is all or nothing) and fails at its first
+prefill (``failed_admissions``), the candidates after it are admitted as if it were not there; a
+release never raises and never keeps memory (``release``); a request whose staging copy or backup
+copy failed fails alone.
 
 Each request samples with its own generator, so its tokens do not depend on its batch companions; a
 retracted request keeps its generator (``Release(keep_sampling_state=True)``), so its random stream
@@ -307,6 +311,8 @@ class Executor:
         self.pending_mtp_limit = max(CATCH_UP_AFTER, self.mtp_limit or 0) * config.max_running_requests
         self.seqs: dict[str, Sequence] = {}
         self._by_row: dict[int, str] = {}
+        # requests whose admission raised: admitted, holding nothing, failed at their first prefill
+        self.failed_admissions: dict[str, str] = {}
         # generators of retracted requests, kept for their re-admission
         self._sampling_state: dict[str, torch.Generator | None] = {}
 
@@ -328,6 +334,7 @@ class Executor:
         start = time.perf_counter()
         before = self._swap_totals()
         try:
+            self.memory.reclaim()  # a release a fault interrupted twice is finished first
             result, changed = self._dispatch(command, idle)
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
@@ -387,21 +394,38 @@ class Executor:
 
     def admit(self, sequences: Seq[NewSequence]) -> AdmitResult:
         """Allocate, in order, every candidate until the first that does not fit: each allocation
-        counts against the next, so the batch is judged as a whole."""
+        counts against the next, so the batch is judged as a whole. A candidate whose admission
+        raises is admitted holding nothing (``failed_admissions``): its first prefill fails it."""
         admitted: list[str] = []
         cached: dict[str, int] = {}
         for seq in sequences:
-            if seq.request_id in self.seqs:
+            if seq.request_id in self.seqs or seq.request_id in self.failed_admissions:
                 raise ValueError(f"request {seq.request_id!r} is already admitted")
             if not self.can_admit(len(seq.token_ids), seq.token_ids):
                 break
-            row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=self._cacheable(seq.token_ids))
+            try:
+                cached[seq.request_id] = self._admit_one(seq)
+            except Exception as exc:  # this request's admission, this request's failure
+                log.error("executor.request_failed", request_id=seq.request_id, step="admit", error=_reason(exc))
+                self.failed_admissions[seq.request_id] = _reason(exc)
+            admitted.append(seq.request_id)
+        return AdmitResult(tuple(admitted), {rid: n for rid, n in cached.items() if n})
+
+    def _admit_one(self, seq: NewSequence) -> int:
+        """Allocate and register one request; returns its positions found in the prefix cache. All or
+        nothing: on an error its row goes back before the error propagates."""
+        row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=self._cacheable(seq.token_ids))
+        try:
             self._register(seq, row)
             if self.speculative:
                 self._write_cached_mtp_rows(self.seqs[seq.request_id])
-            self.seqs[seq.request_id].prefilled = cached[seq.request_id] = self.memory.length(row)
-            admitted.append(seq.request_id)
-        return AdmitResult(tuple(admitted), {rid: n for rid, n in cached.items() if n})
+            self.seqs[seq.request_id].prefilled = self.memory.length(row)
+        except BaseException:
+            self.seqs.pop(seq.request_id, None)
+            self._by_row.pop(row, None)
+            self.memory.release(row)
+            raise
+        return self.seqs[seq.request_id].prefilled
 
     def _write_cached_mtp_rows(self, seq: Sequence) -> None:
         """A request that shares cached pages whose MTP rows were left for later (their request left
@@ -440,11 +464,20 @@ class Executor:
         before = self._prefill_totals()
         ran, failed = self.isolate(items, self._prefill_forward, "prefill")
         self.prefill_counters.record(items, self._prefill_totals(), before)
-        return self._finish_prefill(ran, failed)
+        return self._finish_prefill(ran, {**failed, **self._unadmitted(chunks)})
+
+    def _unadmitted(self, chunks: Seq[PrefillChunk]) -> dict[str, str]:
+        """The requests of ``chunks`` whose admission failed, with the reason (they fail now)."""
+        return {c.request_id: self.failed_admissions[c.request_id] for c in chunks
+                if c.request_id in self.failed_admissions}
 
     def _chunk_items(self, chunks: Seq[PrefillChunk]) -> list[tuple[Sequence, int, int]]:
+        """(request, start, end) of each chunk, checked against its prefill so far; the chunks of
+        requests whose admission failed are left out (``_unadmitted``)."""
         items = []
         for chunk in chunks:
+            if chunk.request_id in self.failed_admissions:
+                continue
             seq = self.seqs[chunk.request_id]
             if chunk.start != seq.prefilled or not chunk.start < chunk.end <= len(seq.token_ids):
                 raise ValueError(
@@ -589,7 +622,7 @@ class Executor:
         ``failed``)."""
         admitted = list(self.admit(sequences).admitted)
         first: dict[str, int] = {}
-        failed: dict[str, str] = {}
+        failed = {rid: self.failed_admissions[rid] for rid in admitted if rid in self.failed_admissions}
         while True:
             pending = [
                 (rid, self.seqs[rid].prefilled, len(self.seqs[rid].token_ids))
@@ -655,11 +688,16 @@ class Executor:
         """After a decode forward: commit the new rows, sample each request's next token."""
         out: dict[str, tuple[int, ...]] = {}
         logprobs: dict[str, tuple[TokenLogprob, ...]] = {}
+        lost: dict[str, str] = {}
         if ran:
             self.memory.commit_decode([s.row for s, _ in ran], torch.cat([slots for _, (slots, *_) in ran]))
+            lost = self._lost_backups([s for s, _ in ran])
         speculative = self.speculative
         due: list[Sequence] = []
         for seq, (_, logits, hidden, pick) in ran:
+            if seq.request_id in lost:  # its KV has no host copy: it cannot go on
+                failed[seq.request_id] = lost[seq.request_id]
+                continue
             try:
                 if pick == NON_FINITE:
                     raise NonFiniteLogits()
@@ -692,6 +730,11 @@ class Executor:
                 out.pop(rid, None)
                 logprobs.pop(rid, None)
         return StepResult(out, refused, failed=failed, logprobs=logprobs)
+
+    def _lost_backups(self, seqs: list[Sequence]) -> dict[str, str]:
+        """The requests of ``seqs`` whose backup to host failed (``KVMemory.take_backup_failures``)."""
+        rows = self.memory.take_backup_failures([s.row for s in seqs])
+        return {self._by_row[row]: why for row, why in rows.items()}
 
     def _catch_up_group(self, seqs: list[Sequence]) -> list[Sequence]:
         self._catch_up(seqs)
@@ -777,7 +820,7 @@ class Executor:
         decoded = [r for r in ran if isinstance(r[0], Sequence)]
         prefilled = [r for r in ran if not isinstance(r[0], Sequence)]
         decode_failed = {rid: why for rid, why in failed.items() if rid in runnable}
-        chunk_failed = {rid: why for rid, why in failed.items() if rid not in runnable}
+        chunk_failed = {rid: why for rid, why in failed.items() if rid not in runnable} | self._unadmitted(chunks)
         shared = bool(seqs) and bool(items)
         if items:
             self.prefill_counters.record(items, self._prefill_totals(), before, mixed=shared)
@@ -890,7 +933,12 @@ class Executor:
     def release(self, request_id: str, *, keep_sampling_state: bool = False, cache: bool = True) -> None:
         """Free everything the request owns; safe in every state (staging included). With
         ``keep_sampling_state`` (a retraction) its generator waits for its re-admission; with
-        ``cache`` (and the prefix cache on) its computed full pages stay cached."""
+        ``cache`` (and the prefix cache on) its computed full pages stay cached.
+
+        Never raises and never keeps memory: what goes wrong while its pages are prepared for the
+        cache leaves them uncached (logged), and the memory's ``release`` frees the row whatever
+        happens on its way."""
+        self.failed_admissions.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             if not keep_sampling_state:
@@ -899,15 +947,22 @@ class Executor:
         if keep_sampling_state:
             self._sampling_state[request_id] = seq.generator
         self._by_row.pop(seq.row, None)
-        caching = cache and self.config.prefix_cache
-        if caching:  # (it draws nothing from the generator a retracted request keeps)
-            self._catch_up_for_cache([seq])
-        tokens = self._cache_tokens(seq) if caching else None
-        deferred = caching and seq.mtp_deferred and bool(seq.behind)
-        before = {e.id for e in self.memory.cache.match(tokens)} if deferred else set()
+        tokens, deferred, before = None, False, set()
+        try:
+            if cache and self.config.prefix_cache:  # (it draws nothing from the generator a retracted request keeps)
+                self._catch_up_for_cache([seq])
+                tokens = self._cache_tokens(seq)
+                deferred = seq.mtp_deferred and bool(seq.behind)
+                before = {e.id for e in self.memory.cache.match(tokens)} if deferred else set()
+        except Exception:
+            log.error("executor.release_uncached", request_id=request_id, exc_info=True)
+            tokens, deferred = None, False
         self.memory.release(seq.row, tokens=tokens)
         if deferred:
-            self._leave_mtp_rows_pending(seq, tokens, before)
+            try:
+                self._leave_mtp_rows_pending(seq, tokens, before)
+            except Exception:  # its sharers' drafts read what those MTP rows hold: slower, same tokens
+                log.warning("executor.cached_mtp_rows_failed", request_id=request_id, exc_info=True)
 
     def _leave_mtp_rows_pending(self, seq: Sequence, tokens: tuple[int, ...], before: set[int]) -> None:
         """The pages ``seq``'s release just gave the cache (entries not among ``before``) whose MTP
@@ -977,23 +1032,22 @@ class Executor:
         return self.memory.flush_cache()
 
     def _release_logged(self, request_id: str, keep_sampling_state: bool, cache: bool = True) -> None:
-        """``release`` that never raises: a failure is logged with the request id and the row is
-        given back to the memory directly (whose ``release`` frees what it can)."""
+        """``release``, guarded once more: should it raise all the same, the failure is logged with
+        the request id and the row is given back to the memory directly."""
         try:
             self.release(request_id, keep_sampling_state=keep_sampling_state, cache=cache)
         except Exception:
             log.error("executor.release_failed", request_id=request_id, exc_info=True)
+            self.failed_admissions.pop(request_id, None)
             seq = self.seqs.pop(request_id, None)
             if seq is not None:
                 self._by_row.pop(seq.row, None)
-                try:
-                    self.memory.release(seq.row)
-                except Exception:
-                    log.error("executor.release_failed", request_id=request_id, row=seq.row, exc_info=True)
+                self.memory.release(seq.row)
 
     def close(self) -> None:
         for rid in list(self.seqs):
             self.release(rid)
+        self.failed_admissions.clear()
         self._sampling_state.clear()
         self.memory.close()
         if self.trace is not None:
@@ -1011,7 +1065,7 @@ class Executor:
         for rid, state in states.items():
             want = RESIDENCY.get(state)
             seq = self.seqs.get(rid)
-            if want is None:
+            if want is None or rid in self.failed_admissions:  # (the latter hold nothing, and fail next)
                 assert seq is None, f"request {rid} is {state.name} but holds row {seq.row}"
                 continue
             assert seq is not None, f"request {rid} is {state.name} but holds no row"
@@ -1032,7 +1086,10 @@ class Executor:
         }
 
     def pool_counts(self) -> dict[str, int]:
-        """Free counts of every pool (equal to their initial values when nothing is live)."""
+        """Free counts of every pool (equal to their initial values when nothing is live). A release
+        that faults set aside is finished first (``reclaim``), so a shutdown that runs no command
+        after it still counts that memory free."""
+        self.memory.reclaim()
         return self.memory.free_counts()
 
     # --- helpers ----------------------------------------------------------------------------------

@@ -13,12 +13,20 @@ speculation on and off, and injects faults pinned on a few *culprit* requests:
 * ``host``: the host pool refuses a culprit's finalize (speculation: the round rolls back);
 * ``executor``: a whole command raises (every request of that command is a culprit).
 
+With ``--faults`` the culprits' faults are instead the fault points of ``pipeline.benchmarks.faults``
+(admission, a prefill forward, a staging copy, a backup copy, swap-in, drafting, verify, finalize,
+sampling, release; ``--faults admit,backup`` picks some), each firing at a random passage of its
+culprit through its point, in rounds that go round HiSparse on and off, speculation on and off, and
+a failing copy reported by the transfer worker or raised as it is issued.
+
 After each round: no hang (a watchdog), every request ended in a terminal state, only culprits
-failed, every greedy request that was not given up has exactly the tokens of a fault-free run of
-the synchronous driver (a sampled one too, without speculation), every pool is back at its initial
-count, and the lifecycle log replays legally. ``run_round`` is what the reliability tests call with
-a small workload; the benchmark runs rounds for ``--minutes`` and reports requests, faults, failures
-(of which culprits), hangs, leaks and the process's RSS growth.
+failed (a release fault fails nobody: its request has ended), every greedy request that was not given
+up has exactly the tokens of a fault-free run of the synchronous driver (a sampled one too, without
+speculation), the request served after the round (after every fault) is too, every pool is back at
+its initial count, and the lifecycle log replays legally. ``run_round`` is what the reliability tests
+call with a small workload; the benchmark runs rounds for ``--minutes`` (or ``--requests``) and
+reports requests, faults by kind, failures (of which culprits), hangs, leaks and the process's RSS
+growth.
 """
 
 from __future__ import annotations
@@ -35,9 +43,16 @@ import anyio
 import attrs
 import structlog
 
+from pipeline.benchmarks.faults import POINTS, Culprit, Injector, applies
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 
 FAULTS = ("forward", "sampling", "swap_in", "staging", "release", "host", "executor")
+# how many passages of its culprit through a fault point go by before the fault fires, drawn from
+# 0 up to this (about how often a request passes it; an all-resident admission allocates once, and
+# its release frees once)
+LATEST = dict(admit=3, prefill=1, staging=1, backup=12, swap_in=12, draft=6, verify=6, finalize=6, sample=8,
+              release=3)
+RESIDENT_LATEST = dict(LATEST, admit=0, release=0)
 GIVE_UPS = ("finish", "finish", "finish", "abort", "cancel", "timeout", "leave")
 
 
@@ -49,7 +64,8 @@ class Item:
     sampled: bool
     stop: tuple[str, ...]
     give_up: str  # one of GIVE_UPS
-    fault: str | None  # one of FAULTS when this request is a culprit
+    fault: str | None  # one of FAULTS (or of the fault points, ``faults.POINTS``) when this request is a culprit
+    after: int = 0  # a fault point's passages of the culprit that go by before it fires
 
 
 @attrs.frozen
@@ -61,19 +77,26 @@ class RoundReport:
     wrong: tuple[str, ...]  # requests whose tokens differ from the fault-free run
     leaked: bool  # a pool not back at its initial count
     illegal: int  # lifecycle events that do not replay
+    fired: dict[str, int] = attrs.Factory(dict)  # faults that fired, by kind
 
 
-def workload(seed: int, *, size: int, fault_rate: float) -> list[Item]:
+def workload(
+    seed: int, *, size: int, fault_rate: float, points: tuple[str, ...] | None = None, hisparse: bool = True
+) -> list[Item]:
+    """``size`` seeded requests, a share ``fault_rate`` of them culprits: of ``FAULTS``, or with
+    ``points`` of those fault points, each at a random passage (a ``sample`` culprit samples;
+    ``hisparse``: the memory the round runs on)."""
     rng = random.Random(seed)
+    latest = LATEST if hisparse else RESIDENT_LATEST
     items = []
     for i in range(size):
         n = rng.choice([rng.randint(1, 12), rng.randint(13, 60)])
         prompt = tuple(rng.randrange(0, 250) for _ in range(n))
-        fault = rng.choice(FAULTS) if rng.random() < fault_rate else None
+        fault = rng.choice(points or FAULTS) if rng.random() < fault_rate else None
         stop = ("\n\n",) if rng.random() < 0.2 else ()
-        items.append(
-            Item(f"s{seed}-{i}", prompt, rng.randint(1, 40), rng.random() < 0.3, stop, rng.choice(GIVE_UPS), fault)
-        )
+        max_new, sampled, give_up = rng.randint(1, 40), rng.random() < 0.3, rng.choice(GIVE_UPS)
+        after = rng.randint(0, latest[fault]) if points and fault else 0
+        items.append(Item(f"s{seed}-{i}", prompt, max_new, sampled or fault == "sample", stop, give_up, fault, after))
     return items
 
 
@@ -86,7 +109,7 @@ def params_of(item: Item):
     return SamplingParams(max_new_tokens=item.max_new_tokens, stop=item.stop)
 
 
-def round_config(speculative: bool) -> EngineConfig:
+def round_config(speculative: bool, hisparse: bool = True) -> EngineConfig:
     """float64, pages of 8, HOT 16, pools small enough that long requests are retracted."""
     return EngineConfig(
         dtype="float64",
@@ -94,7 +117,7 @@ def round_config(speculative: bool) -> EngineConfig:
         max_context_len=112,
         max_running_requests=6,
         device_pool_tokens=128,
-        hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=2),
+        hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=2) if hisparse else None,
         # rounds at any batch size (a CPU's default rule would keep them to a request alone)
         speculative=SpeculativeConfig(num_steps=2, max_batch_size=None) if speculative else None,
     )
@@ -127,7 +150,7 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
     """Install every culprit's fault into ``engine``. The patches are class-level where the classes
     keep no instance dictionary, and each checks that it acts on this engine's objects only."""
     from kernels import hisparse_attend_numba
-    from pipeline import executor as executor_module
+    from pipeline import sampling
     from pipeline.hisparse.coordinator import HiSparseCoordinator
     from pipeline.hisparse.verify import VerifyBuffers
     from pipeline.memory import HostPool, OutOfMemory
@@ -173,7 +196,7 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
 
             return run
 
-        patch(executor_module, "sample", sample)
+        patch(sampling, "sample", sample)
 
         def swap_in(real):
             def run(self, layer, top_k_pos, seq_lens, rows, **kwargs):
@@ -305,22 +328,31 @@ async def serve(engine, items: list[Item]) -> dict[str, list[int]]:
     return tokens
 
 
-def run_round(model, items: list[Item], *, speculative: bool, watchdog_s: float = 300.0) -> RoundReport:
-    """One round (see the module docstring); raises ``TimeoutError`` on a hang."""
+def run_round(
+    model, items: list[Item], *, speculative: bool, hisparse: bool = True, points: bool = False,
+    copy_mode: str = "worker", watchdog_s: float = 300.0,
+) -> RoundReport:
+    """One round (see the module docstring); raises ``TimeoutError`` on a hang. ``points``: the
+    items' faults are fault points (``pipeline.benchmarks.faults``), failing copies the
+    ``copy_mode`` way; else they are ``FAULTS``."""
     from pipeline.engine import Engine
     from pipeline.logs import replay
     from statemachines.request import State
 
-    cfg = round_config(speculative)
-    expected = reference(model, cfg, items)
+    cfg = round_config(speculative, hisparse)
+    after = Item(f"next-{items[0].request_id}", items[0].prompt, 8, False, (), "finish", None)
+    expected = reference(model, cfg, [*items, after])
     states: dict[str, State] = {}
 
     async def main():
         with _lifecycle_logs() as logs:
             async with Engine(cfg, model=model) as engine:
-                with injected(engine, items) as fired, anyio.fail_after(watchdog_s):
+                install = injected(engine, items) if not points else _points(engine, items, copy_mode)
+                with install as fired, anyio.fail_after(watchdog_s):
                     got = await serve(engine, items)
                     await engine.wait_idle()
+                    # whatever fired, left nothing behind: the next request is served as ever
+                    got.update(await serve(engine, [after]))
                 for rid in got:
                     req = engine._registry.live.get(rid)
                     assert req is None, f"{rid} still live"
@@ -331,10 +363,12 @@ def run_round(model, items: list[Item], *, speculative: bool, watchdog_s: float 
         return engine, got, fired
 
     engine, got, fired = anyio.run(main)
-    culprits = {it.request_id for it in items if it.fault} | fired.victims
+    # (a release fault comes after its request has ended: it must fail nobody)
+    culprits = {it.request_id for it in items if it.fault and not (points and it.fault == "release")}
+    culprits |= fired.victims
     failed = {rid for rid, s in states.items() if s is State.FAILED}
     wrong = []
-    for it in items:
+    for it in [*items, after]:
         rid = it.request_id
         if rid in failed or rid in culprits:
             continue
@@ -349,10 +383,20 @@ def run_round(model, items: list[Item], *, speculative: bool, watchdog_s: float 
         faults=sum(fired.counts.values()),
         failed=len(failed),
         failed_culprits=len(failed & culprits),
-        wrong=tuple(sorted(wrong + innocent)),
+        wrong=tuple(sorted(set(wrong + innocent))),
         leaked=engine.final_pool_counts != engine.initial_pool_counts,
         illegal=illegal_of(states, got, ended),
+        fired={kind: n for kind, n in fired.counts.items() if n},
     )
+
+
+@contextmanager
+def _points(engine, items: list[Item], copy_mode: str) -> Iterator[Fired]:
+    """The items' fault points installed into ``engine`` (``faults.Injector``), reported as ``Fired``."""
+    culprits = [Culprit(it.request_id, it.fault, it.after) for it in items if it.fault]
+    with Injector(engine.executor, culprits, copy_mode=copy_mode).installed() as fired:
+        report = Fired(counts=fired.counts)
+        yield report
 
 
 @contextmanager
@@ -392,11 +436,43 @@ def build_model(seed: int = 0):
     return init_weights(DeepseekV32(cfg), seed=seed).to_dtype(torch.float64).eval()
 
 
+def _fault_points(value: str) -> tuple[str, ...]:
+    points = POINTS if value == "all" else tuple(p.strip() for p in value.split(",") if p.strip())
+    unknown = sorted(set(points) - set(POINTS))
+    if unknown or not points:
+        raise argparse.ArgumentTypeError(f"fault points are {', '.join(POINTS)} (or all); got {value!r}")
+    return points
+
+
+def round_kind(round_no: int, points: bool) -> dict[str, object]:
+    """A round's configuration: speculation alternates; with fault points, HiSparse too, and the
+    way a failing copy reports (on the transfer worker, or as it is issued)."""
+    if not points:
+        return dict(speculative=round_no % 2 == 1)
+    return dict(speculative=round_no % 2 == 1, hisparse=round_no % 4 < 2, points=True,
+                copy_mode="worker" if round_no % 8 < 4 else "issue")
+
+
+def round_points(kind: dict[str, object], points: tuple[str, ...] | None) -> dict[str, object]:
+    """``workload``'s fault arguments for a round of ``kind``: the points its configuration has."""
+    if points is None:
+        return {}
+    hisparse, speculative = bool(kind["hisparse"]), bool(kind["speculative"])
+    return dict(points=tuple(p for p in points if applies(p, hisparse=hisparse, speculative=speculative)) or None,
+                hisparse=hisparse)
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec bench soak", description=__doc__.split("\n\n")[0])
     parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--requests", type=int, default=None, help="stop once this many requests ran")
     parser.add_argument("--size", type=int, default=24, help="requests per round")
     parser.add_argument("--fault-rate", type=float, default=0.2, help="share of requests that are culprits")
+    parser.add_argument(
+        "--faults", type=_fault_points, nargs="?", const=POINTS, default=None, metavar="POINTS",
+        help=f"inject faults at these points ({','.join(POINTS)}; all when none is named) instead of the "
+        f"classic kinds ({','.join(FAULTS)})",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
@@ -410,11 +486,21 @@ def main(argv: list[str]) -> int:
     start = time.monotonic()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     totals = dict(rounds=0, requests=0, faults=0, failed=0, failed_culprits=0, wrong=0, hangs=0, leaks=0, illegal=0)
+    kinds = args.faults or FAULTS
+    by_kind = dict.fromkeys(kinds, 0)
     round_no = 0
-    while time.monotonic() - start < args.minutes * 60:
-        items = workload(args.seed * 100_003 + round_no, size=args.size, fault_rate=args.fault_rate)
+
+    def more() -> bool:
+        if args.requests is not None and totals["requests"] >= args.requests:
+            return False
+        return time.monotonic() - start < args.minutes * 60
+
+    while more():
+        kind = round_kind(round_no, args.faults is not None)
+        items = workload(args.seed * 100_003 + round_no, size=args.size, fault_rate=args.fault_rate,
+                         **round_points(kind, args.faults))
         try:
-            report = run_round(model, items, speculative=round_no % 2 == 1)
+            report = run_round(model, items, **kind)
         except TimeoutError:
             totals["hangs"] += 1
             round_no += 1
@@ -422,6 +508,8 @@ def main(argv: list[str]) -> int:
         totals["rounds"] += 1
         for key in ("requests", "faults", "failed", "failed_culprits", "illegal"):
             totals[key] += getattr(report, key)
+        for kind, n in report.fired.items():
+            by_kind[kind] = by_kind.get(kind, 0) + n
         totals["wrong"] += len(report.wrong)
         totals["leaks"] += int(report.leaked)
         round_no += 1
@@ -435,5 +523,7 @@ def main(argv: list[str]) -> int:
         f"pools not restored, {totals['illegal']} illegal lifecycles, peak RSS {rss0 / 1024:.0f} -> "
         f"{rss1 / 1024:.0f} MiB"
     )
+    print("faults injected by kind: " + ", ".join(f"{kind} {n}" for kind, n in by_kind.items()))
+    print(f"leaks: {totals['leaks']}")
     bad = totals["hangs"] + totals["leaks"] + totals["wrong"] + totals["illegal"]
     return 1 if bad else 0

@@ -19,6 +19,15 @@ always on the device), the host pool, the per-request device buffers, and two tr
   while short, the newest column once long), and the backup of every committed token to host.
 * ``release``: every resource the row owns goes back exactly once, in any state.
 
+Faults. Admission is all or nothing: a row that fails on the way gives back what it got before the
+error propagates. Release is driven by what the allocators say the row owns, so it can go on from
+wherever a fault stopped it: it tries again at once, and a row that still holds memory is kept aside
+and finished by every later ``admit``, ``release`` and ``close`` (``reclaim``). A failed copy fails
+the request it was for, never another: a staging copy through its row's handle
+(``take_staging_failures``); a backup, which carries a whole step's rows in one copy, is redone row
+by row before anything overwrites its source, and a row whose own copy fails again has KV without
+a host copy, so it cannot go on (``take_backup_failures``).
+
 Speculative verify binding and finalize (``pipeline/speculative``) use the same tables.
 """
 
@@ -41,7 +50,13 @@ from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.trace import TopKTrace
-from pipeline.hisparse.transfer import DoneHandle, TransferHandle, TransferStream, make_transfer_stream
+from pipeline.hisparse.transfer import (
+    DoneHandle,
+    FailedHandle,
+    TransferHandle,
+    TransferStream,
+    make_transfer_stream,
+)
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory.interface import Residency
@@ -61,7 +76,20 @@ class RowMemory:
     chunk_pages: list[int] = attrs.Factory(list)  # device rows of a chunk's positions past HOT (prefill)
     staging: TransferHandle = attrs.Factory(DoneHandle)  # the newest copy of prompt positions to host
     shared: list[CachedPage] = attrs.Factory(list)  # prefix-cache entries it shares (its first pages)
-    backup: TransferHandle = attrs.Factory(DoneHandle)  # the newest backup issued for this row
+    backup: int = 0  # the number of the newest backup issued for this row (``Backup.number``; 0: none)
+
+
+@attrs.frozen
+class Backup:
+    """One backup copy in flight: a step's newly committed positions, all its rows in one copy, with
+    what redoing it row by row takes (its source rows stay as they are until it is settled)."""
+
+    number: int  # issue order, from 1
+    handle: TransferHandle
+    rows: tuple[int, ...]
+    counts: tuple[int, ...]  # positions of each row, in the copy's order
+    host_slots: torch.Tensor  # [sum(counts)] int64 destinations in the host pool
+    dev_slots: torch.Tensor  # [sum(counts)] int64 sources in the device pool (the copy's own tensor)
 
 
 @attrs.define(eq=False)
@@ -92,6 +120,12 @@ class HiSparseCoordinator:
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     verify: VerifyBuffers = attrs.field(init=False)  # verify binding and finalize (speculative rounds)
     _staging_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # row -> why its copy failed
+    # backups not known to have landed, in issue order (``back_up``, ``settle_backups``)
+    _backups: collections.deque[Backup] = attrs.field(init=False, factory=collections.deque)
+    _backup_number: int = attrs.field(init=False, default=0)
+    _backup_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # not yet reported
+    _lost: set[int] = attrs.field(init=False, factory=set)  # rows whose KV lacks a host copy (doomed)
+    _leaving: set[int] = attrs.field(init=False, factory=set)  # rows whose release a fault interrupted
     # device pages lent to a prefill forward as swap-in workspace (``spare_chunk_rows``), by row; all
     # returned when the forward ends (``end_forward``)
     _lent: dict[int, list[int]] = attrs.field(init=False, factory=dict)
@@ -187,7 +221,8 @@ class HiSparseCoordinator:
         return self._mem[row].length
 
     def live_rows(self) -> list[int]:
-        return sorted(self._mem)
+        """Rows a request holds (not the ones whose release is still to be finished)."""
+        return sorted(set(self._mem) - self._leaving)
 
     def _admission_pages(self, num_tokens: int, speculative: bool) -> tuple[int, int]:
         """(buffer pages, chunk pages) a prompt holds from admission on: its device buffer (whose
@@ -235,26 +270,41 @@ class HiSparseCoordinator:
         every position, the device buffer, one chunk's rows); raises ``OutOfMemory`` (nothing
         changed). With ``tokens`` and a prefix cache, the longest cached prefix is shared: its
         positions count as computed (``length``), and the first of them, up to HOT, are loaded from
-        host into their identity columns (a short request decodes from them in place)."""
+        host into their identity columns (a short request decodes from them in place).
+
+        All or nothing: when anything on the way raises, what the row got goes back (``release``)
+        and the error propagates."""
+        self.reclaim()
         admission = self._admission(num_tokens, speculative, tokens)
         if admission is None:
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
         chain, (_, logical, host) = admission
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
             self.cache.share(chain, (logical, host), num_tokens if tokens is not None else 0)
-        row = self.rows.allocate()
-        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
-        if chain:
-            self.alloc.req_to_token.share(row, [e.pages[0] for e in chain])
-            self.host.map.share(row, [e.pages[1] for e in chain])
-        self.alloc.extend(row, num_tokens)
-        self.host.reserve(row, num_tokens)
-        self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
-        chunk = self.alloc.alloc_physical(row, chunk_pages) if chunk_pages else []
-        cached = len(chain) * self.plan.page_size
-        self._mem[row] = RowMemory(length=cached, residency=Residency.PREFILL, chunk_pages=chunk, shared=chain)
-        if cached:
-            self._load_identity(row, min(cached, self.hot))
+        try:
+            row = self.rows.allocate()
+        except BaseException:
+            if self.cache is not None:
+                self.cache.unlock(chain)
+            raise
+        # from here on the row owns what it gets, and ``release`` gives back whatever that is
+        mem = self._mem[row] = RowMemory(length=0, residency=Residency.PREFILL, shared=chain)
+        try:
+            buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+            if chain:
+                self.alloc.req_to_token.share(row, [e.pages[0] for e in chain])
+                self.host.map.share(row, [e.pages[1] for e in chain])
+            self.alloc.extend(row, num_tokens)
+            self.host.reserve(row, num_tokens)
+            self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
+            if chunk_pages:
+                mem.chunk_pages = self.alloc.alloc_physical(row, chunk_pages)
+            mem.length = len(chain) * self.plan.page_size
+            if mem.length:
+                self._load_identity(row, min(mem.length, self.hot))
+        except BaseException:
+            self.release(row)
+            raise
         return row
 
     def _load_identity(self, row: int, count: int) -> None:
@@ -334,7 +384,10 @@ class HiSparseCoordinator:
         host_slots = self.host.record(row, positions)
         dev_slots = self.alloc.lookup(self.req_to_token[row, start:end]).to(self.device)
         self.counters.add_backup((end - start) * self.host.row_bytes)
-        return self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
+        try:
+            return self._staging_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
+        except Exception as exc:  # not even issued: the row's handle says so, as for a copy that failed
+            return FailedHandle(exc)
 
     def start_staging(self, row: int, length: int) -> None:
         """The prompt's KV is computed: copy what is not on host yet (the last chunk) and queue
@@ -355,8 +408,13 @@ class HiSparseCoordinator:
         return self._mem[row].staging.query()
 
     def wait_staging(self) -> None:
-        """Block until every staging copy in flight has landed."""
-        self._staging_stream.synchronize()
+        """Block until every staging copy in flight has landed or failed; raises nothing (a failed
+        copy is its row's failure, reported by ``take_staging_failures``)."""
+        for row in self._staging:
+            try:
+                self._mem[row].staging.wait()
+            except Exception as exc:
+                self._staging_failures[row] = _copy_failure("staging", exc)
 
     def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
         """Pop staged rows (of ``rows``; all when None) whose copy has landed, in FIFO order: each
@@ -375,7 +433,7 @@ class HiSparseCoordinator:
             try:
                 landed = mem.staging.query()
             except Exception as exc:  # this row's copy failed: this row fails alone
-                self._staging_failures[row] = f"staging copy failed: {type(exc).__name__}: {exc}"
+                self._staging_failures[row] = _copy_failure("staging", exc)
                 continue
             if not landed:
                 break
@@ -472,7 +530,7 @@ class HiSparseCoordinator:
             pos = mem.length
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:
-                mem.backup.wait()  # the previous newest token's copy reads this column
+                self.settle_backups(mem.backup)  # the previous newest token's copy reads this column
                 long_rows.append(row)
                 long_positions.append(pos)
             positions.append(pos)
@@ -500,25 +558,92 @@ class HiSparseCoordinator:
         self.buffers.tokens[:, row_t.to(self.device), newest] = new
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
-        """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up.
-
-        One batched copy (all layers) for the whole step; each row remembers it as its newest backup.
-        The host pages were taken with the step's room (``ensure_capacity``, via ``prepare_decode``).
-        """
+        """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up
+        (``back_up``). The host pages were taken with the step's room (``ensure_capacity``, via
+        ``prepare_decode``). A row whose backup failed is reported by ``take_backup_failures``."""
         num_new = num_new or [1] * len(rows)
         starts = [self._mem[row].length for row in rows]
         host_slots = self.host.record_runs(rows, starts, num_new)
         for row, count in zip(rows, num_new):
             self._mem[row].length += count
         # a copy of its own: the backup may run after the caller has reused ``slots``
-        dev_slots = slots[: sum(num_new)].to(self.device, copy=True)
-        handle = self._backup_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
-        self.counters.add_backup(sum(num_new) * self.host.row_bytes)
+        self.back_up(rows, num_new, host_slots, slots[: sum(num_new)].to(self.device, copy=True))
+
+    # --- backups ----------------------------------------------------------------------------------
+
+    def back_up(self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None:
+        """Copy newly committed positions to host: ``counts[i]`` positions of ``rows[i]``, from
+        ``dev_slots`` to ``host_slots`` (the rows in order), one copy (all layers) for all of them;
+        each row remembers it as its newest backup. The source rows must stay as they are until the
+        backup is settled (``settle_backups``, which every overwrite of a backed-up column waits
+        for). A copy that fails, as it is issued or later, is redone row by row; a row whose own
+        copy fails again goes to ``take_backup_failures``."""
+        self._settle_landed()
+        self._backup_number += 1
+        backup = Backup(self._backup_number, DoneHandle(), tuple(rows), tuple(counts), host_slots, dev_slots)
+        try:
+            handle = self._backup_stream.copy_rows(self.host.kv, host_slots, self.device_kv, dev_slots)
+        except Exception as exc:  # not even issued
+            self._redo_backup(backup, exc)
+        else:
+            if not isinstance(handle, DoneHandle):  # (a copy run inline has landed already)
+                self._backups.append(attrs.evolve(backup, handle=handle))
+        self.counters.add_backup(len(host_slots) * self.host.row_bytes)
         for row in rows:
-            self._mem[row].backup = handle
+            self._mem[row].backup = backup.number
+
+    def settle_backups(self, upto: int | None = None) -> None:
+        """Wait for the backups numbered up to ``upto`` (every one when None), in issue order; a
+        failed one is redone row by row. Raises nothing."""
+        while self._backups and (upto is None or self._backups[0].number <= upto):
+            backup = self._backups.popleft()
+            try:
+                backup.handle.wait()
+            except Exception as exc:
+                self._redo_backup(backup, exc)
+
+    def _settle_landed(self) -> None:
+        """Forget the backups at the head of the queue that have landed (never blocks); a failed
+        one is redone."""
+        while self._backups:
+            backup = self._backups[0]
+            try:
+                if not backup.handle.query():
+                    return
+            except Exception as exc:
+                self._backups.popleft()
+                self._redo_backup(backup, exc)
+                continue
+            self._backups.popleft()
+
+    def _redo_backup(self, backup: Backup, error: BaseException) -> None:
+        """A backup failed: copy each row's part again, on its own, and wait for it (its source rows
+        are still there: nothing overwrites a backed-up column before its backup is settled)."""
+        log.warning("hisparse.backup_retried", rows=list(backup.rows), error=_copy_failure("backup", error))
+        at = 0
+        for row, count in zip(backup.rows, backup.counts):
+            part = slice(at, at + count)
+            at += count
+            if row not in self._mem or row in self._lost:
+                continue
+            try:
+                self._backup_stream.copy_rows(
+                    self.host.kv, backup.host_slots[part], self.device_kv, backup.dev_slots[part]
+                ).wait()
+            except Exception as exc:  # this row's own copy fails: its KV has no host copy
+                why = _copy_failure("backup", exc)
+                log.error("hisparse.backup_failed", row=row, error=why)
+                self._lost.add(row)
+                self._backup_failures[row] = why
+
+    def take_backup_failures(self, rows: list[int]) -> dict[int, str]:
+        """Rows of ``rows`` whose backup failed, with the reason (each once): some of their committed
+        KV has no host copy, so they cannot go on; the caller fails and releases them."""
+        return {row: self._backup_failures.pop(row) for row in rows if row in self._backup_failures}
 
     def wait_backups(self) -> None:
-        self._backup_stream.synchronize()
+        """Block until every backup issued has landed (or, failed, was redone)."""
+        self.settle_backups()
 
     def backend(
         self,
@@ -630,31 +755,69 @@ class HiSparseCoordinator:
     # --- ending ---------------------------------------------------------------------------------
 
     def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
-        """Return everything ``row`` owns, in any phase; waits for copies that touch its slots.
+        """Return everything ``row`` owns, in any phase (halfway through its admission too); waits
+        for copies that touch its slots.
 
         With ``tokens`` (the request's known tokens) and a prefix cache, a decoding row's full pages
-        whose KV and host copies exist are left to the cache instead of being freed."""
-        mem = self._mem.pop(row)
-        lent = self._lent.pop(row, [])
-        if lent:
-            self.alloc.free_physical(row, lent)
-        if mem.residency is Residency.STAGING:
+        whose KV and host copies exist are left to the cache instead of being freed.
+
+        Raises only for a row that is not live. A step that fails is logged and the release goes on
+        again from where it stopped (without the cache); a row that still holds memory then is
+        finished by every later ``admit``, ``release`` and ``close`` (``reclaim``), and no longer
+        counts as live."""
+        if row not in self._mem or row in self._leaving:
+            raise ValueError(f"request row {row} is not live")
+        self.reclaim()
+        self._leaving.add(row)
+        try:
+            self._give_back(row, tokens)
+        except Exception:
+            log.error("hisparse.release_failed", row=row, exc_info=True)
+            self.reclaim()
+
+    def reclaim(self) -> int:
+        """Finish the releases a fault interrupted; returns how many rows still hold memory."""
+        for row in sorted(self._leaving):
+            try:
+                self._give_back(row, None)
+            except Exception:
+                log.error("hisparse.release_deferred", row=row, exc_info=True)
+        return len(self._leaving)
+
+    def _give_back(self, row: int, tokens: Sequence[int] | None) -> None:
+        """``release``'s steps, each one done once however often they are run: what the row still
+        owns is what the allocators say it owns."""
+        mem = self._mem[row]
+        if row in self._staging:
             self._staging.remove(row)
         _wait_logged(mem.staging, row, "staging")
-        _wait_logged(mem.backup, row, "backup")
+        self.settle_backups(mem.backup)
         covered = self.alloc.req_to_token.covered_len(row)
         self.alloc.clear(self.req_to_token[row, :covered])
-        if mem.chunk_pages:
-            self.alloc.free_physical(row, mem.chunk_pages)
-        self.alloc.free_physical(row, self.buffers.reset(row))
-        handed = 0
+        # its buffer, its chunk rows and any rows lent to a forward: every device page it owns
+        self._lent.pop(row, None)
+        mem.chunk_pages = []
+        self.buffers.reset(row)
+        owned = self.alloc.physical.pages_of(row)
+        if owned:
+            self.alloc.free_physical(row, sorted(owned))
         if self.cache is not None:
-            if tokens is not None and mem.residency is Residency.RESIDENT:
-                handed = self._leave_to_cache(row, mem, tokens)
-            self.cache.unlock(mem.shared)
-        self.alloc.release_locations(row, handed=handed)
-        self.host.release(row, handed=handed)
-        self.rows.free(row)
+            cacheable = mem.residency is Residency.RESIDENT and row not in self._lost
+            if tokens is not None and cacheable:
+                self._leave_to_cache(row, mem, tokens)
+            if mem.shared:
+                self.cache.unlock(mem.shared)
+                mem.shared = []
+        # (pages the cache took stay its own: however far an earlier try got, the tables say which)
+        self.alloc.release_locations(row, handed=self.alloc.req_to_token.handed_pages(row))
+        self.host.release(row, handed=self.host.map.handed_pages(row))
+        if row in self.rows.in_use():
+            self.rows.free(row)
+        for failures in (self._staging_failures, self._backup_failures):
+            failures.pop(row, None)
+        self._lost.discard(row)
+        del self._mem[row]
+        self._leaving.discard(row)
 
     def _leave_to_cache(self, row: int, mem: RowMemory, tokens: Sequence[int]) -> int:
         """Hand the row's own full pages (KV committed, next token known) to the cache; returns how
@@ -674,7 +837,9 @@ class HiSparseCoordinator:
         return 0 if self.cache is None else self.cache.flush()
 
     def close(self) -> None:
-        """Wait for every copy in flight and stop the transfer workers."""
+        """Finish any interrupted release, wait for every copy in flight and stop the transfer
+        workers."""
+        self.reclaim()
         self._staging_stream.close()
         self._backup_stream.close()
 
@@ -746,9 +911,11 @@ class HiSparseCoordinator:
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
         if self.cache is not None:
             self.cache.check_integrity(mem.shared for mem in self._mem.values())
-        staged = [r for r, m in self._mem.items() if m.residency is Residency.STAGING]
+        # a row whose release was interrupted is checked by its pools only (it is halfway out)
+        live = {row: mem for row, mem in self._mem.items() if row not in self._leaving}
+        staged = [r for r, m in live.items() if m.residency is Residency.STAGING]
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
-        for row, mem in self._mem.items():
+        for row, mem in live.items():
             owned = self.alloc.physical.pages_of(row)
             expect = set(mem.chunk_pages) | set(self.buffers.pages(row))
             assert owned == expect, f"row {row}: owns pages {sorted(owned)}, accounts for {sorted(expect)}"
@@ -760,7 +927,7 @@ class HiSparseCoordinator:
             self.buffers.check_integrity(row, mem.length)
             copies = self.host.req_to_host[row, : mem.length]
             assert bool((copies >= 0).all()), f"row {row}: a committed position has no host copy"
-            if data:
+            if data and row not in self._lost:  # (a row whose backup failed is failed and released)
                 self._check_rows(row, mem.length)
 
     def _check_rows(self, row: int, length: int) -> None:
@@ -778,6 +945,10 @@ class HiSparseCoordinator:
             dev = self.device_kv[layer, self.buffers.locs[row, cols]].cpu()
             host = self.host.kv[layer, self.host.req_to_host[row, held[cols].cpu()]]
             assert torch.equal(dev, host), f"row {row} layer {layer}: a device row differs from its host copy"
+
+
+def _copy_failure(what: str, exc: BaseException) -> str:
+    return f"{what} copy failed: {type(exc).__name__}: {exc}"
 
 
 def _wait_logged(handle: TransferHandle, row: int, what: str) -> None:

@@ -15,6 +15,11 @@ too (the coordinator builds every argument; at batch 1 the checks cost as much a
 Ordering rules the coordinator relies on: a request leaves staging only after its copy is done;
 before the newest column of a request is overwritten, the backup that reads it is waited for; before
 a request's slots are freed, every copy touching them is waited for.
+
+A failed copy is reported by its own handle only (``query`` and ``wait`` raise its error), never by
+the stream: ``synchronize`` waits and raises nothing, so one failure never surfaces again in a
+later request's wait. A copy that cannot even be issued raises from ``copy_rows``; the coordinator
+turns that into a ``FailedHandle``, so both ways reach the request the copy was for.
 """
 
 from __future__ import annotations
@@ -42,7 +47,10 @@ class TransferStream(Protocol):
         self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
     ) -> TransferHandle: ...
 
-    def synchronize(self) -> None: ...
+    def synchronize(self) -> None:
+        """Block until every copy issued has completed, failed ones included; raises nothing (each
+        copy's handle reports its own failure)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -55,6 +63,19 @@ class DoneHandle:
 
     def wait(self) -> None:
         return None
+
+
+class FailedHandle:
+    """A copy that failed as it was issued: reports ``error`` to whoever asks."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def query(self) -> bool:
+        raise self.error
+
+    def wait(self) -> None:
+        raise self.error
 
 
 class _FutureHandle:
@@ -100,8 +121,10 @@ class ThreadTransferStream:
         return _FutureHandle(self._last)
 
     def synchronize(self) -> None:
-        if self._last is not None:
-            self._last.result()
+        last = self._last
+        if last is not None:
+            cf.wait([last])  # (its error, if any, is its handle's to report)
+            self._last = None  # every copy issued has run: the next small one may run inline
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -14,8 +14,10 @@ Finalize, per request, in this order:
 4. the last accepted token's KV is copied into the newest column;
 5. the draft zone is emptied.
 
-If the host pool cannot take the accepted tokens, finalize changes nothing for that request and
-raises ``FinalizeError``: no committed token is ever left without a host copy.
+If the host pool cannot take the accepted tokens (or taking them fails), finalize changes nothing
+for that request and reports a ``FinalizeError``: no committed token is ever left without a host
+copy. A request whose backup failed (this round's, redone alone and failed again, or an earlier
+one) is reported the same way, and released by the caller: its KV lacks host copies.
 """
 
 from __future__ import annotations
@@ -25,17 +27,17 @@ from typing import Any, Protocol
 import torch
 
 from kernels.kv_copy import copy_rows_unchecked
-from pipeline.memory import OutOfMemory
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 
 
 class FinalizeError(RuntimeError):
-    """Finalize could not back up a request's accepted tokens; its state was rolled back."""
+    """Finalize could not back up a request's accepted tokens: its state was rolled back (or, when
+    the copy itself failed, the tokens are committed without host copies)."""
 
-    def __init__(self, row: int, reason: str) -> None:
+    def __init__(self, row: int, reason: str, *, rolled_back: bool = True) -> None:
         self.row = row
         self.reason = reason
-        super().__init__(f"request row {row}: finalize rolled back: {reason}")
+        super().__init__(f"request row {row}: finalize {'rolled back' if rolled_back else 'failed'}: {reason}")
 
 
 class VerifyTables(Protocol):
@@ -49,12 +51,17 @@ class VerifyTables(Protocol):
     device_kv: torch.Tensor
     device: torch.device
     _mem: dict[int, Any]  # row -> RowMemory
-    _backup_stream: Any  # TransferStream
 
     @property
     def req_to_token(self) -> torch.Tensor: ...
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None: ...
+
+    def back_up(self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None: ...
+
+    def settle_backups(self, upto: int | None = None) -> None: ...
+
+    def take_backup_failures(self, rows: list[int]) -> dict[int, str]: ...
 
 
 class VerifyBuffers:
@@ -75,7 +82,7 @@ class VerifyBuffers:
         for row in rows:
             coord.ensure_capacity(row, new_tokens=d, speculative=True)
             mem = coord._mem[row]
-            mem.backup.wait()  # last round's backup reads the draft zone this round overwrites
+            coord.settle_backups(mem.backup)  # last round's backup reads the draft zone this round overwrites
             lengths.append(mem.length)
         row_t = torch.tensor(rows, dtype=torch.int64)
         step = torch.arange(d)
@@ -93,8 +100,8 @@ class VerifyBuffers:
     def finalize(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
 
-        Returns the rows that failed (their state rolled back, ``FinalizeError`` logged by the caller
-        via ``failed``); the others are committed and backed up. Each row's host pages are taken one
+        Returns the rows that failed (``take_failure`` says why; the caller releases them): rolled
+        back, or committed with a backup that failed; the others are committed and backed up. Each row's host pages are taken one
         by one (a row the pool cannot take changes nothing); the module docstring's steps then run
         for all the committed rows at once, in its order (their rows, columns and locations are
         distinct, so no step of one row touches another's).
@@ -103,15 +110,20 @@ class VerifyBuffers:
         hot, buffers = coord.hot, coord.buffers
         verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
         committed, starts, counts, slots, failed = [], [], [], [], []
+        lost = coord.take_backup_failures(list(rows))  # an earlier backup failed: it cannot go on
         for row, count, row_slots in zip(rows, accepted, verify_slots):
             mem = coord._mem[row]
+            if row in lost:
+                failed.append(row)
+                self._failures[row] = FinalizeError(row, lost[row])
+                continue
             try:  # (it changes nothing when the host pool is short: nothing happened to this row)
                 coord.host.reserve(row, mem.length + count)
-            except OutOfMemory as exc:
+            except Exception as exc:  # this row's finalize alone rolls back
                 failed.append(row)
-                self._failures[row] = FinalizeError(row, str(exc))
+                self._failures[row] = FinalizeError(row, f"{type(exc).__name__}: {exc}")
                 continue
-            mem.backup.wait()  # the newest column's last backup, before step 4 overwrites it
+            coord.settle_backups(mem.backup)  # the newest column's last backup, before step 4 overwrites it
             committed.append(row)
             starts.append(mem.length)
             counts.append(count)
@@ -172,10 +184,10 @@ class VerifyBuffers:
             coord._mem[row].length = start + count
         backed = torch.tensor([s for row_slots, count in zip(slots, counts) for s in row_slots[:count]],
                               device=coord.device)
-        handle = coord._backup_stream.copy_rows(coord.host.kv, host_slots, coord.device_kv, backed)
-        coord.counters.add_backup(len(host_slots) * coord.host.row_bytes)
-        for row in committed:
-            coord._mem[row].backup = handle
+        coord.back_up(committed, counts, host_slots, backed)
+        for row, why in coord.take_backup_failures(committed).items():
+            failed.append(row)
+            self._failures[row] = FinalizeError(row, why, rolled_back=False)
         return failed
 
     def take_failure(self, row: int) -> FinalizeError | None:

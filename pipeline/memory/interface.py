@@ -57,7 +57,8 @@ class KVMemory(Protocol):
         """A free row holding everything its prompt needs to reach decode: locations for every
         position, its host copy, the device rows of one prefill chunk and (HiSparse) the device
         buffer it decodes through, so that neither a later chunk nor ``collect_ready`` waits for
-        memory. Raises ``OutOfMemory`` and changes nothing when a pool is short. With ``tokens``
+        memory. Raises ``OutOfMemory`` and changes nothing when a pool is short; any other error on
+        the way also leaves nothing allocated (all or nothing). With ``tokens``
         (the prompt) and a prefix cache, the longest cached prefix is shared: ``length(row)`` says
         how many positions that is (computed already); cached pages nobody shares count as free."""
         ...
@@ -92,6 +93,11 @@ class KVMemory(Protocol):
     def take_staging_failures(self) -> dict[int, str]:
         """Rows whose staging copy failed since the last call, with the reason (each once): they
         never become RESIDENT; the caller fails and releases them."""
+        ...
+
+    def take_backup_failures(self, rows: list[int]) -> dict[int, str]:
+        """Rows of ``rows`` whose backup of committed KV to host failed, with the reason (each once):
+        they cannot go on; the caller fails and releases them."""
         ...
 
     # --- decode ----------------------------------------------------------------------------------
@@ -159,10 +165,15 @@ class KVMemory(Protocol):
     # --- ending ------------------------------------------------------------------------------------
 
     def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
-        """Give back everything ``row`` owns, in any residency, exactly once. Never leaves a pool
-        inconsistent: a copy that failed is logged and its slots freed all the same. With ``tokens``
-        (the request's known tokens) and a prefix cache, a decoding row's full computed pages are
-        left to the cache."""
+        """Give back everything ``row`` owns, in any residency, exactly once (raises only for a row
+        that is not live). Never leaves a pool inconsistent: a copy that failed is logged and its
+        slots freed all the same; a step that fails is retried from where it stopped, and a row that
+        still holds memory then is finished later (``reclaim``). With ``tokens`` (the request's known
+        tokens) and a prefix cache, a decoding row's full computed pages are left to the cache."""
+        ...
+
+    def reclaim(self) -> int:
+        """Finish the releases a fault interrupted; returns how many rows still hold memory."""
         ...
 
     def flush_cache(self) -> int:

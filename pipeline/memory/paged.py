@@ -127,6 +127,26 @@ class PagedAllocator:
         if not mine:
             self._owned.pop(owner, None)
 
+    def take(self, pages: Iterable[int], owner: int) -> None:
+        """Hand ``owner`` these free pages: undoes a ``free`` (a transaction that freed pages in one
+        pool and then failed in another puts them back). Raises ``OwnershipError`` and changes
+        nothing unless every page is free."""
+        pages = list(pages)
+        if owner < 0:
+            raise ValueError(f"{self.name}: owner must be >= 0, got {owner}")
+        for page in pages:
+            actual = self._owner[page] if 0 <= page < self.num_pages else RESERVED
+            if actual != FREE or pages.count(page) > 1:
+                raise OwnershipError(self.name, page, owner, actual)
+        taken = set(pages)
+        self._free = [page for page in self._free if page not in taken]
+        mine = self._owned.setdefault(owner, set())
+        for page in pages:
+            self._owner[page] = owner
+            mine.add(page)
+        if not mine:
+            self._owned.pop(owner, None)
+
     def transfer(self, pages: Iterable[int], owner: int, new_owner: int) -> None:
         """Hand ``owner``'s pages to ``new_owner`` (the prefix cache takes a finished request's pages,
         and gives them back to the free list on eviction); raises ``OwnershipError`` (nothing
@@ -294,6 +314,16 @@ class PagedTable:
         """How many of ``row``'s first pages are shared (the prefix cache owns them)."""
         return self._shared[row]
 
+    def handed_pages(self, row: int) -> int:
+        """How many of ``row``'s own pages, from its first, another owner holds now (handed to the
+        prefix cache with ``PagedAllocator.transfer``): what ``release`` must not free."""
+        handed = 0
+        for page in self._pages[row][self._shared[row] :]:
+            if self.allocator.owner_of(page) == row:
+                break
+            handed += 1
+        return handed
+
     def share(self, row: int, pages: list[int]) -> None:
         """Give an empty row ``pages`` (owned by someone else: the prefix cache) as its first pages,
         every position of them recorded; ``cover`` adds the row's own pages after them."""
@@ -407,9 +437,11 @@ class PagedTable:
         p = self.page_size
         for row, pages in enumerate(self._pages):
             owned = self.allocator.pages_of(row)
-            mine = pages[self._shared[row] :]
+            # (pages handed to the prefix cache are listed until the release they belong to is done)
+            others = self._shared[row] + self.handed_pages(row)
+            mine = pages[others:]
             assert set(mine) == set(owned), f"{self.name}: row {row} pages {mine} vs owned {sorted(owned)}"
-            for page in pages[: self._shared[row]]:
+            for page in pages[:others]:
                 assert self.allocator.owner_of(page) >= self.num_rows, (
                     f"{self.name}: row {row} shares page {page}, owned by {self.allocator.owner_of(page)}"
                 )

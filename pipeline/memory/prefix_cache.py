@@ -109,9 +109,15 @@ class PrefixCache:
     def share(self, chain: list[CachedPage], needs: Sequence[int], num_tokens: int) -> None:
         """Admission of a prompt that matched ``chain`` (``num_tokens``: its tokens looked up): the
         request shares it, and the entries nobody shares make room for ``needs`` (one count per
-        pool), which the caller checked with ``spare``."""
+        pool), which the caller checked with ``spare``. If making room fails, ``chain`` is not
+        shared (the entries evicted before the failure stay evicted: each went whole)."""
         self.lock(chain)
-        assert self.make_room(needs), "the admission counted more spare cached pages than there are"
+        try:
+            room = self.make_room(needs)
+        except BaseException:
+            self.unlock(chain)
+            raise
+        assert room, "the admission counted more spare cached pages than there are"
         self.counters.queried_tokens += num_tokens
         self.counters.hit_tokens += len(chain) * self.page_size
 
@@ -136,7 +142,9 @@ class PrefixCache:
         the entries it shares (its first pages), ``own_pages[j]`` its page ``len(shared) + j`` in
         each pool (only full pages whose KV and next token exist). Pages whose key is cached already
         stay the row's; the others are handed to the cache. Returns how many leading own pages were
-        handed (the caller frees the rest with the row)."""
+        handed (the caller frees the rest with the row). A page goes whole: if handing it fails in
+        one pool, its pages in the others go back to ``row`` and the error propagates (the pages
+        handed before it stay cached)."""
         parent = shared[-1] if shared else None
         handed = 0
         now = next(self._clock)
@@ -144,8 +152,16 @@ class PrefixCache:
             key = self._key(parent, tokens, len(shared) + j)
             if key in self.entries:  # the same content, cached by another request meanwhile
                 break
-            for pool, page in zip(self.pools, pages):
-                pool.transfer([page], row, self.owner)
+            moved: list[tuple[PagedAllocator, int]] = []
+            try:
+                for pool, page in zip(self.pools, pages):
+                    pool.transfer([page], row, self.owner)
+                    moved.append((pool, page))
+            except BaseException:
+                for pool, page in moved:
+                    pool.transfer([page], self.owner, row)
+                self.counters.inserted_pages += handed
+                raise
             entry = CachedPage(key, next(self._ids), parent, pages, last_used=now)
             self.entries[key] = entry
             if parent is not None:
@@ -195,8 +211,8 @@ class PrefixCache:
             victims = sorted(leaves, key=lambda e: (e.last_used, e.id))[: count - freed]
             for entry in victims:
                 self._drop(entry)
-            freed += len(victims)
-        self.counters.evicted_pages += freed
+                freed += 1
+                self.counters.evicted_pages += 1
         return freed
 
     def make_room(self, needs: Sequence[int]) -> bool:
@@ -216,12 +232,21 @@ class PrefixCache:
         return self.evict(len(self.entries))
 
     def _drop(self, entry: CachedPage) -> None:
+        """Evict ``entry`` whole: if freeing its page fails in one pool, the pages freed in the
+        others are taken back and the entry stays."""
+        freed: list[tuple[PagedAllocator, int]] = []
+        try:
+            for pool, page in zip(self.pools, entry.pages):
+                pool.free([page], self.owner)
+                freed.append((pool, page))
+        except BaseException:
+            for pool, page in freed:
+                pool.take([page], self.owner)
+            raise
         del self.entries[entry.key]
         self.clear_pending([entry])  # rows nobody will read
         if entry.parent is not None:
             entry.parent.children -= 1
-        for pool, page in zip(self.pools, entry.pages):
-            pool.free([page], self.owner)
 
     # --- figures and checks ---------------------------------------------------------------------
 

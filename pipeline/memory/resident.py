@@ -3,6 +3,9 @@
 Every token's KV stays in one device pool addressed by location; a location is its own "slot", there
 is nothing to stage and nothing to swap. It implements ``KVMemory`` (``pipeline/memory/interface.py``)
 like the HiSparse coordinator, so the executor drives both the same way.
+
+Admission is all or nothing and release goes on from wherever a fault stopped it, as in the
+coordinator (``pipeline/hisparse/coordinator.py``, "Faults").
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import collections
 from collections.abc import Sequence
 
 import attrs
+import structlog
 import torch
 
 from pipeline.config import MemoryPlan
@@ -20,6 +24,8 @@ from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.req_to_token import RequestRows, token_table
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
+
+log = structlog.get_logger(__name__)
 
 
 @attrs.define(eq=False)
@@ -39,6 +45,7 @@ class ResidentMemory:
     _ready: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     _residency: dict[int, Residency] = attrs.field(init=False, factory=dict)
     _shared: dict[int, list[CachedPage]] = attrs.field(init=False, factory=dict)  # row -> cached entries
+    _leaving: set[int] = attrs.field(init=False, factory=set)  # rows whose release a fault interrupted
     cache: PrefixCache | None = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -67,7 +74,8 @@ class ResidentMemory:
         return self._length[row]
 
     def live_rows(self) -> list[int]:
-        return sorted(self._length)
+        """Rows a request holds (not the ones whose release is still to be finished)."""
+        return sorted(set(self._length) - self._leaving)
 
     def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
         return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
@@ -89,7 +97,9 @@ class ResidentMemory:
 
     def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
         """A row and locations for the prompt; the longest cached prefix of ``tokens`` is shared
-        (its positions count as computed)."""
+        (its positions count as computed). All or nothing: when anything on the way raises, what
+        the row got goes back (``release``) and the error propagates."""
+        self.reclaim()
         admission = self._admission(num_tokens, tokens)
         if admission is None:
             raise OutOfMemory(
@@ -98,13 +108,22 @@ class ResidentMemory:
         chain, need = admission
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
             self.cache.share(chain, (need,), num_tokens if tokens is not None else 0)
-        row = self.rows.allocate()
-        self._table.share(row, [e.pages[0] for e in chain])
-        self._table.cover(row, num_tokens)
-        self.store.req_to_token[row] = self._table.table[row].to(self.device)
+        try:
+            row = self.rows.allocate()
+        except BaseException:
+            if self.cache is not None:
+                self.cache.unlock(chain)
+            raise
+        # from here on the row owns what it gets, and ``release`` gives back whatever that is
+        self._length[row], self._shared[row], self._residency[row] = 0, chain, Residency.PREFILL
+        try:
+            self._table.share(row, [e.pages[0] for e in chain])
+            self._table.cover(row, num_tokens)
+            self.store.req_to_token[row] = self._table.table[row].to(self.device)
+        except BaseException:
+            self.release(row)
+            raise
         self._length[row] = len(chain) * self.plan.page_size
-        self._shared[row] = chain
-        self._residency[row] = Residency.PREFILL
         return row
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
@@ -140,6 +159,10 @@ class ResidentMemory:
         return self._residency[row]
 
     def take_staging_failures(self) -> dict[int, str]:
+        return {}
+
+    def take_backup_failures(self, rows: list[int]) -> dict[int, str]:
+        """Nothing is backed up: nothing fails."""
         return {}
 
     def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
@@ -211,29 +234,58 @@ class ResidentMemory:
         return self.backend(rows, positions, locs, locs)
 
     def release(self, row: int, *, tokens: Sequence[int] | None = None) -> None:
-        """Free the row; with ``tokens`` (its known tokens) and a prefix cache, a decoding row's full
-        pages whose KV and next token exist are left to the cache."""
-        length = self._length.pop(row)
-        residency = self._residency.pop(row)
-        shared = self._shared.pop(row, [])
+        """Free the row (halfway through its admission too); with ``tokens`` (its known tokens) and
+        a prefix cache, a decoding row's full pages whose KV and next token exist are left to the
+        cache. Raises only for a row that is not live: a step that fails is logged and the release
+        goes on again from where it stopped (without the cache); a row that still holds memory then
+        is finished by every later ``admit``, ``release`` and ``close`` (``reclaim``), and no longer
+        counts as live."""
+        if row not in self._length or row in self._leaving:
+            raise ValueError(f"request row {row} is not live")
+        self.reclaim()
+        self._leaving.add(row)
+        try:
+            self._give_back(row, tokens)
+        except Exception:
+            log.error("memory.release_failed", row=row, exc_info=True)
+            self.reclaim()
+
+    def reclaim(self) -> int:
+        """Finish the releases a fault interrupted; returns how many rows still hold memory."""
+        for row in sorted(self._leaving):
+            try:
+                self._give_back(row, None)
+            except Exception:
+                log.error("memory.release_deferred", row=row, exc_info=True)
+        return len(self._leaving)
+
+    def _give_back(self, row: int, tokens: Sequence[int] | None) -> None:
+        """``release``'s steps, each one done once however often they are run."""
         if row in self._ready:
             self._ready.remove(row)
-        handed = 0
+        shared = self._shared[row]
         if self.cache is not None:
-            if tokens is not None and residency is Residency.RESIDENT:
-                full = self.cache.full_pages(length, tokens)
+            if tokens is not None and self._residency[row] is Residency.RESIDENT:
+                full = self.cache.full_pages(self._length[row], tokens)
                 own = [(page,) for page in self._table.pages(row)[len(shared) : full]]
-                handed = self.cache.insert(tokens, shared, own, row)
-            self.cache.unlock(shared)
-        self._table.release(row, handed=handed)
+                self.cache.insert(tokens, shared, own, row)
+            if shared:
+                self.cache.unlock(shared)
+                self._shared[row] = []
+        # (pages the cache took stay its own: however far an earlier try got, the table says which)
+        self._table.release(row, handed=self._table.handed_pages(row))
         self.store.req_to_token[row] = 0
-        self.rows.free(row)
+        if row in self.rows.in_use():
+            self.rows.free(row)
+        del self._length[row], self._residency[row], self._shared[row]
+        self._leaving.discard(row)
 
     def end_forward(self) -> None:
         """Nothing is lent to a resident forward."""
 
     def close(self) -> None:
-        return None
+        """Finish any interrupted release."""
+        self.reclaim()
 
     def free_counts(self) -> dict[str, int]:
         """Free count of every pool (back at its initial value once nothing is live): pages the
@@ -286,5 +338,6 @@ class ResidentMemory:
         assert set(self._residency) == set(self._length), "resident rows without a residency"
         if self.cache is not None:
             self.cache.check_integrity(self._shared.values())
-        staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING]
+        # (a row whose release was interrupted is checked by its pools only: it is halfway out)
+        staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING and r not in self._leaving]
         assert sorted(staged) == sorted(self._ready), "the ready queue disagrees with the rows' residency"

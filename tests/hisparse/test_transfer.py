@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from pipeline.hisparse.transfer import DoneHandle, ThreadTransferStream
+from pipeline.hisparse.transfer import DoneHandle, FailedHandle, ThreadTransferStream
 
 
 def test_copies_land_in_order_and_report_done():
@@ -70,3 +70,31 @@ def test_small_copies_run_inline_only_when_nothing_is_in_flight():
     again = stream.copy_rows(dst, torch.tensor([1]), big_src, torch.tensor([2]))
     assert isinstance(again, DoneHandle) and bool((dst == 1).all())  # idle stream: copied at once
     stream.close()
+
+
+def test_a_failed_copy_is_its_handles_alone():
+    """A copy that failed on the worker is reported by its own handle, every time it is asked, and
+    never by the stream: ``synchronize`` after it raises nothing, and the copies after it (small
+    ones run inline) land as ever."""
+    stream = ThreadTransferStream("t", inline_bytes=0)
+    dst = torch.zeros(1, 4, 2)
+    bad = stream.copy_rows(dst, torch.tensor([0]), torch.ones(1, 8, 2), torch.tensor([99]))  # on the worker
+    with pytest.raises((IndexError, RuntimeError)):
+        bad.wait()
+    stream.synchronize()  # the failure is not the stream's
+    stream.inline_bytes = 1 << 16
+    good = stream.copy_rows(dst, torch.tensor([1]), torch.full((1, 2, 2), 7.0), torch.tensor([1]))
+    stream.synchronize()
+    assert good.query() and bool((dst[:, 1] == 7).all())
+    with pytest.raises((IndexError, RuntimeError)):
+        bad.query()
+    stream.close()
+
+
+def test_a_copy_that_cannot_be_issued_is_reported_by_its_handle():
+    """The coordinator turns a copy that raised as it was issued into a ``FailedHandle``."""
+    handle = FailedHandle(OSError("no transfer"))
+    with pytest.raises(OSError, match="no transfer"):
+        handle.query()
+    with pytest.raises(OSError, match="no transfer"):
+        handle.wait()

@@ -55,6 +55,7 @@ def check_only_culprit_failed(outcomes, expected, culprit: str, reason: str) -> 
     assert isinstance(outcomes[culprit], RequestFailed) and reason in outcomes[culprit].reason
     for rid, tokens in expected.items():
         if rid != culprit:
+            assert not isinstance(outcomes[rid], RequestFailed), f"{rid} failed too: {outcomes[rid].reason}"
             assert list(outcomes[rid].token_ids) == tokens, f"{rid} changed by {culprit}'s fault"
     assert outcomes["after"].finish_reason == "length"
 
@@ -86,7 +87,7 @@ async def test_a_forward_that_raises_for_one_request_fails_that_request_only(tin
 async def test_one_requests_sampling_fault_fails_it_alone(tiny_model, monkeypatch):
     """Sampling raises for one request (its fourth token): in the middle of a batched decode step, the
     others sample on and keep their exact tokens (sampled ones too: no random number is redrawn)."""
-    from pipeline import executor as executor_module
+    from pipeline import sampling as sampling_module
 
     cfg = small_config(num_steps=None)
     prompts = clean_prompts([10, 14, 8, 20], seed=4)
@@ -95,7 +96,7 @@ async def test_one_requests_sampling_fault_fails_it_alone(tiny_model, monkeypatc
         SamplingParams(max_new_tokens=9, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(len(ids))
     ]
     expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
-    real = executor_module.sample
+    real = sampling_module.sample
     calls = {"n": 0}
 
     def sample(logits, sp, generator):
@@ -105,7 +106,7 @@ async def test_one_requests_sampling_fault_fails_it_alone(tiny_model, monkeypatc
                 raise FloatingPointError("injected sampling fault")
         return real(logits, sp, generator)
 
-    monkeypatch.setattr(executor_module, "sample", sample)
+    monkeypatch.setattr(sampling_module, "sample", sample)
     outcomes = await serve(cfg, tiny_model, prompts, params, ids)
     check_only_culprit_failed(outcomes, expected, "s1", "injected sampling fault")
     assert len(outcomes["s1"].output_ids) == 3  # what it had before its fault
@@ -221,3 +222,93 @@ def test_seeded_sampling_is_reproducible_across_a_retraction(tiny_model):
             assert sum(r.metrics.num_retractions for r in reqs) > 0
         executor.close()
     assert outputs["small"] == outputs["roomy"]
+
+
+async def _one_by_one(engine, prompts, params, ids) -> dict[str, object]:
+    outcomes: dict[str, object] = {}
+    with anyio.fail_after(120):  # hang guard
+        for rid, prompt, sp in zip(ids, prompts, params):
+            try:
+                outcomes[rid] = await engine.generate_text(prompt, sp, request_id=rid)
+            except RequestFailed as exc:
+                outcomes[rid] = exc
+    return outcomes
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["worker", "issue"])
+async def test_one_failed_staging_copy_leaves_nothing_behind(tiny_model, mode):
+    """The first request's prompt copy to host fails once (reported by the transfer worker, or
+    raised as it is issued): that request fails, and each of the ten short requests after it is
+    served as if nothing had happened (no old error surfaces again)."""
+    from pipeline.benchmarks.faults import FaultyStream
+
+    cfg = small_config(num_steps=None)
+    prompts = clean_prompts([12] * 11, seed=8)
+    ids = [f"t{i}" for i in range(11)]
+    params = [SamplingParams(max_new_tokens=4, ignore_eos=True)] * 11
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    async with Engine(cfg, model=tiny_model) as engine:
+        memory = engine.executor.memory
+        left = [1]
+
+        def fails(dst_idx) -> bool:
+            left[0] -= 1
+            return left[0] == 0
+
+        memory._staging_stream = FaultyStream(memory._staging_stream, fails, mode=mode,
+                                              message="injected staging copy fault")
+        outcomes = await _one_by_one(engine, prompts, params, ids)
+        assert engine.executor.pool_counts() == engine.initial_pool_counts
+    assert isinstance(outcomes["t0"], RequestFailed) and "injected staging copy fault" in outcomes["t0"].reason
+    for rid in ids[1:]:
+        assert not isinstance(outcomes[rid], RequestFailed), f"{rid} failed: {outcomes[rid].reason}"
+        assert list(outcomes[rid].token_ids) == expected[rid]
+    assert engine.final_pool_counts == engine.initial_pool_counts
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", ["worker", "issue"])
+@pytest.mark.parametrize("num_steps", [None, 2])
+async def test_a_failed_backup_copy_fails_its_request_not_its_batch(tiny_model, mode, num_steps):
+    """Six requests decode together past HOT (their early tokens are evicted and read back from their
+    host copies); the copies of one request's decoded KV to host fail from its sixth position on.
+    That request fails; the other five get exactly the tokens of a fault-free run."""
+    from pipeline.benchmarks.faults import FaultyStream
+
+    cfg = small_config(num_steps=num_steps)
+    prompts = clean_prompts([9, 11, 10, 12, 8, 13], seed=9)
+    ids = [f"b{i}" for i in range(6)]
+    params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 6
+    expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
+    async with Engine(cfg, model=tiny_model, max_prefill_tokens=10_000) as engine:
+        ex = engine.executor
+        memory = ex.memory
+
+        def fails(dst_idx) -> bool:
+            seq = ex.seqs.get("b2")
+            if seq is None:
+                return False
+            start = len(prompts[2]) + 5
+            culprit = set(memory.host.req_to_host[seq.row, start:].tolist()) - {-1}
+            return bool(culprit & set(dst_idx.tolist()))
+
+        memory._backup_stream = FaultyStream(memory._backup_stream, fails, mode=mode,
+                                             message="injected backup copy fault")
+        outcomes: dict[str, object] = {}
+
+        async def one(rid, prompt, sp):
+            try:
+                outcomes[rid] = await engine.generate_text(prompt, sp, request_id=rid)
+            except RequestFailed as exc:
+                outcomes[rid] = exc
+
+        with anyio.fail_after(120):  # hang guard
+            async with anyio.create_task_group() as tg:
+                for rid, prompt, sp in zip(ids, prompts, params):
+                    tg.start_soon(one, rid, prompt, sp)
+            outcomes["after"] = await engine.generate_text(prompts[0], params[0])
+        assert memory._backup_stream.fired > 0
+        assert ex.pool_counts() == engine.initial_pool_counts
+    assert engine.final_pool_counts == engine.initial_pool_counts
+    check_only_culprit_failed(outcomes, expected, "b2", "injected backup copy fault")
