@@ -8,6 +8,9 @@ none: the conversation is then written as one ``role: content`` line per message
     system: You are terse.
     user: Name a sorting algorithm.
     assistant:
+
+The endpoints render through ``pipeline.server.prompts.encode_chat``: the same ids, with the
+rendered text measured against the context before it is tokenized, off the event loop when long.
 """
 
 from __future__ import annotations
@@ -20,16 +23,22 @@ from pipeline.server.protocol import ChatMessage
 ASSISTANT_CUE = "assistant: "
 
 
-def plain_template(messages: Sequence[ChatMessage]) -> str:
+def plain_template(messages: Sequence[ChatMessage], add_generation_prompt: bool = True) -> str:
     """The fallback template: ``role: content`` lines, then the assistant's cue (no trailing newline)."""
     lines = [f"{m.role}: {m.text()}\n" for m in messages]
-    return "".join(lines) + ASSISTANT_CUE
+    return "".join(lines) + (ASSISTANT_CUE if add_generation_prompt else "")
 
 
-def render_chat(engine: Any, messages: Sequence[ChatMessage]) -> list[int]:
+def render_chat(
+    engine: Any, messages: Sequence[ChatMessage], *, add_generation_prompt: bool = True
+) -> list[int]:
     """The prompt token ids for ``messages``: ``engine.chat_prompt`` (the checkpoint's chat template,
-    generation prompt added) when the checkpoint has a template, else the plain fallback."""
-    if getattr(engine.tokenizer, "chat_template", None) is None:
-        return list(engine.tokenizer.encode(plain_template(messages)))
+    generation prompt added) when the checkpoint has a template, else the plain fallback.
+    ``add_generation_prompt=False`` (``/tokenize``): the conversation alone, without the assistant's cue."""
+    tokenizer = engine.tokenizer
+    if getattr(tokenizer, "chat_template", None) is None:
+        return list(tokenizer.encode(plain_template(messages, add_generation_prompt)))
     conversation = [{"role": m.role, "content": m.text()} for m in messages]
+    if not add_generation_prompt:
+        return [int(t) for t in tokenizer.apply_chat_template(conversation, add_generation_prompt=False)]
     return [int(t) for t in engine.chat_prompt(conversation)]

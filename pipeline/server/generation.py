@@ -5,8 +5,15 @@ it runs, feeds the metrics, and logs one ``server.request_ended`` line with the 
 
 * ``finished``: it ended with ``stop`` or ``length``;
 * ``disconnected``: its client went away first; the request was aborted in the engine at once;
-* ``aborted``: the server aborted it (shutdown with ``--on-exit abort``);
+* ``aborted``: the server aborted it (shutdown with ``--on-exit abort``), or another choice of the
+  same API request failed;
 * ``failed``: it failed inside the engine (the others go on).
+
+``Choices`` holds the ``n`` generations of one API request (one engine request per choice, all on
+the same prompt) and merges their deltas, tagged with the choice's index, as they come.
+
+Sampling fields a request leaves unset take the checkpoint's defaults (its generation_config.json,
+``engine.generation_defaults``), then OpenAI's.
 
 ``cancel_on_disconnect`` watches the ASGI ``receive`` channel for ``http.disconnect`` while a
 response is being produced, streaming or not, and cancels the work when it comes.
@@ -15,8 +22,8 @@ response is being produced, streaming or not, and cancels the work when it comes
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing, asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any, Protocol
 
 import anyio
@@ -37,6 +44,9 @@ FINISHED_REASONS = ("stop", "length")
 ABORTED_MESSAGE = "the request was aborted: the server is shutting down"
 # engine field -> request field, where they differ
 FIELD_NAMES = {"max_new_tokens": "max_tokens"}
+# request field -> its value when neither the request nor the checkpoint (``engine.generation_defaults``,
+# the same key) sets it: OpenAI's, or the neutral one
+FALLBACK = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0}
 
 
 class ApiError(Exception):
@@ -60,9 +70,19 @@ class ApiError(Exception):
 
 
 def sampling_params(
-    body: _Generation, num_prompt_tokens: int, max_context_len: int, *, prompt_field: str
+    body: _Generation,
+    num_prompt_tokens: int,
+    max_context_len: int,
+    *,
+    prompt_field: str,
+    defaults: Mapping[str, Any] | None = None,
 ) -> SamplingParams:
-    """The engine's ``SamplingParams`` for ``body``; ``ApiError`` naming the field if it cannot be served."""
+    """The engine's ``SamplingParams`` for ``body``; ``ApiError`` naming the field if it cannot be served.
+
+    A field the request leaves unset takes ``defaults`` (the checkpoint's generation defaults), then
+    OpenAI's value; ``max_tokens`` unset: the checkpoint's ``max_new_tokens``, else 16 for
+    completions and the rest of the context for chat, capped at the room the prompt leaves."""
+    defaults = defaults or {}
     room = max_context_len - num_prompt_tokens
     if room <= 0:
         raise ApiError(
@@ -71,27 +91,53 @@ def sampling_params(
             param=prompt_field,
             code="context_length_exceeded",
         )
+    max_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is None:
-        default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else room
-        max_tokens = min(default, room)
+        default = defaults.get("max_new_tokens")
+        if default is None:
+            default = COMPLETION_DEFAULT_MAX_TOKENS if isinstance(body, CompletionRequest) else room
+        max_tokens = min(int(default), room)
     elif max_tokens > room:
-        field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         raise ApiError(
-            f"{field}={max_tokens}: the prompt is {num_prompt_tokens} tokens and the context "
+            f"{max_field}={max_tokens}: the prompt is {num_prompt_tokens} tokens and the context "
             f"{max_context_len} tokens, so at most {room} output tokens fit",
-            param=field,
+            param=max_field,
             code="context_length_exceeded",
         )
+    if body.min_tokens > max_tokens:
+        raise ApiError(
+            f"min_tokens={body.min_tokens}: more than the {max_tokens} output tokens the request may "
+            f"have ({max_field})",
+            param="min_tokens",
+        )
+    chosen = {
+        field: value if (value := getattr(body, field)) is not None else defaults.get(field, fallback)
+        for field, fallback in FALLBACK.items()
+    }
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=max(body.top_k or 0, 0),
+        temperature=float(chosen["temperature"]),
+        top_p=float(chosen["top_p"]),
+        top_k=max(int(chosen["top_k"]), 0),  # -1 and 0: no limit
         stop=body.stop_strings(),
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=float(chosen["repetition_penalty"]),
+        logit_bias=body.token_biases(),
+        min_tokens=body.min_tokens,
+        logprobs=body.logprobs_asked(),
     )
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Choice ``index``'s parameters: with a seed, choice i samples with ``seed + i`` (so it equals a
+    request of its own with that seed); without, each derives its own from its request id."""
+    if params.seed is None or index == 0:
+        return params
+    return attrs.evolve(params, seed=params.seed + index)
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0) -> Usage:
@@ -103,7 +149,6 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0
     )
 
 
-
 class ServerState(Protocol):
     """What a generation uses of the app's shared state (``pipeline.server.app.ServerState``)."""
 
@@ -111,6 +156,7 @@ class ServerState(Protocol):
     metrics: Any  # ServerMetrics
     aborting: bool
     in_flight: dict[str, Generation]
+
 
 @attrs.define(eq=False)
 class Generation:
@@ -205,7 +251,8 @@ class Generation:
             self.outcome = "finished"
             if delta.metrics is not None:
                 self.state.metrics.observe_finished(delta.metrics)
-                self.cached_tokens = int(getattr(delta.metrics, "cached_tokens", 0) or 0)
+                # after a retraction the latest prefill also covered output tokens: count the prompt's
+                self.cached_tokens = min(delta.metrics.cached_tokens, len(self.prompt_ids))
         elif self.outcome == "pending":
             self.outcome = "aborted"
 
@@ -219,6 +266,102 @@ class Generation:
             output_tokens=self.num_output_tokens,
             seconds=round(time.monotonic() - self.started, 6),
         )
+
+
+@attrs.define(eq=False)
+class Choices:
+    """The ``n`` generations of one API request (one engine request per choice, the same prompt)."""
+
+    response_id: str
+    prompt_ids: list[int]
+    gens: list[Generation]
+
+    @classmethod
+    def start(
+        cls,
+        state: ServerState,
+        response_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        prompt_field: str,
+        n: int,
+    ) -> Choices:
+        """Hand the ``n`` requests to the engine (``ApiError`` if refused); a single choice's request
+        id is ``response_id``, choice i's of several ``{response_id}-{i}``."""
+        gens = [
+            Generation.start(
+                state,
+                response_id if n == 1 else f"{response_id}-{i}",
+                prompt_ids,
+                choice_params(params, i),
+                prompt_field,
+            )
+            for i in range(n)
+        ]
+        return cls(response_id, prompt_ids, gens)
+
+    @property
+    def usage(self) -> Usage:
+        """The prompt counted once, the output tokens of every choice; ``cached_tokens``: the prompt
+        tokens every choice found in the prefix cache (the fewest any one found)."""
+        return usage(
+            len(self.prompt_ids),
+            sum(g.num_output_tokens for g in self.gens),
+            min(g.cached_tokens for g in self.gens),
+        )
+
+    @property
+    def finished(self) -> bool:
+        return all(g.outcome == "finished" for g in self.gens)
+
+    def disconnected(self) -> None:
+        """The client went away: abort every choice's request."""
+        for gen in self.gens:
+            gen.disconnected()
+
+    @asynccontextmanager
+    async def outputs(self) -> AsyncIterator[AsyncIterator[tuple[int, RequestOutput]]]:
+        """Every choice's deltas as ``(index, delta)``, in the order they come. Reading raises the
+        first error any choice raises (``Generation.deltas``); leaving the block before every choice
+        ended (that error, a disconnect) aborts the others."""
+        send, receive = anyio.create_memory_object_stream[tuple[int, Any, BaseException | None]]()
+        try:
+            async with anyio.create_task_group() as tg:
+                with send:
+                    for index, gen in enumerate(self.gens):
+                        tg.start_soon(_pump, index, gen, send.clone(), name=f"hispec-{gen.request_id}")
+                try:
+                    async with aclosing(_merged(receive)) as merged:
+                        yield merged
+                finally:
+                    for gen in self.gens:
+                        if gen.outcome == "pending":  # the block ended early: it goes too
+                            gen.outcome = "aborted"
+                    tg.cancel_scope.cancel()
+                    receive.close()
+        except BaseExceptionGroup as group:  # the block's own error, wrapped by the task group
+            if len(group.exceptions) == 1:
+                raise group.exceptions[0] from None
+            raise
+
+
+async def _pump(index: int, gen: Generation, send: Any) -> None:
+    """One choice's deltas into the shared stream; its error too, as the last item."""
+    with send:
+        try:
+            async with aclosing(gen.deltas()) as deltas:
+                async for delta in deltas:
+                    await send.send((index, delta, None))
+        except Exception as exc:
+            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):  # the reader has left
+                await send.send((index, None, exc))
+
+
+async def _merged(receive: Any) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async for index, delta, error in receive:
+        if error is not None:
+            raise error
+        yield index, delta
 
 
 class Watch:

@@ -2,19 +2,43 @@
 
 Requests are validated strictly (``"5"`` is not an integer, ``true`` is not a number) and refuse
 unknown fields, as OpenAI's API does. Fields of the OpenAI API that hispec cannot honour are
-accepted only at their neutral value (``n=1``, ``echo=false``, no penalties, no logprobs), so that a
-client setting them gets a clear 400 instead of a silently different answer. ``top_k`` and
-``ignore_eos`` are extensions (as in vLLM and SGLang).
+accepted only at their neutral value (no ``suffix``, no tools, ``response_format`` text, ``best_of``
+equal to ``n``, no ``echo`` together with ``logprobs``), so that a client setting them gets a clear
+400 instead of a silently different answer. ``top_k``, ``ignore_eos``, ``repetition_penalty`` and
+``min_tokens`` are extensions (as in vLLM and SGLang).
+
+Text that is tokenized or matched (``prompt``, a message's ``content``, ``stop``) must be valid
+Unicode: JSON can carry a lone surrogate (``"\\ud800"``), which no tokenizer can encode; it is refused
+here, naming the field.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_CHOICES = 16  # n: each choice is one engine request
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat's top_logprobs
+MAX_LOGIT_BIAS = 100.0  # |bias| at most this (OpenAI's range)
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _unicode(text: str) -> str:
+    """``text``, or ``ValueError`` if it holds a lone surrogate (JSON's ``"\\ud800"``)."""
+    found = None if text.isascii() else _SURROGATE.search(text)
+    if found is not None:
+        raise ValueError(
+            f"a lone surrogate (U+{ord(found.group()):04X} at character {found.start()}) is not valid "
+            "Unicode text"
+        )
+    return text
 
 
 class _Strict(BaseModel):
@@ -40,22 +64,17 @@ class _Generation(_Strict):
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None  # extension; 0 or -1: no limit
     stop: str | list[str] | None = None
-    seed: int | None = None
-    n: int = 1
+    seed: int | None = None  # with n > 1, choice i samples with seed + i
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     ignore_eos: bool = False  # extension: keep generating past the end-of-sequence token
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None  # over the output so far
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # extension: over prompt and output
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # extension: no end token before this many
     user: str | None = None  # accepted and ignored
-
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int) -> int:
-        if n != 1:
-            raise ValueError("only n=1 is supported (send one request per choice)")
-        return n
 
     @field_validator("stop")
     @classmethod
@@ -65,28 +84,40 @@ class _Generation(_Strict):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
         if any(not s for s in strings):
             raise ValueError("stop strings must not be empty")
+        for string in strings:
+            _unicode(string)
         return stop
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, value: float | None) -> float | None:
-        return _neutral(value, (None, 0), "a non-zero penalty")
 
     @field_validator("logit_bias")
     @classmethod
-    def _no_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        return _neutral(value or None, (None,), "logit_bias")
+    def _token_biases(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids written as decimal strings (got key {key!r})")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(
+                    f"biases must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}] (got {bias} for {key})"
+                )
+        return value
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def token_biases(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs, by id."""
+        return tuple(sorted((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items()))
+
+    def logprobs_asked(self) -> int | None:
+        """How many alternatives to report per token (0: the chosen token's only); None: no logprobs."""
+        raise NotImplementedError
 
 
 class CompletionRequest(_Generation):
     """``POST /v1/completions``: one prompt, as text or token ids (a batch of one is accepted)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)] | None = None
+    echo: bool = False  # the prompt's text is prepended to each choice's text
     best_of: int | None = None
     suffix: str | None = None
 
@@ -98,28 +129,34 @@ class CompletionRequest(_Generation):
                 raise ValueError(
                     f"a batch of {len(prompt)} prompts is not supported (send one request per prompt)"
                 )
-            return prompt[0]
-        return prompt
+            prompt = prompt[0]
+        return _unicode(prompt) if isinstance(prompt, str) else prompt
 
     @field_validator("echo")
     @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        return _neutral(value, (False,), "echo")
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: int | None) -> int | None:
-        return _neutral(value, (None,), "logprobs")
+    def _echo_without_logprobs(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("logprobs") is not None:
+            raise ValueError(
+                "echo together with logprobs is not supported (it would need the prompt's logprobs); "
+                "send one or the other"
+            )
+        return value
 
     @field_validator("best_of")
     @classmethod
-    def _no_best_of(cls, value: int | None) -> int | None:
-        return _neutral(value, (None, 1), "best_of > 1")
+    def _best_of_is_n(cls, value: int | None, info: ValidationInfo) -> int | None:
+        n = info.data.get("n", 1)
+        if value is not None and value != n:
+            raise ValueError(f"only best_of equal to n ({n}) is supported (each choice is returned)")
+        return value
 
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
         return _neutral(value or None, (None,), "suffix")
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(_Strict):
@@ -132,6 +169,13 @@ class ChatMessage(_Strict):
     content: str | list[TextPart]
     name: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _valid_text(cls, content: str | list[TextPart]) -> str | list[TextPart]:
+        for text in [content] if isinstance(content, str) else [part.text for part in content]:
+            _unicode(text)
+        return content
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
@@ -142,20 +186,17 @@ class ChatCompletionRequest(_Generation):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None  # OpenAI's newer name of max_tokens
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None  # needs logprobs: true
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value: bool) -> bool:
-        return _neutral(value, (False,), "logprobs")
-
     @field_validator("top_logprobs")
     @classmethod
-    def _no_top_logprobs(cls, value: int | None) -> int | None:
-        return _neutral(value, (None, 0), "top_logprobs")
+    def _with_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs needs logprobs: true")
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -171,6 +212,38 @@ class ChatCompletionRequest(_Generation):
     @classmethod
     def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         return _neutral(value, (None, {"type": "text"}), "a response_format other than text")
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or ``messages`` rendered as chat completions renders
+    them (``add_generation_prompt``: with the assistant's cue, as a chat completion sends them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("prompt")
+    @classmethod
+    def _valid_text(cls, prompt: str | None) -> str | None:
+        return None if prompt is None else _unicode(prompt)
+
+    @field_validator("messages")
+    @classmethod
+    def _one_input(cls, value: list[ChatMessage] | None, info: ValidationInfo) -> list[ChatMessage] | None:
+        if value is not None and info.data.get("prompt") is not None:
+            raise ValueError("give either prompt or messages, not both")
+        return value
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's): token ids -> text."""
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
 
 
 # --- responses ---------------------------------------------------------------------------------------
@@ -189,10 +262,20 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy shape: one entry per output token in each list."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    # the most likely tokens and the chosen one: token text -> logprob
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # where each token's text starts in the choice's text
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None
 
 
@@ -212,10 +295,24 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # the token text's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the most likely tokens, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -236,7 +333,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -262,9 +359,25 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
 class ErrorDetail(BaseModel):
     message: str
-    type: str  # "invalid_request_error", "internal_error", "service_unavailable"
+    # "invalid_request_error", "authentication_error", "not_found_error", "internal_error",
+    # "service_unavailable"
+    type: str
     param: str | None = None  # the request field at fault
     code: str | None = None
 

@@ -7,18 +7,25 @@ loads), then the engine is entered; once it runs, ``/health`` answers 200 and th
 Shutdown (SIGINT or SIGTERM, or ``HttpServer.shutdown()``): the server stops taking requests
 (503), then either lets the requests in flight finish (``--on-exit finish``) or aborts them
 (``--on-exit abort``, the default: their clients get an error). uvicorn closes the listening socket
-and waits for every connection to end; then the engine is left, every memory pool back at its
-initial free count, and the process exits 0 (1 if a pool did not come back). A second signal
-aborts whatever is still running.
+and the connections that are idle or whose request is still arriving, and waits for the others to
+end. Shutdown never waits on a client: the requests get ``--shutdown-timeout`` seconds to end (then
+they are aborted), the connections ``CLOSE_GRACE_S`` more to take their last bytes (then they are
+closed). Then the engine is left, every memory pool back at its initial free count, and the process
+exits 0 (1 if a pool did not come back). A second signal aborts whatever is still running and
+closes every connection at once; the process then ends without the interpreter's own teardown
+(as it does at a signal that comes once the server has stopped).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import os
 import signal
 import socket
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,23 +33,48 @@ import anyio
 import structlog
 import uvicorn
 
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
-from pipeline.generate import add_budget_arguments, add_chunk_argument, batch_tokens, chunk_tokens
+from pipeline.config import EngineConfig
+from pipeline.generate import add_budget_arguments, add_chunk_argument, add_tokenizer_arguments
+from pipeline.generate import engine_config as shared_engine_config
 from pipeline.logs import configure_logging
-from pipeline.server.app import ServerState, create_app
+from pipeline.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, create_app
+from pipeline.server.connections import ConnectionWatch, HttpProtocol, default_max_connections
 
 log = structlog.get_logger("hispec.server")
+
+API_KEY_ENV = "HISPEC_API_KEY"  # the API key when --api-key is not given
+CLOSE_GRACE_S = 2.0  # once no request runs, how long the connections get to take their last bytes
+FORCE_GRACE_S = 0.5  # after a second signal (everything aborted), how long they get
+POLL_S = 0.05  # how often a drain looks at what is left
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r}: must be more than 0")
+        return value
+
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="0 = any free port (printed on the ready line)")
+    from pipeline.cli_types import port_number  # a bad --port: one line, before the model loads
+
+    p.add_argument("--port", type=port_number, default=8000, help="0 = any free port (printed on the ready line)")
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
+    add_tokenizer_arguments(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--max-context-len", type=int, default=4096, help="capped at the model's positions")
+    p.add_argument(
+        "--max-context-len", "--max-model-len", type=int, default=4096, help="capped at the model's positions"
+    )
     p.add_argument(
         "--max-running-requests", type=int, default=None,
         help="request rows (default: 32; with a device memory budget, what its plan holds)",
@@ -55,10 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="device KV slots (default: 16384, or one full context if that is more)",
     )
     p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--hot", type=int, default=128, help="HiSparse hot columns per request")
+    p.add_argument("--hot", type=int, default=None,
+                   help="HiSparse hot columns per request (default: 128, or the model's index_topk if more)")
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
-    p.add_argument("--num-steps", type=int, default=3, help="draft steps per speculative round")
+    p.add_argument(
+        "--num-steps", type=int, default=None, help="draft steps per speculative round (default: 3 if the model has MTP)"
+    )
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
     p.add_argument(
         "--on-exit",
@@ -71,40 +106,51 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: ${API_KEY_ENV})",
+    )
+    p.add_argument(
+        "--disable-access-log",
+        action="store_true",
+        help="no server.access log line per request (logged when logging is on: --log-json, -v)",
+    )
+    p.add_argument(
+        "--max-connections", type=_positive(int), default=None, metavar="N",
+        help="open connections at most; one more gets a 503 (default: 512, or less under a low "
+        "file descriptor limit)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive", type=_positive(float), default=5.0, metavar="SECONDS",
+        help="an idle connection is closed after this long; so is one whose request headers are "
+        "not all in this long after it became idle",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=_positive(int), default=DEFAULT_MAX_REQUEST_BYTES, metavar="N",
+        help="a larger request body is a 413 (default: 8 MiB)",
+    )
+    p.add_argument(
+        "--shutdown-timeout", type=_positive(float), default=30.0, metavar="SECONDS",
+        help="on SIGINT/SIGTERM, the longest the requests in flight get to end before they are aborted",
+    )
     return p
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """``pipeline.generate.engine_config`` with serve's own defaults: the context capped at the
+    model's positions, 32 request rows without a device memory budget."""
     from pipeline.model import ModelConfig, resolve_model_dir
 
     positions = ModelConfig.from_dir(resolve_model_dir(args.model)).max_position_embeddings
     context = min(args.max_context_len, positions or args.max_context_len)
-    page = args.page_size
-    pool, rows = args.device_pool_tokens, args.max_running_requests
+    rows = args.max_running_requests
     budget = args.device_memory is not None or args.device_memory_fraction is not None
-    if pool is None and not budget:
-        pool = max(16384, -(-context // page) * page)
     if rows is None and not budget:
         rows = 32
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        page_size=page,
-        max_context_len=context,
-        max_running_requests=rows,
-        device_pool_tokens=pool,
-        device_memory_bytes=args.device_memory,
-        device_memory_fraction=args.device_memory_fraction,
-        hisparse=None if args.no_hisparse else HiSparseConfig(device_buffer_size=args.hot),
-        speculative=None if args.no_spec else SpeculativeConfig(num_steps=args.num_steps),
-        chunked_prefill_tokens=chunk_tokens(args),
-        prefill_batch_tokens=batch_tokens(args),
-        mixed_steps=not args.no_mixed_steps,
-        prefix_cache=not args.no_prefix_cache,
-        seed=args.seed,
-        tensor_parallel_size=args.tp,
-    )
+    return shared_engine_config(argparse.Namespace(**{**vars(args), "max_context_len": context,
+                                                      "max_running_requests": rows}))
 
 
 class _Uvicorn(uvicorn.Server):
@@ -120,7 +166,12 @@ class HttpServer:
 
     ``run`` enters the engine itself (after the socket is listening) and leaves it after the last
     connection has ended. ``shutdown()`` (from the event loop: a signal handler, a test) starts the
-    drain; ``on_exit`` says what happens to the requests in flight.
+    drain; ``on_exit`` says what happens to the requests in flight, ``shutdown_timeout`` how long
+    they get; a second ``shutdown()`` aborts them and closes every connection.
+
+    ``max_connections`` (default: ``default_max_connections()``), ``timeout_keep_alive`` (seconds
+    idle, or waiting for a request's headers) and ``max_request_bytes``: the limits a client is held
+    to (``pipeline.server.connections``, ``pipeline.server.middleware.BodyLimit``).
     """
 
     def __init__(
@@ -131,13 +182,38 @@ class HttpServer:
         port: int = 8000,
         served_model_name: str | None = None,
         on_exit: str = "abort",
+        api_key: str | None = None,
+        access_log: bool = True,
+        max_connections: int | None = None,
+        timeout_keep_alive: float = 5.0,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+        shutdown_timeout: float = 30.0,
     ) -> None:
         if on_exit not in ("abort", "finish"):
             raise ValueError(f"on_exit={on_exit!r}: must be 'abort' or 'finish'")
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections={max_connections}: must be at least 1")
+        if not (timeout_keep_alive > 0 and shutdown_timeout >= 0):
+            raise ValueError("timeout_keep_alive must be more than 0, shutdown_timeout at least 0")
         self.engine = engine
-        self.app = create_app(engine, served_model_name=served_model_name)
+        self.app = create_app(
+            engine,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            access_log=access_log,
+            max_request_bytes=max_request_bytes,
+        )
         self.state: ServerState = self.app.state.hispec
         self.on_exit = on_exit
+        self.shutdown_timeout = shutdown_timeout
+        self.max_connections = max_connections or default_max_connections()
+        if self.max_connections > default_max_connections():
+            log.warning(
+                "server.max_connections_over_fd_limit",
+                max_connections=self.max_connections,
+                advised=default_max_connections(),
+            )
+        self._watch = ConnectionWatch()
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -147,24 +223,37 @@ class HttpServer:
             log_config=None,
             access_log=False,
             lifespan="off",
-            http="httptools",
+            http=HttpProtocol.configured(self.max_connections, self._watch),  # httptools, with limits
             ws="none",
-            timeout_graceful_shutdown=None,
+            timeout_keep_alive=timeout_keep_alive,  # type: ignore[arg-type]  # seconds: a float works
+            timeout_graceful_shutdown=None,  # the drain bounds itself (run)
         )
         self._server = _Uvicorn(config)
         self._stop = anyio.Event()
+        self._forced = anyio.Event()
         self.pools_restored: bool | None = None  # known once run() returns
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def forced(self) -> bool:
+        """A second ``shutdown()`` (or ``shutdown(force=True)``) came."""
+        return self._forced.is_set()
+
     def shutdown(self, *, force: bool = False) -> None:
         """Stop taking requests; abort or finish those in flight (``on_exit``). ``force`` (or a second
-        call) aborts everything still running."""
+        call) aborts everything still running and closes every connection at once."""
         if force or self._stop.is_set():
-            aborted = self.state.abort_in_flight()
-            log.warning("server.forced_shutdown", aborted=aborted)
+            log.warning(
+                "server.forced_shutdown",
+                in_flight=len(self.state.in_flight),
+                connections=len(self._server.server_state.connections),
+            )
+            self.state.drain(abort=True)
+            self._forced.set()
+            self._stop.set()
             return
         self.state.drain(abort=self.on_exit == "abort")
         log.info("server.draining", on_exit=self.on_exit, in_flight=len(self.state.in_flight))
@@ -187,30 +276,90 @@ class HttpServer:
                 served.set()
                 self._stop.set()  # uvicorn ended on its own: leave the engine too
 
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(serve)
-            try:
-                while not (self._server.started or served.is_set()):
-                    await anyio.sleep(0.01)
-                if not self._server.started:
-                    raise RuntimeError("uvicorn did not start")
-                async with self.engine:
-                    log.info("server.ready", url=self.url, model=self.state.model_name)
-                    if on_ready is not None:
-                        on_ready(self)
-                    task_status.started(self.port)
-                    await self._stop.wait()
+        loop = asyncio.get_running_loop()
+        self._watch.previous = loop.get_exception_handler()
+        loop.set_exception_handler(self._watch)  # accept out of descriptors: a warning, not tracebacks
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve)
+                try:
+                    while not (self._server.started or served.is_set()):
+                        await anyio.sleep(0.01)
+                    if not self._server.started:
+                        raise RuntimeError("uvicorn did not start")
+                    async with self.engine:
+                        log.info("server.ready", url=self.url, model=self.state.model_name)
+                        if on_ready is not None:
+                            on_ready(self)
+                        task_status.started(self.port)
+                        await self._stop.wait()
+                        self._server.should_exit = True
+                        await self._drain(served)
+                finally:
                     self._server.should_exit = True
-                    await served.wait()
-            finally:
-                self._server.should_exit = True
-                self.state.draining = True
+                    self.state.draining = True
+                    if not served.is_set():  # left early (an error): nothing is waited for
+                        self._close_connections()
+            due = self._watch.retries_due_by()  # asyncio's retries of failed accepts, still to come
+            if due is not None and due > loop.time():
+                await anyio.sleep(due - loop.time() + POLL_S)
+        finally:
+            loop.set_exception_handler(self._watch.previous)
         initial, final = self.engine.initial_pool_counts, self.engine.final_pool_counts
         self.pools_restored = initial is not None and final == initial
         log.info("server.stopped", pools_restored=self.pools_restored, initial=initial, final=final)
 
+    async def _drain(self, served: anyio.Event) -> None:
+        """After ``shutdown()``, until uvicorn has ended (``served``): the requests being served get
+        ``shutdown_timeout`` seconds to end (then they are aborted), the connections ``CLOSE_GRACE_S``
+        more to take their last bytes; after a second ``shutdown()`` (everything aborted), only
+        ``FORCE_GRACE_S``. Then every connection left is closed. A response its client does not read
+        does not count as being served: the drain never waits on a client."""
 
-async def _serve(args: argparse.Namespace, model: Any) -> int:
+        def serving() -> bool:
+            return any(connection.busy() for connection in list(self._server.server_state.connections))
+
+        requests_end = anyio.current_time() + self.shutdown_timeout
+        grace_end: float | None = None  # set once no request is being served (or they were aborted)
+        forced_end: float | None = None
+        while not served.is_set():
+            now = anyio.current_time()
+            if self.forced:
+                forced_end = forced_end or now + FORCE_GRACE_S
+                if now >= forced_end:
+                    break
+            elif grace_end is None:
+                if serving() and now >= requests_end:
+                    log.warning(
+                        "server.shutdown_timeout", seconds=self.shutdown_timeout, aborted=len(self.state.in_flight)
+                    )
+                    self.state.drain(abort=True)
+                if not serving() or now >= requests_end:
+                    grace_end = now + CLOSE_GRACE_S
+            elif now >= grace_end:
+                break
+            await anyio.sleep(POLL_S)
+        if not served.is_set():
+            self._close_connections()
+            await served.wait()
+        # every connection is gone; the tasks that served them end as their requests do (aborted)
+        with anyio.move_on_after(CLOSE_GRACE_S):
+            while self._server.server_state.tasks:
+                await anyio.sleep(POLL_S)
+
+    def _close_connections(self) -> None:
+        """Abort every request in flight and close every connection now; uvicorn stops waiting."""
+        self.state.drain(abort=True)
+        connections = list(self._server.server_state.connections)
+        for connection in connections:
+            connection.transport.abort()  # nothing more is sent: its client sees the connection end
+        self._server.force_exit = True
+        if connections:
+            log.warning("server.connections_closed", connections=len(connections))
+
+
+async def _serve(args: argparse.Namespace, model: Any) -> tuple[int, bool]:
+    """Serve until a signal: (the exit status, whether a second signal forced the end)."""
     from pipeline.engine import Engine
 
     engine = Engine(engine_config(args), model=model, on_exit=args.on_exit)
@@ -220,6 +369,12 @@ async def _serve(args: argparse.Namespace, model: Any) -> int:
         port=args.port,
         served_model_name=args.served_model_name or args.model,
         on_exit=args.on_exit,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        access_log=not args.disable_access_log,
+        max_connections=args.max_connections,
+        timeout_keep_alive=args.timeout_keep_alive,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_timeout=args.shutdown_timeout,
     )
 
     def ready(server: HttpServer) -> None:
@@ -236,11 +391,28 @@ async def _serve(args: argparse.Namespace, model: Any) -> int:
             tg.start_soon(on_signals)
             await server.run(on_ready=ready)
             tg.cancel_scope.cancel()
+    status = 0 if server.pools_restored else 1
+    _exit_on_signal(status)
     print(
         f"hispec serve: stopped; memory pools {'restored' if server.pools_restored else 'NOT restored'}",
         flush=True,
     )
-    return 0 if server.pools_restored else 1
+    return status, server.forced
+
+
+def _exit_on_signal(status: int) -> None:
+    """From now on SIGINT or SIGTERM ends the process at once with ``status``: the server has
+    stopped, only the interpreter's teardown is left (not a traceback, nor a killed process)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def exit_now(signum: int, frame: object) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, exit_now)
 
 
 SWITCH_INTERVAL_S = 0.001
@@ -258,8 +430,10 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     level = "info" if args.log_json or args.verbose else "warning"
     sink = configure_logging(json=args.log_json or False, level=level)
+    forced = False
     try:
-        return anyio.run(_serve, args, model)
+        status, forced = anyio.run(_serve, args, model)
+        return status
     except FileNotFoundError as exc:
         print(f"hispec serve: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
         return 2
@@ -268,3 +442,7 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         return 2
     finally:
         sink.close()
+        if forced:  # a second signal: the process ends now, without the interpreter's teardown (seconds)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
