@@ -319,11 +319,30 @@ class Choices:
         for gen in self.gens:
             gen.disconnected()
 
+    async def _share_prompt(self) -> None:
+        """Several choices of one prompt compute it once: a short request of the prompt runs to its
+        end first, which leaves the prompt's full pages to the prefix cache, and every choice then
+        shares them instead of computing the prompt again (SGLang runs ``n`` the same way). It
+        decodes one step: a request that ends at its prefill leaves nothing to the cache under
+        HiSparse. Pages enter the cache only when a request ends, so choices submitted together
+        would each compute the whole prompt. If it fails, the choices compute the prompt themselves."""
+        engine = self.gens[0].state.engine
+        config = engine.config
+        if not config.prefix_cache or len(self.prompt_ids) <= config.page_size:
+            return  # nothing the cache could share
+        params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        try:
+            await engine.generate_text(self.prompt_ids, params, request_id=f"{self.response_id}-prompt")
+        except (RequestFailed, RequestError) as exc:
+            log.warning("server.prompt_not_shared", request_id=self.response_id, error=str(exc))
+
     @asynccontextmanager
     async def outputs(self) -> AsyncIterator[AsyncIterator[tuple[int, RequestOutput]]]:
         """Every choice's deltas as ``(index, delta)``, in the order they come. Reading raises the
         first error any choice raises (``Generation.deltas``); leaving the block before every choice
         ended (that error, a disconnect) aborts the others."""
+        if len(self.gens) > 1:
+            await self._share_prompt()
         send, receive = anyio.create_memory_object_stream[tuple[int, Any, BaseException | None]]()
         try:
             async with anyio.create_task_group() as tg:

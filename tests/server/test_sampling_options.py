@@ -369,3 +369,20 @@ def test_sampling_params_precedence():
     )
     params = sampling_params(biased, 1, 100, prompt_field="prompt")
     assert (params.logit_bias, params.min_tokens, params.logprobs) == (((3, 2.5), (7, -1.0)), 2, 4)
+
+
+def test_n_choices_share_one_computation_of_the_prompt(plain_server):
+    """The prompt is computed once and its full pages shared by every choice through the prefix
+    cache: each choice reports them as cached tokens, and the engine's cache saw them hit."""
+    server = plain_server
+    page = server.engine.config.page_size
+    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    before = server.stats()["prefix_cache"]
+    whole = server.client.post(
+        "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "n": 3, "seed": 3, **SAMPLED}
+    ).json()
+    shared = (len(prompt.encode()) - 1) // page * page  # the full pages before the prompt's last token
+    assert shared >= 3 * page
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == shared
+    after = server.stats()["prefix_cache"]
+    assert after["hit_tokens"] - before["hit_tokens"] >= 3 * shared
