@@ -33,7 +33,9 @@ def read_until(fd: int, marker: bytes) -> bytes:
     return seen
 
 
-@pytest.mark.parametrize("stdin", ["terminal", "pipe"])
+# the pipe variant may be signalled before its read starts, so it cannot catch a read that swallows
+# Ctrl+C; the terminal one waits for the prompt and does: only it runs in the default selection
+@pytest.mark.parametrize("stdin", ["terminal", pytest.param("pipe", marks=pytest.mark.slow)])
 def test_the_first_ctrl_c_ends_the_chat(checkpoint, stdin):
     command = [sys.executable, "-m", "pipeline.cli", "chat", "--model", str(checkpoint.path), "--dtype", "float64",
                "--max-new-tokens", "8"]
