@@ -59,6 +59,7 @@ from pipeline.hisparse.transfer import (
 )
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
+from pipeline.memory import release as resumable
 from pipeline.memory.interface import Residency
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
@@ -767,22 +768,11 @@ class HiSparseCoordinator:
         counts as live."""
         if row not in self._mem or row in self._leaving:
             raise ValueError(f"request row {row} is not live")
-        self.reclaim()
-        self._leaving.add(row)
-        try:
-            self._give_back(row, tokens)
-        except Exception:
-            log.error("hisparse.release_failed", row=row, exc_info=True)
-            self.reclaim()
+        resumable.release(row, tokens, self._leaving, self._give_back, "hisparse")
 
     def reclaim(self) -> int:
         """Finish the releases a fault interrupted; returns how many rows still hold memory."""
-        for row in sorted(self._leaving):
-            try:
-                self._give_back(row, None)
-            except Exception:
-                log.error("hisparse.release_deferred", row=row, exc_info=True)
-        return len(self._leaving)
+        return resumable.reclaim(self._leaving, self._give_back, "hisparse")
 
     def _give_back(self, row: int, tokens: Sequence[int] | None) -> None:
         """``release``'s steps, each one done once however often they are run: what the row still

@@ -18,6 +18,7 @@ import structlog
 import torch
 
 from pipeline.config import MemoryPlan
+from pipeline.memory import release as resumable
 from pipeline.memory.interface import Residency
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
@@ -242,22 +243,11 @@ class ResidentMemory:
         counts as live."""
         if row not in self._length or row in self._leaving:
             raise ValueError(f"request row {row} is not live")
-        self.reclaim()
-        self._leaving.add(row)
-        try:
-            self._give_back(row, tokens)
-        except Exception:
-            log.error("memory.release_failed", row=row, exc_info=True)
-            self.reclaim()
+        resumable.release(row, tokens, self._leaving, self._give_back, "memory")
 
     def reclaim(self) -> int:
         """Finish the releases a fault interrupted; returns how many rows still hold memory."""
-        for row in sorted(self._leaving):
-            try:
-                self._give_back(row, None)
-            except Exception:
-                log.error("memory.release_deferred", row=row, exc_info=True)
-        return len(self._leaving)
+        return resumable.reclaim(self._leaving, self._give_back, "memory")
 
     def _give_back(self, row: int, tokens: Sequence[int] | None) -> None:
         """``release``'s steps, each one done once however often they are run."""
