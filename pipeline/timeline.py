@@ -1,14 +1,15 @@
 """``hispec trace FILE``: draw every request of a JSON-lines log as a timeline.
 
 One row per request, one coloured band per state it was in (from the lifecycle events written by
-``Request.apply``), a marker where it ended. Written twice: a PNG (matplotlib, Agg backend) and a
-self-contained HTML page (inline SVG, a tooltip on every band, a summary table).
+``Request.apply``), a marker where it ended. Written twice: a self-contained HTML page (inline SVG, a
+tooltip on every band, a summary table) and, where matplotlib is installed, a PNG (Agg backend).
 """
 
 from __future__ import annotations
 
 import argparse
 import html
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -178,7 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = f"hispec request timeline: {len(rows)} requests ({log_path.name})"
     png = Path(args.out_png) if args.out_png else log_path.with_suffix(".png")
     page = Path(args.out_html) if args.out_html else log_path.with_suffix(".html")
+    write_html(rows, page, title)  # needs nothing beyond the standard library
+    try:
+        import matplotlib  # noqa: F401 -- only to know whether the PNG can be drawn
+    except ImportError:
+        print(f"wrote {page}")
+        print("hispec trace: no PNG: matplotlib is not installed (pip install matplotlib, or the "
+              "`bench` extra)", file=sys.stderr)
+        return 2 if args.out_png else 0  # a PNG asked for by name and not written is a failure
     write_png(rows, png, title)
-    write_html(rows, page, title)
     print(f"wrote {png} and {page}")
     return 0

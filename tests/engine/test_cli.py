@@ -64,3 +64,23 @@ def test_generate_records_a_topk_trace_that_replay_reproduces(tiny_model, tmp_pa
     assert result["hot"] == 128 and result["policies"]["slide"]["misses"] == engine_misses
     assert cli(["replay", str(trace)]) == 0
     assert "slide (engine)" in capsys.readouterr().out
+
+
+def test_trace_writes_the_html_without_matplotlib(tiny_model, tmp_path, capsys, monkeypatch):
+    """matplotlib is not a base dependency: without it the HTML is still written and the missing PNG
+    is one line (a failure only when a PNG was asked for by name); it once crashed and wrote neither."""
+    import sys
+
+    from pipeline.generate import main as generate
+
+    log = tmp_path / "run.jsonl"
+    assert generate(["abc", "--max-new-tokens", "4", "--dtype", "float64", "--log-json", str(log)],
+                    model=tiny_model) == 0
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    capsys.readouterr()
+    assert cli(["trace", str(log)]) == 0
+    assert log.with_suffix(".html").read_text().startswith("<!DOCTYPE html>")
+    assert not log.with_suffix(".png").exists()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "matplotlib is not installed" in err
+    assert cli(["trace", str(log), "--out-png", str(tmp_path / "t.png")]) == 2
