@@ -29,10 +29,13 @@ def clean_prompts(lengths: list[int], seed: int) -> list[list[int]]:
     return [[t if t != POISON else POISON - 1 for t in p] for p in make_prompts(lengths, seed=seed)]
 
 
-async def serve(cfg, model, prompts, params, ids) -> dict[str, object]:
-    """Every request at once through the engine; each result is a GenerateResult or the exception."""
+async def serve(cfg, model, prompts, params, ids, setup=None) -> dict[str, object]:
+    """Every request at once through the engine; each result is a GenerateResult or the exception.
+    ``setup(engine)`` runs once the engine has started, before the requests (a fault to install)."""
     outcomes: dict[str, object] = {}
     async with Engine(cfg, model=model, max_prefill_tokens=10_000) as engine:
+        if setup is not None:
+            setup(engine)
 
         async def one(rid, prompt, sp):
             try:
@@ -281,7 +284,9 @@ async def test_a_failed_backup_copy_fails_its_request_not_its_batch(tiny_model, 
     ids = [f"b{i}" for i in range(6)]
     params = [SamplingParams(max_new_tokens=30, ignore_eos=True)] * 6
     expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
-    async with Engine(cfg, model=tiny_model, max_prefill_tokens=10_000) as engine:
+    installed: list[FaultyStream] = []
+
+    def install(engine) -> None:
         ex = engine.executor
         memory = ex.memory
 
@@ -295,20 +300,8 @@ async def test_a_failed_backup_copy_fails_its_request_not_its_batch(tiny_model, 
 
         memory._backup_stream = FaultyStream(memory._backup_stream, fails, mode=mode,
                                              message="injected backup copy fault")
-        outcomes: dict[str, object] = {}
+        installed.append(memory._backup_stream)
 
-        async def one(rid, prompt, sp):
-            try:
-                outcomes[rid] = await engine.generate_text(prompt, sp, request_id=rid)
-            except RequestFailed as exc:
-                outcomes[rid] = exc
-
-        with anyio.fail_after(120):  # hang guard
-            async with anyio.create_task_group() as tg:
-                for rid, prompt, sp in zip(ids, prompts, params):
-                    tg.start_soon(one, rid, prompt, sp)
-            outcomes["after"] = await engine.generate_text(prompts[0], params[0])
-        assert memory._backup_stream.fired > 0
-        assert ex.pool_counts() == engine.initial_pool_counts
-    assert engine.final_pool_counts == engine.initial_pool_counts
+    outcomes = await serve(cfg, tiny_model, prompts, params, ids, setup=install)
+    assert installed[0].fired > 0
     check_only_culprit_failed(outcomes, expected, "b2", "injected backup copy fault")
