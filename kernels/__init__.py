@@ -7,8 +7,7 @@ tensors only, never request objects, and this package imports nothing from ``pip
 
 Dispatch: every op takes ``impl="auto" | "torch" | "triton"``; ``auto`` is Triton when the tensors
 are on CUDA (and the shapes fit the kernel's limits), the torch reference otherwise; swap-in also
-has ``"numba"``, ``"python"`` and ``"numpy"``: on a CPU ``auto`` runs the compiled numba loops, and
-without numba chooses between the other two by the batch size. The indexer also has ``"numba"``:
+has ``"numba"``: on a CPU ``auto`` runs the compiled numba loops. The indexer also has ``"numba"``:
 on a CPU ``auto`` sends decode and verify queries there and prefill to the torch matmuls.
 """
 
@@ -33,14 +32,14 @@ def warm_up(
     device: torch.device, dtype: torch.dtype, *, index_heads: int, index_dim: int, swap_in: bool,
     attention: tuple[int, int, int] | None = None,
 ) -> None:
-    """On a CPU, compile (or load from numba's disk cache) the compiled loops a run will call: the
-    decode indexer when ``impl="auto"`` gives it an indexer of ``index_heads`` x ``index_dim`` in
-    ``dtype`` (``indexer_topk_numba.pays_for``), the sparse attention when it gives it queries of
-    ``attention`` = (heads, C + R, top-k) (``sparse_mla_numba.pays_for``), the one-call decode
-    attention when both do (``hisparse_attend_numba``), the norms and rotations
-    (``small_ops_numba``), a few tokens' experts (``moe_numba``) and layers (``layer_numba``), and the swap-in when the run has one (HiSparse).
-    The executor calls it when it starts, so that the first decode step does not pay for the
-    compilation. Elsewhere, and without numba, nothing."""
+    """On a CPU, compile (or load from numba's disk cache) the compiled loops a run will call: the decode
+    indexer when ``impl="auto"`` gives it an indexer of ``index_heads`` x ``index_dim`` in ``dtype``
+    (``indexer_topk_numba.pays_for``), the sparse attention when it gives it queries of ``attention`` =
+    (heads, C + R, top-k) (``sparse_mla_numba.pays_for``), the one-call decode attention when both do
+    (``hisparse_attend_numba``), the norms and rotations (``small_ops_numba``), a few tokens' experts
+    (``moe_numba``) and layers (``layer_numba``), and the swap-in when the run has one (HiSparse). The
+    executor calls it when it starts, so that the first decode step does not pay for the compilation.
+    Elsewhere, nothing."""
     if torch.device(device).type != "cpu":
         return
     from kernels import (

@@ -71,7 +71,9 @@ def check_tensor(
     if ndim is not None:
         allowed = (ndim,) if isinstance(ndim, int) else tuple(ndim)
         if t.dim() not in allowed:
-            raise ValueError(f"{name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have {' or '.join(map(str, allowed))} dims, got shape {tuple(t.shape)}"
+            )
     if dtype is not None:
         allowed_dt = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in allowed_dt:

@@ -18,29 +18,90 @@ import tempfile
 
 P = "*"  # pointer prefix in Triton signatures
 
-_SWAP_IN = dict(pos_ptr="*i32", seq_ptr="*i64", rows_ptr="*i64", tok_ptr="*i32", loc_ptr="*i64", lru_ptr="*i32",
-                host_ptr="*i64", prot_ptr="*i32", slot_ptr="*i32", src_ptr="*i64", dst_ptr="*i64",
-                count_ptr="*i32", near_ptr="*i32", S="i32", K="i32", HOT="i32", W="i32", M="i32",
-                seq_stride_b="i32", tok_stride="i32",
-                loc_stride="i32", lru_stride="i32", host_stride="i32")
+_SWAP_IN = dict(
+    pos_ptr="*i32",
+    seq_ptr="*i64",
+    rows_ptr="*i64",
+    tok_ptr="*i32",
+    loc_ptr="*i64",
+    lru_ptr="*i32",
+    host_ptr="*i64",
+    prot_ptr="*i32",
+    slot_ptr="*i32",
+    src_ptr="*i64",
+    dst_ptr="*i64",
+    count_ptr="*i32",
+    near_ptr="*i32",
+    S="i32",
+    K="i32",
+    HOT="i32",
+    W="i32",
+    M="i32",
+    seq_stride_b="i32",
+    tok_stride="i32",
+    loc_stride="i32",
+    lru_stride="i32",
+    host_stride="i32",
+)
 _SELECT = dict(score_ptr="*fp32", lens_ptr="*i64", out_ptr="*i32", max_len="i32", top_k="i32")
 
 
 def _scores(dt: str) -> dict:
-    return dict(q_ptr=P + dt, w_ptr=P + dt, k_ptr=P + dt, r2t_ptr="*i64", rows_ptr="*i64", lens_ptr="*i64",
-                out_ptr="*fp32", H="i32", D="i32", max_len="i32", scale="fp32", q_stride_t="i32",
-                q_stride_h="i32", w_stride_t="i32", k_stride="i32", r2t_stride="i32")
+    return dict(
+        q_ptr=P + dt,
+        w_ptr=P + dt,
+        k_ptr=P + dt,
+        r2t_ptr="*i64",
+        rows_ptr="*i64",
+        lens_ptr="*i64",
+        out_ptr="*fp32",
+        H="i32",
+        D="i32",
+        max_len="i32",
+        scale="fp32",
+        q_stride_t="i32",
+        q_stride_h="i32",
+        w_stride_t="i32",
+        k_stride="i32",
+        r2t_stride="i32",
+    )
 
 
 def _mla(dt: str) -> dict:
-    return dict(ql_ptr=P + dt, qr_ptr=P + dt, kv_ptr=P + dt, slot_ptr="*i32", out_ptr=P + dt, H="i32", K="i32",
-                C="i32", R="i32", scale="fp32", ql_stride_t="i32", ql_stride_h="i32", qr_stride_t="i32",
-                qr_stride_h="i32", kv_stride="i32", slot_stride_t="i32", out_stride_t="i32", out_stride_h="i32")
+    return dict(
+        ql_ptr=P + dt,
+        qr_ptr=P + dt,
+        kv_ptr=P + dt,
+        slot_ptr="*i32",
+        out_ptr=P + dt,
+        H="i32",
+        K="i32",
+        C="i32",
+        R="i32",
+        scale="fp32",
+        ql_stride_t="i32",
+        ql_stride_h="i32",
+        qr_stride_t="i32",
+        qr_stride_h="i32",
+        kv_stride="i32",
+        slot_stride_t="i32",
+        out_stride_t="i32",
+        out_stride_h="i32",
+    )
 
 
 def _copy(dt: str) -> dict:
-    return dict(dst_ptr=P + dt, dst_idx_ptr="*i64", src_ptr=P + dt, src_idx_ptr="*i64", n="i32",
-                dst_stride_l="i64", dst_stride_r="i32", src_stride_l="i64", src_stride_r="i32")
+    return dict(
+        dst_ptr=P + dt,
+        dst_idx_ptr="*i64",
+        src_ptr=P + dt,
+        src_idx_ptr="*i64",
+        n="i32",
+        dst_stride_l="i64",
+        dst_stride_r="i32",
+        src_stride_l="i64",
+        src_stride_r="i32",
+    )
 
 
 def _swap_in(block_k: int, block_hot: int, block_x: int, block_m: int, *, policy: int, warps: int) -> tuple:
@@ -62,10 +123,20 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         _swap_in(64, 128, 8, 1, policy=3, warps=8),
         _swap_in(64, 128, 8, 64, policy=5, warps=8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=64), 4),
-        ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
-         dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16), 4),
-        ("sparse_mla_triton", "_sparse_mla_kernel", _mla("bf16"),
-         dict(BLOCK_H=16, BLOCK_N=64, BLOCK_C=64, BLOCK_R=16, DOT_DTYPE=bf16), 8),
+        (
+            "indexer_topk_triton",
+            "_scores_kernel",
+            _scores("bf16"),
+            dict(BLOCK_H=16, BLOCK_D=64, BLOCK_S=64, DOT_DTYPE=bf16),
+            4,
+        ),
+        (
+            "sparse_mla_triton",
+            "_sparse_mla_kernel",
+            _mla("bf16"),
+            dict(BLOCK_H=16, BLOCK_N=64, BLOCK_C=64, BLOCK_R=16, DOT_DTYPE=bf16),
+            8,
+        ),
         ("kv_copy_triton", "_copy_rows_kernel", _copy("bf16"), dict(DIM=576, BLOCK_R=8, BLOCK_D=256), 4),
     ]
     if quick:
@@ -76,14 +147,34 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         _swap_in(128, 1024, 64, 1, policy=2, warps=16),
         _swap_in(128, 1024, 64, 128, policy=5, warps=16),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=2048), 4),
-        ("indexer_topk_triton", "_scores_kernel", _scores("bf16"),
-         dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=bf16), 4),
-        ("indexer_topk_triton", "_scores_kernel", _scores("fp32"),
-         dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=tl.float32), 4),
-        ("sparse_mla_triton", "_sparse_mla_kernel", _mla("bf16"),
-         dict(BLOCK_H=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_DTYPE=bf16), 8),
-        ("sparse_mla_triton", "_sparse_mla_kernel", _mla("fp32"),
-         dict(BLOCK_H=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_DTYPE=tl.float32), 8),
+        (
+            "indexer_topk_triton",
+            "_scores_kernel",
+            _scores("bf16"),
+            dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=bf16),
+            4,
+        ),
+        (
+            "indexer_topk_triton",
+            "_scores_kernel",
+            _scores("fp32"),
+            dict(BLOCK_H=64, BLOCK_D=128, BLOCK_S=64, DOT_DTYPE=tl.float32),
+            4,
+        ),
+        (
+            "sparse_mla_triton",
+            "_sparse_mla_kernel",
+            _mla("bf16"),
+            dict(BLOCK_H=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_DTYPE=bf16),
+            8,
+        ),
+        (
+            "sparse_mla_triton",
+            "_sparse_mla_kernel",
+            _mla("fp32"),
+            dict(BLOCK_H=16, BLOCK_N=32, BLOCK_C=512, BLOCK_R=64, DOT_DTYPE=tl.float32),
+            8,
+        ),
     ]
 
 
@@ -116,7 +207,9 @@ def resources(kernel) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kernels.compile_check", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kernels.compile_check", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--arch", type=int, default=90, help="compute capability x10 (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="small tiles only (seconds, for the tests)")
     args = parser.parse_args(argv)

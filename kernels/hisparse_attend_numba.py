@@ -1,27 +1,27 @@
 """One layer's HiSparse decode or verify attention on a CPU as one compiled call, with numba.
 
-``pipeline.hisparse.backend`` runs a decode (or verify) layer as five steps: write the new tokens'
-cache rows and indexer keys, select each query's top-k positions (``kernels.indexer_topk``),
-resolve them to device slots, loading misses from host (``kernels.swap_in``), and attend over the
-slots (``kernels.sparse_mla``). On a CPU each step is already a compiled loop, but each is also a
-Python call with its own argument handling, numpy views, result objects and counters: at batch 1
-of a small model, glue of about 140 us against 35 us of loops per layer. ``attend`` here runs the
-same five steps as one call: the writes, then the very same compiled loops (``indexer_topk_numba``,
-``swap_in_numba``, ``sparse_mla_numba``, called from compiled code), then the misses' row copies,
-then the attention. So the selections, the swap-in's state and counts and the attention output are
-the ones the step-by-step path produces, bit for bit (the tests compare them).
+``pipeline.hisparse.backend`` runs a decode (or verify) layer as five steps: write the new tokens' cache rows
+and indexer keys, select each query's top-k positions (``kernels.indexer_topk``), resolve them to device
+slots, loading misses from host (``kernels.swap_in``), and attend over the slots (``kernels.sparse_mla``). On
+a CPU each step is already a compiled loop, but each is also a Python call with its own argument handling,
+numpy views, result objects and counters: at batch 1 of a small model the glue costs several times the loops
+(docs/performance-notes.md). ``attend`` here runs the same five steps as one call: the writes, then the very
+same compiled loops (``indexer_topk_numba``, ``swap_in_numba``, ``sparse_mla_numba``, called from compiled
+code), then the misses' row copies, then the attention. So the selections, the swap-in's state and counts and
+the attention output are the ones the step-by-step path produces, bit for bit (the tests compare them).
 
 A verify whose steps do not all fit the hot region in one swap-in call (``complete`` False) stops
 after the swap-in: the caller attends over the steps resolved so far and continues with the
 step-by-step path (``HiSparseBackend``).
 
-``fits`` says when the call can be made: numba installed, CPU tensors, the queries, cache rows,
+``fits`` says when the call can be made: CPU tensors, the queries, cache rows,
 indexer keys and host rows of one float32/float64 dtype, and shapes for which ``impl="auto"`` sends
 both the indexer and the attention to their compiled loops (``pays_for`` of each).
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -29,30 +29,34 @@ from kernels import indexer_topk_numba, sparse_mla_numba, swap_in_numba
 from kernels.swap_in_policy import policy_code
 from kernels.swap_in_result import SwapInResult
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the step-by-step path does the work
-    numba = None
-
-AVAILABLE = numba is not None and indexer_topk_numba.AVAILABLE and swap_in_numba.AVAILABLE
 DTYPES = (torch.float32, torch.float64)
 
 # the compiled loops this one calls (module globals, so that numba resolves them when it compiles)
 _index_kernel = indexer_topk_numba._kernel
 _mla_kernel = sparse_mla_numba._kernel
-_swap_kernel = swap_in_numba._compiled_kernel() if AVAILABLE else None
+_swap_kernel = swap_in_numba._compiled_kernel()
 
 
 def _jit():
-    if numba is None:
-        return lambda fn: fn
     return numba.njit(cache=True, nogil=True)
 
 
 @_jit()
 def _write_and_select(  # pragma: no cover - compiled
-    kv, keys, row_slots, key_locs, kv_rows, index_k, index_q, index_w, req_to_token, token_rows, lens, index_scale,
-    top_k, top,
+    kv,
+    keys,
+    row_slots,
+    key_locs,
+    kv_rows,
+    index_k,
+    index_q,
+    index_w,
+    req_to_token,
+    token_rows,
+    lens,
+    index_scale,
+    top_k,
+    top,
 ):
     """The new tokens' cache rows (at ``row_slots``) and indexer keys (at ``key_locs``), then every
     query's top-k positions into ``top`` by the indexer's compiled loop (which reads the new keys)."""
@@ -64,16 +68,55 @@ def _write_and_select(  # pragma: no cover - compiled
 
 @_jit()
 def _attend(  # pragma: no cover - compiled
-    kv_all, keys_all, tokens_all, lru_all, host_all, layer,
-    write_slots, kv_rows, write_locs, index_k,
-    index_q, index_w, req_to_token, token_rows, lens, index_scale, top_k,
-    steps, locs, req_to_host, hot, policy,
-    q_latent, q_rope, attn_scale,
-    top, slots, counts, copy_src, copy_dst, out,
+    kv_all,
+    keys_all,
+    tokens_all,
+    lru_all,
+    host_all,
+    layer,
+    write_slots,
+    kv_rows,
+    write_locs,
+    index_k,
+    index_q,
+    index_w,
+    req_to_token,
+    token_rows,
+    lens,
+    index_scale,
+    top_k,
+    steps,
+    locs,
+    req_to_host,
+    hot,
+    policy,
+    q_latent,
+    q_rope,
+    attn_scale,
+    top,
+    slots,
+    counts,
+    copy_src,
+    copy_dst,
+    out,
 ):
     kv = kv_all[layer]
-    _write_and_select(kv, keys_all[layer], write_slots, write_locs, kv_rows, index_k, index_q, index_w, req_to_token,
-                      token_rows, lens, index_scale, top_k, top)
+    _write_and_select(
+        kv,
+        keys_all[layer],
+        write_slots,
+        write_locs,
+        kv_rows,
+        index_k,
+        index_q,
+        index_w,
+        req_to_token,
+        token_rows,
+        lens,
+        index_scale,
+        top_k,
+        top,
+    )
     num_tokens = top.shape[0]
     batch = num_tokens // steps
     top3 = top.reshape((batch, steps, top_k))
@@ -83,8 +126,20 @@ def _attend(  # pragma: no cover - compiled
         rows[b] = token_rows[b * steps]
     near = np.empty((batch, steps, 0), np.int32)
     copies, hits, misses, lost, complete = _swap_kernel(
-        top3, lens2, rows, tokens_all[layer], locs, lru_all[layer], req_to_host, hot, policy, near,
-        slots, counts, copy_src, copy_dst,
+        top3,
+        lens2,
+        rows,
+        tokens_all[layer],
+        locs,
+        lru_all[layer],
+        req_to_host,
+        hot,
+        policy,
+        near,
+        slots,
+        counts,
+        copy_src,
+        copy_dst,
     )
     host = host_all[layer]
     for i in range(copies):
@@ -96,13 +151,43 @@ def _attend(  # pragma: no cover - compiled
 
 @_jit()
 def _attend_resident(  # pragma: no cover - compiled
-    kv_all, keys_all, layer, write_locs, kv_rows, index_k,
-    index_q, index_w, req_to_token, token_rows, lens, index_scale, top_k,
-    q_latent, q_rope, attn_scale, top, slots, out,
+    kv_all,
+    keys_all,
+    layer,
+    write_locs,
+    kv_rows,
+    index_k,
+    index_q,
+    index_w,
+    req_to_token,
+    token_rows,
+    lens,
+    index_scale,
+    top_k,
+    q_latent,
+    q_rope,
+    attn_scale,
+    top,
+    slots,
+    out,
 ):
     kv = kv_all[layer]
-    _write_and_select(kv, keys_all[layer], write_locs, write_locs, kv_rows, index_k, index_q, index_w, req_to_token,
-                      token_rows, lens, index_scale, top_k, top)
+    _write_and_select(
+        kv,
+        keys_all[layer],
+        write_locs,
+        write_locs,
+        kv_rows,
+        index_k,
+        index_q,
+        index_w,
+        req_to_token,
+        token_rows,
+        lens,
+        index_scale,
+        top_k,
+        top,
+    )
     for t in range(top.shape[0]):  # positions -> locations (``positions_to_slots``)
         row = token_rows[t]
         for k in range(top_k):
@@ -111,15 +196,20 @@ def _attend_resident(  # pragma: no cover - compiled
     _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
 
 
-def fits(q_latent: torch.Tensor, kv: torch.Tensor, keys: torch.Tensor, index_q: torch.Tensor,
-         host_kv: torch.Tensor, top_k: int) -> bool:
-    """The one call can take this layer: numba installed, CPU tensors of one float32/64 dtype (the
+def fits(
+    q_latent: torch.Tensor,
+    kv: torch.Tensor,
+    keys: torch.Tensor,
+    index_q: torch.Tensor,
+    host_kv: torch.Tensor,
+    top_k: int,
+) -> bool:
+    """The one call can take this layer: CPU tensors of one float32/64 dtype (the
     host rows too), and shapes that ``impl="auto"`` sends to the compiled indexer and attention."""
     tensors = (q_latent, kv, keys, index_q, host_kv)
     dtype = q_latent.dtype
     return (
-        AVAILABLE
-        and dtype in DTYPES
+        dtype in DTYPES
         and all(t.device.type == "cpu" and t.dtype == dtype for t in tensors)
         and indexer_topk_numba.pays_for(index_q.shape[1], index_q.shape[2])
         and sparse_mla_numba.pays_for(q_latent.shape[1], kv.shape[-1], top_k)
@@ -130,7 +220,9 @@ class Pools:
     """The numpy views of a coordinator's per-layer pools and tables that every call reads, taken
     once (per forward: the tensors do not move within one)."""
 
-    def __init__(self, device_kv, index_k, buffer_tokens, buffer_locs, lru, host_kv, req_to_token, req_to_host):
+    def __init__(
+        self, device_kv, index_k, buffer_tokens, buffer_locs, lru, host_kv, req_to_token, req_to_host
+    ):
         self.kv = device_kv.numpy()  # [L, rows, C + R]
         self.keys = index_k.numpy()  # [L, logical rows, Di]
         self.tokens = buffer_tokens.numpy()  # [L, N, HOT + P]
@@ -147,8 +239,14 @@ class ForwardViews:
     tensors of one forward do not change between its layers): the new tokens' device slots and
     indexer locations, each token's request row and visible positions, and the rows of its requests."""
 
-    def __init__(self, write_slots: torch.Tensor, write_locs: torch.Tensor, token_rows: torch.Tensor,
-                 seq_lens: torch.Tensor, steps: int) -> None:
+    def __init__(
+        self,
+        write_slots: torch.Tensor,
+        write_locs: torch.Tensor,
+        token_rows: torch.Tensor,
+        seq_lens: torch.Tensor,
+        steps: int,
+    ) -> None:
         self.write_slots = write_slots.numpy()
         self.write_locs = write_locs.numpy()
         self.token_rows = token_rows.numpy()
@@ -183,14 +281,39 @@ def attend(
     compiled swap-in gives it (``swap_in_numba``); ``out`` is None when the swap-in stopped before
     some step (its ``complete`` False): the caller attends over the resolved steps."""
     views = ForwardViews(write_slots, write_locs, token_rows, seq_lens, steps)
-    return attend_views(pools, views, layer, kv_rows, index_k, index_q, index_w, index_scale, top_k, hot,
-                        policy_code(policy), q_latent, q_rope, attn_scale)
+    return attend_views(
+        pools,
+        views,
+        layer,
+        kv_rows,
+        index_k,
+        index_q,
+        index_w,
+        index_scale,
+        top_k,
+        hot,
+        policy_code(policy),
+        q_latent,
+        q_rope,
+        attn_scale,
+    )
 
 
 def attend_views(
-    pools: Pools, views: ForwardViews, layer: int, kv_rows: torch.Tensor, index_k: torch.Tensor,
-    index_q: torch.Tensor, index_w: torch.Tensor, index_scale: float, top_k: int, hot: int, policy: int,
-    q_latent: torch.Tensor, q_rope: torch.Tensor, attn_scale: float,
+    pools: Pools,
+    views: ForwardViews,
+    layer: int,
+    kv_rows: torch.Tensor,
+    index_k: torch.Tensor,
+    index_q: torch.Tensor,
+    index_w: torch.Tensor,
+    index_scale: float,
+    top_k: int,
+    hot: int,
+    policy: int,
+    q_latent: torch.Tensor,
+    q_rope: torch.Tensor,
+    attn_scale: float,
 ) -> tuple[torch.Tensor | None, torch.Tensor, SwapInResult]:
     """``attend`` over a forward's tables taken once (``ForwardViews``) and a policy's code
     (``swap_in_policy.policy_code``): what a backend calls for each layer of one forward."""
@@ -203,19 +326,44 @@ def attend_views(
     counts = np.zeros((batch, 4), dtype=np.int32)
     copy_src = np.empty(num_tokens * top_k, dtype=np.int64)
     copy_dst = np.empty(num_tokens * top_k, dtype=np.int64)
-    q_latent = q_latent.contiguous().numpy()
-    out = np.empty(q_latent.shape, dtype=q_latent.dtype)
+    q_latent_rows = q_latent.contiguous().numpy()
+    out = np.empty(q_latent_rows.shape, dtype=q_latent_rows.dtype)
     hits, misses, lost, complete = _attend(
-        pools.kv, pools.keys, pools.tokens, pools.lru, pools.host, layer,
-        views.write_slots, kv_rows.contiguous().numpy(), views.write_locs, index_k.contiguous().numpy(),
-        index_q.contiguous().numpy(), index_w.contiguous().numpy(), pools.req_to_token, views.token_rows,
-        views.seq_lens_np, wide(index_scale), top_k,
-        steps, pools.locs, pools.req_to_host, hot, policy,
-        q_latent, q_rope.contiguous().numpy(), wide(attn_scale),
-        top, slots, counts, copy_src, copy_dst, out,
+        pools.kv,
+        pools.keys,
+        pools.tokens,
+        pools.lru,
+        pools.host,
+        layer,
+        views.write_slots,
+        kv_rows.contiguous().numpy(),
+        views.write_locs,
+        index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(),
+        index_w.contiguous().numpy(),
+        pools.req_to_token,
+        views.token_rows,
+        views.seq_lens_np,
+        wide(index_scale),
+        top_k,
+        steps,
+        pools.locs,
+        pools.req_to_host,
+        hot,
+        policy,
+        q_latent_rows,
+        q_rope.contiguous().numpy(),
+        wide(attn_scale),
+        top,
+        slots,
+        counts,
+        copy_src,
+        copy_dst,
+        out,
     )
-    result = SwapInResult.from_arrays(slots, counts, row_bytes=pools.row_bytes, totals=(hits, misses, lost),
-                                      complete=complete)
+    result = SwapInResult.from_arrays(
+        slots, counts, row_bytes=pools.row_bytes, totals=(hits, misses, lost), complete=complete
+    )
     return (torch.from_numpy(out) if complete else None), torch.from_numpy(top), result
 
 
@@ -246,10 +394,25 @@ def attend_resident(
     slots = np.empty((num_tokens, top_k), dtype=np.int64)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
     _attend_resident(
-        kv_all, keys_all, layer, write_locs.numpy(), kv_rows.contiguous().numpy(), index_k.contiguous().numpy(),
-        index_q.contiguous().numpy(), index_w.contiguous().numpy(), req_to_token.numpy(), token_rows.numpy(),
-        seq_lens.numpy(), wide(index_scale), top_k,
-        q_latent.contiguous().numpy(), q_rope.contiguous().numpy(), wide(attn_scale), top, slots, out.numpy(),
+        kv_all,
+        keys_all,
+        layer,
+        write_locs.numpy(),
+        kv_rows.contiguous().numpy(),
+        index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(),
+        index_w.contiguous().numpy(),
+        req_to_token.numpy(),
+        token_rows.numpy(),
+        seq_lens.numpy(),
+        wide(index_scale),
+        top_k,
+        q_latent.contiguous().numpy(),
+        q_rope.contiguous().numpy(),
+        wide(attn_scale),
+        top,
+        slots,
+        out.numpy(),
     )
     return out, torch.from_numpy(top)
 
@@ -257,23 +420,55 @@ def attend_resident(
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) the call for ``dtype``, with the argument types a
     run gives it (int64 token tables, contiguous inputs)."""
-    if not AVAILABLE or dtype not in DTYPES:
+    if dtype not in DTYPES:
         return
     rows, dim, idim = 4, 3, 2
     pools = Pools(
-        torch.zeros(1, rows, dim, dtype=dtype), torch.zeros(1, rows, idim, dtype=dtype),
-        torch.tensor([[[0, -1]]], dtype=torch.int32), torch.tensor([[1, -1]], dtype=torch.int64),
-        torch.zeros(1, 1, 1, dtype=torch.int32), torch.zeros(1, 2, dim, dtype=dtype),
-        torch.tensor([[0, 2]], dtype=torch.int64), torch.zeros(1, 2, dtype=torch.int64),
+        torch.zeros(1, rows, dim, dtype=dtype),
+        torch.zeros(1, rows, idim, dtype=dtype),
+        torch.tensor([[[0, -1]]], dtype=torch.int32),
+        torch.tensor([[1, -1]], dtype=torch.int64),
+        torch.zeros(1, 1, 1, dtype=torch.int32),
+        torch.zeros(1, 2, dim, dtype=dtype),
+        torch.tensor([[0, 2]], dtype=torch.int64),
+        torch.zeros(1, 2, dtype=torch.int64),
     )
     one = torch.zeros(1, dtype=torch.int64)
     attend(
-        pools, 0, one + 3, torch.zeros(1, dim, dtype=dtype), one + 2, torch.zeros(1, idim, dtype=dtype),
-        torch.zeros(1, 1, idim, dtype=dtype), torch.zeros(1, 1, dtype=dtype), one, one + 1, 1.0, 1, 1, 1, "lru",
-        torch.zeros(1, 1, dim - 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype), 1.0,
+        pools,
+        0,
+        one + 3,
+        torch.zeros(1, dim, dtype=dtype),
+        one + 2,
+        torch.zeros(1, idim, dtype=dtype),
+        torch.zeros(1, 1, idim, dtype=dtype),
+        torch.zeros(1, 1, dtype=dtype),
+        one,
+        one + 1,
+        1.0,
+        1,
+        1,
+        1,
+        "lru",
+        torch.zeros(1, 1, dim - 1, dtype=dtype),
+        torch.zeros(1, 1, 1, dtype=dtype),
+        1.0,
     )
     attend_resident(
-        pools.kv, pools.keys, 0, one + 1, torch.zeros(1, dim, dtype=dtype), torch.zeros(1, idim, dtype=dtype),
-        torch.zeros(1, 1, idim, dtype=dtype), torch.zeros(1, 1, dtype=dtype), torch.tensor([[1, 2]]), one, one + 1,
-        1.0, 1, torch.zeros(1, 1, dim - 1, dtype=dtype), torch.zeros(1, 1, 1, dtype=dtype), 1.0,
+        pools.kv,
+        pools.keys,
+        0,
+        one + 1,
+        torch.zeros(1, dim, dtype=dtype),
+        torch.zeros(1, idim, dtype=dtype),
+        torch.zeros(1, 1, idim, dtype=dtype),
+        torch.zeros(1, 1, dtype=dtype),
+        torch.tensor([[1, 2]]),
+        one,
+        one + 1,
+        1.0,
+        1,
+        torch.zeros(1, 1, dim - 1, dtype=dtype),
+        torch.zeros(1, 1, 1, dtype=dtype),
+        1.0,
     )

@@ -15,12 +15,12 @@ queries cannot see are never read, so they may hold anything (an implementation 
 positions below the longest of the request's queries for all of them, and mask). Rows with fewer
 than ``top_k`` visible positions are padded with -1.
 
-Two torch implementations: ``indexer_topk_reference`` (the CPU engine's path) scores each request's
-queries by one matmul against that request's keys, gathered once, in query chunks of bounded memory,
-and selects with ``topk_positions`` (``torch.topk`` plus a repair of the ties at the k-th value, no
-whole-row sort); ``indexer_topk_oracle`` gathers every visible key once per query and sorts whole
-rows (``stable_topk_positions``). The selection is exact (equal for any scores); the scores of the two agree exactly on
-inputs whose products and sums are exact in the score dtype (small integers), and otherwise to
+Two torch implementations: ``indexer_topk_reference`` (the CPU engine's path) scores each request's queries by
+one matmul against that request's keys, gathered once, in query chunks of bounded memory, and selects with
+``topk_positions`` (``torch.topk`` plus a repair of the ties at the k-th value, no whole-row sort);
+``indexer_topk_oracle`` gathers every visible key once per query and sorts whole rows
+(``stable_topk_positions``). The selection is exact (equal for any scores); the scores of the two agree
+exactly on inputs whose products and sums are exact in the score dtype (small integers), and otherwise to
 rounding, since a matmul's summation order depends on its shape (as the Triton kernel's does).
 """
 
@@ -106,7 +106,9 @@ def topk_positions(scores: torch.Tensor, top_k: int) -> torch.Tensor:
         idx = repair.nonzero()[:, 0]
         sub, sub_kth = scores[idx], kth[idx]
         picked_pos = torch.where(straddle[idx, None], _lowest_tied(sub, sub_kth, k), pos[idx])
-        picked_pos = torch.sort(picked_pos, dim=-1).values  # position order: the stable sort breaks ties by it
+        picked_pos = torch.sort(
+            picked_pos, dim=-1
+        ).values  # position order: the stable sort breaks ties by it
         picked = torch.gather(sub, -1, picked_pos)
         order = torch.sort(picked, dim=-1, descending=True, stable=True).indices
         pos[idx] = torch.gather(picked_pos, -1, order)
@@ -166,7 +168,9 @@ def indexer_topk_oracle(
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
     max_len = int(seq_lens.max())
-    scores = indexer_scores_reference(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len)
+    scores = indexer_scores_reference(
+        index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len
+    )
     return stable_topk_positions(scores, top_k)
 
 
@@ -196,7 +200,9 @@ def _grouped_topk(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, t
         return _groups_topk(q, w, lens, index_k, req_to_token, req_rows, top_k, scale)[:, 0]
     by_group = torch.sort(group, stable=True).indices
     slot = torch.empty_like(group)
-    slot[by_group] = torch.arange(num_tokens, device=dev) - (torch.cumsum(counts, 0) - counts)[group[by_group]]
+    slot[by_group] = (
+        torch.arange(num_tokens, device=dev) - (torch.cumsum(counts, 0) - counts)[group[by_group]]
+    )
     num_groups, width = rows.numel(), int(counts.max())
     q = index_q.new_zeros(num_groups, width, heads, dim, dtype=dt)
     q[group, slot] = index_q.to(dt)
@@ -221,7 +227,8 @@ def _groups_topk(q, w, lens, index_k, req_to_token, rows, top_k, scale) -> torch
         sl = slice(g0, g0 + step)
         locs = torch.where(pos < seen[sl, None], req_to_token[rows[sl], :max_len], 0)  # [g, L]
         g = locs.shape[0]
-        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(q.dtype)  # [g, L, Di]
+        # [g, L, Di]
+        keys = index_k.index_select(0, locs.reshape(-1).long()).view(g, max_len, dim).to(q.dtype)
         dots = torch.bmm(q[sl].reshape(g, width * heads, dim), keys.transpose(1, 2))  # [g, Tq * Hi, L]
         dots = dots.view(g * width, heads, max_len).mul_(scale).relu_()
         scores = torch.bmm(w[sl].reshape(g * width, 1, heads), dots)[:, 0]  # [g * Tq, L]
@@ -256,8 +263,10 @@ def indexer_topk_reference(
     num_tokens = index_q.shape[0]
     if num_tokens == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
-    if few is not None and (num_tokens <= MATMUL_MIN_QUERIES  # (the longest is read only where it can matter)
-                            or (few_context > 0 and int(seq_lens.max()) <= few_context)):
+    if few is not None and (
+        num_tokens <= MATMUL_MIN_QUERIES  # (the longest is read only where it can matter)
+        or (few_context > 0 and int(seq_lens.max()) <= few_context)
+    ):
         return few(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if bool((req_rows == req_rows[0]).all()):  # one request (prefill or decode of a batch of one)
         return _request_topk(index_q, index_w, index_k, req_to_token[req_rows[0]], seq_lens, top_k, scale)
@@ -276,15 +285,20 @@ def indexer_topk_reference(
     few_queries = ~torch.isin(req_rows, many)
     if bool(few_queries.any()):
         idx = few_queries.nonzero()[:, 0]
-        out[idx] = few(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale)
+        out[idx] = few(
+            index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale
+        )
     idx = (~few_queries).nonzero()[:, 0]  # the queries of the requests with many
     if _group_pays(seq_lens[idx], counts[is_many], index_q.shape[1]):
-        out[idx] = _grouped_topk(index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx],
-                                 top_k, scale)
+        out[idx] = _grouped_topk(
+            index_q[idx], index_w[idx], index_k, req_to_token, req_rows[idx], seq_lens[idx], top_k, scale
+        )
         return out
     for row in many.tolist():
         idx = (req_rows == row).nonzero()[:, 0]
-        out[idx] = _request_topk(index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale)
+        out[idx] = _request_topk(
+            index_q[idx], index_w[idx], index_k, req_to_token[row], seq_lens[idx], top_k, scale
+        )
     return out
 
 
@@ -305,7 +319,8 @@ def _group_pays(seq_lens: torch.Tensor, counts: torch.Tensor, heads: int) -> boo
 def _request_topk(index_q, index_w, index_k, locs, seq_lens, top_k, scale) -> torch.Tensor:
     """Queries of one request (``locs [max_ctx]``: its row of ``req_to_token``): its keys gathered
     once, then one matmul per chunk of at most ``_SCORE_BUDGET`` dots."""
-    keys = index_k.index_select(0, locs[: int(seq_lens.max())].long()).to(score_dtype(index_q.dtype))  # [L, Di]
+    # [L, Di]
+    keys = index_k.index_select(0, locs[: int(seq_lens.max())].long()).to(score_dtype(index_q.dtype))
     num_tokens, heads, _ = index_q.shape
     if num_tokens * heads * keys.shape[0] <= _SCORE_BUDGET:
         return topk_positions(_request_scores(index_q, index_w, keys, seq_lens, scale), top_k)
@@ -349,34 +364,41 @@ def indexer_topk(
 ) -> torch.Tensor:  # [T, top_k] int32 positions in contract order, -1 padded
     """Indexer top-k with the tie-break contract; ``impl`` in ``"auto"|"torch"|"triton"|"numba"``.
 
-    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
-    CPU with numba, float32/64 tensors of one dtype and at most ``MAX_HEAD_DIMS`` head x dim products
-    (``kernels.indexer_topk_numba``), it sends the queries of requests with few queries each (decode,
-    verify), or with short contexts (``prefill_context``: a short prompt's prefill), to the compiled
-    loop and the others (a long prompt's prefill) to the torch matmuls; the torch path otherwise. ``numba`` runs every query compiled.
-    ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of ``seq_lens.max()``.
-    ``validate=True`` checks the values the kernel trusts (synchronises on CUDA): ``req_rows`` are rows
-    of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel would read the
-    next row's entries silently.
-    ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
-    themselves (the engine's attention backends), where the checks are per-call overhead only.
+    ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a CPU with
+    numba, float32/64 tensors of one dtype and at most ``MAX_HEAD_DIMS`` head x dim products
+    (``kernels.indexer_topk_numba``), it sends the queries of requests with few queries each (decode, verify),
+    or with short contexts (``prefill_context``: a short prompt's prefill), to the compiled loop and the
+    others (a long prompt's prefill) to the torch matmuls; the torch path otherwise. ``numba`` runs every
+    query compiled. ``max_seq_len`` (>= every ``seq_lens`` value) spares the device->host read of
+    ``seq_lens.max()``. ``validate=True`` checks the values the kernel trusts (synchronises on CUDA):
+    ``req_rows`` are rows of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel
+    would read the next row's entries silently. ``check=False`` skips the shape/dtype/device checks of the
+    arguments: for callers that built them themselves (the engine's attention backends), where the checks are
+    per-call overhead only.
     """
     if check:
         check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
     if max_seq_len is not None and max_seq_len > req_to_token.shape[1]:
-        raise ValueError(f"max_seq_len={max_seq_len} exceeds req_to_token's {req_to_token.shape[1]} positions")
+        raise ValueError(
+            f"max_seq_len={max_seq_len} exceeds req_to_token's {req_to_token.shape[1]} positions"
+        )
     if validate:
         check_index_range("req_rows", req_rows, req_to_token.shape[0])
         check_index_range("seq_lens", seq_lens, req_to_token.shape[1] + 1)
     _, heads, dim = index_q.shape
-    fits = (index_q.dtype != torch.float64 and index_k.dtype != torch.float64 and top_k <= TRITON_MAX_TOP_K
-            and heads <= TRITON_MAX_HEADS and dim <= TRITON_MAX_DIM)
+    fits = (
+        index_q.dtype != torch.float64
+        and index_k.dtype != torch.float64
+        and top_k <= TRITON_MAX_TOP_K
+        and heads <= TRITON_MAX_HEADS
+        and dim <= TRITON_MAX_DIM
+    )
     args = (index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if impl == "numba":
         from kernels import indexer_topk_numba as compiled
 
         if not compiled.fits(index_q, index_w, index_k):
-            raise ValueError("impl='numba' needs numba installed and CPU tensors of one dtype, float32 or float64")
+            raise ValueError("impl='numba' needs CPU tensors of one dtype, float32 or float64")
         return compiled.indexer_topk_numba(*args)
     if impl == "auto" and index_q.device.type == "cpu":
         from kernels import indexer_topk_numba as compiled
@@ -391,4 +413,6 @@ def indexer_topk(
     if index_q.shape[0] == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
-    return indexer_topk_triton(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale, max_len)
+    return indexer_topk_triton(
+        index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale, max_len
+    )

@@ -10,18 +10,17 @@ kept is offered to a bounded heap of the ``top_k`` best seen so far; nothing the
 is written. Consecutive queries of one request (a verify step's) share each block's locations, so
 the key rows the first of them read are still in cache for the others.
 
-The heap keeps the contract's order: an entry is worse than another when its score is lower, or
-equal and its position higher. Until it holds ``top_k`` entries they are kept in arrival order and
-ordered once, bottom-up, when it fills, which costs less than sifting each one in. Positions come in increasing order, so a new score enters a full heap
-only if it is strictly above the worst one (an equal score comes later and loses the tie). The heap
-is not popped in order at the end (a sift-down per entry, each level an unpredictable branch): each
-kept entry is written at its rank, the number of kept entries before it in contract order, counted
-branch-free over all of them (``top_k`` squared comparisons that the compiler vectorises, about
-half the time of the pops for 64 of them). Rows with fewer visible positions than ``top_k`` (never
-ordered as a heap) are padded with -1, and a ``-inf`` score is never selected (the torch path
-writes -1 for it too), nor is a NaN score (a NaN compares false both ways, which would leave two
-entries one rank and a rank unwritten: a garbage position). ``-0.0`` equals ``0.0`` in every
-comparison.
+The heap keeps the contract's order: an entry is worse than another when its score is lower, or equal and its
+position higher. Until it holds ``top_k`` entries they are kept in arrival order and ordered once, bottom-up,
+when it fills, which costs less than sifting each one in. Positions come in increasing order, so a new score
+enters a full heap only if it is strictly above the worst one (an equal score comes later and loses the tie).
+The heap is not popped in order at the end (a sift-down per entry, each level an unpredictable branch): each
+kept entry is written at its rank, the number of kept entries before it in contract order, counted branch-free
+over all of them (``top_k`` squared comparisons that the compiler vectorises, cheaper than the pops at the
+top-k sizes served; docs/performance-notes.md). Rows with fewer visible positions than ``top_k`` (never
+ordered as a heap) are padded with -1, and a ``-inf`` score is never selected (the torch path writes -1 for it
+too), nor is a NaN score (a NaN compares false both ways, which would leave two entries one rank and a rank
+unwritten: a garbage position). ``-0.0`` equals ``0.0`` in every comparison.
 
 Scores are summed in the score dtype (float32, float64 for float64 inputs) in the order the
 compiler vectorises them (``reassoc``), so they agree with the torch path's to rounding, as the
@@ -33,37 +32,27 @@ few queries each (decode, verify) here on a CPU when numba is installed and the 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the torch path does the work
-    numba = None
-
-AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
 BLOCK = 16  # positions scored together: their dots, then their scores, then the heap
 # ``indexer_topk(impl="auto")`` runs the loop only for queries of at most this many head x dim
 # products per key: there the torch path's gather of the keys costs more than its matmuls, which
-# the loop beats; with more (16 heads of 64 and up, DeepSeek's 64 of 128) BLAS does the dots faster.
-# Measured on a 2-core x86 CPU, one thread, paged keys, 2K-8K positions: 4 x 32 and 8 x 64 ran
-# 1.6-2.7x the torch path, 16 x 64 0.88x, 64 x 128 0.6-0.8x.
+# the loop beats; with more (16 heads of 64 and up, DeepSeek's 64 of 128) BLAS does the dots faster
+# (the shapes measured on each side: docs/performance-notes.md).
 MAX_HEAD_DIMS = 512
 # ``indexer_topk(impl="auto")`` also sends the queries of a request with many of them (a prefill
 # chunk) here when none sees more than ``prefill_context`` positions: this many head x dim x position
 # products per query. The torch path's cost there is its selection (``torch.topk`` and the masks over
-# score rows), not its matmuls. Measured on a 2-core x86 CPU, one thread, 4 x 32 heads: 3.9x the
-# torch path for 8 requests of 64 positions, 1.5x for one of 512, level at 1,536 (and a 1,500-token
-# prompt's prefill in the engine 2% slower with its last two chunks here); 8 x 64 heads: 2.8x at 64,
-# 1.1x at 512, 0.8x at 1,536.
+# score rows), not its matmuls, while a query sees few positions; a long prompt's later chunks
+# stay on the matmuls (figures: docs/performance-notes.md).
 PREFILL_DOTS = 1 << 16
 
 
 def _jit(**options):
-    """Compiled on first call (and cached on disk) where numba is installed; plain Python otherwise."""
-    if numba is None:
-        return lambda fn: fn
+    """Compiled on first call and cached on disk."""
     return numba.njit(cache=True, nogil=True, **options)
 
 
@@ -171,10 +160,9 @@ def _kernel(q, w, keys, req_to_token, rows, lens, scale, top_k, out):  # pragma:
 
 
 def fits(index_q: torch.Tensor, index_w: torch.Tensor, index_k: torch.Tensor) -> bool:
-    """This implementation takes the call: numba installed, CPU tensors of one float32/64 dtype."""
+    """This implementation takes the call: CPU tensors of one float32/64 dtype."""
     return (
-        AVAILABLE
-        and index_q.device.type == "cpu"
+        index_q.device.type == "cpu"
         and index_k.device.type == "cpu"
         and index_q.dtype in DTYPES
         and index_q.dtype == index_w.dtype == index_k.dtype
@@ -214,8 +202,15 @@ def indexer_topk_numba(
         dtype = index_q.dtype
         scale_value = np.float64(scale) if dtype == torch.float64 else np.float32(scale)
         _kernel(
-            index_q.detach().contiguous().numpy(), index_w.detach().contiguous().numpy(), index_k.detach().numpy(),
-            req_to_token.numpy(), req_rows.numpy(), seq_lens.numpy(), scale_value, top_k, out,
+            index_q.detach().contiguous().numpy(),
+            index_w.detach().contiguous().numpy(),
+            index_k.detach().numpy(),
+            req_to_token.numpy(),
+            req_rows.numpy(),
+            seq_lens.numpy(),
+            scale_value,
+            top_k,
+            out,
         )
     return torch.from_numpy(out)
 
@@ -223,9 +218,11 @@ def indexer_topk_numba(
 def warm_up(dtype: torch.dtype) -> None:
     """Compile (or load from numba's disk cache) the loop for ``dtype``'s tensors, so that a
     process's first decode step does not pay for it (a second or more in a fresh checkout)."""
-    if not AVAILABLE or dtype not in DTYPES:
+    if dtype not in DTYPES:
         return
     keys = torch.zeros(4, 1, dtype=dtype)
     table = torch.arange(4).view(1, 4)
     query = torch.zeros(1, 1, 1, dtype=dtype)
-    indexer_topk_numba(query, query[:, 0], keys, table, torch.zeros(1, dtype=torch.int64), torch.tensor([4]), 2, 1.0)
+    indexer_topk_numba(
+        query, query[:, 0], keys, table, torch.zeros(1, dtype=torch.int64), torch.tensor([4]), 2, 1.0
+    )

@@ -102,17 +102,22 @@ def indexer_scores_triton(index_q, index_w, index_k, req_to_token, req_rows, seq
 
 
 def select_topk_triton(scores: torch.Tensor, seq_lens: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Contract-ordered top-k positions of contiguous float32 ``scores [T, L]`` (first ``seq_lens`` visible)."""
+    """Contract-ordered top-k positions of contiguous float32 ``scores [T, L]`` (first ``seq_lens``
+    visible)."""
     num_tokens, max_len = scores.shape
     out = torch.empty(num_tokens, top_k, dtype=torch.int32, device=scores.device)
     if num_tokens:
-        _select_kernel[(num_tokens,)](scores, seq_lens, out, max_len, top_k, NONE_KEY=_NONE_KEY,
-                                      BLOCK_K=max(16, next_power_of_2(top_k)))
+        _select_kernel[(num_tokens,)](
+            scores, seq_lens, out, max_len, top_k, NONE_KEY=_NONE_KEY, BLOCK_K=max(16, next_power_of_2(top_k))
+        )
     return out
 
 
-def indexer_topk_triton(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k: int, scale: float,
-                        max_len: int) -> torch.Tensor:
+def indexer_topk_triton(
+    index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k: int, scale: float, max_len: int
+) -> torch.Tensor:
     """Scores pass then selection pass (arguments checked by ``kernels.indexer_topk.indexer_topk``)."""
-    scores = indexer_scores_triton(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len)
+    scores = indexer_scores_triton(
+        index_q, index_w, index_k, req_to_token, req_rows, seq_lens, scale, max_len
+    )
     return select_topk_triton(scores, seq_lens, top_k)

@@ -31,11 +31,13 @@ from kernels.checks import check_index_range, check_tensor, check_unique, resolv
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def copy_rows_reference(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+def copy_rows_reference(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
     """Plain torch: a gather and a scatter per layer (crosses devices when ``src`` and ``dst`` differ).
 
-    ``index_select`` / ``index_copy_`` on one layer's ``[rows, dim]`` measured 2-3x faster on a CPU
-    than advanced indexing or the same calls along dim 1 of ``[L, rows, dim]``.
+    ``index_select`` / ``index_copy_`` on one layer's ``[rows, dim]``: on a CPU they beat advanced
+    indexing and the same calls along dim 1 of ``[L, rows, dim]`` (docs/performance-notes.md).
     """
     si, di = src_idx.to(src.device).long(), dst_idx.to(dst.device).long()
     # Non-blocking only towards a device: the host-side index_copy_ below would read a non-blocking
@@ -55,8 +57,10 @@ def check_copy_args(dst, dst_idx, src, src_idx, *, validate: bool) -> None:
     check_tensor("dst", dst, ndim=(2, 3), contiguous_last=True)
     check_tensor("src", src, ndim=dst.dim(), dtype=dst.dtype, contiguous_last=True)
     if src.shape[-1] != dst.shape[-1] or (dst.dim() == 3 and src.shape[0] != dst.shape[0]):
-        raise ValueError(f"src shape {tuple(src.shape)} does not match dst shape {tuple(dst.shape)} "
-                         "(same row width, and the same number of layers)")
+        raise ValueError(
+            f"src shape {tuple(src.shape)} does not match dst shape {tuple(dst.shape)} "
+            "(same row width, and the same number of layers)"
+        )
     check_tensor("dst_idx", dst_idx, ndim=1, dtype=INDEX_DTYPES)
     check_tensor("src_idx", src_idx, ndim=1, dtype=INDEX_DTYPES, shape=(dst_idx.shape[0],))
     if not validate:
@@ -112,14 +116,16 @@ def scatter_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, **
     copy_rows(pool, slots, rows, src_idx, **kw)
 
 
-def load_rows(device_kv: torch.Tensor, device_slots: torch.Tensor, host_kv: torch.Tensor,
-              host_slots: torch.Tensor, **kw) -> None:
+def load_rows(
+    device_kv: torch.Tensor, device_slots: torch.Tensor, host_kv: torch.Tensor, host_slots: torch.Tensor, **kw
+) -> None:
     """Host -> device: ``device_kv[..., device_slots, :] = host_kv[..., host_slots, :]``."""
     copy_rows(device_kv, device_slots, host_kv, host_slots, **kw)
 
 
-def backup_rows(host_kv: torch.Tensor, host_slots: torch.Tensor, device_kv: torch.Tensor,
-                device_slots: torch.Tensor, **kw) -> None:
+def backup_rows(
+    host_kv: torch.Tensor, host_slots: torch.Tensor, device_kv: torch.Tensor, device_slots: torch.Tensor, **kw
+) -> None:
     """Device -> host: ``host_kv[..., host_slots, :] = device_kv[..., device_slots, :]``."""
     copy_rows(host_kv, host_slots, device_kv, device_slots, **kw)
 

@@ -1,8 +1,8 @@
 """KV row copies on a CPU as a compiled loop (contract: ``kernels.kv_copy``), with numba.
 
 A copy of a few hundred rows (a decode step's swap-in misses, its backups) costs torch a gather and
-a scatter per layer, tens of microseconds per call on a CPU; the loop here moves each row's bits
-where it lies, after checking every index against its pool (an index out of range raises
+a scatter per layer, each paying a call's dispatch overhead on a CPU; the loop here moves each
+row's bits where it lies, after checking every index against its pool (an index out of range raises
 ``IndexError`` before anything is written, as torch's gather refuses it). The rows are read as
 integers of the element's size, so every float type (bfloat16 and float16 included) is copied
 exactly. ``copy_rows(impl="auto")`` takes this path when every tensor is in CPU memory and the two
@@ -11,14 +11,9 @@ pools share one element type.
 
 from __future__ import annotations
 
+import numba
 import torch
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: torch does the copies
-    numba = None
-
-AVAILABLE = numba is not None
 # the integer type of each element size: a row copy moves bits, whatever the float type
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -39,17 +34,18 @@ _compiled = None
 
 
 def fits(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> bool:
-    """This implementation takes the call: numba installed, every tensor in CPU memory, one
+    """This implementation takes the call: every tensor in CPU memory, one
     element type of a size it reads as integers (arguments already checked by ``copy_rows``)."""
     return (
-        AVAILABLE
-        and dst.device.type == src.device.type == dst_idx.device.type == src_idx.device.type == "cpu"
+        dst.device.type == src.device.type == dst_idx.device.type == src_idx.device.type == "cpu"
         and src.dtype == dst.dtype
         and dst.element_size() in _BITS
     )
 
 
-def copy_rows_numba(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+def copy_rows_numba(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
     """``dst[..., dst_idx, :] = src[..., src_idx, :]`` by the compiled loop (the tensors must ``fits``)."""
     global _compiled
     if _compiled is None:
@@ -62,6 +58,9 @@ def copy_rows_numba(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor,
 
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the loop for float32 pools and int64 indices."""
-    if AVAILABLE:
-        copy_rows_numba(torch.zeros(2, 1), torch.ones(1, dtype=torch.int64), torch.zeros(2, 1),
-                        torch.zeros(1, dtype=torch.int64))
+    copy_rows_numba(
+        torch.zeros(2, 1),
+        torch.ones(1, dtype=torch.int64),
+        torch.zeros(2, 1),
+        torch.zeros(1, dtype=torch.int64),
+    )

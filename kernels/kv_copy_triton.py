@@ -36,7 +36,9 @@ def _copy_rows_kernel(
         tl.store(dst_row[:, None] + d[None, :], vals, mask=m)
 
 
-def copy_rows_triton(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor) -> None:
+def copy_rows_triton(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> None:
     """Launch the copy; ``dst``/``src`` are ``[rows, dim]`` or ``[L, rows, dim]`` (checked by the caller)."""
     n = dst_idx.shape[0]
     if n == 0:
@@ -48,7 +50,16 @@ def copy_rows_triton(dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor
     block_r = max(1, min(64, 2048 // block_d, next_power_of_2(n)))
     grid = (triton.cdiv(n, block_r), dst3.shape[0])
     _copy_rows_kernel[grid](
-        dst3, dst_idx.contiguous(), src3, src_idx.contiguous(), n,
-        dst3.stride(0), dst3.stride(1), src3.stride(0), src3.stride(1),
-        DIM=dim, BLOCK_R=block_r, BLOCK_D=block_d,
+        dst3,
+        dst_idx.contiguous(),
+        src3,
+        src_idx.contiguous(),
+        n,
+        dst3.stride(0),
+        dst3.stride(1),
+        src3.stride(0),
+        src3.stride(1),
+        DIM=dim,
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
     )

@@ -3,11 +3,11 @@
 A decode step of a small model at a small batch costs what its torch calls cost to dispatch: the
 fused layer (``pipeline.model.fused``) still makes about forty of them per layer for one token (two
 norms, two matmuls, the splits, the rope rotations, the absorbed query, the concatenations, the
-value up-projection, the output projection, the residual adds, the MLP), about 350 us of dispatch
-around 100 us of arithmetic for the bundled model. Here the work before the attention is one call
-(``project``) and the work after it is another (``finish``); the attention itself stays the
-backend's (``AttentionBackend.attend``), so every backend, HiSparse and resident, serves the layer
-unchanged.
+value up-projection, the output projection, the residual adds, the MLP), whose dispatch costs
+several times their arithmetic for the bundled model (docs/performance-notes.md). Here the work
+before the attention is one call (``project``) and the work after it is another (``finish``); the
+attention itself stays the backend's (``AttentionBackend.attend``), so every backend, HiSparse and
+resident, serves the layer unchanged.
 
 ``project``: ``h = rms_norm(x)``; ``[q_a | latent, k_rope | index_k | index_w] = W_in h``;
 ``q = W_q rms_norm(q_a)``; the absorbed query ``q_nope W_UK`` per head; the query heads' and the new
@@ -36,16 +36,13 @@ runs ``W_in``, ``W_q``, ``o_proj`` and the MLP with torch and the pieces between
 
 from __future__ import annotations
 
+from typing import Any
+
+import numba
 import numpy as np
 
 from kernels import moe_numba, small_ops_numba
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the torch path does the work
-    numba = None
-
-AVAILABLE = numba is not None and moe_numba.AVAILABLE and small_ops_numba.AVAILABLE
 # the most tokens a call takes: beyond it the torch path's matmuls read each weight once for many
 # tokens, which the per-token loops cannot (``kernels.moe_numba`` has the same bound)
 MAX_TOKENS = moe_numba.MAX_TOKENS
@@ -55,8 +52,6 @@ _experts = moe_numba._kernel
 
 
 def _jit(**options):
-    if numba is None:
-        return lambda fn: fn
     return numba.njit(cache=True, nogil=True, **options)
 
 
@@ -123,14 +118,56 @@ def _project(  # pragma: no cover - compiled
         _matvec(w_in, h, zero, p[t])
         _rms(p[t, :q_lora], q_norm_w, q_eps, q_lora, qr)
         _matvec(w_q, qr, zero, qs[t])
-    _assemble(p, qs, q_lora, kv_b, nope, kv_norm_w, kv_eps, has_index, index_heads, k_norm_w, k_norm_b, k_norm_eps,
-              index_w_scale, index_interleaved, cos, sin, q_latent, q_rope, kv_rows, index_q, index_w, index_k)
+    _assemble(
+        p,
+        qs,
+        q_lora,
+        kv_b,
+        nope,
+        kv_norm_w,
+        kv_eps,
+        has_index,
+        index_heads,
+        k_norm_w,
+        k_norm_b,
+        k_norm_eps,
+        index_w_scale,
+        index_interleaved,
+        cos,
+        sin,
+        q_latent,
+        q_rope,
+        kv_rows,
+        index_q,
+        index_w,
+        index_k,
+    )
 
 
 @_jit(fastmath=_FAST)
 def _assemble(  # pragma: no cover - compiled
-    p, qs, q_lora, kv_b, nope, kv_norm_w, kv_eps, has_index, index_heads, k_norm_w, k_norm_b, k_norm_eps,
-    index_w_scale, index_interleaved, cos, sin, q_latent, q_rope, kv_rows, index_q, index_w, index_k,
+    p,
+    qs,
+    q_lora,
+    kv_b,
+    nope,
+    kv_norm_w,
+    kv_eps,
+    has_index,
+    index_heads,
+    k_norm_w,
+    k_norm_b,
+    k_norm_eps,
+    index_w_scale,
+    index_interleaved,
+    cos,
+    sin,
+    q_latent,
+    q_rope,
+    kv_rows,
+    index_q,
+    index_w,
+    index_k,
 ):
     """Everything of the projection after its two matmuls ``p = W_in rms_norm(x)`` and
     ``qs = W_q rms_norm(q_a)`` (rows per token): the absorbed query, the rotations, the cache row
@@ -259,9 +296,26 @@ def _route(h, gate_w, bias, top_k, normalise, scaling, tiny, ids, weights):  # p
 
 @_jit(fastmath=_FAST)
 def _finish(  # pragma: no cover - compiled
-    x, attn, kv_b, nope, w_o, norm_w, norm_eps,
-    routed, gate_w, bias, top_k, normalise, scaling, tiny, gate_up, down, shared_gate_up, shared_down,
-    has_shared, out,
+    x,
+    attn,
+    kv_b,
+    nope,
+    w_o,
+    norm_w,
+    norm_eps,
+    routed,
+    gate_w,
+    bias,
+    top_k,
+    normalise,
+    scaling,
+    tiny,
+    gate_up,
+    down,
+    shared_gate_up,
+    shared_down,
+    has_shared,
+    out,
 ):
     tokens, dim = x.shape
     zero = norm_eps - norm_eps
@@ -292,23 +346,65 @@ class LayerWeights:
     name (``pipeline.model.fused`` builds it: the keys ``warm_up`` shows), and the argument runs of
     each call laid out once, so that a call per layer per step does not look them up again."""
 
-    def __init__(self, w: dict) -> None:
+    def __init__(self, w: dict[str, Any]) -> None:  # arrays, numpy scalars, ints, flags: numba types them
         self.w = w
         heads, _, latent = w["kv_b"].shape
-        self.index_heads, self.index_dim = (w["index_heads"], w["index_dim"]) if w["has_index"] else (0, 0)
+        self.index_heads: int = w["index_heads"] if w["has_index"] else 0
+        self.index_dim: int = w["index_dim"] if w["has_index"] else 0
         self.heads, self.latent, self.rope = heads, latent, w["rope"]
-        index = (w["has_index"], self.index_heads, w["k_norm_w"], w["k_norm_b"], w["k_norm_eps"], w["index_w_scale"],
-                 w["index_interleaved"])
-        self.project_args = (w["norm_w"], w["norm_eps"], w["w_in"], w["q_lora"], w["q_norm_w"], w["q_eps"], w["w_q"],
-                             w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], *index)
+        index = (
+            w["has_index"],
+            self.index_heads,
+            w["k_norm_w"],
+            w["k_norm_b"],
+            w["k_norm_eps"],
+            w["index_w_scale"],
+            w["index_interleaved"],
+        )
+        self.project_args = (
+            w["norm_w"],
+            w["norm_eps"],
+            w["w_in"],
+            w["q_lora"],
+            w["q_norm_w"],
+            w["q_eps"],
+            w["w_q"],
+            w["kv_b"],
+            w["nope"],
+            w["kv_norm_w"],
+            w["kv_eps"],
+            *index,
+        )
         self.assemble_args = (w["q_lora"], w["kv_b"], w["nope"], w["kv_norm_w"], w["kv_eps"], *index)
-        self.finish_args = (w["kv_b"], w["nope"], w["w_o"], w["post_w"], w["post_eps"], w["routed"], w["gate_w"],
-                            w["bias"], w["top_k"], w["normalise"], w["scaling"], w["tiny"], w["gate_up"], w["down"],
-                            w["shared_gate_up"], w["shared_down"], w["has_shared"])
+        self.finish_args = (
+            w["kv_b"],
+            w["nope"],
+            w["w_o"],
+            w["post_w"],
+            w["post_eps"],
+            w["routed"],
+            w["gate_w"],
+            w["bias"],
+            w["top_k"],
+            w["normalise"],
+            w["scaling"],
+            w["tiny"],
+            w["gate_up"],
+            w["down"],
+            w["shared_gate_up"],
+            w["shared_down"],
+            w["has_shared"],
+        )
 
     def inputs(self, tokens: int, dtype) -> tuple[np.ndarray, ...]:
         """The attention inputs' arrays for ``tokens`` tokens (the indexer's empty without one)."""
-        heads, latent, rope, index_heads, index_dim = self.heads, self.latent, self.rope, self.index_heads, self.index_dim
+        heads, latent, rope, index_heads, index_dim = (
+            self.heads,
+            self.latent,
+            self.rope,
+            self.index_heads,
+            self.index_dim,
+        )
         return (
             np.empty((tokens, heads, latent), dtype),  # q_latent
             np.empty((tokens, heads, rope), dtype),  # q_rope
@@ -346,7 +442,9 @@ def rms_rows(x: np.ndarray, weight: np.ndarray, eps) -> np.ndarray:
     return out
 
 
-def assemble(p: np.ndarray, qs: np.ndarray, w: LayerWeights, cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, ...]:
+def assemble(
+    p: np.ndarray, qs: np.ndarray, w: LayerWeights, cos: np.ndarray, sin: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """``project``'s outputs from its two matmuls' rows ``p = W_in rms_norm(x)`` and
     ``qs = W_q rms_norm(q_a)``."""
     out = w.inputs(p.shape[0], p.dtype)
@@ -363,7 +461,9 @@ def up_values(attn: np.ndarray, w: LayerWeights) -> np.ndarray:
 
 
 @_jit()
-def _route_rows(h, gate_w, bias, top_k, normalise, scaling, tiny, ids, weights):  # pragma: no cover - compiled
+def _route_rows(
+    h, gate_w, bias, top_k, normalise, scaling, tiny, ids, weights
+):  # pragma: no cover - compiled
     for t in range(h.shape[0]):
         _route(h[t], gate_w, bias, top_k, normalise, scaling, tiny, ids[t], weights[t])
 
@@ -392,22 +492,48 @@ def warm_up(dtype) -> None:
     process's first decode, verify or short prefill does not pay for it."""
     import torch
 
-    if not AVAILABLE or dtype not in (torch.float32, torch.float64):
+    if dtype not in (torch.float32, torch.float64):
         return
     f = np.float64 if dtype == torch.float64 else np.float32
     dim, heads, nope, value, latent, rope, q_lora, index_heads, index_dim = 4, 1, 2, 2, 2, 2, 2, 1, 2
     z = lambda *shape: np.zeros(shape, f)  # noqa: E731
     ones = lambda n: np.ones(n, f)  # noqa: E731
-    w = {
-        "norm_w": ones(dim), "norm_eps": f(1e-6), "w_in": z(q_lora + latent + rope + index_dim + index_heads, dim),
-        "q_lora": q_lora, "q_norm_w": ones(q_lora), "q_eps": f(1e-6), "w_q": z(heads * (nope + rope) + index_heads *
-        index_dim, q_lora), "kv_b": z(heads, nope + value, latent), "nope": nope, "kv_norm_w": ones(latent),
-        "kv_eps": f(1e-6), "has_index": True, "index_heads": index_heads, "index_dim": index_dim,
-        "k_norm_w": ones(index_dim), "k_norm_b": z(index_dim), "k_norm_eps": f(1e-6), "index_w_scale": f(1.0),
-        "index_interleaved": False, "rope": rope, "w_o": z(dim, heads * value), "post_w": ones(dim),
-        "post_eps": f(1e-6), "routed": True, "gate_w": z(2, dim), "bias": z(2), "top_k": 1, "normalise": True,
-        "scaling": f(1.0), "tiny": f(1e-20), "gate_up": z(2, 2, dim), "down": z(2, dim, 1),
-        "shared_gate_up": z(2, dim), "shared_down": z(dim, 1), "has_shared": True,
+    w: dict[str, Any] = {
+        "norm_w": ones(dim),
+        "norm_eps": f(1e-6),
+        "w_in": z(q_lora + latent + rope + index_dim + index_heads, dim),
+        "q_lora": q_lora,
+        "q_norm_w": ones(q_lora),
+        "q_eps": f(1e-6),
+        "w_q": z(heads * (nope + rope) + index_heads * index_dim, q_lora),
+        "kv_b": z(heads, nope + value, latent),
+        "nope": nope,
+        "kv_norm_w": ones(latent),
+        "kv_eps": f(1e-6),
+        "has_index": True,
+        "index_heads": index_heads,
+        "index_dim": index_dim,
+        "k_norm_w": ones(index_dim),
+        "k_norm_b": z(index_dim),
+        "k_norm_eps": f(1e-6),
+        "index_w_scale": f(1.0),
+        "index_interleaved": False,
+        "rope": rope,
+        "w_o": z(dim, heads * value),
+        "post_w": ones(dim),
+        "post_eps": f(1e-6),
+        "routed": True,
+        "gate_w": z(2, dim),
+        "bias": z(2),
+        "top_k": 1,
+        "normalise": True,
+        "scaling": f(1.0),
+        "tiny": f(1e-20),
+        "gate_up": z(2, 2, dim),
+        "down": z(2, dim, 1),
+        "shared_gate_up": z(2, dim),
+        "shared_down": z(dim, 1),
+        "has_shared": True,
     }
     x, cos, weights = z(1, dim), z(1, rope), LayerWeights(w)
     project(x, weights, cos, cos)

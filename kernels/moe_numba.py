@@ -17,15 +17,10 @@ matmuls do not promise. Float32 and float64 tensors of one dtype only; ``fits`` 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the torch path does the work
-    numba = None
-
-AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
 # the most tokens a call takes: beyond it the torch path's matmuls read each expert's weights once
 # for many tokens, which the per-token loop cannot
@@ -36,8 +31,6 @@ MAX_EXPERT_ELEMENTS = 1 << 20
 
 
 def _jit(**options):
-    if numba is None:
-        return lambda fn: fn
     return numba.njit(cache=True, nogil=True, **options)
 
 
@@ -63,7 +56,9 @@ def _mlp(x, gate_up, down, zero, one, h, act, y):  # pragma: no cover - compiled
 
 
 @_jit()
-def _kernel(x, ids, weights, gate_up, down, shared_gate_up, shared_down, has_shared, zero, one, out):  # pragma: no cover
+def _kernel(
+    x, ids, weights, gate_up, down, shared_gate_up, shared_down, has_shared, zero, one, out
+):  # pragma: no cover
     tokens, dim = x.shape
     k = ids.shape[1]
     two_i = gate_up.shape[1]
@@ -94,12 +89,11 @@ def _kernel(x, ids, weights, gate_up, down, shared_gate_up, shared_down, has_sha
 
 
 def fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor) -> bool:
-    """The loop takes the call: numba installed, CPU tensors of one float32/64 dtype (the routing
+    """The loop takes the call: CPU tensors of one float32/64 dtype (the routing
     weights too), at most ``MAX_TOKENS`` tokens and experts of at most ``MAX_EXPERT_ELEMENTS``."""
     dtype = x.dtype
     return (
-        AVAILABLE
-        and dtype in DTYPES
+        dtype in DTYPES
         and x.shape[0] <= MAX_TOKENS
         and gate_up[0].numel() <= MAX_EXPERT_ELEMENTS
         and all(t.dtype == dtype and t.device.type == "cpu" for t in (x, gate_up, down, weights))
@@ -119,14 +113,22 @@ def moe(
     wide = np.float64 if x.dtype == torch.float64 else np.float32
     out = np.empty(x.shape, wide)
     if x.shape[0]:
-        has_shared = shared_gate_up is not None
-        if not has_shared:
+        has_shared = shared_gate_up is not None and shared_down is not None
+        if shared_gate_up is None or shared_down is None:
             shared_gate_up = torch.zeros(2, x.shape[1], dtype=x.dtype)
             shared_down = torch.zeros(x.shape[1], 1, dtype=x.dtype)
         _kernel(
-            x.detach().contiguous().numpy(), ids.contiguous().numpy(), weights.detach().contiguous().numpy(),
-            gate_up.detach().numpy(), down.detach().numpy(), shared_gate_up.detach().numpy(),
-            shared_down.detach().numpy(), has_shared, wide(0), wide(1), out,
+            x.detach().contiguous().numpy(),
+            ids.contiguous().numpy(),
+            weights.detach().contiguous().numpy(),
+            gate_up.detach().numpy(),
+            down.detach().numpy(),
+            shared_gate_up.detach().numpy(),
+            shared_down.detach().numpy(),
+            has_shared,
+            wide(0),
+            wide(1),
+            out,
         )
     return torch.from_numpy(out)
 
@@ -134,7 +136,7 @@ def moe(
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) the loop for ``dtype``, with and without a shared
     expert."""
-    if not AVAILABLE or dtype not in DTYPES:
+    if dtype not in DTYPES:
         return
     x = torch.ones(1, 2, dtype=dtype)
     ids = torch.zeros(1, 1, dtype=torch.int64)

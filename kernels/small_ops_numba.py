@@ -1,9 +1,9 @@
 """RMSNorm and the RoPE rotation on a CPU as compiled loops, with numba.
 
 A decode step of a small model normalises and rotates a few vectors per layer. ``torch.rms_norm`` on a
-CPU is a composite of half a dozen tensor calls (about 9 us for one row of 256 on a 2-core x86
-machine, against 3.5 us here); the rotation is five (a de-interleave copy, two products, a roll, a
-sum: 13 us against 3-4 us). Both loops compute what the torch ops compute:
+CPU is a composite of half a dozen tensor calls, and the rotation is five (a de-interleave copy, two
+products, a roll, a sum): for a few rows their dispatch costs more than the loops here
+(docs/performance-notes.md). Both loops compute what the torch ops compute:
 
 * ``rms_norm``: ``weight * (x * (1 / sqrt(mean(x * x) + eps)))`` per row, in the tensors' dtype
   (float32 or float64, as the wide-dtype RMSNorm does); the sum of squares runs in the order the
@@ -12,27 +12,18 @@ sum: 13 us against 3-4 us). Both loops compute what the torch ops compute:
   (``[even | odd]``) first when ``interleaved``, and ``sin' = [-sin | sin]`` (``pipeline.model.fused``'s
   ``_RopeTables``): each element the same two products and one sum, no contraction into a fused
   multiply-add, so the bits equal the torch ops'.
-
-``AVAILABLE`` is False without numba; the callers keep their torch ops then.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the torch ops do the work
-    numba = None
-
-AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
 
 
 def _jit(**options):
-    if numba is None:
-        return lambda fn: fn
     return numba.njit(cache=True, nogil=True, **options)
 
 
@@ -71,12 +62,11 @@ def _rotate(x, cos, sin, interleaved, out):  # pragma: no cover - compiled
 
 
 def fits(*tensors: torch.Tensor) -> bool:
-    """The loops take the call: numba installed, CPU tensors of one float32/64 dtype. They record
+    """The loops take the call: CPU tensors of one float32/64 dtype. They record
     no gradient: callers use them only where none is recorded."""
     first = tensors[0]
     return (
-        AVAILABLE
-        and first.dtype in DTYPES
+        first.dtype in DTYPES
         and all(t.device.type == "cpu" and t.dtype == first.dtype for t in tensors)
     )
 
@@ -84,14 +74,16 @@ def fits(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [..., D]`` normalised over its last dimension and scaled by ``weight [D]`` (``fits``)."""
     if weight.shape != x.shape[-1:]:
-        raise ValueError(f"weight: shape {tuple(weight.shape)} does not match x's last dimension {x.shape[-1]}")
+        raise ValueError(
+            f"weight: shape {tuple(weight.shape)} does not match x's last dimension {x.shape[-1]}"
+        )
     return CompiledNorm(weight, eps)(x)
 
 
 class CompiledNorm:
     """``rms_norm`` for one weight, its numpy view and constants taken once: a decode step of a
     small model normalises a few vectors per layer, and the wrapper's per-call conversions cost
-    many times the loop (about 9 us against 0.5 us for one row of 256). The same loop on the same
+    many times the loop for one row (docs/performance-notes.md). The same loop on the same
     arrays, so the same bits as ``rms_norm``. ``current(weight)`` says whether it still reads that
     weight's memory (a replaced parameter, or one re-pointed, needs a new one)."""
 
@@ -131,7 +123,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: b
     first when ``interleaved``; a new contiguous tensor (``fits``)."""
     table = (x.shape[0], x.shape[-1])
     if x.dim() != 3 or x.shape[-1] % 2 or cos.shape != table or sin.shape != table:
-        raise ValueError(f"cos, sin: shapes {tuple(cos.shape)}, {tuple(sin.shape)} do not fit x {tuple(x.shape)}")
+        raise ValueError(
+            f"cos, sin: shapes {tuple(cos.shape)}, {tuple(sin.shape)} do not fit x {tuple(x.shape)}"
+        )
     return rotate_with_tables(x, cos.detach().numpy(), sin.detach().numpy(), interleaved)
 
 
@@ -149,7 +143,7 @@ def rotate_with_tables(x: torch.Tensor, cos: np.ndarray, sin: np.ndarray, interl
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) both loops for ``dtype``, for contiguous inputs and
     for the strided views the fused layer hands them."""
-    if not AVAILABLE or dtype not in DTYPES:
+    if dtype not in DTYPES:
         return
     base = torch.ones(2, 4, dtype=dtype)
     weight = torch.ones(2, dtype=dtype)

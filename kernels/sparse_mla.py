@@ -63,8 +63,12 @@ def check_sparse_mla_args(q_latent, q_rope, kv, slots) -> None:
     check_tensor("q_latent", q_latent, ndim=3, dtype=FLOAT_DTYPES, contiguous_last=True)
     t, h, c = q_latent.shape
     check_tensor("q_rope", q_rope, ndim=3, dtype=q_latent.dtype, shape=(t, h, None), contiguous_last=True)
-    check_tensor("kv", kv, ndim=2, dtype=FLOAT_DTYPES, shape=(None, c + q_rope.shape[2]), contiguous_last=True)
-    check_tensor("slots", slots, ndim=2, dtype=(torch.int32, torch.int64), shape=(t, None), contiguous_last=True)
+    check_tensor(
+        "kv", kv, ndim=2, dtype=FLOAT_DTYPES, shape=(None, c + q_rope.shape[2]), contiguous_last=True
+    )
+    check_tensor(
+        "slots", slots, ndim=2, dtype=(torch.int32, torch.int64), shape=(t, None), contiguous_last=True
+    )
     check_same_device(("q_latent", "q_rope", "kv", "slots"), (q_latent, q_rope, kv, slots))
 
 
@@ -104,9 +108,13 @@ def sparse_mla(
             ):
                 return compiled.sparse_mla_numba(q_latent, q_rope, kv, slots, scale)
         elif impl == "numba":
-            raise ValueError("impl='numba' needs numba installed and CPU tensors of one dtype, float32 or float64")
-    fits = (q_latent.dtype != torch.float64 and kv.dtype != torch.float64
-            and q_latent.shape[2] <= TRITON_MAX_LATENT and q_rope.shape[2] <= TRITON_MAX_ROPE)
+            raise ValueError("impl='numba' needs CPU tensors of one dtype, float32 or float64")
+    fits = (
+        q_latent.dtype != torch.float64
+        and kv.dtype != torch.float64
+        and q_latent.shape[2] <= TRITON_MAX_LATENT
+        and q_rope.shape[2] <= TRITON_MAX_ROPE
+    )
     if resolve_impl(impl, (q_latent, kv, slots), triton_fits=fits) == "torch":
         return sparse_mla_reference(q_latent, q_rope, kv, slots, scale)
     from kernels.sparse_mla_triton import sparse_mla_triton

@@ -26,28 +26,20 @@ raises ``IndexError``, as the torch path's gather does; the loop never reads out
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the torch path does the work
-    numba = None
-
-AVAILABLE = numba is not None
 DTYPES = (torch.float32, torch.float64)
 # ``sparse_mla(impl="auto")`` runs the loop when a query's heads x slots x (C + R) products number at
 # most this: there the torch path's dozen calls cost more than they compute. Beyond it BLAS's
-# blocked matmuls over the gathered rows are faster than the loop's dots. Measured on a 2-core x86
-# CPU, one thread: 4 heads x 64 slots x (64 + 16) ran 2.5-4x the torch path at 1-4 queries and
-# 1.2x at 32-512, 16 x 64 x 80 2.4x, 8 x 256 x 80 0.75x, 16 x 512 x 160 0.55x.
+# blocked matmuls over the gathered rows are faster than the loop's dots (the shapes measured on
+# each side: docs/performance-notes.md).
 MAX_QUERY_ELEMENTS = 1 << 17
 
 
 def _jit(**options):
-    """Compiled on first call (and cached on disk) where numba is installed; plain Python otherwise."""
-    if numba is None:
-        return lambda fn: fn
+    """Compiled on first call and cached on disk."""
     return numba.njit(cache=True, nogil=True, **options)
 
 
@@ -140,10 +132,9 @@ def _kernel(q_latent, q_rope, kv, slots, scale, out):  # pragma: no cover - comp
 
 
 def fits(q_latent: torch.Tensor, q_rope: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> bool:
-    """This implementation takes the call: numba installed, CPU tensors of one float32/64 dtype."""
+    """This implementation takes the call: CPU tensors of one float32/64 dtype."""
     return (
-        AVAILABLE
-        and q_latent.device.type == q_rope.device.type == kv.device.type == slots.device.type == "cpu"
+        q_latent.device.type == q_rope.device.type == kv.device.type == slots.device.type == "cpu"
         and q_latent.dtype in DTYPES
         and q_latent.dtype == q_rope.dtype == kv.dtype
     )
@@ -180,7 +171,7 @@ def sparse_mla_numba(
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) the loop for ``dtype``'s tensors and int32 and
     int64 slots, so that a process's first decode step does not pay for it."""
-    if not AVAILABLE or dtype not in DTYPES:
+    if dtype not in DTYPES:
         return
     q = torch.zeros(1, 1, 1, dtype=dtype)
     for slot_dtype in (torch.int32, torch.int64):

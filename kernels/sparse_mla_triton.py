@@ -53,7 +53,9 @@ def _sparse_mla_kernel(
         ok = slot >= 0
         row = kv_ptr + slot * kv_stride  # [BN] row pointers
         lat = tl.load(row[:, None] + ic[None, :], mask=ok[:, None] & c_in[None, :], other=0.0).to(DOT_DTYPE)
-        rope = tl.load(row[:, None] + C + ir[None, :], mask=ok[:, None] & r_in[None, :], other=0.0).to(DOT_DTYPE)
+        rope = tl.load(row[:, None] + C + ir[None, :], mask=ok[:, None] & r_in[None, :], other=0.0).to(
+            DOT_DTYPE
+        )
         logits = tl.dot(q_lat, tl.trans(lat), input_precision="ieee")
         logits += tl.dot(q_rope, tl.trans(rope), input_precision="ieee")
         logits = tl.where(ok[None, :], logits * scale, float("-inf"))  # [BH, BN]
@@ -66,8 +68,11 @@ def _sparse_mla_kernel(
         m_i = m_new
         n0 += BLOCK_N
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + t * out_stride_t + ih[:, None] * out_stride_h + ic[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=h_in[:, None] & c_in[None, :])
+    tl.store(
+        out_ptr + t * out_stride_t + ih[:, None] * out_stride_h + ic[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=h_in[:, None] & c_in[None, :],
+    )
 
 
 def sparse_mla_triton(q_latent, q_rope, kv, slots, scale: float) -> torch.Tensor:
@@ -80,12 +85,29 @@ def sparse_mla_triton(q_latent, q_rope, kv, slots, scale: float) -> torch.Tensor
     block_h = 16
     grid = (num_tokens, triton.cdiv(heads, block_h))
     _sparse_mla_kernel[grid](
-        q_latent, q_rope, kv, slots, out,
-        heads, top_k, latent, rope, float(scale),
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), kv.stride(0),
-        slots.stride(0), out.stride(0), out.stride(1),
-        BLOCK_H=block_h, BLOCK_N=min(32 if latent > 256 else 64, max(16, next_power_of_2(top_k))),
-        BLOCK_C=max(16, next_power_of_2(latent)), BLOCK_R=max(16, next_power_of_2(rope)),
-        DOT_DTYPE=dot_dtype(q_latent, kv), num_warps=8,
+        q_latent,
+        q_rope,
+        kv,
+        slots,
+        out,
+        heads,
+        top_k,
+        latent,
+        rope,
+        float(scale),
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        kv.stride(0),
+        slots.stride(0),
+        out.stride(0),
+        out.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_N=min(32 if latent > 256 else 64, max(16, next_power_of_2(top_k))),
+        BLOCK_C=max(16, next_power_of_2(latent)),
+        BLOCK_R=max(16, next_power_of_2(rope)),
+        DOT_DTYPE=dot_dtype(q_latent, kv),
+        num_warps=8,
     )
     return out

@@ -68,14 +68,6 @@ TRITON_MAX_HOT = 1024
 TRITON_MAX_TOP_K = 128
 TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
 TRITON_MAX_NEAR = 128  # near positions per step
-# On a CPU without numba, ``impl="auto"`` runs the plain-Python
-# implementation for calls of at most this many requests and top-k entries (requests x steps x
-# top_k), and the batched numpy one otherwise: Python
-# pays per request, numpy about a fixed ~150 small array ops per step whatever the batch, and they
-# cross at 4-6 requests (decode and verify, top_k 64, HOT 64/128; the swap-in rows of
-# `hispec bench kernels`). The vectorised torch reference costs more than both on a CPU.
-PYTHON_MAX_REQS = 4
-PYTHON_MAX_ENTRIES = 2048
 
 
 def check_swap_in_args(
@@ -139,17 +131,6 @@ def check_swap_in_state(seq_lens, req_rows, buffer_locs, lru, req_to_host, host_
     check_index_range("req_to_host", req_to_host[rows], host_kv.shape[0], allow_negative=True)
 
 
-def cpu_impl(num_reqs: int, num_steps: int, top_k: int) -> str:
-    """The implementation ``impl="auto"`` runs on a CPU for a call of this shape: the compiled one
-    when numba is installed, else Python for small calls and numpy for the others."""
-    from kernels.swap_in_numba import AVAILABLE
-
-    if AVAILABLE:
-        return "numba"
-    small = num_reqs <= PYTHON_MAX_REQS and num_reqs * num_steps * top_k <= PYTHON_MAX_ENTRIES
-    return "python" if small else "numpy"
-
-
 def identity_only(
     top_k_pos: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -207,11 +188,9 @@ def swap_in(
 ) -> SwapInResult:
     """Resolve top-k positions to device slots for one layer (contract: module docstring).
 
-    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"numba"`` (CPU, compiled), ``"python"``
-    (small CPU batches), ``"numpy"`` (CPU batches) or ``"auto"`` (Triton when the metadata is on CUDA and the shapes fit
-    ``TRITON_MAX_*``, else torch; on CPU, ``identity_only`` when the whole call is on the fast path,
-    else ``cpu_impl``: numba, or without it Python for at most ``PYTHON_MAX_REQS`` requests and
-    ``PYTHON_MAX_ENTRIES`` top-k entries, numpy beyond). ``host_kv`` may live on
+    ``impl``: ``"torch"`` (reference), ``"triton"``, ``"numba"`` (CPU, compiled) or ``"auto"``
+    (Triton when the metadata is on CUDA and the shapes fit ``TRITON_MAX_*``, else torch; on CPU,
+    ``identity_only`` when the whole call is on the fast path, else numba). ``host_kv`` may live on
     another device (pinned host memory); the row copies then go through torch.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
     themselves (the engine's attention backends), where the checks are per-call overhead only.
@@ -221,11 +200,26 @@ def swap_in(
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     if check:
         check_swap_in_args(
-            top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
+            top_k_pos,
+            seq_lens,
+            req_rows,
+            buffer_tokens,
+            buffer_locs,
+            lru,
+            req_to_host,
+            host_kv,
+            device_kv,
+            hot,
         )
         if near is not None:
-            check_tensor("near", near, ndim=3, dtype=torch.int32, shape=(*top_k_pos.shape[:2], None),
-                         contiguous_last=True)
+            check_tensor(
+                "near",
+                near,
+                ndim=3,
+                dtype=torch.int32,
+                shape=(*top_k_pos.shape[:2], None),
+                contiguous_last=True,
+            )
             check_same_device(("top_k_pos", "near"), (top_k_pos, near))
     if policy not in NEAR_POLICIES or (near is not None and near.shape[2] == 0):
         near = None  # only the near-policies read it
@@ -251,28 +245,18 @@ def swap_in(
     )
     if impl == "auto" and top_k_pos.device.type == "cpu":
         # (one step of one request costs the per-request loops less than these tensor ops)
-        short = identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot) if seq_lens.numel() > 1 else None
+        short = (
+            identity_only(top_k_pos, seq_lens, req_rows, buffer_locs, hot) if seq_lens.numel() > 1 else None
+        )
         if short is not None:
             return short
-        impl = cpu_impl(*top_k_pos.shape)
-    if impl == "python":
-        from kernels.swap_in_python import swap_in_python
-
-        return swap_in_python(*args, policy, near)
+        impl = "numba"
     if impl == "numba":
-        from kernels.swap_in_numba import AVAILABLE, swap_in_numba
+        from kernels.swap_in_numba import swap_in_numba
 
-        if not AVAILABLE:
-            raise ValueError("impl='numba' needs numba installed (the 'cpu' extra)")
         if top_k_pos.device.type != "cpu":
             raise ValueError(f"impl='numba' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
         return swap_in_numba(*args, policy, near)
-    if impl == "numpy":
-        if top_k_pos.device.type != "cpu":
-            raise ValueError(f"impl='numpy' needs CPU tensors, got top_k_pos on {top_k_pos.device}")
-        from kernels.swap_in_numpy import swap_in_numpy
-
-        return swap_in_numpy(*args, policy, near)
     if resolve_impl(impl, (top_k_pos, buffer_tokens, device_kv), triton_fits=fits) == "triton":
         from kernels.swap_in_triton import swap_in_triton
 

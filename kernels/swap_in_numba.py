@@ -1,9 +1,7 @@
 """Swap-in on a CPU as compiled loops: the contract of ``kernels.swap_in``, every policy, with numba.
 
-The numpy implementation pays a microsecond or more for each of its hundred-odd array ops per
-call, whatever the batch; here each request's steps are one loop over its top-k entries and hot
-columns, compiled once (numba's on-disk cache keeps the machine code between processes). The
-bookkeeping per request:
+Each request's steps are one loop over its top-k entries and hot columns, compiled once (numba's on-disk cache
+keeps the machine code between processes). The bookkeeping per request:
 
 * ``col_of[t]``: the hot column holding position ``t`` (-1 none), built from the request's hot
   tokens when it starts and updated on every load, reset when it ends;
@@ -18,11 +16,12 @@ victims among the evictable columns here, with the step's selected and near posi
 position table like the others. Row copies are gathered as (host slot, device slot) pairs and
 made after the loop by one ``kernels.kv_copy`` copy (a compiled loop when both pools are in CPU
 memory), so the KV tensors keep any dtype and place. ``swap_in(impl="auto")`` takes this
-path on CPU when numba (a dependency) is installed, numpy or Python otherwise.
+path on CPU.
 """
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 import torch
 
@@ -30,18 +29,14 @@ from kernels.kv_copy import copy_rows_unchecked
 from kernels.swap_in_policy import FAR, KEY_SHIFT, POLICIES, policy_code
 from kernels.swap_in_result import SwapInResult
 
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: numpy and Python do the work
-    numba = None
-
-AVAILABLE = numba is not None
 # the policies' codes (their order in ``POLICIES``)
 LRU, SLIDE, SLIDE_LRU, ADAPTIVE, NEAR, NEAR_ADAPTIVE = (policy_code(p) for p in POLICIES)
 INDEX_MASK = (1 << KEY_SHIFT) - 1  # a key's low bits: the evictable column's index
 
 
-def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, counts, copy_src, copy_dst):  # pragma: no cover
+def _kernel(
+    top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, counts, copy_src, copy_dst
+):  # pragma: no cover
     num_reqs, num_steps, top_k = top.shape
     width = host.shape[1]
     cols = tokens.shape[1]
@@ -170,7 +165,9 @@ def _kernel(top, lens, rows, tokens, locs, lru, host, hot, policy, near, slots, 
                     keys_of = SLIDE if slid > stayed else (LRU if policy == ADAPTIVE else NEAR)
                 for i in range(num_evict):
                     chosen[i] = i < num_load
-                if num_load and keys_of == NEAR:  # the columns holding neither a selected nor a near position first
+                if (
+                    num_load and keys_of == NEAR
+                ):  # the columns holding neither a selected nor a near position first
                     stamp += 1
                     for i in range(num_selected):
                         mark[selected[i]] = stamp
@@ -299,8 +296,7 @@ def swap_in_numba(
     policy: str = "lru",
     near: torch.Tensor | None = None,  # [B, S, M] int32, -1 = none
 ) -> SwapInResult:
-    """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``);
-    needs numba (``AVAILABLE``)."""
+    """CPU implementation of ``kernels.swap_in.swap_in`` (no argument checks: call ``swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
     close = near.numpy() if near is not None else np.empty((num_reqs, num_steps, 0), dtype=np.int32)
     slots = np.empty((num_reqs, num_steps, top_k), dtype=np.int32)
@@ -309,13 +305,30 @@ def swap_in_numba(
     copy_src = np.empty(most, dtype=np.int64)
     copy_dst = np.empty(most, dtype=np.int64)
     copies, hits, misses, lost, complete = _compiled_kernel()(
-        top_k_pos.numpy(), seq_lens.numpy(), req_rows.numpy(), buffer_tokens.numpy(), buffer_locs.numpy(),
-        lru.numpy(), req_to_host.numpy(), hot, policy_code(policy), close, slots, counts, copy_src, copy_dst,
+        top_k_pos.numpy(),
+        seq_lens.numpy(),
+        req_rows.numpy(),
+        buffer_tokens.numpy(),
+        buffer_locs.numpy(),
+        lru.numpy(),
+        req_to_host.numpy(),
+        hot,
+        policy_code(policy),
+        close,
+        slots,
+        counts,
+        copy_src,
+        copy_dst,
     )
     if copies:
-        copy_rows_unchecked(device_kv, torch.from_numpy(copy_dst[:copies]), host_kv, torch.from_numpy(copy_src[:copies]))
+        copy_rows_unchecked(
+            device_kv, torch.from_numpy(copy_dst[:copies]), host_kv, torch.from_numpy(copy_src[:copies])
+        )
     return SwapInResult.from_arrays(
-        slots, counts, row_bytes=device_kv.shape[-1] * device_kv.element_size(), totals=(hits, misses, lost),
+        slots,
+        counts,
+        row_bytes=device_kv.shape[-1] * device_kv.element_size(),
+        totals=(hits, misses, lost),
         complete=complete,
     )
 
@@ -323,11 +336,15 @@ def swap_in_numba(
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the loops, so that a process's first decode step
     does not pay for it: one request, one step on the fast path."""
-    if not AVAILABLE:
-        return
     swap_in_numba(
-        torch.zeros(1, 1, 1, dtype=torch.int32), torch.ones(1, 1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
-        torch.tensor([[0, -1]], dtype=torch.int32), torch.tensor([[1, -1]], dtype=torch.int64),
-        torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 2, dtype=torch.int64), torch.zeros(2, 1), torch.zeros(2, 1),
+        torch.zeros(1, 1, 1, dtype=torch.int32),
+        torch.ones(1, 1, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+        torch.tensor([[0, -1]], dtype=torch.int32),
+        torch.tensor([[1, -1]], dtype=torch.int64),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.zeros(1, 2, dtype=torch.int64),
+        torch.zeros(2, 1),
+        torch.zeros(2, 1),
         1,
     )

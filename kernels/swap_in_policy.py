@@ -83,7 +83,9 @@ def slide_distance(token: int, selected: list[int]) -> int:
     return token - selected[at - 1] if at > 0 else FAR
 
 
-def priority(policy: str, token: int, selected: list[int], hot: int, keep: frozenset[int] = frozenset()) -> int:
+def priority(
+    policy: str, token: int, selected: list[int], hot: int, keep: frozenset[int] = frozenset()
+) -> int:
     """The policy's eviction priority of a column holding ``token`` (smaller: evicted sooner);
     ``keep``: the step's selected and near positions (what ``near`` keeps)."""
     if policy == "lru":
@@ -109,7 +111,9 @@ def choose_victims(
         return list(range(min(count, len(held))))
     if policy == "near":  # two classes, each in LRU order: no sort needed
         keep = frozenset(near).union(selected)
-        ranked = [i for i, t in enumerate(held) if t not in keep] + [i for i, t in enumerate(held) if t in keep]
+        ranked = [i for i, t in enumerate(held) if t not in keep] + [
+            i for i, t in enumerate(held) if t in keep
+        ]
         return sorted(ranked[:count])
     ranked = sorted(range(len(held)), key=lambda i: (priority(policy, held[i], selected, hot), i))
     return sorted(ranked[:count])

@@ -157,7 +157,9 @@ def _victims(policy, pos, valid, want_first, tok, evict, num_load, near, n):
     return evict & (rank < num_load[:, None])
 
 
-def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot, policy, near, n) -> _LongPlan:
+def _long_plan(
+    st: _BatchState, pos, valid, first, is_first, x_found, long, hot, policy, near, n
+) -> _LongPlan:
     wanted = valid & long[:, None] & ~x_found
     hit, hit_at, col_hit = _hot_lookup(pos, wanted, st.tokens.gather(1, st.order))
     col_prot = st.protected.gather(1, st.order)  # [B, HOT] by LRU position
@@ -171,18 +173,36 @@ def _long_plan(st: _BatchState, pos, valid, first, is_first, x_found, long, hot,
     protu = ~col_hit & col_prot
     overflow = long & (num_load > evict.sum(1))
     apply = long & ~overflow
-    victim = _victims(policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load,
-                      near, n)
+    victim = _victims(
+        policy, pos, valid, wanted & is_first, st.tokens.gather(1, st.order), evict, num_load, near, n
+    )
     dest = _lru_dest(evict, victim, protu, col_hit, num_load, apply)
     new_order = torch.empty_like(st.order).scatter_(1, dest, st.order)
     victim_at = (evict.sum(1) - num_load + protu.sum(1))[:, None] + rank  # loaded block, miss order
     victim_col = new_order.gather(1, victim_at.clamp(0, hot - 1))
-    return _LongPlan(hit, st.order.gather(1, hit_at), need, host_slot, load, load_first, num_load, overflow,
-                     apply, new_order, victim_col, st.locs.gather(1, victim_col))
+    return _LongPlan(
+        hit,
+        st.order.gather(1, hit_at),
+        need,
+        host_slot,
+        load,
+        load_first,
+        num_load,
+        overflow,
+        apply,
+        new_order,
+        victim_col,
+        st.locs.gather(1, victim_col),
+    )
 
 
 def _step(
-    st: _BatchState, pos: torch.Tensor, n: torch.Tensor, active: torch.Tensor, hot: int, policy: str,
+    st: _BatchState,
+    pos: torch.Tensor,
+    n: torch.Tensor,
+    active: torch.Tensor,
+    hot: int,
+    policy: str,
     near: torch.Tensor | None = None,
 ) -> _StepOut:
     """One step for every request of the batch; mutates ``st`` for the requests it resolves."""
@@ -202,8 +222,11 @@ def _step(
     fast_slot = torch.where(use_id, id_loc, torch.where(x_found, x_slot, -1))
 
     lp = _long_plan(st, pos, valid, first, is_first, x_found, run & (n > hot), hot, policy, near, n)
-    long_slot = torch.where(x_found, x_slot, torch.where(lp.hit, st.locs.gather(1, lp.hit_col),
-                                                         torch.where(lp.load, lp.victim_loc, -1)))
+    long_slot = torch.where(
+        x_found,
+        x_slot,
+        torch.where(lp.hit, st.locs.gather(1, lp.hit_col), torch.where(lp.load, lp.victim_loc, -1)),
+    )
     slots = torch.where(fast[:, None], fast_slot, long_slot)
     slots = torch.where(valid & (fast | lp.apply)[:, None], slots, -1)
 
@@ -216,11 +239,14 @@ def _step(
 
     fast_first = is_first & fast[:, None]
     long_first = is_first & lp.apply[:, None]
-    counts = torch.stack([
-        (fast_first & (fast_slot >= 0)).sum(1) + (long_first & (x_found | lp.hit)).sum(1),
-        torch.where(lp.apply, lp.num_load, 0),
-        (fast_first & (fast_slot < 0)).sum(1) + (long_first & lp.need & (lp.host_slot < 0)).sum(1),
-    ], dim=1)
+    counts = torch.stack(
+        [
+            (fast_first & (fast_slot >= 0)).sum(1) + (long_first & (x_found | lp.hit)).sum(1),
+            torch.where(lp.apply, lp.num_load, 0),
+            (fast_first & (fast_slot < 0)).sum(1) + (long_first & lp.need & (lp.host_slot < 0)).sum(1),
+        ],
+        dim=1,
+    )
     return _StepOut(slots, counts, lp.overflow, lp.host_slot[upd], lp.victim_loc[upd])
 
 

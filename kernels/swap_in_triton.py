@@ -110,7 +110,8 @@ def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HO
                 prio = tl.where(d > HOT, 0, 1 + HOT - d)
             else:
                 prio = FAR - d
-        if (POLICY == 3) | (POLICY == 5):  # adaptive: slide's keys where the selection slid, else LRU's / near's
+        # adaptive: slide's keys where the selection slid, else LRU's / near's
+        if (POLICY == 3) | (POLICY == 5):
             recent = h_in & (ih >= HOT - K) & (tok_k >= 0)  # the K most recently used columns
             slid = tl.max(((tok_k[:, None] == pos[None, :] - 1) & recent[:, None]).to(tl.int32), axis=0) > 0
             stayed = tl.max(((tok_k[:, None] == pos[None, :]) & recent[:, None]).to(tl.int32), axis=0) > 0
@@ -132,9 +133,32 @@ def _policy_victims(pos, valid, want_first, tok_k, ih, h_in, evict, num_load, HO
 
 
 @triton.jit
-def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-               slot_out, src_out, dst_out, ik, k_in, HOT, K, near_row, n, M, BLOCK_HOT: tl.constexpr,
-               BLOCK_M: tl.constexpr, POLICY: tl.constexpr):
+def _long_step(
+    pos,
+    valid,
+    first,
+    is_first,
+    x_found,
+    x_slot,
+    tok_row,
+    loc_row,
+    lru_row,
+    host_row,
+    prot_row,
+    slot_out,
+    src_out,
+    dst_out,
+    ik,
+    k_in,
+    HOT,
+    K,
+    near_row,
+    n,
+    M,
+    BLOCK_HOT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    POLICY: tl.constexpr,
+):
     """n > HOT: the LRU rules, victims chosen by the policy. Returns (fits, hits, misses,
     unrecoverable); writes nothing unless it fits."""
     ih = tl.arange(0, BLOCK_HOT)
@@ -163,14 +187,38 @@ def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, l
     unrec = tl.sum((is_first & need & (host < 0)).to(tl.int32))
     if fits:
         # new order [evictables kept | protected, unwanted | loaded | hits], by stable compaction
-        victim = _policy_victims(pos, valid, wanted & is_first, tok_k, ih, h_in, evict != 0, num_load, HOT, K,
-                                 near_row, n, M, BLOCK_M, POLICY)
+        victim = _policy_victims(
+            pos,
+            valid,
+            wanted & is_first,
+            tok_k,
+            ih,
+            h_in,
+            evict != 0,
+            num_load,
+            HOT,
+            K,
+            near_row,
+            n,
+            M,
+            BLOCK_M,
+            POLICY,
+        )
         num_protu = tl.sum(protu)
         loaded_at = num_evict - num_load + num_protu  # start of the "newly loaded" block
-        dest = tl.where(victim, loaded_at + _excl_cumsum(victim.to(tl.int32)),
-                        tl.where(evict != 0, _excl_cumsum(((evict != 0) & ~victim).to(tl.int32)),
-                                 tl.where(protu != 0, num_evict - num_load + _excl_cumsum(protu),
-                                          num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32)))))
+        dest = tl.where(
+            victim,
+            loaded_at + _excl_cumsum(victim.to(tl.int32)),
+            tl.where(
+                evict != 0,
+                _excl_cumsum(((evict != 0) & ~victim).to(tl.int32)),
+                tl.where(
+                    protu != 0,
+                    num_evict - num_load + _excl_cumsum(protu),
+                    num_evict + num_protu + _excl_cumsum((h_in & col_hit).to(tl.int32)),
+                ),
+            ),
+        )
         tl.debug_barrier()  # every thread has read this step's lru / tokens / flags
         tl.store(lru_row + dest, lru_k, mask=h_in)
         tl.debug_barrier()
@@ -188,15 +236,33 @@ def _long_step(pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, l
 
 @triton.jit
 def _swap_in_kernel(
-    pos_ptr, seq_ptr, rows_ptr,  # [B, S, K] i32, [B, S] i64, [B] i64
-    tok_ptr, loc_ptr, lru_ptr, host_ptr,  # [N, W] i32, [N, W] i64, [N, HOT] i32, [N, ctx] i64
+    pos_ptr,
+    seq_ptr,
+    rows_ptr,  # [B, S, K] i32, [B, S] i64, [B] i64
+    tok_ptr,
+    loc_ptr,
+    lru_ptr,
+    host_ptr,  # [N, W] i32, [N, W] i64, [N, HOT] i32, [N, ctx] i64
     prot_ptr,  # [B, HOT] i32 scratch, zeros
-    slot_ptr, src_ptr, dst_ptr,  # [B, S, K] i32 / i64 / i64 outputs, prefilled with -1
+    slot_ptr,
+    src_ptr,
+    dst_ptr,  # [B, S, K] i32 / i64 / i64 outputs, prefilled with -1
     count_ptr,  # [B, 4] i32: steps_done, hits, misses, unrecoverable
     near_ptr,  # [B, S, M] i32 the near positions (M = 0: none)
-    S, K, HOT, W, M,
-    seq_stride_b, tok_stride, loc_stride, lru_stride, host_stride,
-    BLOCK_K: tl.constexpr, BLOCK_HOT: tl.constexpr, BLOCK_X: tl.constexpr, BLOCK_M: tl.constexpr,
+    S,
+    K,
+    HOT,
+    W,
+    M,
+    seq_stride_b,
+    tok_stride,
+    loc_stride,
+    lru_stride,
+    host_stride,
+    BLOCK_K: tl.constexpr,
+    BLOCK_HOT: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     POLICY: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -226,15 +292,38 @@ def _swap_in_kernel(
             is_first = valid & (first == ik)
             x_found, x_slot = _draft_lookup(pos, valid, tok_row, loc_row, HOT, W, BLOCK_X)
             if n <= HOT:
-                step_hits, step_unrec = _fast_step(pos, valid, is_first, x_found, x_slot, loc_row, prot_row,
-                                                   slot_ptr + out, k_in)
+                step_hits, step_unrec = _fast_step(
+                    pos, valid, is_first, x_found, x_slot, loc_row, prot_row, slot_ptr + out, k_in
+                )
                 hits += step_hits
                 unrec += step_unrec
             else:
                 fits, step_hits, step_misses, step_unrec = _long_step(
-                    pos, valid, first, is_first, x_found, x_slot, tok_row, loc_row, lru_row, host_row, prot_row,
-                    slot_ptr + out, src_ptr + out, dst_ptr + out, ik, k_in, HOT, K, near_ptr + (b * S + s) * M, n, M,
-                    BLOCK_HOT, BLOCK_M, POLICY)
+                    pos,
+                    valid,
+                    first,
+                    is_first,
+                    x_found,
+                    x_slot,
+                    tok_row,
+                    loc_row,
+                    lru_row,
+                    host_row,
+                    prot_row,
+                    slot_ptr + out,
+                    src_ptr + out,
+                    dst_ptr + out,
+                    ik,
+                    k_in,
+                    HOT,
+                    K,
+                    near_ptr + (b * S + s) * M,
+                    n,
+                    M,
+                    BLOCK_HOT,
+                    BLOCK_M,
+                    POLICY,
+                )
                 if fits:
                     hits += step_hits
                     misses += step_misses
@@ -262,8 +351,18 @@ def _run_plan(host_kv, device_kv, src, dst) -> None:
 
 
 def swap_in_triton(
-    top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot: int,
-    policy: str = "lru", near: torch.Tensor | None = None,
+    top_k_pos,
+    seq_lens,
+    req_rows,
+    buffer_tokens,
+    buffer_locs,
+    lru,
+    req_to_host,
+    host_kv,
+    device_kv,
+    hot: int,
+    policy: str = "lru",
+    near: torch.Tensor | None = None,
 ) -> SwapInResult:
     """Launch the Triton swap-in (arguments checked by ``kernels.swap_in.swap_in``)."""
     num_reqs, num_steps, top_k = top_k_pos.shape
@@ -283,13 +382,34 @@ def swap_in_triton(
     near = torch.full((1,), -1, dtype=torch.int32, device=dev) if near is None else near.contiguous()
     margin = near.shape[2] if near.dim() == 3 else 0
     _swap_in_kernel[(num_reqs,)](
-        pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, prot,
-        slots, src, dst, counts, near,
-        num_steps, top_k, hot, width, margin,
-        seq_lens.stride(0), buffer_tokens.stride(0), buffer_locs.stride(0),
-        lru.stride(0), req_to_host.stride(0),
-        BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=next_power_of_2(width - hot),
-        BLOCK_M=next_power_of_2(max(margin, 1)), POLICY=policy_code(policy),
+        pos,
+        seq_lens,
+        req_rows,
+        buffer_tokens,
+        buffer_locs,
+        lru,
+        req_to_host,
+        prot,
+        slots,
+        src,
+        dst,
+        counts,
+        near,
+        num_steps,
+        top_k,
+        hot,
+        width,
+        margin,
+        seq_lens.stride(0),
+        buffer_tokens.stride(0),
+        buffer_locs.stride(0),
+        lru.stride(0),
+        req_to_host.stride(0),
+        BLOCK_K=block_k,
+        BLOCK_HOT=block_hot,
+        BLOCK_X=next_power_of_2(width - hot),
+        BLOCK_M=next_power_of_2(max(margin, 1)),
+        POLICY=policy_code(policy),
         num_warps=16 if block_hot * block_k > 32768 else 8,  # ptxas: fewer spills on the big tiles
     )
     _run_plan(host_kv, device_kv, src.view(-1), dst.view(-1))

@@ -27,13 +27,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numba
 import numpy as np
 import torch
-
-try:
-    import numba
-except ImportError:  # a platform without numba's wheels: the Python loop groups
-    numba = None
 
 
 def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, int]]:
@@ -41,11 +37,10 @@ def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, 
     positions are distinct, as a top-k's are) whose unions fit ``hot``: greedily, a group grows by
     the next query while the union stays within ``hot`` (a query alone always makes a group).
 
-    A compiled loop where numba is installed (one pass over the queries, a group's members marked
-    by its number, so a new group clears nothing); ``group_bounds_reference`` otherwise, and as the
-    oracle of the tests."""
+    A compiled loop (one pass over the queries, a group's members marked by its number, so a new
+    group clears nothing); ``group_bounds_reference`` is the oracle of the tests."""
     rows = past.cpu().numpy()
-    if numba is None or rows.shape[0] == 0:
+    if rows.shape[0] == 0:
         return group_bounds_reference(past, hot, context)
     starts = np.empty(rows.shape[0] + 1, dtype=np.int64)
     count = _group_kernel(rows, hot, context, starts)
@@ -102,14 +97,13 @@ def _group_kernel(rows, hot, context, starts):  # pragma: no cover - compiled
     return count
 
 
-if numba is not None:  # compiled on its first call (or loaded from numba's disk cache)
-    _group_kernel = numba.njit(cache=True, nogil=True)(_group_kernel)
+# compiled on its first call (or loaded from numba's disk cache)
+_group_kernel = numba.njit(cache=True, nogil=True)(_group_kernel)
 
 
 def warm_up() -> None:
     """Compile (or load from numba's disk cache) the grouping loop for int32 top-k rows."""
-    if numba is not None:
-        _group_kernel(np.array([[0, -1], [1, 0]], dtype=np.int32), 2, 2, np.empty(3, dtype=np.int64))
+    _group_kernel(np.array([[0, -1], [1, 0]], dtype=np.int32), 2, 2, np.empty(3, dtype=np.int64))
 
 
 def prefill_swap_rounds(

@@ -53,7 +53,9 @@ def snapshot(args: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def assert_unchanged(args: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
     """No argument, nor the canary memory around it, was written (NaN canaries compare equal)."""
     for name, t in args.items():
-        torch.testing.assert_close(root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed")
+        torch.testing.assert_close(
+            root(t), before[name], rtol=0, atol=0, equal_nan=True, msg=f"{name} changed"
+        )
 
 
 def sentinel(dtype: torch.dtype) -> float | int:

@@ -95,19 +95,40 @@ def build_world(seed: int, *, num_reqs: int, num_steps: int, top_k: int, hot: in
     for b, row in enumerate(req_rows.tolist()):
         cur_len = int(torch.randint(1, max_ctx - num_steps + 1, (1,), generator=g))
         if torch.rand(1, generator=g) < 0.5:  # concentrate around the hot boundary
-            cur_len = max(1, min(max_ctx - num_steps, hot - num_steps + int(torch.randint(0, 4, (1,), generator=g))))
+            cur_len = max(
+                1, min(max_ctx - num_steps, hot - num_steps + int(torch.randint(0, 4, (1,), generator=g)))
+            )
         lens = torch.arange(cur_len, cur_len + num_steps)
         lens[torch.rand(num_steps, generator=g) < p_pad] = 0
         seq_lens[b] = lens
-        tables = _request_tables(g, hot, width, max_ctx, cur_len, bool((lens > hot).any()), dev_slots[row],
-                                 p_no_host, host_slots[row])
+        tables = _request_tables(
+            g,
+            hot,
+            width,
+            max_ctx,
+            cur_len,
+            bool((lens > hot).any()),
+            dev_slots[row],
+            p_no_host,
+            host_slots[row],
+        )
         buffer_tokens[row], buffer_locs[row], lru[row], req_to_host[row] = tables
         for s in range(num_steps):
             top_k_pos[b, s] = _top_k_row(g, top_k, max(int(lens[s]), cur_len), buffer_tokens[row])
     host_full = torch.arange((host_rows + 2 * CANARY) * dim, dtype=torch.float32).view(-1, dim) + 0.5
     device_full = -torch.arange((dev_rows + 2 * CANARY) * dim, dtype=torch.float32).view(-1, dim) - 0.25
-    return World(top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_full,
-                 device_full, hot)
+    return World(
+        top_k_pos,
+        seq_lens,
+        req_rows,
+        buffer_tokens,
+        buffer_locs,
+        lru,
+        req_to_host,
+        host_full,
+        device_full,
+        hot,
+    )
 
 
 @st.composite

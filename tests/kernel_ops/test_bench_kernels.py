@@ -5,11 +5,29 @@ from __future__ import annotations
 from pipeline.benchmarks.kernels import BEGIN, END, markdown, write_docs
 
 REPORT = dict(
-    machine=dict(device="cpu", dtype="float32", torch="x", threads=1, processor="p", cpus=2, load_avg_1min=0.5,
-                 gpu=None),
+    machine=dict(
+        device="cpu",
+        dtype="float32",
+        torch="x",
+        threads=1,
+        processor="p",
+        cpus=2,
+        load_avg_1min=0.5,
+        gpu=None,
+    ),
     copy_bytes_per_s=1e10,
-    results=[dict(op="kv_copy", label="small", shape=dict(layers=1, n=4, host_src=False), impl="torch",
-                  seconds=1e-3, bytes=2**20, bytes_per_s=2**20 / 1e-3, of_copy_bw=0.1)],
+    results=[
+        dict(
+            op="kv_copy",
+            label="small",
+            shape=dict(layers=1, n=4, host_src=False),
+            impl="torch",
+            seconds=1e-3,
+            bytes=2**20,
+            bytes_per_s=2**20 / 1e-3,
+            of_copy_bw=0.1,
+        )
+    ],
 )
 
 

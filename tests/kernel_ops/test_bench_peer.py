@@ -27,9 +27,20 @@ def test_paired_ratio_median_and_range():
 
 def test_report_table(capsys):
     ratio = {"median": 1.5, "min_max": [1.25, 2.0]}
-    row = dict(batch=8, prompt_len=64, hf_tokens_per_s=100.0, plain_tokens_per_s=150.0, spec_tokens_per_s=200.0,
-               hf_ttft_s=0.5, plain_speed_vs_hf=ratio, spec_speed_vs_hf=ratio, plain_ttft_vs_hf=ratio,
-               spec_ttft_vs_hf=ratio, plain_same_tokens_as_hf=True, spec_same_tokens_as_hf=False)
+    row = dict(
+        batch=8,
+        prompt_len=64,
+        hf_tokens_per_s=100.0,
+        plain_tokens_per_s=150.0,
+        spec_tokens_per_s=200.0,
+        hf_ttft_s=0.5,
+        plain_speed_vs_hf=ratio,
+        spec_speed_vs_hf=ratio,
+        plain_ttft_vs_hf=ratio,
+        spec_ttft_vs_hf=ratio,
+        plain_same_tokens_as_hf=True,
+        spec_same_tokens_as_hf=False,
+    )
     args = dict(dtype="float32", hot=64, spec_steps=3, new_tokens=64, repeats=3)
     peer.print_report(dict(model="tiny", machine=dict(threads=1), args=args, rows=[row]))
     out = capsys.readouterr().out
@@ -53,10 +64,25 @@ def test_without_transformers_it_says_how_to_install(monkeypatch, capsys):
 @pytest.mark.slow
 def test_smoke_run_writes_a_report(tmp_path):
     out = tmp_path / "peer.json"
-    args = ["--repeats", "1", "--new-tokens", "2", "--concurrency", "1", "--long-prompt-len", "0", "--out", str(out)]
+    args = [
+        "--repeats",
+        "1",
+        "--new-tokens",
+        "2",
+        "--concurrency",
+        "1",
+        "--long-prompt-len",
+        "0",
+        "--out",
+        str(out),
+    ]
     assert peer.main(args) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert {name: len(row["runs"]["tokens_per_s"][name]) for name in peer.CONFIGS} == {"hf": 1, "plain": 1, "spec": 1}
+    assert {name: len(row["runs"]["tokens_per_s"][name]) for name in peer.CONFIGS} == {
+        "hf": 1,
+        "plain": 1,
+        "spec": 1,
+    }
 
 
 def test_warmup_runs_every_configuration_untimed_first(monkeypatch):
@@ -67,14 +93,24 @@ def test_warmup_runs_every_configuration_untimed_first(monkeypatch):
         def run(*args, **kwargs):
             calls.append(name if name == "hf" else ("spec" if kwargs.get("spec") else "plain"))
             return {"seconds": 1.0 if len(calls) > 3 else 100.0, "outputs": [[1, 2]], "ttft": 0.1}
+
         return run
 
     monkeypatch.setattr(peer, "run_hf", fake("hf"))
     monkeypatch.setattr(peer, "run_engine", fake("engine"))
     args = argparse.Namespace(seed=0, new_tokens=2, repeats=2, warmup=1)
     row = peer.measure(args, None, None, 0, batch=1, prompt_len=8)
-    assert calls[:3] == ["hf", "plain", "spec"] and sorted(calls[3:]) == ["hf", "hf", "plain", "plain", "spec", "spec"]
-    assert row["runs"]["tokens_per_s"] == {name: [2.0, 2.0] for name in peer.CONFIGS}  # the slow warm-up left out
+    assert calls[:3] == ["hf", "plain", "spec"] and sorted(calls[3:]) == [
+        "hf",
+        "hf",
+        "plain",
+        "plain",
+        "spec",
+        "spec",
+    ]
+    assert row["runs"]["tokens_per_s"] == {
+        name: [2.0, 2.0] for name in peer.CONFIGS
+    }  # the slow warm-up left out
 
 
 def test_over_six_repeats_each_configuration_runs_right_after_each_other_equally_often(monkeypatch):
@@ -86,11 +122,14 @@ def test_over_six_repeats_each_configuration_runs_right_after_each_other_equally
         def run(*args, **kwargs):
             calls.append(name if name == "hf" else ("spec" if kwargs.get("spec") else "plain"))
             return {"seconds": 1.0, "outputs": [[1, 2]], "ttft": 0.1}
+
         return run
 
     monkeypatch.setattr(peer, "run_hf", fake("hf"))
     monkeypatch.setattr(peer, "run_engine", fake("engine"))
-    peer.measure(argparse.Namespace(seed=0, new_tokens=2, repeats=6, warmup=0), None, None, 0, batch=1, prompt_len=8)
+    peer.measure(
+        argparse.Namespace(seed=0, new_tokens=2, repeats=6, warmup=0), None, None, 0, batch=1, prompt_len=8
+    )
     repeats = [tuple(calls[i : i + 3]) for i in range(0, 18, 3)]
     assert sorted(repeats) == sorted(itertools.permutations(peer.CONFIGS))
     after = collections.Counter((r[i], r[i + 1]) for r in repeats for i in range(2))

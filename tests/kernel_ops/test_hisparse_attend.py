@@ -24,8 +24,6 @@ from kernels.swap_in import swap_in
 from kernels.swap_in_policy import POLICIES
 from pipeline.model.resident import positions_to_slots
 
-pytestmark = pytest.mark.skipif(not ha.AVAILABLE, reason="numba not installed")
-
 LAYERS, HEADS, LATENT, ROPE, INDEX_HEADS, INDEX_DIM = 2, 2, 4, 2, 2, 3
 DIM = LATENT + ROPE
 
@@ -91,9 +89,20 @@ def _step_by_step(c: dict, top_k: int, steps: int, policy: str):
     top = indexer_topk(c["index_q"], c["index_w"], keys, c["req_to_token"], c["rows"], c["lens"], top_k, 0.7,
                        impl="numba")
     batch = top.shape[0] // steps
-    result = swap_in(top.view(batch, steps, top_k), c["lens"].view(batch, steps), w.req_rows, c["tokens"][layer],
-                     w.buffer_locs, c["lru"][layer], w.req_to_host, c["host"][layer], kv, w.hot, impl="numba",
-                     policy=policy)
+    result = swap_in(
+        top.view(batch, steps, top_k),
+        c["lens"].view(batch, steps),
+        w.req_rows,
+        c["tokens"][layer],
+        w.buffer_locs,
+        c["lru"][layer],
+        w.req_to_host,
+        c["host"][layer],
+        kv,
+        w.hot,
+        impl="numba",
+        policy=policy,
+    )
     out = None
     if result.all_steps_done(steps):
         out = sparse_mla(c["q_latent"], c["q_rope"], kv, result.slots.view(-1, top_k), 0.3, impl="numba")
@@ -102,11 +111,29 @@ def _step_by_step(c: dict, top_k: int, steps: int, policy: str):
 
 def _one_call(c: dict, top_k: int, steps: int, policy: str):
     w = c["world"]
-    pools = ha.Pools(c["kv"], c["keys"], c["tokens"], w.buffer_locs, c["lru"], c["host"], c["req_to_token"],
-                     w.req_to_host)
-    return ha.attend(pools, c["layer"], c["write_slots"], c["kv_rows"], c["write_locs"], c["index_k"],
-                     c["index_q"], c["index_w"], c["rows"], c["lens"], 0.7, top_k, steps, w.hot, policy,
-                     c["q_latent"], c["q_rope"], 0.3)
+    pools = ha.Pools(
+        c["kv"], c["keys"], c["tokens"], w.buffer_locs, c["lru"], c["host"], c["req_to_token"], w.req_to_host
+    )
+    return ha.attend(
+        pools,
+        c["layer"],
+        c["write_slots"],
+        c["kv_rows"],
+        c["write_locs"],
+        c["index_k"],
+        c["index_q"],
+        c["index_w"],
+        c["rows"],
+        c["lens"],
+        0.7,
+        top_k,
+        steps,
+        w.hot,
+        policy,
+        c["q_latent"],
+        c["q_rope"],
+        0.3,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -122,8 +149,9 @@ def _one_call(c: dict, top_k: int, steps: int, policy: str):
 )
 def test_one_call_equals_the_steps(seed, num_reqs, num_steps, hot, top_k, extra, p_no_host, policy):
     top_k = min(top_k, hot)
-    case = _case(seed, num_reqs=num_reqs, num_steps=num_steps, top_k=top_k, hot=hot, extra=extra,
-                 p_no_host=p_no_host)
+    case = _case(
+        seed, num_reqs=num_reqs, num_steps=num_steps, top_k=top_k, hot=hot, extra=extra, p_no_host=p_no_host
+    )
     expected_case, got_case = _clone(case), _clone(case)
     out_a, top_a, res_a = _step_by_step(expected_case, top_k, num_steps, policy)
     out_b, top_b, res_b = _one_call(got_case, top_k, num_steps, policy)
@@ -166,7 +194,11 @@ def _resident_case(seed: int, *, num_tokens: int, top_k: int):
     return dict(
         kv=torch.randn(LAYERS, rows_total, DIM, generator=g),
         keys=torch.randn(LAYERS, rows_total, INDEX_DIM, generator=g),
-        table=table, rows=rows, lens=lens, locs=locs, layer=int(torch.randint(0, LAYERS, (1,), generator=g)),
+        table=table,
+        rows=rows,
+        lens=lens,
+        locs=locs,
+        layer=int(torch.randint(0, LAYERS, (1,), generator=g)),
         **_layer_inputs(num_tokens, g),
     )
 
@@ -174,18 +206,49 @@ def _resident_case(seed: int, *, num_tokens: int, top_k: int):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), num_tokens=st.integers(1, 8), top_k=st.integers(1, 20))
 def test_resident_one_call_equals_the_steps(seed, num_tokens, top_k):
-    a, b = _resident_case(seed, num_tokens=num_tokens, top_k=top_k), _resident_case(seed, num_tokens=num_tokens,
-                                                                                     top_k=top_k)
+    a, b = (
+        _resident_case(seed, num_tokens=num_tokens, top_k=top_k),
+        _resident_case(seed, num_tokens=num_tokens, top_k=top_k),
+    )
     layer = a["layer"]
     a["kv"][layer][a["locs"]] = a["kv_rows"]
     a["keys"][layer][a["locs"]] = a["index_k"]
-    top = indexer_topk(a["index_q"], a["index_w"], a["keys"][layer], a["table"], a["rows"], a["lens"], top_k, 0.7,
-                       impl="numba")
-    out = sparse_mla(a["q_latent"], a["q_rope"], a["kv"][layer], positions_to_slots(top, a["table"], a["rows"]),
-                     0.3, impl="numba")
+    top = indexer_topk(
+        a["index_q"],
+        a["index_w"],
+        a["keys"][layer],
+        a["table"],
+        a["rows"],
+        a["lens"],
+        top_k,
+        0.7,
+        impl="numba",
+    )
+    out = sparse_mla(
+        a["q_latent"],
+        a["q_rope"],
+        a["kv"][layer],
+        positions_to_slots(top, a["table"], a["rows"]),
+        0.3,
+        impl="numba",
+    )
     got, got_top = ha.attend_resident(
-        b["kv"].numpy(), b["keys"].numpy(), layer, b["locs"], b["kv_rows"], b["index_k"], b["index_q"],
-        b["index_w"], b["table"], b["rows"], b["lens"], 0.7, top_k, b["q_latent"], b["q_rope"], 0.3,
+        b["kv"].numpy(),
+        b["keys"].numpy(),
+        layer,
+        b["locs"],
+        b["kv_rows"],
+        b["index_k"],
+        b["index_q"],
+        b["index_w"],
+        b["table"],
+        b["rows"],
+        b["lens"],
+        0.7,
+        top_k,
+        b["q_latent"],
+        b["q_rope"],
+        0.3,
     )
     assert torch.equal(top, got_top)
     assert torch.equal(out, got)
@@ -200,7 +263,9 @@ def test_fits_only_cpu_tensors_of_one_float_dtype_and_small_shapes():
     assert not ha.fits(q.half(), kv.half(), keys.half(), iq.half(), kv.half(), 64)  # not float32/64
     assert not ha.fits(q, kv, keys, iq, kv.double(), 64)  # the host rows in another dtype
     assert not ha.fits(q, kv, keys, torch.zeros(1, 64, 32), kv, 64)  # an indexer the matmuls serve better
-    assert not ha.fits(torch.zeros(1, 128, 64), torch.zeros(1, 8, 1088), keys, iq, torch.zeros(1, 8, 1088), 2048)
+    assert not ha.fits(
+        torch.zeros(1, 128, 64), torch.zeros(1, 8, 1088), keys, iq, torch.zeros(1, 8, 1088), 2048
+    )
 
 
 def test_warm_up_compiles_both_calls():

@@ -31,13 +31,19 @@ def make_case(seed, *, tokens=4, heads=3, dim=8, n_reqs=3, max_ctx=40, rows=60, 
     g = torch.Generator().manual_seed(seed)
 
     def draw(*shape):
-        x = torch.randint(-2, 3, shape, generator=g).double() if integer else torch.randn(*shape, generator=g).double()
+        x = (
+            torch.randint(-2, 3, shape, generator=g).double()
+            if integer
+            else torch.randn(*shape, generator=g).double()
+        )
         return x.to(dtype)
 
     keys_full = torch.full((rows + 2 * CANARY, dim), BIG, dtype=dtype)
     keys_full[CANARY:-CANARY] = draw(rows, dim)
     req_rows = torch.randint(0, n_reqs, (tokens,), generator=g)
-    seq_lens = torch.tensor(lens) if lens is not None else torch.randint(0, max_ctx + 1, (tokens,), generator=g)
+    seq_lens = (
+        torch.tensor(lens) if lens is not None else torch.randint(0, max_ctx + 1, (tokens,), generator=g)
+    )
     req_to_token = torch.randint(0, rows, (n_reqs, max_ctx), generator=g)
     pos = torch.arange(max_ctx)
     for t in range(tokens):  # junk beyond each query's window must never be read
@@ -45,8 +51,14 @@ def make_case(seed, *, tokens=4, heads=3, dim=8, n_reqs=3, max_ctx=40, rows=60, 
         beyond = invisible & (pos >= seq_lens[req_rows == req_rows[t]].max())
         req_to_token[req_rows[t], beyond] = 10**9
     w = torch.zeros(tokens, heads, dtype=dtype) if zero_weights else draw(tokens, heads)
-    return dict(index_q=draw(tokens, heads, dim), index_w=w, index_k=keys_full[CANARY:-CANARY],
-                req_to_token=req_to_token, req_rows=req_rows, seq_lens=seq_lens)
+    return dict(
+        index_q=draw(tokens, heads, dim),
+        index_w=w,
+        index_k=keys_full[CANARY:-CANARY],
+        req_to_token=req_to_token,
+        req_rows=req_rows,
+        seq_lens=seq_lens,
+    )
 
 
 def dense_oracle(case, top_k, scale):
@@ -74,8 +86,15 @@ def test_reference_equals_dense_oracle_float64(seed, top_k, heads, dim):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 40), n_reqs=st.integers(1, 4), top_k=st.integers(1, 45),
-       heads=st.integers(1, 4), dim=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.float64]))
+@given(
+    seed=st.integers(0, 10**6),
+    tokens=st.integers(1, 40),
+    n_reqs=st.integers(1, 4),
+    top_k=st.integers(1, 45),
+    heads=st.integers(1, 4),
+    dim=st.integers(1, 9),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
 def test_matmul_reference_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, heads, dim, dtype):
     # small integers: every product and sum is exact, so the scores (and their many ties) agree
     # bit for bit whatever the summation order; requests of different lengths share the batch, and
@@ -99,11 +118,22 @@ def test_matmul_reference_chunks_a_long_prompt(monkeypatch):
     assert chunks == [2] * (tokens // 2)
 
 
-@pytest.mark.parametrize(("sizes", "lens", "grouped"), [
-    ((12, 12, 12), [30] * 12 + [25] * 12 + [40] * 12, True),  # prompts of similar sizes: one batched matmul
-    ((12, 12, 12), [40] * 12 + [2] * 24, False),  # padding short prompts to a long one's positions would not pay
-    ((9, 40, 9), [40] * 58, False),  # nor padding 9 queries to 40
-])
+@pytest.mark.parametrize(
+    ("sizes", "lens", "grouped"),
+    [
+        (
+            (12, 12, 12),
+            [30] * 12 + [25] * 12 + [40] * 12,
+            True,
+        ),  # prompts of similar sizes: one batched matmul
+        (
+            (12, 12, 12),
+            [40] * 12 + [2] * 24,
+            False,
+        ),  # padding short prompts to a long one's positions would not pay
+        ((9, 40, 9), [40] * 58, False),  # nor padding 9 queries to 40
+    ],
+)
 def test_prompts_of_similar_sizes_are_scored_together(sizes, lens, grouped, monkeypatch):
     """Several requests with many queries each (a batch of prompts) take one grouped matmul when
     padding them to one shape at most doubles the dots, and ``_request_topk`` per request otherwise;
@@ -149,8 +179,13 @@ def _tied_scores(seed: int, rows: int, n: int) -> torch.Tensor:
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 10**6), rows=st.integers(0, 6), n=st.integers(0, 70), top_k=st.integers(1, 80),
-       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]))
+@given(
+    seed=st.integers(0, 10**6),
+    rows=st.integers(0, 6),
+    n=st.integers(0, 70),
+    top_k=st.integers(1, 80),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+)
 def test_topk_positions_equals_the_stable_sort(seed, rows, n, top_k, dtype):
     scores = _tied_scores(seed, rows, n).to(dtype)
     assert torch.equal(topk_positions(scores, top_k), stable_topk_positions(scores, top_k))
@@ -176,13 +211,18 @@ def test_reference_float32_scores_close_to_float64():
 
 
 IMPLS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.interpreter)]
-needs_numba = pytest.mark.skipif(not indexer_topk_numba.AVAILABLE, reason="numba is not installed")
 
 
-@needs_numba
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 40), n_reqs=st.integers(1, 4), top_k=st.integers(1, 45),
-       heads=st.integers(1, 4), dim=st.integers(1, 9), dtype=st.sampled_from([torch.float32, torch.float64]))
+@given(
+    seed=st.integers(0, 10**6),
+    tokens=st.integers(1, 40),
+    n_reqs=st.integers(1, 4),
+    top_k=st.integers(1, 45),
+    heads=st.integers(1, 4),
+    dim=st.integers(1, 9),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
 def test_compiled_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, heads, dim, dtype):
     # the heap selection against the stable sort, on exact (heavily tied) scores, rows shorter than
     # top_k, requests of different lengths in one call; junk table entries past each window unread
@@ -192,10 +232,14 @@ def test_compiled_equals_oracle_on_exact_inputs(seed, tokens, n_reqs, top_k, hea
     assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="auto"), want)
 
 
-@needs_numba
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), n_reqs=st.integers(1, 5), steps=st.integers(1, 5), top_k=st.integers(1, 30),
-       dtype=st.sampled_from([torch.float32, torch.float64]))
+@given(
+    seed=st.integers(0, 10**6),
+    n_reqs=st.integers(1, 5),
+    steps=st.integers(1, 5),
+    top_k=st.integers(1, 30),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
 def test_compiled_verify_runs_equal_oracle(seed, n_reqs, steps, top_k, dtype):
     # verify shapes: each request's queries consecutive, seeing one more position each (a run shares
     # its key blocks), requests of different lengths, some queries seeing nothing (padding steps)
@@ -210,15 +254,15 @@ def test_compiled_verify_runs_equal_oracle(seed, n_reqs, steps, top_k, dtype):
     assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), want)
 
 
-@needs_numba
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6), top_k=st.integers(1, 24), heads=st.integers(1, 4), dim=st.integers(1, 9))
 def test_compiled_equals_dense_oracle_float64(seed, top_k, heads, dim):
     case = make_case(seed, heads=heads, dim=dim, dtype=torch.float64, integer=seed % 2 == 0)
-    assert torch.equal(indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), dense_oracle(case, top_k, 0.5))
+    assert torch.equal(
+        indexer_topk(**case, top_k=top_k, scale=0.5, impl="numba"), dense_oracle(case, top_k, 0.5)
+    )
 
 
-@needs_numba
 def test_compiled_close_to_oracle_on_random_inputs_and_strided_keys():
     case = make_case(8, tokens=24, n_reqs=5, heads=4, dim=16, integer=False, max_ctx=300, rows=400)
     want = indexer_topk_oracle(**case, top_k=12, scale=0.3)
@@ -226,25 +270,32 @@ def test_compiled_close_to_oracle_on_random_inputs_and_strided_keys():
     assert (got == want).float().mean() > 0.99  # equal but where two scores lie within rounding
     wide = torch.full((case["index_k"].shape[0], 40), BIG)  # keys in rows of a wider tensor
     wide[:, :16] = case["index_k"]
-    assert torch.equal(indexer_topk(**{**case, "index_k": wide[:, :16]}, top_k=12, scale=0.3, impl="numba"), got)
+    assert torch.equal(
+        indexer_topk(**{**case, "index_k": wide[:, :16]}, top_k=12, scale=0.3, impl="numba"), got
+    )
 
 
-@needs_numba
 def test_compiled_heap_keeps_order_through_every_kind_of_entry():
     # one long row: distinct values arriving in every order, runs of equal values, -0.0 beside 0.0;
     # the heap must come out as the stable descending sort of the whole row
     g = torch.Generator().manual_seed(3)
     n = 500
-    keys = torch.randint(-3, 4, (n, 1), generator=g).double() * torch.rand(n, 1, generator=g).round(decimals=1)
-    case = dict(index_q=torch.ones(1, 1, 1, dtype=torch.float64), index_w=-torch.ones(1, 1, dtype=torch.float64),
-                index_k=keys, req_to_token=torch.randperm(n, generator=g)[None], req_rows=torch.tensor([0]),
-                seq_lens=torch.tensor([n]))
+    keys = torch.randint(-3, 4, (n, 1), generator=g).double() * torch.rand(n, 1, generator=g).round(
+        decimals=1
+    )
+    case = dict(
+        index_q=torch.ones(1, 1, 1, dtype=torch.float64),
+        index_w=-torch.ones(1, 1, dtype=torch.float64),
+        index_k=keys,
+        req_to_token=torch.randperm(n, generator=g)[None],
+        req_rows=torch.tensor([0]),
+        seq_lens=torch.tensor([n]),
+    )
     for top_k in (1, 2, 7, 64, 499, 500, 600):
         want = indexer_topk_oracle(**case, top_k=top_k, scale=1.0)
         assert torch.equal(indexer_topk(**case, top_k=top_k, scale=1.0, impl="numba"), want)
 
 
-@needs_numba
 def test_auto_sends_few_queries_and_short_contexts_to_the_compiled_loop(monkeypatch):
     """Decode and verify queries go to the compiled loop, and so does a prefill whose queries see at
     most ``prefill_context`` positions; a longer prefill goes to the matmuls. The oracle's selection
@@ -252,30 +303,49 @@ def test_auto_sends_few_queries_and_short_contexts_to_the_compiled_loop(monkeypa
     module = importlib.import_module("kernels.indexer_topk")
     calls = []
     compiled = indexer_topk_numba.indexer_topk_numba
-    monkeypatch.setattr(indexer_topk_numba, "indexer_topk_numba",
-                        lambda q, *a: calls.append(("numba", q.shape[0])) or compiled(q, *a))
+    monkeypatch.setattr(
+        indexer_topk_numba,
+        "indexer_topk_numba",
+        lambda q, *a: calls.append(("numba", q.shape[0])) or compiled(q, *a),
+    )
     request = module._request_topk
-    monkeypatch.setattr(module, "_request_topk", lambda q, *a: calls.append(("matmul", q.shape[0])) or request(q, *a))
+    monkeypatch.setattr(
+        module, "_request_topk", lambda q, *a: calls.append(("matmul", q.shape[0])) or request(q, *a)
+    )
     heads, dim = 2, 4
     monkeypatch.setattr(indexer_topk_numba, "PREFILL_DOTS", 30 * heads * dim)  # prefill_context: 30
     assert indexer_topk_numba.prefill_context(heads, dim) == 30
     many = MATMUL_MIN_QUERIES + 3
     # a prefill of one request (row 0) beside three decode queries and a two-step verify
-    case = make_case(2, tokens=many + 5, n_reqs=4, heads=heads, dim=dim, max_ctx=40,
-                     lens=[*range(30, 30 + many), 7, 40, 12, 13, 8])
+    case = make_case(
+        2,
+        tokens=many + 5,
+        n_reqs=4,
+        heads=heads,
+        dim=dim,
+        max_ctx=40,
+        lens=[*range(30, 30 + many), 7, 40, 12, 13, 8],
+    )
     case["req_rows"] = torch.tensor([0] * many + [1, 2, 3, 3, 1])
-    case["req_to_token"] = torch.randint(0, case["index_k"].shape[0], (4, 40), generator=torch.Generator().manual_seed(0))
+    case["req_to_token"] = torch.randint(
+        0, case["index_k"].shape[0], (4, 40), generator=torch.Generator().manual_seed(0)
+    )
     want = indexer_topk_oracle(**case, top_k=9, scale=0.5)
     assert torch.equal(indexer_topk(**case, top_k=9, scale=0.5), want)
     assert calls == [("numba", 5), ("matmul", many)]  # the prefill's last queries see 31 and more
     calls.clear()
     short = {**case, "seq_lens": torch.tensor([*range(20, 20 + many), 7, 30, 12, 13, 8])}
-    assert torch.equal(indexer_topk(**short, top_k=9, scale=0.5), indexer_topk_oracle(**short, top_k=9, scale=0.5))
+    assert torch.equal(
+        indexer_topk(**short, top_k=9, scale=0.5), indexer_topk_oracle(**short, top_k=9, scale=0.5)
+    )
     assert calls == [("numba", many + 5)]  # every query sees 30 or fewer: one compiled call
     calls.clear()
     # two prefills, a short one (row 0) and a long one (row 2): each where its context sends it
-    mixed = {**case, "req_rows": torch.tensor([0] * many + [2] * 5),
-             "seq_lens": torch.tensor([*range(10, 10 + many), 36, 37, 38, 39, 40])}
+    mixed = {
+        **case,
+        "req_rows": torch.tensor([0] * many + [2] * 5),
+        "seq_lens": torch.tensor([*range(10, 10 + many), 36, 37, 38, 39, 40]),
+    }
     got = indexer_topk(**mixed, top_k=9, scale=0.5)
     assert torch.equal(got, indexer_topk_oracle(**mixed, top_k=9, scale=0.5))
     assert calls == [("numba", many + 5)]  # the long one has only 5 queries: few, compiled too
@@ -288,9 +358,17 @@ def test_auto_sends_few_queries_and_short_contexts_to_the_compiled_loop(monkeypa
     calls.clear()
     decode = {**case, **{k: case[k][many:] for k in ("index_q", "index_w", "req_rows", "seq_lens")}}
     indexer_topk(**decode, top_k=9, scale=0.5)  # decode and verify only: one compiled call
-    indexer_topk(**{k: v[:1] if k in ("index_q", "index_w", "req_rows", "seq_lens") else v for k, v in case.items()},
-                 top_k=9, scale=0.5)  # a batch of one
-    half = {**case, "index_q": case["index_q"].half(), "index_w": case["index_w"].half(), "index_k": case["index_k"].half()}
+    indexer_topk(
+        **{k: v[:1] if k in ("index_q", "index_w", "req_rows", "seq_lens") else v for k, v in case.items()},
+        top_k=9,
+        scale=0.5,
+    )  # a batch of one
+    half = {
+        **case,
+        "index_q": case["index_q"].half(),
+        "index_w": case["index_w"].half(),
+        "index_k": case["index_k"].half(),
+    }
     indexer_topk(**half, top_k=9, scale=0.5)  # float16: the torch path
     assert calls == [("numba", 5), ("numba", 1), ("matmul", many)]
     with pytest.raises(ValueError, match="numba"):
@@ -317,8 +395,12 @@ def test_many_exact_ties_follow_contract(impl, dtype):
 
 @pytest.mark.interpreter
 @settings(max_examples=15, deadline=None)
-@given(seed=st.integers(0, 10**6), top_k=st.integers(1, 40), heads=st.integers(1, 5),
-       dtype=st.sampled_from([torch.float32, torch.float16]))
+@given(
+    seed=st.integers(0, 10**6),
+    top_k=st.integers(1, 40),
+    heads=st.integers(1, 5),
+    dtype=st.sampled_from([torch.float32, torch.float16]),
+)
 def test_triton_equals_reference_on_exact_inputs(seed, top_k, heads, dtype):
     case = make_case(seed, heads=heads, dtype=dtype)
     ref = indexer_topk(**case, top_k=top_k, scale=0.25, impl="torch")
@@ -341,8 +423,32 @@ def test_triton_scores_close_on_random_inputs():
 def test_triton_selection_ties_negative_zero_with_zero():
     from kernels.indexer_topk_triton import select_topk_triton
 
-    scores = torch.tensor([[0.0, -0.0, 1.0, -0.0, 0.0, -1.0, -0.5, 2.0, 0.0, -2.0, 0.0, 0.0, 3.0, 0.0, -0.0, 0.0,
-                            5.0, -0.0, 0.0, 0.5]])
+    scores = torch.tensor(
+        [
+            [
+                0.0,
+                -0.0,
+                1.0,
+                -0.0,
+                0.0,
+                -1.0,
+                -0.5,
+                2.0,
+                0.0,
+                -2.0,
+                0.0,
+                0.0,
+                3.0,
+                0.0,
+                -0.0,
+                0.0,
+                5.0,
+                -0.0,
+                0.0,
+                0.5,
+            ]
+        ]
+    )
     lens = torch.tensor([19])
     want = stable_topk_positions(scores[:, :19], 20)
     assert torch.equal(select_topk_triton(scores, lens, 20), want)
@@ -350,9 +456,14 @@ def test_triton_selection_ties_negative_zero_with_zero():
 
 def test_wrapper_rejects_bad_arguments():
     case = make_case(0)
-    for name, bad in [("index_q", case["index_q"][0]), ("index_w", case["index_w"][:, :1]),
-                      ("index_k", case["index_k"][:, :3]), ("req_rows", case["req_rows"].int()),
-                      ("seq_lens", case["seq_lens"][:2]), ("req_to_token", case["req_to_token"].float())]:
+    for name, bad in [
+        ("index_q", case["index_q"][0]),
+        ("index_w", case["index_w"][:, :1]),
+        ("index_k", case["index_k"][:, :3]),
+        ("req_rows", case["req_rows"].int()),
+        ("seq_lens", case["seq_lens"][:2]),
+        ("req_to_token", case["req_to_token"].float()),
+    ]:
         with pytest.raises(ValueError, match=name):
             indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, impl="torch")
     with pytest.raises(ValueError, match="top_k"):
@@ -367,9 +478,11 @@ def test_wrapper_validates_the_values_the_kernel_trusts():
     case = make_case(0)
     rows, max_ctx = case["req_to_token"].shape
     indexer_topk(**case, top_k=4, scale=1.0, validate=True)  # a valid case passes
-    for name, bad in [("req_rows", torch.full_like(case["req_rows"], rows)),
-                      ("seq_lens", torch.full_like(case["seq_lens"], max_ctx + 1)),
-                      ("seq_lens", torch.full_like(case["seq_lens"], -1))]:
+    for name, bad in [
+        ("req_rows", torch.full_like(case["req_rows"], rows)),
+        ("seq_lens", torch.full_like(case["seq_lens"], max_ctx + 1)),
+        ("seq_lens", torch.full_like(case["seq_lens"], -1)),
+    ]:
         with pytest.raises(ValueError, match=name):
             indexer_topk(**{**case, name: bad}, top_k=4, scale=1.0, validate=True)
     with pytest.raises(ValueError, match="max_seq_len"):
@@ -474,28 +587,32 @@ def test_warm_up_compiles_the_loops_of_a_cpu_run_and_nothing_elsewhere(monkeypat
 
     narrow = dict(index_heads=4, index_dim=32)
     kernels.warm_up(torch.device("cpu"), torch.float64, **narrow, swap_in=True)
-    if indexer_topk_numba.AVAILABLE:
-        assert any(sig[0].dtype.name == "float64" for sig in indexer_topk_numba._kernel.signatures)
+    assert any(sig[0].dtype.name == "float64" for sig in indexer_topk_numba._kernel.signatures)
     called = []
     monkeypatch.setattr(indexer_topk_numba, "warm_up", called.append)
     monkeypatch.setattr(swap_in_numba, "warm_up", lambda: called.append("swap_in"))
     kernels.warm_up(torch.device("cuda"), torch.float32, **narrow, swap_in=True)  # not a CPU run: nothing
     kernels.warm_up("cpu", torch.bfloat16, **narrow, swap_in=False)  # the loop skips bfloat16 itself
-    kernels.warm_up("cpu", torch.float32, index_heads=64, index_dim=128, swap_in=True)  # auto keeps it on torch
+    kernels.warm_up(
+        "cpu", torch.float32, index_heads=64, index_dim=128, swap_in=True
+    )  # auto keeps it on torch
     assert called == [torch.bfloat16, "swap_in"]
 
 
-@needs_numba
 def test_auto_keeps_wide_indexers_on_the_torch_path(monkeypatch):
     # past MAX_HEAD_DIMS head x dim products per key BLAS does the dots faster than the loop
     calls = []
     compiled = indexer_topk_numba.indexer_topk_numba
-    monkeypatch.setattr(indexer_topk_numba, "indexer_topk_numba", lambda q, *a: calls.append(q.shape) or compiled(q, *a))
+    monkeypatch.setattr(
+        indexer_topk_numba, "indexer_topk_numba", lambda q, *a: calls.append(q.shape) or compiled(q, *a)
+    )
     narrow = make_case(3, tokens=4, n_reqs=4, heads=4, dim=8)
     wide_dim = indexer_topk_numba.MAX_HEAD_DIMS // 4 + 1
     wide = make_case(3, tokens=4, n_reqs=4, heads=4, dim=wide_dim)
     for case in (narrow, wide):
-        assert torch.equal(indexer_topk(**case, top_k=6, scale=0.5), indexer_topk_oracle(**case, top_k=6, scale=0.5))
+        assert torch.equal(
+            indexer_topk(**case, top_k=6, scale=0.5), indexer_topk_oracle(**case, top_k=6, scale=0.5)
+        )
     assert calls == [(4, 4, 8)]
 
 

@@ -126,8 +126,6 @@ def test_bad_tensors_rejected():
 def test_auto_on_cpu_runs_the_compiled_loop(monkeypatch, index_dtype):
     from kernels import kv_copy_numba
 
-    if not kv_copy_numba.AVAILABLE:
-        pytest.skip("numba is not installed")
     calls = []
     compiled = kv_copy_numba.copy_rows_numba
     monkeypatch.setattr(kv_copy_numba, "copy_rows_numba", lambda *a: calls.append(1) or compiled(*a))

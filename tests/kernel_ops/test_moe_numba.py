@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import moe_numba
-
-pytestmark = pytest.mark.skipif(not moe_numba.AVAILABLE, reason="numba not installed")
 
 
 def _reference(x, ids, weights, gate_up, down, shared_gate_up=None, shared_down=None):
@@ -30,17 +27,28 @@ def _reference(x, ids, weights, gate_up, down, shared_gate_up=None, shared_down=
 @given(seed=st.integers(0, 10**6), tokens=st.integers(0, moe_numba.MAX_TOKENS), experts=st.integers(1, 6),
        k=st.integers(1, 3), dim=st.integers(1, 40), inner=st.integers(1, 24), shared=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.float64]))
-def test_equals_the_module_arithmetic_and_each_token_is_its_own(seed, tokens, experts, k, dim, inner, shared, dtype):
+def test_equals_the_module_arithmetic_and_each_token_is_its_own(
+    seed, tokens, experts, k, dim, inner, shared, dtype
+):
     k = min(k, experts)
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, dim, generator=g).to(dtype)
     gate_up = (torch.randn(experts, 2 * inner, dim, generator=g) / dim**0.5).to(dtype)
     down = (torch.randn(experts, dim, inner, generator=g) / inner**0.5).to(dtype)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]) if tokens else \
-        torch.zeros(0, k, dtype=torch.int64)
+    ids = (
+        torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)])
+        if tokens
+        else torch.zeros(0, k, dtype=torch.int64)
+    )
     weights = torch.rand(tokens, k, generator=g).to(dtype)
-    extra = ((torch.randn(2 * inner, dim, generator=g) / dim**0.5).to(dtype),
-             (torch.randn(dim, inner, generator=g) / inner**0.5).to(dtype)) if shared else ()
+    extra = (
+        (
+            (torch.randn(2 * inner, dim, generator=g) / dim**0.5).to(dtype),
+            (torch.randn(dim, inner, generator=g) / inner**0.5).to(dtype),
+        )
+        if shared
+        else ()
+    )
     assert moe_numba.fits(x, gate_up, down, weights)
     got = moe_numba.moe(x, ids, weights, gate_up, down, *extra)
     tol = 1e-5 if dtype == torch.float32 else 1e-12

@@ -9,8 +9,6 @@ from hypothesis import strategies as st
 
 from kernels import small_ops_numba as so
 
-pytestmark = pytest.mark.skipif(not so.AVAILABLE, reason="numba not installed")
-
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 10**6), rows=st.integers(0, 9), dim=st.integers(1, 300), strided=st.booleans(),
@@ -76,12 +74,20 @@ def test_training_norm_records_the_gradient():
     norm(x).sum().backward()
     assert x.grad is not None and norm.weight.grad is not None
     with torch.no_grad():
-        torch.testing.assert_close(norm(x), torch.rms_norm(x, (4,), norm.weight, norm.eps), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            norm(x), torch.rms_norm(x, (4,), norm.weight, norm.eps), rtol=1e-6, atol=1e-6
+        )
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10**6), rows=st.integers(0, 5), dim=st.integers(1, 64), strided=st.booleans(),
-       lead=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]))
+@given(
+    seed=st.integers(0, 10**6),
+    rows=st.integers(0, 5),
+    dim=st.integers(1, 64),
+    strided=st.booleans(),
+    lead=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
 def test_compiled_norm_is_rms_norm_bit_for_bit(seed, rows, dim, strided, lead, dtype):
     """The weight's handle runs the same loop on the same arrays as ``rms_norm``."""
     g = torch.Generator().manual_seed(seed)
@@ -108,8 +114,14 @@ def test_compiled_norm_knows_what_it_cannot_take():
 
 
 @settings(max_examples=20, deadline=None)
-@given(seed=st.integers(0, 10**6), tokens=st.integers(0, 4), heads=st.integers(1, 5), half=st.integers(1, 8),
-       interleaved=st.booleans(), strided=st.booleans())
+@given(
+    seed=st.integers(0, 10**6),
+    tokens=st.integers(0, 4),
+    heads=st.integers(1, 5),
+    half=st.integers(1, 8),
+    interleaved=st.booleans(),
+    strided=st.booleans(),
+)
 def test_rotate_with_tables_is_rotate(seed, tokens, heads, half, interleaved, strided):
     g = torch.Generator().manual_seed(seed)
     full = torch.randn(tokens, heads + 2, 2 * half, generator=g)

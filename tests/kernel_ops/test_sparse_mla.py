@@ -55,7 +55,9 @@ def test_reference_equals_dense_float64(seed, heads, top_k, p_masked):
 def test_reference_float32_close_and_low_precision_computed_in_float32():
     case = make_case(4)
     want = dense_restricted(case, 0.2)
-    torch.testing.assert_close(sparse_mla(**case, scale=0.2, impl="torch").double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        sparse_mla(**case, scale=0.2, impl="torch").double(), want, rtol=1e-5, atol=1e-5
+    )
     half = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in case.items()}
     out = sparse_mla(**half, scale=0.2, impl="torch")
     assert out.dtype == torch.bfloat16
@@ -75,7 +77,11 @@ def test_all_masked_query_gives_zeros(impl):
     ("dtype", "tol", "shape"),
     [
         (torch.float32, 1e-5, dict(heads=5, top_k=40)),
-        (torch.float32, 1e-5, dict(heads=20, top_k=70, rows=90, latent=32, rope=16)),  # 2 head blocks, 2 slot blocks
+        (
+            torch.float32,
+            1e-5,
+            dict(heads=20, top_k=70, rows=90, latent=32, rope=16),
+        ),  # 2 head blocks, 2 slot blocks
         (torch.float16, 2e-3, dict(heads=3, top_k=17, latent=20, rope=4)),
         (torch.float32, 1e-5, dict(heads=4, top_k=9, slot_dtype=torch.int32, p_masked=0.6)),
     ],
@@ -90,9 +96,13 @@ def test_triton_equals_reference(dtype, tol, shape):
 
 def test_wrapper_rejects_bad_arguments():
     case = make_case(0)
-    for name, bad in [("q_latent", case["q_latent"][0]), ("q_rope", case["q_rope"].double()),
-                      ("kv", case["kv"][:, :10]), ("slots", case["slots"].float()),
-                      ("slots", case["slots"][:1])]:
+    for name, bad in [
+        ("q_latent", case["q_latent"][0]),
+        ("q_rope", case["q_rope"].double()),
+        ("kv", case["kv"][:, :10]),
+        ("slots", case["slots"].float()),
+        ("slots", case["slots"][:1]),
+    ]:
         with pytest.raises(ValueError, match=name):
             sparse_mla(**{**case, name: bad}, scale=1.0, impl="torch")
     case["slots"][0, 0] = case["kv"].shape[0]
@@ -145,7 +155,9 @@ def test_triton_touches_nothing_outside_its_buffers(fill, heads, monkeypatch):
     assert got.shape == (3, heads, 20) and bool(torch.isfinite(got).all())
     assert not got[2].any(), "an all-masked query gives zeros"
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sparse_mla(**args, scale=0.3, impl="torch").double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        sparse_mla(**args, scale=0.3, impl="torch").double(), want, rtol=1e-5, atol=1e-5
+    )
     assert_unchanged(args, before)
 
 
@@ -183,22 +195,30 @@ def test_wrapper_rejects_a_bad_layout_naming_the_argument(name, kind, breaks, sa
 
 # --- the compiled CPU loop (kernels/sparse_mla_numba.py) ----------------------------------------
 
-numba_only = pytest.mark.skipif(
-    not __import__("kernels.sparse_mla_numba", fromlist=["AVAILABLE"]).AVAILABLE, reason="numba not installed"
-)
 
-
-@numba_only
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10**6), tokens=st.integers(1, 6), heads=st.integers(1, 6), top_k=st.integers(1, 50),
-       p_masked=st.sampled_from([0.0, 0.3, 1.0]), slot_dtype=st.sampled_from([torch.int32, torch.int64]),
-       duplicates=st.booleans())
+@given(
+    seed=st.integers(0, 10**6),
+    tokens=st.integers(1, 6),
+    heads=st.integers(1, 6),
+    top_k=st.integers(1, 50),
+    p_masked=st.sampled_from([0.0, 0.3, 1.0]),
+    slot_dtype=st.sampled_from([torch.int32, torch.int64]),
+    duplicates=st.booleans(),
+)
 def test_numba_equals_reference(seed, tokens, heads, top_k, p_masked, slot_dtype, duplicates):
     """Float64 to rounding, float32 within the reference's own error; masked slots, all-masked
     queries (zeros), duplicated slots (each copy counts, as in the reference)."""
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
-        case = make_case(seed, tokens=tokens, heads=heads, top_k=top_k, dtype=dtype, p_masked=p_masked,
-                         slot_dtype=slot_dtype)
+        case = make_case(
+            seed,
+            tokens=tokens,
+            heads=heads,
+            top_k=top_k,
+            dtype=dtype,
+            p_masked=p_masked,
+            slot_dtype=slot_dtype,
+        )
         if duplicates and top_k > 1:
             case["slots"][:, -1] = case["slots"][:, 0]
         got = sparse_mla(**case, scale=0.2, impl="numba", validate=True)
@@ -208,7 +228,6 @@ def test_numba_equals_reference(seed, tokens, heads, top_k, p_masked, slot_dtype
         assert not got[(case["slots"] < 0).all(dim=1)].any()  # an all-masked query gives zeros
 
 
-@numba_only
 @pytest.mark.parametrize("impl", ["numba", "auto"])
 def test_numba_slot_past_the_rows_raises(impl):
     """Without ``validate``, a slot past the last row is an IndexError, never a read outside ``kv``."""
@@ -218,19 +237,21 @@ def test_numba_slot_past_the_rows_raises(impl):
         sparse_mla(**case, scale=1.0, impl=impl)
 
 
-@numba_only
 def test_numba_empty_calls():
     """No queries, or no slot columns: an empty result, or zeros."""
     case = make_case(0, tokens=2, heads=3)
-    none = sparse_mla(case["q_latent"][:0], case["q_rope"][:0], case["kv"], case["slots"][:0], 1.0, impl="numba")
+    none = sparse_mla(
+        case["q_latent"][:0], case["q_rope"][:0], case["kv"], case["slots"][:0], 1.0, impl="numba"
+    )
     assert none.shape == (0, 3, 24)
     zeros = sparse_mla(case["q_latent"], case["q_rope"], case["kv"], case["slots"][:, :0], 1.0, impl="numba")
     assert zeros.shape == (2, 3, 24) and not zeros.any()
-    assert torch.equal(zeros, sparse_mla(case["q_latent"], case["q_rope"], case["kv"], case["slots"][:, :0], 1.0,
-                                         impl="torch"))
+    assert torch.equal(
+        zeros,
+        sparse_mla(case["q_latent"], case["q_rope"], case["kv"], case["slots"][:, :0], 1.0, impl="torch"),
+    )
 
 
-@numba_only
 def test_numba_reads_strided_views_and_touches_nothing_else():
     """Queries and rows as views inside canary buffers (huge values): the result equals dense
     attention over the selected rows, and no input changes."""
@@ -248,19 +269,23 @@ def test_numba_reads_strided_views_and_touches_nothing_else():
         assert torch.equal(v, before[k]), k
 
 
-@numba_only
 def test_numba_query_does_not_depend_on_the_other_queries():
     """A query's result is the same bits whether it is attended alone, in a slice, or in the whole
     call: a verify step or a prefill split into rounds attends exactly as it would at once."""
     case = make_case(11, tokens=9, heads=4, top_k=33)
     whole = sparse_mla(**case, scale=0.25, impl="numba")
     for lo, hi in [(0, 1), (3, 4), (2, 7), (8, 9)]:
-        part = sparse_mla(case["q_latent"][lo:hi], case["q_rope"][lo:hi], case["kv"], case["slots"][lo:hi],
-                          scale=0.25, impl="numba")
+        part = sparse_mla(
+            case["q_latent"][lo:hi],
+            case["q_rope"][lo:hi],
+            case["kv"],
+            case["slots"][lo:hi],
+            scale=0.25,
+            impl="numba",
+        )
         assert torch.equal(part, whole[lo:hi])
 
 
-@numba_only
 def test_auto_takes_the_loop_for_small_queries_only(monkeypatch):
     """``auto`` on a CPU: small queries go to the loop, large ones (heads x slots x (C + R) beyond
     ``MAX_QUERY_ELEMENTS``), mixed dtypes and tensors that require a gradient to the torch path."""
@@ -290,7 +315,6 @@ def test_auto_takes_the_loop_for_small_queries_only(monkeypatch):
         module.sparse_mla(**mixed, scale=0.1, impl="numba")
 
 
-@numba_only
 def test_warm_up_compiles_the_attention_loop_only_where_auto_takes_it(monkeypatch):
     import kernels
     import kernels.small_ops_numba as small
@@ -301,7 +325,9 @@ def test_warm_up_compiles_the_attention_loop_only_where_auto_takes_it(monkeypatc
     assert any(sig[0].dtype.name == "float64" for sig in small._rms_norm.signatures)
     called = []
     monkeypatch.setattr(compiled, "warm_up", called.append)
-    kernels.warm_up("cpu", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(16, 576, 2048))
+    kernels.warm_up(
+        "cpu", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(16, 576, 2048)
+    )
     kernels.warm_up("cuda", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(4, 80, 64))
     assert called == []  # too wide for the loop, or not a CPU run
     kernels.warm_up("cpu", torch.float32, index_heads=4, index_dim=32, swap_in=False, attention=(4, 80, 64))

@@ -22,7 +22,7 @@ from kernels.swap_in_policy import (
     slide_distance,
 )
 
-IMPLS = ["torch", "python", "numpy", "numba", pytest.param("triton", marks=pytest.mark.interpreter)]
+IMPLS = ["torch", "numba", pytest.param("triton", marks=pytest.mark.interpreter)]
 OTHER_POLICIES = [p for p in POLICIES if p != "lru"]
 
 
@@ -82,7 +82,7 @@ def _equal_to_oracle(world, impl, policy, near=None):
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=6, max_steps=4), policy=st.sampled_from(OTHER_POLICIES))
 def test_cpu_implementations_equal_the_oracle_under_every_policy(world, policy):
-    for impl in ("torch", "python", "numpy", "numba"):
+    for impl in ("torch", "numba"):
         _equal_to_oracle(world, impl, policy)
 
 
@@ -95,14 +95,13 @@ def test_triton_equals_the_oracle_under_every_policy(world, policy):
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=4, max_steps=4), policy=st.sampled_from(OTHER_POLICIES))
-@pytest.mark.parametrize("impl", ["numpy", "numba"])
-def test_resumed_calls_equal_the_oracle_under_every_policy(world, policy, impl):
+def test_resumed_calls_equal_the_oracle_under_every_policy(world, policy):
     # the caller's protocol after a stop: call again with the resolved steps turned into padding
     a, b = world.clone(), world.clone()
     for _ in range(world.seq_lens.shape[1] + 1):
         ra = swap_in_oracle(*a.args(), policy=policy)
-        rb = swap_in(*b.args(), impl=impl, policy=policy, validate=True)
-        assert_same(a, ra, b, rb, f"{impl} vs oracle under {policy}, resumed")
+        rb = swap_in(*b.args(), impl="numba", policy=policy, validate=True)
+        assert_same(a, ra, b, rb, f"numba vs oracle under {policy}, resumed")
         done = torch.arange(a.seq_lens.shape[1])[None, :] < ra.steps_done[:, None].long()
         if bool(done.all()):
             break
@@ -142,7 +141,8 @@ def _near_rows(world, seed: int, margin: int) -> torch.Tensor:
     for i, row in enumerate(world.req_rows.tolist()):
         for s in range(steps):
             n = max(int(world.seq_lens[i, s]), 1)
-            pool = torch.cat([world.buffer_tokens[row].long(), torch.randint(-2, n + 3, (margin + 1,), generator=g)])
+            extra = torch.randint(-2, n + 3, (margin + 1,), generator=g)
+            pool = torch.cat([world.buffer_tokens[row].long(), extra])
             out[i, s] = pool[torch.randint(0, pool.numel(), (margin,), generator=g)].int()
     return out
 
@@ -155,8 +155,15 @@ def test_worked_example_near_keeps_what_the_indexer_ranked_next(impl, policy, ne
     # first the columns holding a position neither selected nor near, least recent first: with 31
     # near it takes column 2; with 10 near (70 is out of range) or both near, LRU's column 0. The
     # selection does not slide (30 and 50 stay), so near-adaptive keeps near's victims.
-    w = _hand_world([31, 30, 10, 50, 60, -1], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3],
-                    top=[[30, 50, 60, 55]], lens=[61], hot=4, max_ctx=64)
+    w = _hand_world(
+        [31, 30, 10, 50, 60, -1],
+        [0, 1, 2, 3, 4, 5],
+        [0, 1, 2, 3],
+        top=[[30, 50, 60, 55]],
+        lens=[61],
+        hot=4,
+        max_ctx=64,
+    )
     rows = None if near is None else torch.tensor([near], dtype=torch.int32)
     res = swap_in(*w.args(), impl=impl, policy=policy, near=rows, validate=True)
     assert (res.hits.tolist(), res.misses.tolist()) == ([3], [1])
@@ -187,17 +194,25 @@ def test_swap_in_checks_the_near_rows():
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(world=worlds(max_reqs=6, max_steps=4), policy=st.sampled_from(NEAR_POLICIES),
-       seed=st.integers(0, 2**31 - 1), margin=st.integers(0, 9))
+@given(
+    world=worlds(max_reqs=6, max_steps=4),
+    policy=st.sampled_from(NEAR_POLICIES),
+    seed=st.integers(0, 2**31 - 1),
+    margin=st.integers(0, 9),
+)
 def test_cpu_implementations_equal_the_oracle_under_the_near_policies(world, policy, seed, margin):
     near = _near_rows(world, seed, margin)
-    for impl in ("torch", "python", "numpy", "numba"):
+    for impl in ("torch", "numba"):
         _equal_to_oracle(world, impl, policy, near)
 
 
 @pytest.mark.interpreter
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(world=worlds(max_reqs=3, max_steps=3), policy=st.sampled_from(NEAR_POLICIES),
-       seed=st.integers(0, 2**31 - 1), margin=st.integers(0, 6))
+@given(
+    world=worlds(max_reqs=3, max_steps=3),
+    policy=st.sampled_from(NEAR_POLICIES),
+    seed=st.integers(0, 2**31 - 1),
+    margin=st.integers(0, 6),
+)
 def test_triton_equals_the_oracle_under_the_near_policies(world, policy, seed, margin):
     _equal_to_oracle(world, "triton", policy, _near_rows(world, seed, margin))
