@@ -11,6 +11,8 @@ The memory layer allocates a handful of device tensors; each one grows with one 
   and the HiSparse device buffers' bookkeeping (slots, held positions, LRU order).
 
 Page 0 of each pool is reserved (the sink), so a pool of ``n`` usable slots allocates ``n + page``.
+A ``MemoryPlan`` holds the pools' sizes in tokens, made once at start-up (``pipeline.startup``, which
+sizes them with ``size_pools`` and checks them with ``check_pools``).
 ``device_structures`` lists them for a ``MemoryPlan`` and a model's dimensions; ``size_for_budget``
 solves the other way round: from a budget in bytes, the device pool (in slots) and the request
 rows, spending the budget on as many requests of ``max_context_len`` as fit and the rest on
@@ -28,10 +30,16 @@ import re
 from typing import Any
 
 import attrs
+import structlog
 
+from kernels.swap_in_policy import DEFAULT_POLICY
 from pipeline.errors import ConfigError
 
+log = structlog.get_logger("hispec.config")
+
 INT64, INT32 = 8, 4
+# host_to_device_ratio without a budget (HiSparseConfig's None), and the largest a budget chooses
+DEFAULT_RATIO, MAX_RATIO = 4, 64
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 SLOT, LOCATION, REQUEST, FIXED = "device slot", "logical location", "request", "fixed"
 
@@ -47,6 +55,124 @@ def chunk_rows(*, hot: int, page_size: int, chunk: int, num_tokens: int) -> int:
     beyond = min(chunk or num_tokens, num_tokens - hot)
     return max(0, round_up(beyond, page_size) - page_size) if beyond > 0 else 0
 
+
+
+def prefill_chunk(chunk: int | None, max_context_len: int | None) -> int:
+    """Tokens of one request one prefill forward computes at most (0 while the context is unknown)."""
+    if max_context_len is None:
+        return chunk or 0
+    return max_context_len if chunk is None else min(chunk, max_context_len)
+
+
+def check_pools(
+    *,
+    hisparse: bool,
+    page_size: int,
+    hot: int,
+    draft_tokens: int,
+    device_pool_tokens: int | None,
+    max_context_len: int | None,
+    host_to_device_ratio: int | None,
+    chunked_prefill_tokens: int | None,
+) -> None:
+    """The pools hold one request of max_context_len: the rules that bind the sizes together.
+
+    ``EngineConfig`` checks them on the sizes it was given (a None is a size a budget or the model
+    decides, checked once start-up knows it); start-up checks them again on the plan's sizes.
+    ``hot``: HOT, or the least it can become. Raises ``ConfigError`` naming the field.
+    """
+    page = page_size
+    if not hisparse:
+        if max_context_len is not None and device_pool_tokens is not None:
+            need = round_up(max_context_len + draft_tokens, page)
+            if device_pool_tokens < need:
+                raise ConfigError(
+                    "device_pool_tokens", device_pool_tokens,
+                    f"without HiSparse every token is resident: must hold one request of max_context_len "
+                    f"plus the draft tokens ({need})",
+                )
+        return
+    if device_pool_tokens is None:
+        return
+    buffer_columns = hot + page
+    if device_pool_tokens < buffer_columns:
+        raise ConfigError("device_pool_tokens", device_pool_tokens,
+                          f"must hold one device buffer (device_buffer_size + page_size = {buffer_columns})")
+    if max_context_len is None:
+        return
+    chunk = max_context_len if chunked_prefill_tokens is None else chunked_prefill_tokens
+    beyond = min(chunk, max_context_len - hot)  # a chunk's rows past HOT: newest, draft zone, more
+    prefill = max(buffer_columns, hot + round_up(beyond, page))
+    what = (
+        "a prompt of max_context_len is prefilled whole"
+        if chunked_prefill_tokens is None or chunk >= max_context_len
+        else f"a prompt is prefilled in chunks of chunked_prefill_tokens ({chunk})"
+    )
+    if device_pool_tokens < prefill:
+        raise ConfigError(
+            "device_pool_tokens", device_pool_tokens,
+            f"{what}: the device pool must hold one request's hot region and the chunk's rows past "
+            f"it ({prefill}); lower chunked_prefill_tokens or raise device_pool_tokens",
+        )
+    if host_to_device_ratio is None:
+        return
+    logical = device_pool_tokens * host_to_device_ratio
+    need = round_up(max_context_len + draft_tokens, page)
+    if logical < need:
+        raise ConfigError(
+            "hisparse.host_to_device_ratio", host_to_device_ratio,
+            f"the logical and host pools (device_pool_tokens * ratio = {logical}) must hold one request "
+            f"of max_context_len plus the draft tokens ({need})",
+        )
+
+
+@attrs.frozen
+class MemoryPlan:
+    """The memory layer's sizes in tokens, derived once at start-up (``pipeline.startup``).
+
+    Device buffer of one request (HOT = ``hot``, P = ``page_size``)::
+
+        columns  0 ............ HOT-1 | HOT    | HOT+1 ... HOT+P-1
+                 hot region (LRU)      | newest | draft zone (verify tokens)
+    """
+
+    page_size: int  # tokens per page, in every pool
+    hot: int  # hot columns per request; 0 when HiSparse is off
+    buffer_columns: int  # hot + page_size (the newest column and the draft zone); 0 when HiSparse is off
+    top_k: int  # positions the model's indexer selects per step
+    device_tokens: int  # usable physical slots (page 0, the sink, is extra)
+    logical_tokens: int  # usable logical locations (page 0 extra)
+    host_tokens: int  # host pool slots
+    max_context_len: int  # tokens one request holds at most (prompt and output)
+    max_running_requests: int  # request rows
+    draft_tokens: int  # D, 0 without speculation
+    hisparse: bool  # a device buffer per request over a host copy of every token (else all resident)
+    # tokens of one request one prefill forward computes at most (chunked prefill; max_context_len
+    # when prompts are prefilled whole)
+    prefill_chunk: int = 0
+    prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
+    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
+    near_margin: int | None = None  # HiSparseConfig.near_margin (None: resolved per forward)
+
+    def chunk_area(self, num_tokens: int) -> int:
+        """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
+        prefilled (whole pages). A chunk's positions past HOT go first to the buffer's newest column
+        and draft zone (idle until decode), then to these rows."""
+        return chunk_rows(hot=self.hot, page_size=self.page_size, chunk=self.prefill_chunk,
+                          num_tokens=num_tokens)
+
+    @property
+    def logical_pages(self) -> int:
+        return self.logical_tokens // self.page_size
+
+    @property
+    def host_pages(self) -> int:
+        return self.host_tokens // self.page_size
+
+    @property
+    def max_request_len(self) -> int:
+        """Locations one request may hold: its context plus the speculative over-allocation."""
+        return self.max_context_len + self.draft_tokens
 
 @attrs.frozen
 class ModelDims:
@@ -73,14 +199,6 @@ class ModelDims:
             draft_rows_on_host=draft_rows_on_host and speculative,
             draft_keys_on_host=draft_keys_on_host and speculative,
         )
-
-    @classmethod
-    def of_config(cls, model_cfg: Any, config: Any) -> ModelDims:
-        """For an ``EngineConfig`` (its dtype, speculation and where HiSparse keeps draft rows)."""
-        hs = config.hisparse
-        return cls.of(model_cfg, config.dtype, speculative=config.speculative is not None,
-                      draft_rows_on_host=hs is not None and hs.draft_rows_on_host,
-                      draft_keys_on_host=hs is not None and hs.draft_keys_on_host)
 
 
 @attrs.frozen
@@ -144,8 +262,8 @@ def _costs(structures: tuple[Structure, ...], page: int) -> Costs:
     return Costs(per[SLOT], per[LOCATION], per[REQUEST], fixed)
 
 
-def device_structures(plan: Any, dims: ModelDims) -> tuple[Structure, ...]:
-    """Every device tensor the memory layer allocates for ``plan`` (a ``MemoryPlan``)."""
+def device_structures(plan: MemoryPlan, dims: ModelDims) -> tuple[Structure, ...]:
+    """Every device tensor the memory layer allocates for ``plan``."""
     return _structures(
         hisparse=plan.hisparse,
         page=plan.page_size,
@@ -174,7 +292,7 @@ class Seats:
         return min(self.seats, self.rows)
 
 
-def seats(plan: Any, context: int) -> Seats:
+def seats(plan: MemoryPlan, context: int) -> Seats:
     """Requests of ``context`` tokens (prompt and output) the pools of ``plan`` hold at once.
 
     All-resident: every position of every request has a device slot. HiSparse: every position has
@@ -334,6 +452,103 @@ def longest_context(budget: int, shape: Shape, dims: ModelDims, upper: int) -> i
     return lo
 
 
+@attrs.frozen
+class PoolSizes:
+    """The context limit and the pools that hold it, as start-up sizes them (``size_pools``)."""
+
+    max_context_len: int  # tokens one request holds at most, prompt and output
+    device_pool_tokens: int  # usable device slots (the sink page is extra)
+    max_running_requests: int  # request rows
+    host_to_device_ratio: int  # logical (and host) locations per device slot; 1 without HiSparse
+    # the longest context the pools (without a budget) or the budget hold, where max_context_len was
+    # left to them (None: it was given)
+    context_capacity: int | None
+
+
+def size_pools(
+    *,
+    hisparse: bool,
+    page_size: int,
+    hot: int,
+    draft_tokens: int,
+    chunked_prefill_tokens: int | None,
+    positions: int,
+    budget: int | None,
+    dims: ModelDims,
+    max_context_len: int | None,
+    device_pool_tokens: int | None,
+    max_running_requests: int | None,
+    host_to_device_ratio: int | None,
+    log_choices: bool = False,
+) -> PoolSizes:
+    """The sizes of the pools, the ones given kept, then checked against each other (``check_pools``).
+
+    Without a budget (``budget`` None) the pools, rows and ratio are given; a max_context_len left
+    out is the model's ``positions``, lowered to what the pools hold. With one, a max_context_len
+    left out is the longest context of which the budget holds one request (at most ``positions``),
+    a ratio left out the one that seats the most requests of it (the smallest of equals), and the
+    device pool and rows left out what the budget pays for (``size_for_budget``). Each size
+    chosen is logged (``log_choices``).
+    """
+
+    def shape(context: int, ratio: int) -> Shape:
+        return Shape(hisparse=hisparse, page=page_size, hot=hot, ratio=ratio if hisparse else 1,
+                     draft_tokens=draft_tokens, chunk=prefill_chunk(chunked_prefill_tokens, context),
+                     context=context)
+
+    context, capacity, ratio = max_context_len, None, host_to_device_ratio if hisparse else 1
+    slots, rows = device_pool_tokens, max_running_requests
+    if budget is None:
+        assert slots is not None and rows is not None and ratio is not None  # given without a budget
+        if context is None:  # the rules of ``check_pools``, solved for the context
+            if not hisparse:
+                capacity = slots - draft_tokens
+            elif chunked_prefill_tokens is None:  # a whole prompt is prefilled in device rows
+                capacity = min(slots, slots * ratio - draft_tokens)
+            else:
+                capacity = slots * ratio - draft_tokens
+            context = min(positions, capacity)
+            if log_choices:
+                log.info("config.max_context_len", max_context_len=context, max_position_embeddings=positions,
+                         pool_capacity=capacity, lowered_to_fit_the_pools=context < positions)
+    else:
+        if context is None:
+            capacity = longest_context(budget, shape(positions, ratio or MAX_RATIO), dims, positions)
+            context = capacity or positions
+            if log_choices:
+                log.info("config.max_context_len", max_context_len=context, max_position_embeddings=positions,
+                         lowered_to_fit_the_budget=context < positions)
+        if ratio is None:
+            ratio = best_ratio(budget, [shape(context, r) for r in range(1, MAX_RATIO + 1)], dims,
+                               slots=slots, rows=rows)
+        slots, rows = size_for_budget(budget, shape(context, ratio), dims, slots=slots, rows=rows)
+        if log_choices:
+            log.info("config.device_budget", device_memory_bytes=budget, device_pool_tokens=slots,
+                     max_running_requests=rows, max_context_len=context,
+                     host_to_device_ratio=ratio if hisparse else None)
+    check_pools(hisparse=hisparse, page_size=page_size, hot=hot, draft_tokens=draft_tokens,
+                device_pool_tokens=slots, max_context_len=context, host_to_device_ratio=ratio,
+                chunked_prefill_tokens=chunked_prefill_tokens)
+    return PoolSizes(context, slots, rows, ratio, capacity)
+
+
+def best_ratio(
+    budget: int, shapes: list[Shape], dims: ModelDims, *, slots: int | None, rows: int | None
+) -> int:
+    """The ratio of the shape whose pools seat the most requests of its context in ``budget``, the
+    first of equals (``DEFAULT_RATIO`` when the budget holds none)."""
+    best, most = DEFAULT_RATIO, -1
+    for shape in shapes:
+        try:
+            found_slots, found_rows = size_for_budget(budget, shape, dims, slots=slots, rows=rows)
+        except ConfigError:
+            continue
+        seated = min(found_rows, held_requests(shape, found_slots))
+        if seated > most:
+            best, most = shape.ratio, seated
+    return best
+
+
 def device_budget(bytes_: int | None, fraction: float | None, device: str) -> int | None:
     """The budget in bytes: ``device_memory_bytes``, or ``device_memory_fraction`` of the CUDA
     device's free memory now (None: no budget, the pools are sized in tokens)."""
@@ -368,16 +583,14 @@ def format_bytes(n: int) -> str:
 class DevicePlan:
     """The device side of a ``MemoryPlan``: its structures in bytes, the budget, and the seats."""
 
-    plan: Any  # MemoryPlan
+    plan: MemoryPlan
     dims: ModelDims
-    structures: tuple[Structure, ...]
-    budget: int | None  # device_memory_bytes (None: the pools were sized in tokens)
+    structures: tuple[Structure, ...]  # every device tensor the memory layer allocates for ``plan``
+    budget: int | None  # the device memory budget in bytes (None: the pools were sized in tokens)
 
     @classmethod
-    def of(cls, config: Any, plan: Any, model_cfg: Any) -> DevicePlan:
-        """For a resolved ``EngineConfig``, its ``MemoryPlan`` and the model's ``ModelConfig``."""
-        dims = ModelDims.of_config(model_cfg, config)
-        return cls(plan, dims, device_structures(plan, dims), config.device_memory_bytes)
+    def of(cls, plan: MemoryPlan, dims: ModelDims, budget: int | None) -> DevicePlan:
+        return cls(plan, dims, device_structures(plan, dims), budget)
 
     @property
     def total_bytes(self) -> int:

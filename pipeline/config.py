@@ -1,18 +1,17 @@
-"""Frozen, validated engine configuration.
+"""Frozen, validated engine configuration: what the user wrote, never changed afterwards.
 
 Every rule that can be checked without the model is checked when the object is built; the rules
 that need the model (``top_k`` against ``index_topk``, an MTP layer for speculative decoding, the
-context limit against the model's positions) are checked by ``check_against_model`` when the engine
-loads it, and those that need the machine (device, memory) by ``pipeline.preflight`` before that.
+context limit against the model's positions) are checked by ``check_against_model`` at start-up,
+and those that need the machine (device, memory) by ``pipeline.preflight``.
 ``check_engine_options`` checks the engine's keyword arguments. A violation raises ``ConfigError``
 naming the field, the value and the rule.
 
 Three defaults come from the model: ``speculative="auto"`` (on exactly when it has an MTP layer),
 ``max_context_len=None`` (its positions, as far as the pools hold) and
 ``hisparse.device_buffer_size=None`` (HOT: 128, or the indexer's top-k in whole pages when that is
-more); ``resolve_for_model`` fills them in where the model is loaded.
-
-Derived sizes live in ``MemoryPlan`` (built by ``EngineConfig.memory_plan``), never written back.
+more). Those and every size derived from the config (pools, rows, the ratio a budget chooses) are
+resolved once at start-up into an ``EnginePlan`` (``pipeline.startup``), never written back here.
 """
 
 from __future__ import annotations
@@ -25,23 +24,14 @@ import attrs
 import structlog
 
 from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
-from pipeline.capacity import (
-    ModelDims,
-    Shape,
-    chunk_rows,
-    device_budget,
-    held_requests,
-    longest_context,
-    size_for_budget,
-)
+from pipeline.capacity import DEFAULT_RATIO, check_pools
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
 
 DEFAULT_CHUNK = 512  # chunked_prefill_tokens
 DEFAULT_PREFILL_BATCH = 2048  # prefill_batch_tokens="auto" (the least of it, with a chunk of 512 or less)
-DEFAULT_POOL_TOKENS, DEFAULT_ROWS, DEFAULT_RATIO = 16384, 16, 4  # without a device memory budget
-MAX_RATIO = 64  # the largest host_to_device_ratio a budget chooses
+DEFAULT_POOL_TOKENS, DEFAULT_ROWS = 16384, 16  # without a device memory budget (and DEFAULT_RATIO)
 # SpeculativeConfig's "auto" limits: requests stepped together (CPU, CUDA), tokens a request holds (CPU)
 CPU_SPEC_MAX_BATCH, CUDA_SPEC_MAX_BATCH = 1, 8
 CPU_SPEC_MAX_CONTEXT = 1024
@@ -80,7 +70,7 @@ class HiSparseConfig:
     """The per-request device buffer over a host copy of every token's KV."""
 
     # HOT: hot columns per request; a multiple of page_size and >= the model's top_k. None: the
-    # larger of 128 and the model's index_topk, in whole pages (``auto_hot``; resolve_for_model)
+    # larger of 128 and the model's index_topk, in whole pages (``auto_hot``, at start-up)
     device_buffer_size: int | None = None
     # logical (and host) pool = device pool * ratio. None: with a device memory budget, the ratio
     # that seats the most requests of max_context_len; without one, 4
@@ -88,9 +78,9 @@ class HiSparseConfig:
     # None = the model's index_topk; when given it must equal it (HiSparse never changes the answer)
     top_k: int | None = None
     # the hot region's replacement policy (kernels.swap_in_policy; docs/cache-policy.md). "auto":
-    # "adaptive" on a CPU (5-21% fewer misses than LRU on the bundled model's traces, decode
-    # tokens/s level with LRU's), "lru" on CUDA (where the Triton swap-in has not been measured
-    # against it yet) (``policy_for``)
+    # "adaptive" on a CPU (fewer misses than LRU on the bundled model's traces at the same decode
+    # speed), "lru" on CUDA (where the Triton swap-in has not been timed against it yet)
+    # (``policy_for``; figures: docs/performance-notes.md)
     policy: str = "auto"
     # positions the indexer ranks past its top-k for the swap-in (the near-policies' hint; recorded
     # in a top-k trace). None: ``default_near_margin(top_k)`` under a near-policy or while a trace is
@@ -166,8 +156,8 @@ class SpeculativeConfig:
     # ... and while every request of the batch holds at most this many tokens (None: any length;
     # vLLM's speculative_max_model_len): a verify's D queries each scan the whole context in the
     # indexer, and the MTP drafts too, so past some length a round costs more than the tokens it
-    # adds. "auto": None on CUDA; 1024 on a CPU (the bundled model served alone: rounds 1.12x plain
-    # at 512 tokens, level at 1,000, 0.94x at 1,500) (``for_device``).
+    # adds. "auto": None on CUDA; 1024 on a CPU, about where a round of the bundled model served
+    # alone stops paying (``for_device``; figures: docs/performance-notes.md).
     max_context: int | Literal["auto"] | None = "auto"
     # ... and while the measured accept length (tokens per round, bonus included; a moving average
     # over rounds, engine-wide) is at least this (None, the default: ignore acceptance). Below it, a
@@ -234,58 +224,6 @@ class SpeculativeConfig:
 
 
 @attrs.frozen
-class MemoryPlan:
-    """Sizes derived from a validated config and the model's top_k (never written back).
-
-    Device buffer of one request (HOT = ``hot``, P = ``page_size``)::
-
-        columns  0 ............ HOT-1 | HOT    | HOT+1 ... HOT+P-1
-                 hot region (LRU)      | newest | draft zone (verify tokens)
-    """
-
-    page_size: int
-    hot: int  # hot columns per request; 0 when HiSparse is off
-    buffer_columns: int  # hot + page_size (the newest column and the draft zone)
-    top_k: int
-    device_tokens: int  # usable physical slots (page 0, the sink, is extra)
-    logical_tokens: int  # usable logical locations (page 0 extra)
-    host_tokens: int  # host pool slots
-    max_context_len: int
-    max_running_requests: int
-    draft_tokens: int  # D, 0 without speculation
-    hisparse: bool
-    # tokens of one request one prefill forward computes at most (chunked prefill; max_context_len
-    # when prompts are prefilled whole)
-    prefill_chunk: int = 0
-    prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
-    policy: str = DEFAULT_POLICY  # the hot region's replacement policy
-    near_margin: int | None = None  # HiSparseConfig.near_margin (None: resolved per forward)
-
-    def chunk_area(self, num_tokens: int) -> int:
-        """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
-        prefilled (whole pages). A chunk's positions past HOT go first to the buffer's newest column
-        and draft zone (idle until decode), then to these rows."""
-        return chunk_rows(hot=self.hot, page_size=self.page_size, chunk=self.prefill_chunk, num_tokens=num_tokens)
-
-    @property
-    def device_pages(self) -> int:
-        return self.device_tokens // self.page_size
-
-    @property
-    def logical_pages(self) -> int:
-        return self.logical_tokens // self.page_size
-
-    @property
-    def host_pages(self) -> int:
-        return self.host_tokens // self.page_size
-
-    @property
-    def max_request_len(self) -> int:
-        """Locations one request may hold: its context plus the speculative over-allocation."""
-        return self.max_context_len + self.draft_tokens
-
-
-@attrs.frozen
 class EngineConfig:
     """Everything the engine needs to start; frozen and validated once."""
 
@@ -299,7 +237,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"
     page_size: int = 16
-    # None: the model's max_position_embeddings, lowered to what the pools hold (resolve_for_model)
+    # None: the model's max_position_embeddings, lowered to what the pools hold (at start-up)
     max_context_len: int | None = None
     # request rows. None: with a device memory budget, the requests of max_context_len the plan
     # holds at once; without one, 16
@@ -322,7 +260,7 @@ class EngineConfig:
     # the prompt tokens one prefill forward carries over all its requests (vLLM's
     # max_num_batched_tokens for prefill): short prompts share a forward up to it, each request's
     # part at most its chunk. "auto": max(2048, chunked_prefill_tokens), None with whole prompts;
-    # None: no bound. Resolved by ``prefill_budget``
+    # None: no bound. Resolved at start-up (``EnginePlan.prefill_budget``)
     prefill_batch_tokens: int | Literal["auto"] | None = "auto"
     # mixed steps: while requests decode, the next prefill chunk runs in the same forward as their
     # decode step (the step pays its fixed cost once); False runs the two as separate forwards
@@ -331,7 +269,7 @@ class EngineConfig:
     # starts with the same tokens shares them and prefills only the rest
     prefix_cache: bool = True
     hisparse: HiSparseConfig | None = attrs.field(factory=HiSparseConfig)
-    # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (resolve_for_model)
+    # "auto": SpeculativeConfig() exactly when the model has an MTP layer, else None (at start-up)
     speculative: SpeculativeConfig | Literal["auto"] | None = "auto"
     seed: int = 0
     # torch intra-op threads the executor runs with (None: leave torch's setting). On a shared or
@@ -342,17 +280,18 @@ class EngineConfig:
     # a thread on CUDA and with tensor parallelism (where a command mostly waits on the device or
     # the ranks, without the GIL), the event loop on a CPU (where a forward holds the GIL between
     # its ops, so the loop gets little done beside it, and handing every command to another core
-    # and back was measured to cost up to half the decode speed)
+    # and back costs more decode speed than it frees; docs/performance-notes.md)
     executor_thread: bool | None = None
     # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
     # (pipeline/distributed/); 1 runs the model in this process alone
     tensor_parallel_size: int = 1
     # the engine, once started, moves every object then alive out of Python's cyclic garbage
     # collector (``gc.freeze``, as SGLang and vLLM do after start-up): the model, torch's and the
-    # application's modules are never scanned again, so a full collection during decoding takes
-    # milliseconds instead of a pause of 100-150 ms (measured with transformers imported: ~390,000
-    # tracked objects). The first engine to freeze after another has closed collects first (what a
-    # closed engine left behind is not frozen for good). Process-wide; False leaves the collector alone
+    # application's modules are never scanned again, so a full collection during decoding no longer
+    # pauses it to scan the hundreds of thousands of objects a process with transformers imported
+    # tracks (docs/performance-notes.md). The first engine to freeze after another has closed
+    # collects first (what a closed engine left behind is not frozen for good). Process-wide; False
+    # leaves the collector alone
     freeze_gc: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -410,16 +349,7 @@ class EngineConfig:
             self._check_speculative(self.speculative)
         if self.hisparse is not None:
             self._check_hisparse(self.hisparse)
-        # None: checked once resolve_for_model has set them (a budget sizes the pool there)
-        elif self.max_context_len is not None and self.device_pool_tokens is not None:
-            need = _round_up(self.max_context_len + self._draft_tokens(), self.page_size)
-            _require(
-                self.device_pool_tokens >= need,
-                "device_pool_tokens",
-                self.device_pool_tokens,
-                f"without HiSparse every token is resident: must hold one request of max_context_len "
-                f"plus the draft tokens ({need})",
-            )
+        self._check_pools()
 
     def _check_tokenizer_files(self) -> None:
         if self.tokenizer is not None:
@@ -447,14 +377,6 @@ class EngineConfig:
         _require(batch >= chunk, "prefill_batch_tokens", batch,
                  f"must be at least chunked_prefill_tokens ({chunk}): a forward carries one whole chunk")
 
-    @property
-    def prefill_budget(self) -> int | None:
-        """The prompt tokens of one prefill forward (``prefill_batch_tokens`` resolved): None, no bound."""
-        batch, chunk = self.prefill_batch_tokens, self.chunked_prefill_tokens
-        if batch != "auto":
-            return batch
-        return None if chunk is None else max(DEFAULT_PREFILL_BATCH, chunk)
-
     def _check_budget(self) -> None:
         if self.device_memory_bytes is not None:
             _require_int("device_memory_bytes", self.device_memory_bytes, 1)
@@ -478,43 +400,10 @@ class EngineConfig:
                 value,
                 "is a fraction of CUDA memory: on a CPU give device_memory_bytes",
             )
-        if not self.has_budget:  # the pools are sized in tokens: the defaults apply
-            if self.device_pool_tokens is None:
-                object.__setattr__(self, "device_pool_tokens", DEFAULT_POOL_TOKENS)
-            if self.max_running_requests is None:
-                object.__setattr__(self, "max_running_requests", DEFAULT_ROWS)
-            hs = self.hisparse
-            if isinstance(hs, HiSparseConfig) and hs.host_to_device_ratio is None:
-                object.__setattr__(self, "hisparse", attrs.evolve(hs, host_to_device_ratio=DEFAULT_RATIO))
-
-    def shape(self, *, context: int | None = None, ratio: int | None = None) -> Shape:
-        """The pools' shape (not their size) for budget sizing; ``context``: max_context_len,
-        ``ratio``: host_to_device_ratio (default: the config's)."""
-        context = self.max_context_len if context is None else context
-        hs = self.hisparse
-        return Shape(
-            hisparse=hs is not None,
-            page=self.page_size,
-            hot=0 if hs is None else hs.device_buffer_size,
-            ratio=1 if hs is None else ratio or hs.host_to_device_ratio or DEFAULT_RATIO,
-            draft_tokens=self._draft_tokens(),
-            chunk=_prefill_chunk(self.chunked_prefill_tokens, context),
-            context=context,
-        )
 
     def _draft_tokens(self) -> int:
         spec = self.speculative
         return spec.draft_tokens if isinstance(spec, SpeculativeConfig) else 0
-
-    def context_capacity(self) -> int:
-        """The longest max_context_len the pools of this config hold (the rules below, solved)."""
-        draft = self._draft_tokens()
-        if self.hisparse is None:
-            return self.device_pool_tokens - draft
-        logical = self.device_pool_tokens * self.hisparse.host_to_device_ratio
-        if self.chunked_prefill_tokens is None:  # a whole prompt is prefilled in device rows
-            return min(self.device_pool_tokens, logical - draft)
-        return logical - draft
 
     def _check_speculative(self, spec: SpeculativeConfig) -> None:
         _require(
@@ -539,83 +428,41 @@ class EngineConfig:
                 hs.device_buffer_size,
                 f"must be a multiple of page_size ({page})",
             )
-        draft = self._draft_tokens()
-        if draft:
-            spec = self.speculative
-            given = spec.num_draft_tokens is not None  # else D is num_steps + 1: name what the user set
-            _require(
-                draft <= page - 1,
-                "speculative.num_draft_tokens" if given else "speculative.num_steps",
-                draft if given else spec.num_steps,
-                f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
-                f"page_size - 1 = {page - 1} columns",
-            )
-        if self.device_pool_tokens is None:  # sized from the budget by resolve_for_model; checked then
-            return
-        # HOT None is resolved from the model (checked again then): here the least it can become, as
-        # what the pool must hold grows with HOT
-        hot = hs.device_buffer_size if hs.device_buffer_size is not None else auto_hot(hs.top_k, page)
-        buffer_columns = hot + page
-        _require(
-            self.device_pool_tokens >= buffer_columns,
-            "device_pool_tokens",
-            self.device_pool_tokens,
-            f"must hold one device buffer (device_buffer_size + page_size = {buffer_columns})",
-        )
-        if self.max_context_len is None:  # checked once resolve_for_model has set it
-            return
-        chunk = self.max_context_len if self.chunked_prefill_tokens is None else self.chunked_prefill_tokens
-        beyond = min(chunk, self.max_context_len - hot)  # a chunk's rows past HOT: newest, draft zone, more
-        prefill = max(buffer_columns, hot + _round_up(beyond, page))
-        what = (
-            "a prompt of max_context_len is prefilled whole"
-            if self.chunked_prefill_tokens is None or chunk >= self.max_context_len
-            else f"a prompt is prefilled in chunks of chunked_prefill_tokens ({chunk})"
-        )
-        _require(
-            self.device_pool_tokens >= prefill,
-            "device_pool_tokens",
-            self.device_pool_tokens,
-            f"{what}: the device pool must hold one request's hot region and the chunk's rows past "
-            f"it ({prefill}); lower chunked_prefill_tokens or raise device_pool_tokens",
-        )
-        if hs.host_to_device_ratio is None:  # a budget chooses it in resolve_for_model; checked then
-            return
-        logical = self.device_pool_tokens * hs.host_to_device_ratio
-        need = _round_up(self.max_context_len + draft, page)
-        _require(
-            logical >= need,
-            "hisparse.host_to_device_ratio",
-            hs.host_to_device_ratio,
-            f"the logical and host pools (device_pool_tokens * ratio = {logical}) must hold one request "
-            f"of max_context_len plus the draft tokens ({need})",
-        )
+        if isinstance(self.speculative, SpeculativeConfig):  # "auto": checked once start-up resolves it
+            check_draft_zone(self.speculative, page)
 
-    def memory_plan(self, model_top_k: int) -> MemoryPlan:
-        """Pool sizes for this config and a model whose indexer selects ``model_top_k`` positions.
-
-        Call ``check_against_model`` first: the plan assumes the config passed it.
-        """
+    def _check_pools(self) -> None:
+        """The pools hold one request, on the sizes given; a None a budget or the model decides is
+        checked by start-up once it is known."""
         hs = self.hisparse
-        hot = 0 if hs is None else hs.hot_for(model_top_k, self.page_size)
-        ratio = 1 if hs is None else hs.host_to_device_ratio
-        return MemoryPlan(
-            page_size=self.page_size,
-            hot=hot,
-            buffer_columns=hot + self.page_size if hs is not None else 0,
-            top_k=model_top_k,
-            device_tokens=self.device_pool_tokens,
-            logical_tokens=self.device_pool_tokens * ratio,
-            host_tokens=self.device_pool_tokens * ratio if hs is not None else 0,
-            max_context_len=self.max_context_len,
-            max_running_requests=self.max_running_requests,
-            draft_tokens=self._draft_tokens(),
+
+        def given(value: int | None, default: int) -> int | None:  # without a budget the defaults apply
+            return default if value is None and not self.has_budget else value
+
+        check_pools(
             hisparse=hs is not None,
-            prefill_chunk=_prefill_chunk(self.chunked_prefill_tokens, self.max_context_len),
-            prefix_cache=self.prefix_cache,
-            policy=DEFAULT_POLICY if hs is None else hs.policy_for(self.device),
-            near_margin=None if hs is None else hs.near_margin,
+            page_size=self.page_size,
+            # HOT None is resolved from the model: here the least it can become (the pool grows with HOT)
+            hot=0 if hs is None else hs.hot_for(hs.top_k, self.page_size),
+            draft_tokens=self._draft_tokens(),
+            device_pool_tokens=given(self.device_pool_tokens, DEFAULT_POOL_TOKENS),
+            max_context_len=self.max_context_len,
+            host_to_device_ratio=None if hs is None else given(hs.host_to_device_ratio, DEFAULT_RATIO),
+            chunked_prefill_tokens=self.chunked_prefill_tokens,
         )
+
+
+def check_draft_zone(spec: SpeculativeConfig, page_size: int) -> None:
+    """HiSparse: a round's verify tokens fit the draft zone of the device buffer (page_size - 1 columns)."""
+    draft = spec.draft_tokens
+    given = spec.num_draft_tokens is not None  # else D is num_steps + 1: name what the user set
+    _require(
+        draft <= page_size - 1,
+        "speculative.num_draft_tokens" if given else "speculative.num_steps",
+        draft if given else spec.num_steps,
+        f"{'' if given else f'num_steps + 1 = {draft} '}verify tokens live in the draft zone of "
+        f"page_size - 1 = {page_size - 1} columns",
+    )
 
 
 def check_against_model(
@@ -645,7 +492,7 @@ def check_against_model(
                 f"must be >= the model's index_topk ({index_topk})",
             )
     if isinstance(config.speculative, SpeculativeConfig):
-        _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)  # resolve_for_model says why first
+        _require(has_mtp, "speculative", config.speculative, NO_MTP_RULE)  # start-up says why first
     if max_positions is not None and config.max_context_len is not None:
         _require(
             config.max_context_len <= max_positions,
@@ -653,13 +500,6 @@ def check_against_model(
             config.max_context_len,
             f"must be <= the model's max_position_embeddings ({max_positions})",
         )
-
-
-def _prefill_chunk(chunk: int | None, max_context_len: int | None) -> int:
-    """Tokens of one request one prefill forward computes at most (0 while the context is unknown)."""
-    if max_context_len is None:
-        return chunk or 0
-    return max_context_len if chunk is None else min(chunk, max_context_len)
 
 
 ON_EXIT = ("abort", "finish")
@@ -700,6 +540,45 @@ def check_engine_options(
     _require_int("queue_size", queue_size, 1)
 
 
+def speculative_for(
+    config: EngineConfig, model_cfg: Any, *, log_choice: bool = False
+) -> SpeculativeConfig | None:
+    """The speculative decoding a model of ``model_cfg`` (its ``ModelConfig``) runs: ``"auto"`` is
+    ``SpeculativeConfig()`` when it has an MTP layer, else None (an MTP layer config.json names but
+    the weights lack, ``absent_mtp_layers``, counts as none: with ``log_choice`` that is the warning
+    ``model.mtp_missing``); an explicit ``SpeculativeConfig`` for a model without one is a
+    ``ConfigError`` naming ``speculative`` and saying why."""
+    has_mtp = model_cfg.num_nextn_predict_layers > 0
+    spec = config.speculative
+    if spec != "auto":
+        if spec is not None and not has_mtp:
+            raise ConfigError("speculative", spec, no_mtp_rule(model_cfg))
+        return spec
+    if log_choice:
+        reason = "the model has an MTP layer" if has_mtp else "the model has no MTP layer"
+        absent = getattr(model_cfg, "absent_mtp_layers", 0)
+        if absent:
+            reason = "config.json names an MTP layer but the checkpoint holds none of its tensors"
+            log.warning("model.mtp_missing", model=config.model, layer=model_cfg.num_hidden_layers,
+                        num_nextn_predict_layers=absent, speculative="off")
+        log.info("config.speculative", speculative="on" if has_mtp else "off", reason=reason)
+    return SpeculativeConfig() if has_mtp else None
+
+
+def hot_for(config: EngineConfig, model_cfg: Any, *, log_choice: bool = False) -> int:
+    """HOT for a model of ``model_cfg``: ``hisparse.device_buffer_size``, or when it is None
+    ``auto_hot`` of the model's ``index_topk`` (logged with ``log_choice``); 0 without HiSparse."""
+    hs = config.hisparse
+    if hs is None:
+        return 0
+    hot = hs.hot_for(model_cfg.index_topk, config.page_size)
+    if log_choice and hs.device_buffer_size is None:
+        log.info("config.hisparse.device_buffer_size", device_buffer_size=hot,
+                 index_topk=model_cfg.index_topk, page_size=config.page_size,
+                 raised_to_hold_the_top_k=hot > auto_hot(0, config.page_size))
+    return hot
+
+
 NO_MTP_RULE = (
     "speculative decoding needs a model with an MTP layer (num_nextn_predict_layers >= 1) and this one has "
     "none: pass speculative=None (--no-spec on the command line), or keep the default 'auto'"
@@ -716,115 +595,3 @@ def no_mtp_rule(model_cfg: Any) -> str:
     if getattr(model_cfg, "absent_mtp_layers", 0):
         return ABSENT_MTP_RULE.format(layer=model_cfg.num_hidden_layers)
     return NO_MTP_RULE
-
-
-def resolve_for_model(config: EngineConfig, model_cfg: Any, *, log_choices: bool = True) -> EngineConfig:
-    """``config`` with its model-dependent defaults filled in (call it where the model is loaded).
-
-    * ``speculative="auto"`` -> ``SpeculativeConfig()`` if the model has an MTP layer, else ``None``;
-      an explicit ``SpeculativeConfig`` for a model without one is a ``ConfigError`` naming
-      ``speculative``. An MTP layer config.json names but the weights lack (``absent_mtp_layers``)
-      counts as none: "auto" then also logs the warning ``model.mtp_missing``;
-    * ``max_context_len=None`` -> the model's ``max_position_embeddings``, lowered to what the pools
-      hold (``EngineConfig.context_capacity``);
-    * ``hisparse.device_buffer_size=None`` -> ``auto_hot``: 128, or the model's ``index_topk`` in
-      whole pages when that is more (the config's rules on HOT are checked again with it).
-
-    Each choice is logged. ``model_cfg`` is the model's ``ModelConfig`` (``num_nextn_predict_layers``,
-    ``max_position_embeddings``).
-    """
-    has_mtp = model_cfg.num_nextn_predict_layers > 0
-    absent = getattr(model_cfg, "absent_mtp_layers", 0)
-    spec = config.speculative
-    if spec == "auto":
-        spec = SpeculativeConfig() if has_mtp else None
-        if log_choices:
-            reason = "the model has an MTP layer" if has_mtp else "the model has no MTP layer"
-            if absent:
-                reason = "config.json names an MTP layer but the checkpoint holds none of its tensors"
-                log.warning("model.mtp_missing", model=config.model, layer=model_cfg.num_hidden_layers,
-                            num_nextn_predict_layers=absent, speculative="off")
-            log.info("config.speculative", speculative="on" if has_mtp else "off", reason=reason)
-    elif spec is not None:
-        _require(has_mtp, "speculative", spec, no_mtp_rule(model_cfg))
-    config = _resolve_hot(config, model_cfg, log_choices)
-    changes: dict[str, Any] = {"speculative": spec}
-    if config.has_budget:
-        return _resolve_budget(config, model_cfg, spec, log_choices)
-    if config.max_context_len is None:
-        positions = model_cfg.max_position_embeddings
-        capacity = attrs.evolve(config, speculative=spec).context_capacity()
-        context = min(positions, capacity)
-        if log_choices:
-            log.info(
-                "config.max_context_len",
-                max_context_len=context,
-                max_position_embeddings=positions,
-                pool_capacity=capacity,
-                lowered_to_fit_the_pools=context < positions,
-            )
-        changes["max_context_len"] = context
-    return attrs.evolve(config, **changes)
-
-
-def _resolve_hot(config: EngineConfig, model_cfg: Any, log_choices: bool) -> EngineConfig:
-    """``config`` with HOT set (``auto_hot``) when ``hisparse.device_buffer_size`` is None."""
-    hs = config.hisparse
-    if hs is None or hs.device_buffer_size is not None:
-        return config
-    top_k = getattr(model_cfg, "index_topk", None)
-    hot = auto_hot(top_k, config.page_size)
-    if log_choices:
-        log.info("config.hisparse.device_buffer_size", device_buffer_size=hot, index_topk=top_k,
-                 page_size=config.page_size, raised_to_hold_the_top_k=hot > auto_hot(0, config.page_size))
-    return attrs.evolve(config, hisparse=attrs.evolve(hs, device_buffer_size=hot))
-
-
-def _resolve_budget(
-    config: EngineConfig, model_cfg: Any, spec: SpeculativeConfig | None, log_choices: bool
-) -> EngineConfig:
-    """A budgeted config's pools: ``max_context_len`` (None: the model's positions, lowered to what
-    the budget holds), ``host_to_device_ratio`` (None: the one that seats the most requests of
-    max_context_len, the smallest of equals), then the device pool and request rows the budget pays
-    for."""
-    config = attrs.evolve(config, speculative=spec)
-    dims = ModelDims.of_config(model_cfg, config)
-    budget = device_budget(config.device_memory_bytes, config.device_memory_fraction, config.device)
-    hs = config.hisparse
-    context = config.max_context_len
-    if context is None:
-        positions = model_cfg.max_position_embeddings
-        widest = None if hs is None or hs.host_to_device_ratio is not None else MAX_RATIO
-        context = longest_context(budget, config.shape(context=positions, ratio=widest), dims, positions) or positions
-        if log_choices:
-            log.info("config.max_context_len", max_context_len=context, max_position_embeddings=positions,
-                     lowered_to_fit_the_budget=context < positions)
-    overrides = dict(slots=config.device_pool_tokens, rows=config.max_running_requests)
-    changes: dict[str, Any] = {}
-    if hs is not None and hs.host_to_device_ratio is None:
-        ratio = _best_ratio(budget, config, context, dims, overrides)
-        changes["hisparse"] = hs = attrs.evolve(hs, host_to_device_ratio=ratio)
-    slots, rows = size_for_budget(budget, attrs.evolve(config, **changes).shape(context=context), dims, **overrides)
-    if log_choices:
-        log.info("config.device_budget", device_memory_bytes=budget, device_pool_tokens=slots,
-                 max_running_requests=rows, max_context_len=context,
-                 host_to_device_ratio=None if hs is None else hs.host_to_device_ratio)
-    return attrs.evolve(
-        config, max_context_len=context, device_pool_tokens=slots, max_running_requests=rows,
-        device_memory_bytes=budget, device_memory_fraction=None, **changes,  # the budget measured, kept
-    )
-
-
-def _best_ratio(budget: int, config: EngineConfig, context: int, dims: ModelDims, overrides: dict[str, Any]) -> int:
-    """The host_to_device_ratio whose pools seat the most requests of ``context`` in ``budget``."""
-    best, best_seats = DEFAULT_RATIO, -1
-    for ratio in range(1, MAX_RATIO + 1):
-        shape = config.shape(context=context, ratio=ratio)
-        try:
-            slots, rows = size_for_budget(budget, shape, dims, **overrides)
-        except ConfigError:
-            continue
-        seats = min(rows, held_requests(shape, slots))
-        if seats > best_seats:
-            best, best_seats = ratio, seats
-    return best

@@ -39,12 +39,13 @@ from pipeline.messages import FlushCache, GenerateResult, RequestOutput
 from statemachines.request import AbortRequested, Crashed
 
 if TYPE_CHECKING:
-    from pipeline.executor import Executor
+    from pipeline.executor_interface import CommandExecutor
     from pipeline.model import DeepseekV32
     from pipeline.model.tokenizer import Messages, Tokenizer
     from pipeline.request import Request
     from pipeline.sampling import SamplingParams
     from pipeline.stages.context import Registry, StageContext
+    from pipeline.startup import EnginePlan
 
 log = structlog.get_logger("hispec.engine")
 
@@ -137,13 +138,14 @@ class Engine:
         self._queue_size = queue_size
         self._prefill_pacing = prefill_pacing
         self._ids = itertools.count()
-        self.executor: Executor | None = None  # for tests and tools: never call it while the engine runs
+        self.executor: CommandExecutor | None = None  # for tests and tools: never call it while it runs
         self.initial_pool_counts: dict[str, int] | None = None  # free counts before the first request
         self.final_pool_counts: dict[str, int] | None = None  # free counts after shutdown, before close
         self._running = False
         self._pipe = None
         self._froze_gc = False
         self._generation_defaults: dict[str, float | int] | None = None  # read at start (or when first asked)
+        self._plan: EnginePlan | None = None  # what start-up derived from ``config``, once started
 
     # --- lifetime ---------------------------------------------------------------------------------
     #
@@ -152,14 +154,14 @@ class Engine:
     # (``gc.freeze``), so that a full collection does not scan them between two decode steps; the
     # last such engine to close hands them back (``gc.unfreeze``). Freezing is a constant-time move
     # of the collector's lists. The first engine to freeze after another has closed collects first
-    # (a full collection, about 150 ms with transformers imported): cyclic garbage left behind by
+    # (one full collection; docs/performance-notes.md has its cost): cyclic garbage left behind by
     # then would otherwise be frozen with the rest, and never freed while engines run.
 
     async def __aenter__(self) -> Engine:
         from pipeline.stages.wiring import build_pipeline
 
         self.executor = await anyio.to_thread.run_sync(self._build_executor)
-        self.config = self.executor.config  # resolved against the model (speculation, max_context_len)
+        self._plan = self.executor.plan
         self.initial_pool_counts = self.executor.pool_counts()
         try:
             self._pipe = build_pipeline(
@@ -183,12 +185,15 @@ class Engine:
         self._running = True
         return self
 
-    def _build_executor(self) -> Executor:
+    def _build_executor(self) -> CommandExecutor:
         from pipeline.executor import Executor
-        from pipeline.preflight import preflight
+        from pipeline.preflight import check_device, check_model
 
-        preflight(self.config, model=self._model)  # device, model, memory: before any allocation
-        self._generation_defaults = self._read_generation_defaults()  # a bad file fails before the weights load
+        if self._model is not None:  # a built model, on a device that can be used (start-up checks the rest)
+            check_device(self.config)
+            check_model(self.config, self._model)
+        # a bad generation_config.json fails before the weights load
+        self._generation_defaults = self._read_generation_defaults()
         tokenizer = self._tokenizer if self._tokenizer is not None else self._configured_tokenizer()
         if self.config.tensor_parallel_size > 1:  # this process is rank 0; it starts the others
             from pipeline.distributed.executor import DistributedExecutor
@@ -239,7 +244,7 @@ class Engine:
         finally:
             with anyio.CancelScope(shield=True):
                 # a stage crashed: what was live fails; the caller cancelled or left: it is aborted
-                lost = getattr(self.executor, "lost", None)  # a tensor-parallel rank that went away
+                lost = self.executor.lost  # a tensor-parallel rank that went away
                 crash = None if stages_ok else f"the engine stopped: {lost or 'a stage raised'}"
                 await self._stop_what_is_live(crash)
                 await self._close_executor()
@@ -373,6 +378,14 @@ class Engine:
         return True
 
     @property
+    def plan(self) -> EnginePlan:
+        """What start-up resolved and derived from ``config`` (which stays as given): the speculative
+        config ``"auto"`` chose, ``max_context_len``, the pools, HOT (``pipeline.startup``)."""
+        if self._plan is None:
+            raise EngineClosed("the engine has not started: use `async with Engine(config) as engine:`")
+        return self._plan
+
+    @property
     def tokenizer(self):
         self._require_running()
         return self.executor.tokenizer
@@ -430,7 +443,7 @@ class Engine:
         elif not isinstance(request_id, str) or not request_id:
             raise RequestError("request_id", request_id, "must be a non-empty string")
         self._registry.check_new_id(request_id)
-        return Request(request_id, tuple(token_ids), params, ex.tokenizer, ex.config.max_context_len)
+        return Request(request_id, tuple(token_ids), params, ex.tokenizer, ex.plan.max_context_len)
 
     async def _stream(self, req: Request, *, whole: bool = False) -> AsyncIterator[RequestOutput]:
         """Submit ``req`` and yield its deltas (``whole``: one delta, at the end)."""

@@ -28,10 +28,9 @@ from pipeline.config import (
     EngineConfig,
     HiSparseConfig,
     SpeculativeConfig,
-    check_against_model,
-    resolve_for_model,
 )
 from pipeline.errors import ConfigError
+from pipeline.startup import plan_engine
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
@@ -124,10 +123,8 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
 
 
 def device_plan(config: EngineConfig, model_cfg: Any) -> DevicePlan:
-    resolved = resolve_for_model(config, model_cfg, log_choices=False)
-    check_against_model(resolved, index_topk=model_cfg.index_topk, has_mtp=model_cfg.num_nextn_predict_layers > 0,
-                        max_positions=model_cfg.max_position_embeddings)
-    return DevicePlan.of(resolved, resolved.memory_plan(model_cfg.index_topk or 0), model_cfg)
+    """The device side of the plan an engine of ``config`` starts with (``plan_engine``)."""
+    return plan_engine(config, model_cfg, log_choices=False).device
 
 
 def seats_at(config: EngineConfig, model_cfg: Any, context: int) -> int | None:

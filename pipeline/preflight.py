@@ -1,16 +1,16 @@
-"""Checks made when an engine starts, before the model is loaded or any memory allocated.
+"""Start-up's checks of the model's files and of the machine; each mistake a ``ConfigError`` naming its field.
 
-``EngineConfig`` checks its own values when it is built; what needs the machine or the model's
-dimensions is checked here, each mistake a ``ConfigError`` naming the field:
+``EngineConfig`` checks its own values when it is built; start-up (``pipeline.startup``) checks here
+what needs the model's files or the machine, before any weight is loaded or memory allocated:
 
-* ``model``: an injected model is a ``DeepseekV32`` on the configured device; a model to load is
-  ``"tiny"`` or an existing directory with a ``config.json`` that reads strictly (every field of its
-  type and in its range), whose end ids (``config.json``'s and ``generation_config.json``'s
-  ``eos_token_id``) are ids of the model's vocabulary;
+* ``model``: an injected model is a ``DeepseekV32`` on the configured device (``check_model``, the
+  engine's); a model to load is ``"tiny"`` or an existing directory with a ``config.json`` that
+  reads strictly (every field of its type and in its range), whose end ids (``config.json``'s and
+  ``generation_config.json``'s ``eos_token_id``) are ids of the model's vocabulary;
 * ``device``: ``"cuda"`` needs a CUDA build of torch and a visible device;
-* memory: the bytes the memory layer will allocate for this config and model (``estimate_memory``)
-  must fit in the memory available now (host RAM, and the CUDA device's free memory on CUDA);
-  the error names the field whose allocations dominate, ``device_pool_tokens`` (the pools) or
+* memory: the bytes the memory layer will allocate for the plan (``estimate_memory``) must fit in
+  the memory available now (host RAM, and the CUDA device's free memory on CUDA); the error names
+  the field whose allocations dominate, ``device_pool_tokens`` (the pools) or
   ``max_running_requests`` (the per-request tables and buffers).
 """
 
@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pipeline.capacity import format_bytes
-from pipeline.config import EngineConfig, resolve_for_model
+from pipeline.capacity import REQUEST, DevicePlan, device_structures, format_bytes
+from pipeline.config import EngineConfig
 from pipeline.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -37,18 +37,18 @@ PAGE_BOOKKEEPING_BYTES = 48
 POOL_FIELD, ROWS_FIELD = "device_pool_tokens", "max_running_requests"
 
 
-def preflight(config: EngineConfig, *, model: Any = None) -> None:
-    """Every machine- and model-dependent check of ``config``; raises ``ConfigError`` naming the field."""
+def model_config(config: EngineConfig, model: Any = None) -> ModelConfig:
+    """The model's dimensions, checked before any weight is read: the device (a budget may measure
+    it), the injected model's ``cfg`` or else ``config.json`` and its end ids, then the ranks.
+    Whether an injected object is a model at all is the engine's check (``check_model``)."""
     check_device(config)
     if model is not None:
-        check_model(config, model)
         model_cfg = model.cfg
     else:
         model_cfg = read_model_config(config.model)
         check_end_ids(config.model, model_cfg)
     check_tensor_parallel(config, model_cfg)
-    # the model's defaults ("auto" speculation, max_context_len=None) as the executor will resolve them
-    check_memory(resolve_for_model(config, model_cfg, log_choices=False), model_cfg)
+    return model_cfg
 
 
 def check_tensor_parallel(config: EngineConfig, model_cfg: Any) -> None:
@@ -178,16 +178,13 @@ class MemoryEstimate:
         return ", ".join(f"{a.name} {format_bytes(a.num_bytes)}" for a in chosen[:limit])
 
 
-def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstimate:
-    """The tensors (and page lists) the memory layer allocates for ``config`` and a model of these
-    dimensions: the device structures of the memory plan (``pipeline.capacity``: KV rows, indexer
-    keys, device buffers, the draft layer's pool, the device copies of the tables), and on the host
-    the host pool, the tables of record (the device copies are those very tensors on a CPU) and the
-    logical-to-physical map."""
-    from pipeline.capacity import REQUEST, ModelDims, device_structures
-
-    plan = config.memory_plan(model_cfg.index_topk or 0)
-    dims = ModelDims.of_config(model_cfg, config)
+def estimate_memory(config: EngineConfig, device_plan: DevicePlan) -> MemoryEstimate:
+    """The tensors (and page lists) the memory layer allocates for ``device_plan`` (an
+    ``EnginePlan.device``): the device structures of the plan (``pipeline.capacity``: KV rows,
+    indexer keys, device buffers, the draft layer's pool, the device copies of the tables), and on
+    the host the host pool, the tables of record (the device copies are those very tensors on a
+    CPU) and the logical-to-physical map."""
+    plan, dims = device_plan.plan, device_plan.dims
     p, rows, max_len = plan.page_size, plan.max_running_requests, plan.max_request_len
     table = rows * max_len * INT64
     out = [
@@ -222,33 +219,34 @@ def estimate_memory(config: EngineConfig, model_cfg: ModelConfig) -> MemoryEstim
 
 def check_memory(
     config: EngineConfig,
-    model_cfg: ModelConfig,
+    device_plan: DevicePlan,
     *,
     host_available: int | None = None,
     device_available: int | None = None,
 ) -> MemoryEstimate:
-    """Refuse a config whose memory layer would not fit in the memory available now.
+    """Refuse a plan whose memory layer would not fit in the memory available now.
 
     ``host_available`` / ``device_available`` default to what the machine reports (None when it
     reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
     Under tensor parallelism every rank allocates the whole memory layer (the latent KV is
     replicated): N times over in host memory, once on each rank's device.
     """
-    estimate = estimate_memory(config, model_cfg)
+    estimate = estimate_memory(config, device_plan)
+    sizes = {POOL_FIELD: device_plan.plan.device_tokens, ROWS_FIELD: device_plan.plan.max_running_requests}
     ranks = config.tensor_parallel_size
     per = f" ({ranks} ranks)" if ranks > 1 else ""
     host = available_host_memory() if host_available is None else host_available
     if config.device == "cpu":
-        _refuse_if_short(config, estimate, ranks * estimate.total_bytes, host, None, f"memory{per}")
+        _refuse_if_short(sizes, estimate, ranks * estimate.total_bytes, host, None, f"memory{per}")
         return estimate
     device = available_device_memory() if device_available is None else device_available
-    _refuse_if_short(config, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
-    _refuse_if_short(config, estimate, ranks * estimate.host_bytes, host, False, f"host memory{per}")
+    _refuse_if_short(sizes, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
+    _refuse_if_short(sizes, estimate, ranks * estimate.host_bytes, host, False, f"host memory{per}")
     return estimate
 
 
 def _refuse_if_short(
-    config: EngineConfig,
+    sizes: dict[str, int],
     estimate: MemoryEstimate,
     need: int,
     available: int | None,
@@ -260,7 +258,7 @@ def _refuse_if_short(
     field = estimate.dominant_field(on_device=on_device)
     raise ConfigError(
         field,
-        getattr(config, field),
+        sizes[field],  # the plan's size, which the config may have left to a budget or a default
         f"the memory layer would allocate {format_bytes(need)} of {where} "
         f"({estimate.summary(on_device=on_device)}), more than the {format_bytes(available)} available now",
     )

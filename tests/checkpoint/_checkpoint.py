@@ -2,12 +2,12 @@
 trained here on a few KB of text (``build_checkpoint``), and the checkpoints users bring as
 ``save_pretrained`` writes them (``build_saved_checkpoint``, ``resave_without_mtp``).
 
-The tokenizer is SentencePiece-style (spaces as ``▁``, pieces within words, a decoder that strips
-the text's first space), with byte fallback (``<0x00>``..``<0xFF>``: characters outside its small alphabet, capitals
-and most non-ASCII among them, are spelt as byte pieces), special tokens ``<s>`` (prepended to every
-text), ``</s>``, ``<|user|>``, ``<|assistant|>``, ``<|end|>``, and a chat template in
-``tokenizer_config.json``. ``config.json`` ends generation with ``</s>``; ``generation_config.json``
-adds ``<|end|>``. The model has no MTP layer.
+The tokenizer is SentencePiece-style (spaces as ``▁``, pieces within words, a decoder that strips the text's
+first space), with byte fallback (``<0x00>``..``<0xFF>``: characters outside its small alphabet, capitals and
+most non-ASCII among them, are spelt as byte pieces), special tokens ``<s>`` (prepended to every text),
+``</s>``, ``<|user|>``, ``<|assistant|>``, ``<|end|>``, and a chat template in ``tokenizer_config.json``.
+``config.json`` ends generation with ``</s>``; ``generation_config.json`` adds ``<|end|>``. The model has no
+MTP layer.
 
 So that the end tokens show up early in greedy output, rows of the embedding and of the head are
 swapped: two tokens that greedy decoding emits early after :data:`PROMPT` become ``<|end|>`` and
@@ -145,8 +145,16 @@ def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = Tru
     vocab = backend.get_vocab_size()
     eos_id, end_id = backend.token_to_id("</s>"), backend.token_to_id("<|end|>")
     cfg = tiny_hf_config(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        n_routed_experts=4, n_group=1, kv_lora_rank=16, q_lora_rank=16, max_position_embeddings=256,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        n_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        max_position_embeddings=256,
         eos_token_id=eos_id,
     )
     prompt = backend.encode(PROMPT).ids
@@ -170,7 +178,10 @@ def build_checkpoint(out: Path, *, seed: int = 0, with_chat_template: bool = Tru
         json.dumps({"eos_token_id": [eos_id, end_id], "pad_token_id": eos_id, "do_sample": False}, indent=2)
     )
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
     hf_tok.save_pretrained(out)
@@ -198,8 +209,9 @@ class SavedCheckpoint:
     eos_id: int
 
 
-def build_saved_checkpoint(out: Path, *, model_type: str = "deepseek_v32", mtp: bool = False, seed: int = 0,
-                           tokenizer=None) -> SavedCheckpoint:
+def build_saved_checkpoint(
+    out: Path, *, model_type: str = "deepseek_v32", mtp: bool = False, seed: int = 0, tokenizer=None
+) -> SavedCheckpoint:
     """A random tiny model written by HF ``save_pretrained`` in bfloat16 in two shards (with HF's
     index file), the trained tokenizer with its chat template, and a ``generation_config.json`` with
     sampling fields (:data:`DEEPSEEK_SAMPLING`, or :data:`GLM_SAMPLING` for ``glm_moe_dsa``).
@@ -214,8 +226,16 @@ def build_saved_checkpoint(out: Path, *, model_type: str = "deepseek_v32", mtp: 
     backend = tokenizer if tokenizer is not None else train_tokenizer()
     vocab, eos_id = backend.get_vocab_size(), backend.token_to_id("</s>")
     shape = dict(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        n_routed_experts=4, n_group=1, kv_lora_rank=16, q_lora_rank=16, max_position_embeddings=256,
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        n_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        max_position_embeddings=256,
         eos_token_id=eos_id,
     )
     glm = model_type == "glm_moe_dsa"
@@ -224,17 +244,25 @@ def build_saved_checkpoint(out: Path, *, model_type: str = "deepseek_v32", mtp: 
     total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     model.save_pretrained(out, max_shard_size=total * 3 // 5)  # two shards
     shards = sorted(out.glob("*.safetensors"))
-    assert [f.name for f in shards] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [f.name for f in shards] == [
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+    ]
     sampling = GLM_SAMPLING if glm else DEEPSEEK_SAMPLING
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id, **sampling}, indent=2))
     hf_tok = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
     hf_tok.save_pretrained(out)
     (out / "chat_template.jinja").unlink(missing_ok=True)
     config_path = out / "tokenizer_config.json"
-    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "chat_template": CHAT_TEMPLATE}))
+    config_path.write_text(
+        json.dumps({**json.loads(config_path.read_text()), "chat_template": CHAT_TEMPLATE})
+    )
     if mtp:
         _add_mtp_shard(out, seed)
     return SavedCheckpoint(out, model_type, mtp, sampling, eos_id)

@@ -37,19 +37,32 @@ def read_until(fd: int, marker: bytes) -> bytes:
 # Ctrl+C; the terminal one waits for the prompt and does: only it runs in the default selection
 @pytest.mark.parametrize("stdin", ["terminal", pytest.param("pipe", marks=pytest.mark.slow)])
 def test_the_first_ctrl_c_ends_the_chat(checkpoint, stdin):
-    command = [sys.executable, "-m", "pipeline.cli", "chat", "--model", str(checkpoint.path), "--dtype", "float64",
-               "--max-new-tokens", "8"]
+    command = [
+        sys.executable,
+        "-m",
+        "pipeline.cli",
+        "chat",
+        "--model",
+        str(checkpoint.path),
+        "--dtype",
+        "float64",
+        "--max-new-tokens",
+        "8",
+    ]
     if stdin == "terminal":
         if not hasattr(os, "openpty"):
             pytest.skip("no pseudo-terminals here")
         terminal, reader = os.openpty()
-        chat = subprocess.Popen(command, cwd=ROOT, stdin=reader, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        chat = subprocess.Popen(
+            command, cwd=ROOT, stdin=reader, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         os.close(reader)
         marker = b"> "  # the prompt: it reads the terminal now
     else:
         terminal = None
-        chat = subprocess.Popen(command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE)
+        chat = subprocess.Popen(
+            command, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
         chat.stdin.write(b"hello\n")
         chat.stdin.flush()
         marker = b"\n"  # the end of the answer: it reads the next line now (stdin stays open)

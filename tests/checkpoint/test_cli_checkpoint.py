@@ -15,11 +15,15 @@ PROMPT = "the quick brown fox"
 
 
 def generate(checkpoint, *args):
-    return cli(["generate", "--model", str(checkpoint.path), "--dtype", "float64", "--max-new-tokens", "8", *args])
+    return cli(
+        ["generate", "--model", str(checkpoint.path), "--dtype", "float64", "--max-new-tokens", "8", *args]
+    )
 
 
 def chat(checkpoint, *args):
-    return cli(["chat", "--model", str(checkpoint.path), "--dtype", "float64", "--max-new-tokens", "8", *args])
+    return cli(
+        ["chat", "--model", str(checkpoint.path), "--dtype", "float64", "--max-new-tokens", "8", *args]
+    )
 
 
 def streamed(out: str, i: int = 0) -> tuple[str, str]:

@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from pipeline.detokenizer import IncrementalDetokenizer
 from pipeline.model.tokenizer import ByteTokenizer, HFTokenizer
 
-SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +28,9 @@ def byte_level_bpe():
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tok.train_from_iterator(
         [TEXT] * 4,
-        trainers.BpeTrainer(vocab_size=500, initial_alphabet=alphabet, special_tokens=["<eos>"], show_progress=False),
+        trainers.BpeTrainer(
+            vocab_size=500, initial_alphabet=alphabet, special_tokens=["<eos>"], show_progress=False
+        ),
     )
     return HFTokenizer(tok, eos_token_ids=[0])
 
@@ -49,7 +53,9 @@ def stream(tokenizer, ids: list[int], cuts: list[int]) -> list[str]:
 def token_streams(tokenizer: HFTokenizer):
     """Ids from the whole vocabulary, with the byte pieces of whole or cut characters mixed in."""
     vocab = tokenizer.vocab_size
-    pieces = {int(t[3:5], 16): i for t, i in tokenizer.backend.get_vocab().items() if i in tokenizer.byte_piece_ids}
+    pieces = {
+        int(t[3:5], 16): i for t, i in tokenizer.backend.get_vocab().items() if i in tokenizer.byte_piece_ids
+    }
 
     def spelt(char: str, cut: int) -> list[int]:
         data = char.encode()

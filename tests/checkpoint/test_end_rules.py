@@ -79,4 +79,6 @@ def test_a_stop_string_completed_by_byte_pieces_ends_at_the_last_piece(tokenizer
 def test_length_when_nothing_else_ends_it(tokenizer):
     ids = words(tokenizer, "the quick brown fox jumps")
     req = run(tokenizer, ids, max_new_tokens=3)
-    assert req.finish_reason == "length" and req.output_ids == ids[:3] and req.text == tokenizer.decode(ids[:3])
+    assert (
+        req.finish_reason == "length" and req.output_ids == ids[:3] and req.text == tokenizer.decode(ids[:3])
+    )

@@ -28,7 +28,9 @@ def serve(checkpoint, body, **config):
 
 def hf_generate(hf_model, prompt, new_tokens, **kw) -> list[int]:
     with torch.no_grad(), hf_float64_patches():
-        out = hf_model.generate(torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False, **kw)
+        out = hf_model.generate(
+            torch.tensor([list(prompt)]), max_new_tokens=new_tokens, do_sample=False, **kw
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -43,12 +45,17 @@ def runs(checkpoint):
         requests = {
             "default": (prompt, SamplingParams(max_new_tokens=NEW)),
             "ignore_eos": (prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True)),
-            "only_eos": (prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=(ck.eos_id,))),
+            "only_eos": (
+                prompt,
+                SamplingParams(max_new_tokens=NEW, ignore_eos=True, stop_token_ids=(ck.eos_id,)),
+            ),
             "text": ("the quick brown fox", SamplingParams(max_new_tokens=NEW)),
         }
         for name, (p, params) in requests.items():
             out[name] = await engine.generate_text(p, params)
-        deltas = [d async for d in engine.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))]
+        deltas = [
+            d async for d in engine.generate(prompt, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+        ]
         out["deltas"] = deltas
         return out
 
@@ -74,7 +81,10 @@ def test_the_first_end_id_ends_the_request(runs, checkpoint):
 
 def test_ignore_eos_ignores_the_models_end_ids_but_not_stop_token_ids(runs, checkpoint):
     assert runs["ignore_eos"].finish_reason == "length"
-    assert checkpoint.end_id in runs["ignore_eos"].token_ids and checkpoint.eos_id in runs["ignore_eos"].token_ids
+    assert (
+        checkpoint.end_id in runs["ignore_eos"].token_ids
+        and checkpoint.eos_id in runs["ignore_eos"].token_ids
+    )
     only = runs["only_eos"]
     assert only.finish_reason == "stop"
     assert len(only.token_ids) == checkpoint.eos_at + 1 and only.token_ids[-1] == checkpoint.eos_id
@@ -85,7 +95,11 @@ def test_streamed_deltas_add_up_to_the_text(runs, hf_tokenizer):
     deltas = runs["deltas"]
     ids = [t for d in deltas for t in d.token_ids]
     assert ids == list(runs["ignore_eos"].token_ids)
-    assert "".join(d.text for d in deltas) == runs["ignore_eos"].text == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    assert (
+        "".join(d.text for d in deltas)
+        == runs["ignore_eos"].text
+        == hf_tokenizer.decode(ids, skip_special_tokens=True)
+    )
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
 
 
@@ -93,9 +107,12 @@ def test_stop_strings_across_two_tokens_and_stop_token_ids(checkpoint, runs):
     tok = runs["tokenizer"]
     ids = list(runs["ignore_eos"].token_ids)
     pieces = [tok.decode(ids[:k]) for k in range(len(ids) + 1)]
+
     # a stop string made of the last character of token k and the first of token k + 1, new at k + 1
     def spanning(k: int) -> str | None:
-        if not (len(pieces[k + 1]) > len(pieces[k]) > len(pieces[k - 1]) and pieces[k + 1].startswith(pieces[k])):
+        if not (
+            len(pieces[k + 1]) > len(pieces[k]) > len(pieces[k - 1]) and pieces[k + 1].startswith(pieces[k])
+        ):
             return None
         stop = pieces[k][-1] + pieces[k + 1][len(pieces[k])]
         return None if "\ufffd" in stop or stop in pieces[k] else stop
@@ -107,7 +124,9 @@ def test_stop_strings_across_two_tokens_and_stop_token_ids(checkpoint, runs):
 
     async def body(engine):
         params = dict(max_new_tokens=NEW, ignore_eos=True)
-        by_string = await engine.generate_text(list(checkpoint.prompt_ids), SamplingParams(stop=(stop,), **params))
+        by_string = await engine.generate_text(
+            list(checkpoint.prompt_ids), SamplingParams(stop=(stop,), **params)
+        )
         by_id = await engine.generate_text(
             list(checkpoint.prompt_ids), SamplingParams(stop_token_ids=(stop_id,), **params)
         )
@@ -150,8 +169,8 @@ def test_chat_without_a_template_is_a_request_error(tiny_model):
 
 def test_defaults_from_a_model_without_mtp(checkpoint):
     with info_logs() as logs:
-        config = serve(checkpoint, lambda engine: _const(engine.config))
-    assert config.speculative is None and config.max_context_len == 256  # max_position_embeddings
+        plan = serve(checkpoint, lambda engine: _const(engine.plan))
+    assert plan.speculative is None and plan.max_context_len == 256  # max_position_embeddings
     events = {e["event"]: e for e in logs}
     assert events["config.speculative"]["speculative"] == "off"
     assert "no MTP layer" in events["config.speculative"]["reason"]
@@ -160,8 +179,8 @@ def test_defaults_from_a_model_without_mtp(checkpoint):
 
 def test_max_context_len_is_lowered_to_what_the_pools_hold(checkpoint):
     with info_logs() as logs:
-        config = serve(checkpoint, lambda engine: _const(engine.config), hisparse=None, device_pool_tokens=128)
-    assert config.max_context_len == 128
+        plan = serve(checkpoint, lambda engine: _const(engine.plan), hisparse=None, device_pool_tokens=128)
+    assert plan.max_context_len == 128
     event = next(e for e in logs if e["event"] == "config.max_context_len")
     assert event["lowered_to_fit_the_pools"] and event["max_position_embeddings"] == 256
 
@@ -176,11 +195,11 @@ def test_explicit_speculation_on_a_model_without_mtp_is_refused(checkpoint):
 def test_a_model_with_mtp_speculates_by_default(tiny_model):
     async def main():
         async with Engine(EngineConfig(dtype="float64"), model=tiny_model) as engine:
-            return engine.config
+            return engine.plan
 
-    config = anyio.run(main)
-    assert config.speculative == SpeculativeConfig()
-    assert config.max_context_len == tiny_model.cfg.max_position_embeddings
+    plan = anyio.run(main)
+    assert plan.speculative == SpeculativeConfig()
+    assert plan.max_context_len == tiny_model.cfg.max_position_embeddings
 
 
 async def _const(value):

@@ -60,9 +60,12 @@ def generate_cli(checkpoint) -> str:
 
 def test_completions_streamed_and_not_equal_generate(served):
     _, checkpoint, _, client, _ = served
-    whole = client.completions.create(model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=0)
-    stream = client.completions.create(model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=0,
-                                       stream=True)
+    whole = client.completions.create(
+        model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=0
+    )
+    stream = client.completions.create(
+        model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=0, stream=True
+    )
     streamed = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
     assert whole.choices[0].text == streamed
     assert whole.choices[0].text == generate_cli(checkpoint)
@@ -71,10 +74,12 @@ def test_completions_streamed_and_not_equal_generate(served):
 def test_chat_streamed_and_not_agree(served):
     _, checkpoint, _, client, _ = served
     messages = [{"role": "user", "content": "Tell me about the fox."}]
-    whole = client.chat.completions.create(model=str(checkpoint.path), messages=messages, max_tokens=NEW,
-                                           temperature=0)
-    stream = client.chat.completions.create(model=str(checkpoint.path), messages=messages, max_tokens=NEW,
-                                            temperature=0, stream=True)
+    whole = client.chat.completions.create(
+        model=str(checkpoint.path), messages=messages, max_tokens=NEW, temperature=0
+    )
+    stream = client.chat.completions.create(
+        model=str(checkpoint.path), messages=messages, max_tokens=NEW, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert whole.choices[0].message.content == streamed
     assert whole.usage.completion_tokens >= 1
@@ -83,8 +88,12 @@ def test_chat_streamed_and_not_agree(served):
 def test_greedy_logprobs_rank_the_chosen_token_first(served):
     _, checkpoint, _, client, _ = served
     out = client.chat.completions.create(
-        model=str(checkpoint.path), messages=[{"role": "user", "content": "hello"}], max_tokens=NEW,
-        temperature=0, logprobs=True, top_logprobs=3,
+        model=str(checkpoint.path),
+        messages=[{"role": "user", "content": "hello"}],
+        max_tokens=NEW,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
     )
     content = out.choices[0].logprobs.content
     assert len(content) == out.usage.completion_tokens
@@ -95,14 +104,16 @@ def test_greedy_logprobs_rank_the_chosen_token_first(served):
 
 def test_n_choices(served):
     name, checkpoint, _, client, _ = served
-    out = client.completions.create(model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=1.0,
-                                    seed=7, n=3)
+    out = client.completions.create(
+        model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=1.0, seed=7, n=3
+    )
     assert sorted(c.index for c in out.choices) == [0, 1, 2]
     if name == "deepseek_mtp_checkpoint":
         return  # speculation: a choice equals a solo request's distribution, not its tokens (docs/server.md)
     for choice in out.choices:
-        solo = client.completions.create(model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW,
-                                         temperature=1.0, seed=7 + choice.index)
+        solo = client.completions.create(
+            model=str(checkpoint.path), prompt=PROMPT, max_tokens=NEW, temperature=1.0, seed=7 + choice.index
+        )
         assert solo.choices[0].text == choice.text
 
 

@@ -128,13 +128,20 @@ def test_without_tokenizer_json_the_other_files_load_through_transformers(tmp_pa
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), special_tokens=["<|endoftext|>"],
+        vocab_size=400,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>"],
         show_progress=False,
     )
     tok.train_from_iterator([TEXT] * 4, trainer)
     tok.model.save(str(tmp_path))
     special = "<|endoftext|>"
-    config = {"tokenizer_class": "GPT2Tokenizer", "eos_token": special, "bos_token": special, "unk_token": special}
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "eos_token": special,
+        "bos_token": special,
+        "unk_token": special,
+    }
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     tokenizer = load_tokenizer(tmp_path)
     reference = AutoTokenizer.from_pretrained(str(tmp_path), local_files_only=True)

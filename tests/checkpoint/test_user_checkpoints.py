@@ -45,8 +45,8 @@ def run(config: EngineConfig, body, **engine):
     return anyio.run(main)
 
 
-async def _config(engine):
-    return engine.config
+async def _plan(engine):
+    return engine.plan
 
 
 def serve_config(ck, *args: str) -> EngineConfig:
@@ -60,13 +60,13 @@ def test_serve_without_num_steps_is_auto_and_a_model_without_mtp_starts_plain(de
     config = serve_config(deepseek_checkpoint)
     assert config.speculative == "auto"
     assert (config.max_context_len, config.max_running_requests) == (256, 32)  # serve's own defaults
-    assert run(config, _config).speculative is None
+    assert run(config, _plan).speculative is None
 
 
 def test_serve_speculates_on_a_checkpoint_with_an_mtp_layer(deepseek_mtp_checkpoint):
     assert ModelConfig.from_dir(deepseek_mtp_checkpoint.path).num_nextn_predict_layers == 1
-    assert run(serve_config(deepseek_mtp_checkpoint), _config).speculative == SpeculativeConfig()
-    assert run(serve_config(deepseek_mtp_checkpoint, "--num-steps", "2"), _config).speculative.num_steps == 2
+    assert run(serve_config(deepseek_mtp_checkpoint), _plan).speculative == SpeculativeConfig()
+    assert run(serve_config(deepseek_mtp_checkpoint, "--num-steps", "2"), _plan).speculative.num_steps == 2
 
 
 def test_an_mtp_layer_named_but_absent_is_no_mtp_layer(resaved_checkpoint):
@@ -79,8 +79,8 @@ def test_an_mtp_layer_named_but_absent_is_no_mtp_layer(resaved_checkpoint):
 
 def test_serve_on_a_resaved_checkpoint_turns_speculation_off_with_one_warning(resaved_checkpoint):
     with structlog.testing.capture_logs() as logs:
-        config = run(serve_config(resaved_checkpoint), _config)
-    assert config.speculative is None
+        plan = run(serve_config(resaved_checkpoint), _plan)
+    assert plan.speculative is None
     warnings = [e for e in logs if e["log_level"] == "warning"]
     assert [e["event"] for e in warnings] == ["model.mtp_missing"]
     assert warnings[0]["layer"] == 2 and warnings[0]["speculative"] == "off"
@@ -88,7 +88,9 @@ def test_serve_on_a_resaved_checkpoint_turns_speculation_off_with_one_warning(re
 
 def test_no_spec_on_a_resaved_checkpoint_loads_and_generates(resaved_checkpoint):
     async def body(engine):
-        return engine.config, await engine.generate_text(PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+        return engine.config, await engine.generate_text(
+            PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True)
+        )
 
     with structlog.testing.capture_logs() as logs:
         config, result = run(serve_config(resaved_checkpoint, "--no-spec"), body)
@@ -98,12 +100,14 @@ def test_no_spec_on_a_resaved_checkpoint_loads_and_generates(resaved_checkpoint)
 
 def test_num_steps_on_a_resaved_checkpoint_is_a_config_error(resaved_checkpoint):
     with pytest.raises(ConfigError) as info:
-        run(serve_config(resaved_checkpoint, "--num-steps", "2"), _config)
+        run(serve_config(resaved_checkpoint, "--num-steps", "2"), _plan)
     assert info.value.field == "speculative"
     assert "holds none of its tensors" in info.value.rule and "--no-spec" in info.value.rule
 
 
-def test_a_partial_mtp_layer_is_a_checkpoint_error_naming_the_missing_tensors(deepseek_mtp_checkpoint, tmp_path):
+def test_a_partial_mtp_layer_is_a_checkpoint_error_naming_the_missing_tensors(
+    deepseek_mtp_checkpoint, tmp_path
+):
     from safetensors.torch import load_file, save_file
 
     ck = tmp_path / "partial"
@@ -134,18 +138,23 @@ def test_tensor_names_come_from_the_index_or_the_headers(deepseek_checkpoint, tm
 
 def test_a_glm_checkpoint_serves_with_its_defaults(glm_checkpoint):
     async def body(engine):
-        return engine.config, engine.generation_defaults, await engine.generate_text(PROMPT)
+        return engine.plan, engine.generation_defaults, await engine.generate_text(PROMPT)
 
-    config, defaults, result = run(serve_config(glm_checkpoint, "--dtype", "float64"), body)
-    assert config.speculative is None and defaults == {k: v for k, v in glm_checkpoint.sampling.items()
-                                                       if k != "do_sample"}
+    plan, defaults, result = run(serve_config(glm_checkpoint, "--dtype", "float64"), body)
+    assert plan.speculative is None and defaults == {
+        k: v for k, v in glm_checkpoint.sampling.items() if k != "do_sample"
+    }
     assert len(result.token_ids) <= 12  # its generation_config.json's max_new_tokens
 
 
 # ----- generation_config.json: the sampling defaults ------------------------------------------------
 def test_generation_defaults_and_default_sampling_params(deepseek_checkpoint):
     async def body(engine):
-        return engine.generation_defaults, engine.default_sampling_params(), engine.default_sampling_params(top_k=3)
+        return (
+            engine.generation_defaults,
+            engine.default_sampling_params(),
+            engine.default_sampling_params(top_k=3),
+        )
 
     defaults, params, overridden = run(EngineConfig(model=str(deepseek_checkpoint.path)), body)
     assert defaults == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -157,11 +166,14 @@ def test_a_request_without_params_samples_with_the_checkpoints_defaults(deepseek
     explicit = SamplingParams(temperature=0.6, top_p=0.95, top_k=20, max_new_tokens=16)
 
     async def body(engine):
-        implicit = await engine.generate_text(PROMPT, engine.default_sampling_params(max_new_tokens=16),
-                                              request_id="r")
+        implicit = await engine.generate_text(
+            PROMPT, engine.default_sampling_params(max_new_tokens=16), request_id="r"
+        )
         none = [d async for d in engine.generate(PROMPT, request_id="r")]
         given = await engine.generate_text(PROMPT, explicit, request_id="r")
-        given_64 = await engine.generate_text(PROMPT, attrs.evolve(explicit, max_new_tokens=64), request_id="r")
+        given_64 = await engine.generate_text(
+            PROMPT, attrs.evolve(explicit, max_new_tokens=64), request_id="r"
+        )
         return implicit, none, given, given_64
 
     config = EngineConfig(model=str(deepseek_checkpoint.path), dtype="float64", prefix_cache=False)
@@ -189,10 +201,20 @@ def test_generation_config_rules(tmp_path):
     assert defaults(eos_token_id=2, do_sample=True, temperature=0.7, top_p=None) == {"temperature": 0.7}
     assert defaults(do_sample=False, temperature=0.7, top_k=5) == {"temperature": 0.0, "top_k": 5}  # greedy
     assert defaults(temperature=1, top_p=1, repetition_penalty=1.1, max_new_tokens=9) == {
-        "temperature": 1.0, "top_p": 1.0, "repetition_penalty": 1.1, "max_new_tokens": 9,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "repetition_penalty": 1.1,
+        "max_new_tokens": 9,
     }
-    for bad in (dict(top_p=1.5), dict(temperature=-1), dict(top_k=2.5), dict(max_new_tokens=0),
-                dict(repetition_penalty=0), dict(do_sample="yes"), dict(temperature="hot")):
+    for bad in (
+        dict(top_p=1.5),
+        dict(temperature=-1),
+        dict(top_k=2.5),
+        dict(max_new_tokens=0),
+        dict(repetition_penalty=0),
+        dict(do_sample="yes"),
+        dict(temperature="hot"),
+    ):
         with pytest.raises(ConfigError) as info:
             defaults(**bad)
         name = next(iter(bad))
@@ -204,7 +226,7 @@ def test_a_bad_generation_config_stops_the_engine_at_start(deepseek_checkpoint, 
     shutil.copytree(deepseek_checkpoint.path, ck)
     (ck / "generation_config.json").write_text(json.dumps({"top_p": 2}))
     with pytest.raises(ConfigError, match=r"generation_config.json: top_p=2 must be a number in \(0, 1\]"):
-        run(EngineConfig(model=str(ck)), _config)
+        run(EngineConfig(model=str(ck)), _plan)
 
 
 def test_cli_sampling_flags_fall_back_to_the_checkpoint_then_the_builtin_defaults():
@@ -254,7 +276,11 @@ def test_tokenizer_reads_the_tokenizer_files_from_another_directory(deepseek_che
         (bare / name).rename(tokenizer_dir / name)
 
     async def body(engine):
-        return engine.tokenizer, engine.chat_prompt(HELLO), list((await engine.generate_text(PROMPT)).token_ids)
+        return (
+            engine.tokenizer,
+            engine.chat_prompt(HELLO),
+            list((await engine.generate_text(PROMPT)).token_ids),
+        )
 
     expected = run(EngineConfig(model=str(deepseek_checkpoint.path)), body)
     tok, ids, out = run(serve_config(bare, "--tokenizer", str(tokenizer_dir)), body)
@@ -270,19 +296,21 @@ def test_tokenizer_and_chat_template_are_checked(deepseek_checkpoint, tmp_path):
         EngineConfig(chat_template=str(tmp_path / "none.jinja"))
     assert info.value.field == "chat_template"
     with pytest.raises(ConfigError) as info:  # a directory without tokenizer files
-        run(EngineConfig(model=str(deepseek_checkpoint.path), tokenizer=str(tmp_path)), _config)
+        run(EngineConfig(model=str(deepseek_checkpoint.path), tokenizer=str(tmp_path)), _plan)
     assert info.value.field == "tokenizer" and "no tokenizer files" in info.value.rule
     broken = tmp_path / "broken.jinja"
     broken.write_text("{% for m in messages %}")
     with pytest.raises(ConfigError) as info:
-        run(EngineConfig(model=str(deepseek_checkpoint.path), chat_template=str(broken)), _config)
+        run(EngineConfig(model=str(deepseek_checkpoint.path), chat_template=str(broken)), _plan)
     assert info.value.field == "chat_template" and "not a valid Jinja template" in info.value.rule
 
 
 @pytest.mark.parametrize("parser", [generate_parser, serve_parser])
 def test_max_model_len_is_max_context_len(parser):
     prompts = ["x"] if parser is generate_parser else []
-    given = parser().parse_args([*prompts, "--max-model-len", "100", "--tokenizer", "t", "--chat-template", "c.j"])
+    given = parser().parse_args(
+        [*prompts, "--max-model-len", "100", "--tokenizer", "t", "--chat-template", "c.j"]
+    )
     same = parser().parse_args([*prompts, "--max-context-len", "100"])
     assert given.max_context_len == same.max_context_len == 100
     assert (given.tokenizer, given.chat_template) == ("t", "c.j")
@@ -310,8 +338,19 @@ def test_the_progress_bar_is_drawn_only_on_a_terminal(deepseek_checkpoint, capsy
 # ----- hispec generate on the saved checkpoints: the same greedy text either way --------------------
 def _generated(capsys, ck, *args: str) -> tuple[str, str]:
     """(the texts ``hispec generate --no-stream`` prints, the figures after them)."""
-    argv = ["--model", str(ck.path), "--dtype", "float64", "--temperature", "0", "--max-new-tokens", "8",
-            "--no-stream", *args, PROMPT]
+    argv = [
+        "--model",
+        str(ck.path),
+        "--dtype",
+        "float64",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "8",
+        "--no-stream",
+        *args,
+        PROMPT,
+    ]
     assert generate_main(argv) == 0
     texts, figures = re.split(r"\nlifecycle", capsys.readouterr().out)
     assert texts.startswith("--- req-0 (")

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, event, given, reject, settings
 from pipeline import ConfigError, EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.config import check_against_model
 from pipeline.memory import round_up
+from pipeline.startup import plan_engine
 
 HS = HiSparseConfig
 SP = SpeculativeConfig
@@ -343,7 +344,7 @@ def test_config_is_frozen():
 
 def test_no_speculation_and_no_hisparse_are_allowed():
     config = EngineConfig(hisparse=None, speculative=None)
-    plan = config.memory_plan(64)
+    plan = plan_engine(config, _model(64), log_choices=False).memory
     assert plan.hot == 0 and plan.draft_tokens == 0 and not plan.hisparse
 
 
@@ -378,9 +379,9 @@ def test_every_accepted_config_satisfies_the_memory_layers_assumptions(data, top
     try:
         config = data.draw(configs)
         check_against_model(config, index_topk=top_k, has_mtp=True, max_positions=None)
+        plan = plan_engine(config, _model(top_k, positions=1 << 20), log_choices=False).memory
     except ConfigError:
         return
-    plan = config.memory_plan(top_k)
     p = plan.page_size
     need = -(-plan.max_request_len // p) * p
     assert plan.device_tokens % p == 0 and plan.logical_tokens % p == 0
@@ -631,13 +632,13 @@ def test_every_accepted_config_serves_one_request_of_max_context_len(data, seed)
         executor = Executor(config, model=_stub_model(top_k))
     except ConfigError:
         reject()
-    memory, plan = executor.memory, executor.plan
+    memory, plan = executor.memory, executor.plan.memory
     event("hisparse" if plan.hisparse else "resident")
     event(f"speculative D={plan.draft_tokens}" if plan.draft_tokens else "plain decode")
     if plan.hisparse:
         event("outgrows the hot region" if plan.max_request_len > plan.hot else "stays short")
     try:
-        assert plan == config.memory_plan(top_k)
+        assert plan == plan_engine(config, _stub_model(top_k).cfg, log_choices=False).memory
         initial = memory.free_counts()
         memory.check_integrity()
         limit = config.max_context_len
@@ -686,22 +687,24 @@ def test_the_replacement_policy_auto_follows_the_device():
     assert HS().policy == "auto"
     assert (HS().policy_for("cpu"), HS().policy_for("cuda")) == ("adaptive", "lru")
     assert HS(policy="near").policy_for("cpu") == "near" and HS(policy="lru").policy_for("cpu") == "lru"
-    assert EngineConfig(**RESOLVED).memory_plan(64).policy == "adaptive"
-    assert EngineConfig(**RESOLVED, hisparse=HS(policy="slide")).memory_plan(64).policy == "slide"
+    assert plan_engine(EngineConfig(**RESOLVED), _model(64)).memory.policy == "adaptive"
+    slide = EngineConfig(**RESOLVED, hisparse=HS(policy="slide"))
+    assert plan_engine(slide, _model(64)).memory.policy == "slide"
 
 
 def test_the_prefill_budget_auto_is_2048_or_the_chunk_and_none_with_whole_prompts():
-    assert EngineConfig().prefill_budget == 2048
-    assert EngineConfig(chunked_prefill_tokens=4096, max_context_len=8192).prefill_budget == 4096
-    assert EngineConfig(chunked_prefill_tokens=None, max_context_len=1024).prefill_budget is None
-    assert EngineConfig(prefill_batch_tokens=None).prefill_budget is None
-    assert EngineConfig(prefill_batch_tokens=1000).prefill_budget == 1000
+    from pipeline.startup import prefill_budget
+
+    assert prefill_budget(EngineConfig()) == 2048
+    assert prefill_budget(EngineConfig(chunked_prefill_tokens=4096, max_context_len=8192)) == 4096
+    assert prefill_budget(EngineConfig(chunked_prefill_tokens=None, max_context_len=1024)) is None
+    assert prefill_budget(EngineConfig(prefill_batch_tokens=None)) is None
+    assert prefill_budget(EngineConfig(prefill_batch_tokens=1000)) == 1000
 
 
 def test_an_mtp_layer_the_weights_lack_is_none_with_one_warning_for_auto():
     import structlog
 
-    from pipeline.config import resolve_for_model
     from pipeline.model import ModelConfig
 
     from tiny_models import TINY_CONFIG
@@ -713,15 +716,16 @@ def test_an_mtp_layer_the_weights_lack_is_none_with_one_warning_for_auto():
     layer = f"model.layers.{named.num_hidden_layers}.eh_proj.weight"
     assert named.without_absent_mtp([layer]) is named and named.without_absent_mtp(None) is named
     with structlog.testing.capture_logs() as logs:
-        assert resolve_for_model(EngineConfig(), absent).speculative is None
-        assert resolve_for_model(EngineConfig(speculative=None), absent).speculative is None
-        resolve_for_model(EngineConfig(), absent, log_choices=False)
+        assert plan_engine(EngineConfig(), absent).speculative is None
+        assert plan_engine(EngineConfig(speculative=None), absent).speculative is None
+        plan_engine(EngineConfig(), absent, log_choices=False)
     assert [e["event"] for e in logs if e["log_level"] == "warning"] == ["model.mtp_missing"]
     with pytest.raises(ConfigError) as info:
-        resolve_for_model(EngineConfig(speculative=SpeculativeConfig(num_steps=2)), absent)
+        plan_engine(EngineConfig(speculative=SpeculativeConfig(num_steps=2)), absent)
     assert info.value.field == "speculative" and "holds none of its tensors" in info.value.rule
     with pytest.raises(ConfigError) as info:  # a model with no MTP layer at all says so
-        resolve_for_model(EngineConfig(speculative=SpeculativeConfig()), attrs.evolve(named, num_nextn_predict_layers=0))
+        plan_engine(EngineConfig(speculative=SpeculativeConfig()),
+                    attrs.evolve(named, num_nextn_predict_layers=0))
     assert "has none" in info.value.rule
 
 
@@ -831,16 +835,14 @@ def _model(index_topk: int, *, positions: int = 4096, mtp: int = 1) -> SimpleNam
     (8, 16, 128), (128, 16, 128), (129, 16, 144), (2048, 16, 2048), (2048, 64, 2048), (300, 48, 336), (8, 48, 144),
 ])
 def test_hot_unset_is_the_larger_of_128_and_the_models_top_k_in_whole_pages(index_topk, page, hot):
-    from pipeline.config import auto_hot, resolve_for_model
+    from pipeline.config import auto_hot
 
     assert HS().device_buffer_size is None
     assert auto_hot(index_topk, page) == hot
     config = EngineConfig(page_size=page, speculative=None, device_pool_tokens=page * 1024)
-    resolved = resolve_for_model(config, _model(index_topk), log_choices=False)
-    assert resolved.hisparse.device_buffer_size == hot
-    check_against_model(resolved, index_topk=index_topk, has_mtp=True, max_positions=4096)
-    assert resolved.memory_plan(index_topk).hot == hot
-    assert config.memory_plan(index_topk).hot == hot  # an unresolved config's plan resolves it the same way
+    plan = plan_engine(config, _model(index_topk), log_choices=False)  # the model's rules passed
+    assert plan.hot == plan.memory.hot == hot
+    assert config.hisparse.device_buffer_size is None  # the config stays as given
 
 
 def test_a_v32_sized_model_serves_without_hot_and_the_choice_is_logged():
@@ -848,37 +850,32 @@ def test_a_v32_sized_model_serves_without_hot_and_the_choice_is_logged():
     rules; an explicit HOT below the top-k stays the clear error."""
     import structlog
 
-    from pipeline.config import resolve_for_model
 
     model = _model(2048, positions=163840)
     with structlog.testing.capture_logs() as logs:
-        resolved = resolve_for_model(EngineConfig(device_pool_tokens=65536), model)
-    assert resolved.hisparse.device_buffer_size == 2048
-    check_against_model(resolved, index_topk=2048, has_mtp=True, max_positions=163840)
+        plan = plan_engine(EngineConfig(device_pool_tokens=65536), model)  # the model's rules passed
+    assert plan.hot == 2048
     [event] = [e for e in logs if e["event"] == "config.hisparse.device_buffer_size"]
     assert event["device_buffer_size"] == 2048 and event["index_topk"] == 2048
-    explicit = resolve_for_model(EngineConfig(hisparse=HS(device_buffer_size=128)), model, log_choices=False)
     with pytest.raises(ConfigError) as info:
-        check_against_model(explicit, index_topk=2048, has_mtp=True, max_positions=163840)
+        plan_engine(EngineConfig(hisparse=HS(device_buffer_size=128)), model, log_choices=False)
     assert info.value.field == "hisparse.device_buffer_size" and "index_topk (2048)" in info.value.rule
 
 
 def test_a_pool_too_small_for_the_resolved_hot_names_device_pool_tokens():
-    from pipeline.config import resolve_for_model
 
     config = EngineConfig(device_pool_tokens=1024, max_context_len=4096, speculative=None)
     with pytest.raises(ConfigError) as info:
-        resolve_for_model(config, _model(2048), log_choices=False)
+        plan_engine(config, _model(2048), log_choices=False)
     assert info.value.field == "device_pool_tokens"
 
 
 def test_hot_unset_is_resolved_under_a_budget_too():
-    from pipeline.config import resolve_for_model
 
     config = EngineConfig(device_memory_bytes=64 << 20, speculative=None)
-    resolved = resolve_for_model(config, _model(256, positions=8192, mtp=0), log_choices=False)
-    assert resolved.hisparse.device_buffer_size == 256
-    assert resolved.device_pool_tokens >= 256 + 16
+    plan = plan_engine(config, _model(256, positions=8192, mtp=0), log_choices=False)
+    assert plan.hot == 256
+    assert plan.device_pool_tokens >= 256 + 16
 
 
 def test_the_cli_leaves_hot_to_the_model():

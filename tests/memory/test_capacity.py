@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 
 from pipeline import Engine, SamplingParams
 from pipeline.capacity import ModelDims, Shape, seats
-from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig, resolve_for_model
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
+from pipeline.startup import plan_engine
 
 from tiny_models import build_tiny_model
 
@@ -56,11 +57,23 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
         dtype="float64",
         page_size=kw.pop("page_size", PAGE),
         device_memory_bytes=budget,
-        hisparse=HiSparseConfig(device_buffer_size=hot, host_to_device_ratio=ratio, draft_rows_on_host=on_host,
-                                draft_keys_on_host=keys)
-        if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, plain_tail=False,
-                                      plain_while_prefilling=False) if num_steps else None,
+        hisparse=HiSparseConfig(
+            device_buffer_size=hot,
+            host_to_device_ratio=ratio,
+            draft_rows_on_host=on_host,
+            draft_keys_on_host=keys,
+        )
+        if hisparse
+        else None,
+        speculative=SpeculativeConfig(
+            num_steps=num_steps,
+            max_batch_size=None,
+            timed=False,
+            plain_tail=False,
+            plain_while_prefilling=False,
+        )
+        if num_steps
+        else None,
         **kw,
     )
 
@@ -87,9 +100,17 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
     with ``draft_rows_on_host`` the draft layer's rows, and with ``draft_keys_on_host`` its keys)."""
     hot = max(hot_pages * page_size, 8)  # >= the model's index_topk
     cfg = budget_config(
-        budget=budget, hisparse=hisparse, num_steps=num_steps if page_size > 2 else None,
-        page_size=page_size, hot=hot, ratio=ratio, max_context_len=context, chunked_prefill_tokens=chunk,
-        max_running_requests=rows, draft_rows_on_host=on_host != "device", draft_keys_on_host=on_host == "keys",
+        budget=budget,
+        hisparse=hisparse,
+        num_steps=num_steps if page_size > 2 else None,
+        page_size=page_size,
+        hot=hot,
+        ratio=ratio,
+        max_context_len=context,
+        chunked_prefill_tokens=chunk,
+        max_running_requests=rows,
+        draft_rows_on_host=on_host != "device",
+        draft_keys_on_host=on_host == "keys",
     )
     try:
         executor = Executor(cfg, model=tiny_model)
@@ -97,7 +118,7 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
         assert err.field in ("device_memory_bytes", "speculative.num_steps"), err
         return
     try:
-        plan = executor.device_plan
+        plan = executor.plan.device
         device = executor.memory.device_tensors()
         total = sum(t.numel() * t.element_size() for t in device.values())
         assert total == plan.total_bytes <= budget
@@ -107,8 +128,10 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
         others = {ptr for ptr in found if ptr not in listed}
         host = set()
         if hisparse:
-            host = {executor.memory.host.kv.untyped_storage().data_ptr(),
-                    executor.memory.alloc.logical_to_physical.untyped_storage().data_ptr()}
+            host = {
+                executor.memory.host.kv.untyped_storage().data_ptr(),
+                executor.memory.alloc.logical_to_physical.untyped_storage().data_ptr(),
+            }
             draft = executor.memory.draft
             if draft is not None and on_host != "device":
                 assert draft.rows_on_host and "draft layer KV rows" not in device
@@ -125,7 +148,9 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
 
 def test_a_budget_too_small_for_one_request_says_how_much_is_needed(tiny_model):
     cfg = budget_config(budget=10_000, hisparse=True, max_context_len=256)
-    with pytest.raises(ConfigError, match=r"holds no request of max_context_len \(256\): one needs (\d+) bytes") as info:
+    with pytest.raises(
+        ConfigError, match=r"holds no request of max_context_len \(256\): one needs (\d+) bytes"
+    ) as info:
         Executor(cfg, model=tiny_model)
     assert info.value.field == "device_memory_bytes"
     need = int(info.value.rule.split("one needs ")[1].split(" ")[0])
@@ -139,10 +164,10 @@ def test_a_budget_too_small_for_one_request_says_how_much_is_needed(tiny_model):
 def test_token_settings_stay_overrides(tiny_model):
     """A budget with device_pool_tokens given solves for the rows; with both given it only checks."""
     cfg = budget_config(budget=2_000_000, hisparse=False, max_context_len=128, device_pool_tokens=512)
-    resolved = resolve_for_model(cfg, tiny_model.cfg, log_choices=False)
+    resolved = plan_engine(cfg, tiny_model.cfg, log_choices=False)
     assert resolved.device_pool_tokens == 512 and resolved.max_running_requests == 4  # 512 / 128
     with pytest.raises(ConfigError, match="device_memory_bytes"):
-        resolve_for_model(attrs.evolve(cfg, max_running_requests=10**6), tiny_model.cfg, log_choices=False)
+        plan_engine(attrs.evolve(cfg, max_running_requests=10**6), tiny_model.cfg, log_choices=False)
 
 
 async def _run(model, cfg, prompts, new_tokens):
@@ -157,7 +182,7 @@ async def _run(model, cfg, prompts, new_tokens):
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         stats = engine.stats()
-        plan = engine.executor.device_plan
+        plan = engine.executor.plan.device
     retractions = sum(r.metrics.num_retractions for r in results.values())
     return {i: list(r.token_ids) for i, r in results.items()}, stats["running"], plan, retractions
 
@@ -175,8 +200,13 @@ async def test_resident_seats_are_the_requests_held_at_once(wide_model):
     shape = Shape(hisparse=False, page=PAGE, hot=0, ratio=1, draft_tokens=0, chunk=16, context=context)
     dims = ModelDims.of(wide_model.cfg, "float64", speculative=False)
     budget = shape.bytes_for(dims, slots=5 * context, rows=64) - 1  # just short of five
-    cfg = budget_config(budget=budget, hisparse=False, max_context_len=context, chunked_prefill_tokens=16,
-                        max_running_requests=64)
+    cfg = budget_config(
+        budget=budget,
+        hisparse=False,
+        max_context_len=context,
+        chunked_prefill_tokens=16,
+        max_running_requests=64,
+    )
     outputs, running, plan, retractions = await _run(wide_model, cfg, _prompts(7, context - new), new)
     assert plan.seats(context).seats == 4 and plan.seats(context).limit == "device slots"
     assert running["peak_live"] == 4 and retractions == 0
@@ -190,7 +220,9 @@ async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
     run), every request ends with all its tokens, and the greedy tokens are resident's."""
     context, new = 128, 64
     dims = ModelDims.of(wide_model.cfg, "float64", speculative=False)
-    resident_shape = Shape(hisparse=False, page=PAGE, hot=0, ratio=1, draft_tokens=0, chunk=16, context=context)
+    resident_shape = Shape(
+        hisparse=False, page=PAGE, hot=0, ratio=1, draft_tokens=0, chunk=16, context=context
+    )
     budget = resident_shape.bytes_for(dims, slots=4 * context, rows=4) + context * 1000  # room for 4, not 5
     common = dict(budget=budget, max_context_len=context, chunked_prefill_tokens=16)
     prompts = _prompts(18, context - new)  # more than either seats
@@ -218,11 +250,21 @@ async def test_speculation_with_draft_rows_on_host_runs_its_seats(wide_model):
     common = dict(budget=1_000_000, max_context_len=context, chunked_prefill_tokens=16, num_steps=2)
     prompts = _prompts(12, context - new)
     device_rows = await _run(wide_model, budget_config(hisparse=True, **common), prompts[:2], new)
-    host_rows = await _run(wide_model, budget_config(hisparse=True, draft_rows_on_host=True, **common), prompts, new)
-    resident = await _run(wide_model, budget_config(hisparse=False, budget=4_000_000, max_context_len=context,
-                                                    chunked_prefill_tokens=16), prompts, new)
-    host_keys = await _run(wide_model, budget_config(hisparse=True, draft_rows_on_host=True, draft_keys_on_host=True,
-                                                     **common), prompts, new)
+    host_rows = await _run(
+        wide_model, budget_config(hisparse=True, draft_rows_on_host=True, **common), prompts, new
+    )
+    resident = await _run(
+        wide_model,
+        budget_config(hisparse=False, budget=4_000_000, max_context_len=context, chunked_prefill_tokens=16),
+        prompts,
+        new,
+    )
+    host_keys = await _run(
+        wide_model,
+        budget_config(hisparse=True, draft_rows_on_host=True, draft_keys_on_host=True, **common),
+        prompts,
+        new,
+    )
     on_device, on_host = seats(device_rows[2].plan, context).seats, seats(host_rows[2].plan, context).seats
     with_keys = seats(host_keys[2].plan, context).seats
     assert with_keys > on_host > on_device >= 1 and with_keys < len(prompts)
@@ -239,7 +281,18 @@ def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
     from pipeline.cli import main as cli
 
     out_json = tmp_path / "plan.json"
-    argv = ["plan", "--device-memory", "32MB", "--context", "2048", "--ratio", "12", "--no-spec", "--json", str(out_json)]
+    argv = [
+        "plan",
+        "--device-memory",
+        "32MB",
+        "--context",
+        "2048",
+        "--ratio",
+        "12",
+        "--no-spec",
+        "--json",
+        str(out_json),
+    ]
     assert cli(argv) == 0
     out = capsys.readouterr().out
     assert "HiSparse seats 24 requests to resident's 8 (3.00x)" in out
@@ -257,9 +310,13 @@ def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
         spec[len(flags)] = capsys.readouterr().out
     assert "the draft layer's all-resident KV takes 42%" in spec[0] and "HiSparse seats 14 " in spec[0]
     assert "its indexer keys take 17%" in spec[1] and "HiSparse seats 20 " in spec[1]
-    assert "no device bytes per location beyond plain decoding's" in spec[2] and "HiSparse seats 24 " in spec[2]
+    assert (
+        "no device bytes per location beyond plain decoding's" in spec[2] and "HiSparse seats 24 " in spec[2]
+    )
     assert cli(["plan", "--device-memory", "1MB", "--context", "2048"]) == 2  # too small: a ConfigError
-    assert "device_memory_bytes=1000000: holds no request of max_context_len (2048)" in capsys.readouterr().err
+    assert (
+        "device_memory_bytes=1000000: holds no request of max_context_len (2048)" in capsys.readouterr().err
+    )
 
 
 def test_bench_capacity_gives_every_variant_the_same_budget():
@@ -279,10 +336,16 @@ def test_bench_capacity_alternates_its_variants_and_pairs_the_ratios(monkeypatch
     from pipeline.benchmarks import capacity as bench
 
     order = []
-    speed = {"resident": [100.0, 200.0, 150.0], "hisparse": [110.0, 180.0, 300.0], "hisparse+spec": [99.0, 210.0, 330.0]}
+    speed = {
+        "resident": [100.0, 200.0, 150.0],
+        "hisparse": [110.0, 180.0, 300.0],
+        "hisparse+spec": [99.0, 210.0, 330.0],
+    }
 
     async def fake_run(cfg, prompts, new_tokens):
-        variant = ("hisparse" if cfg.hisparse is not None else "resident") + ("+spec" if cfg.speculative else "")
+        variant = ("hisparse" if cfg.hisparse is not None else "resident") + (
+            "+spec" if cfg.speculative else ""
+        )
         order.append(variant)
         return {"tokens_per_s": speed[variant][sum(v == variant for v in order) - 1], "outputs": {}}
 
@@ -290,31 +353,47 @@ def test_bench_capacity_alternates_its_variants_and_pairs_the_ratios(monkeypatch
     monkeypatch.setattr(bench, "held_out_prompts", lambda *a: [])
     parser = __import__("argparse").ArgumentParser()
     bench.add_args(parser)
-    args = parser.parse_args(["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24", "--repeats", "3"])
+    args = parser.parse_args(
+        ["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24", "--repeats", "3"]
+    )
     runs = bench.run_all(args, ["resident", "hisparse", "hisparse+spec"], 4)
-    assert order == ["resident", "hisparse", "hisparse+spec", "hisparse+spec", "hisparse", "resident",
-                     "resident", "hisparse", "hisparse+spec"]  # reversed every other repeat
+    assert order == [
+        "resident",
+        "hisparse",
+        "hisparse+spec",
+        "hisparse+spec",
+        "hisparse",
+        "resident",
+        "resident",
+        "hisparse",
+        "hisparse+spec",
+    ]  # reversed every other repeat
     assert [r["tokens_per_s"] for r in bench.median_runs(runs).values()] == [150.0, 180.0, 210.0]
     ratios = bench.paired_ratios(runs)
     assert ratios["hisparse / resident"] == {"median": 1.1, "low": 0.9, "high": 2.0}
-    assert ratios["hisparse+spec / hisparse"]["median"] == pytest.approx(1.1) and "resident+spec / resident" not in ratios
+    assert (
+        ratios["hisparse+spec / hisparse"]["median"] == pytest.approx(1.1)
+        and "resident+spec / resident" not in ratios
+    )
 
 
 @pytest.mark.parametrize("num_steps", [None, 2])
 def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
     """host_to_device_ratio left to the budget: no explicit ratio seats more requests of
     max_context_len at that budget; without a budget the ratio stays 4."""
-    common = dict(budget=1_500_000, hisparse=True, num_steps=num_steps, max_context_len=160, chunked_prefill_tokens=16)
+    common = dict(
+        budget=1_500_000, hisparse=True, num_steps=num_steps, max_context_len=160, chunked_prefill_tokens=16
+    )
 
     def running(ratio):
         cfg = budget_config(ratio=ratio, **common)
-        resolved = resolve_for_model(cfg, tiny_model.cfg, log_choices=False)
-        return resolved, seats(resolved.memory_plan(8), 160).running
+        resolved = plan_engine(cfg, tiny_model.cfg, log_choices=False)
+        return resolved, seats(resolved.memory, 160).running
 
     chosen, best = running(None)
-    assert chosen.hisparse.host_to_device_ratio not in (None, 4)
+    assert chosen.host_to_device_ratio != 4
     assert best == max(running(r)[1] for r in range(1, 33)) > running(4)[1]
-    assert EngineConfig().hisparse.host_to_device_ratio == 4
+    assert plan_engine(EngineConfig(), tiny_model.cfg, log_choices=False).host_to_device_ratio == 4
 
 
 def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
@@ -324,10 +403,12 @@ def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 10**9, 80 * 10**9))
     assert capacity.device_budget(None, 0.25, "cuda") == 2 * 10**9
-    assert capacity.device_budget(123, None, "cuda") == 123 and capacity.device_budget(None, None, "cpu") is None
+    assert (
+        capacity.device_budget(123, None, "cuda") == 123 and capacity.device_budget(None, None, "cpu") is None
+    )
     cfg = EngineConfig(device="cuda", dtype="bfloat16", device_memory_fraction=0.001, max_context_len=1024)
     from pipeline.preflight import read_model_config
 
-    resolved = resolve_for_model(cfg, read_model_config("tiny"), log_choices=False)
-    assert resolved.device_memory_bytes == 8 * 10**6 and resolved.device_memory_fraction is None
+    resolved = plan_engine(cfg, read_model_config("tiny"), log_choices=False)
+    assert resolved.device_memory_bytes == resolved.device.budget == 8 * 10**6
     assert resolved.max_running_requests >= 1

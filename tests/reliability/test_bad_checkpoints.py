@@ -27,7 +27,7 @@ import pipeline.cli as cli
 from pipeline.errors import ConfigError
 from pipeline.model import CheckpointError, ModelConfig, ModelConfigError, load_model, save_model
 from pipeline.model.tokenizer import load_tokenizer, tokenizer_for_model
-from pipeline.preflight import preflight
+from pipeline.startup import preflight
 
 from tiny_models import TINY_CONFIG, build_tiny_model
 

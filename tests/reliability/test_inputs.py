@@ -16,6 +16,7 @@ import torch
 from _reliability_util import small_config
 
 import pipeline.preflight as preflight
+import pipeline.startup as startup
 from pipeline.config import EngineConfig, check_engine_options
 from pipeline.engine import Engine
 from pipeline.errors import ConfigError, RequestError
@@ -23,6 +24,7 @@ from pipeline.executor import Executor
 from pipeline.model.config import BUNDLED_MODELS
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.sampling import MIN_TEMPERATURE, SamplingParams, probabilities, sample
+from pipeline.startup import plan_engine
 from pipeline.validation import encode_prompt, validate_request
 
 GIB = 1 << 30
@@ -304,22 +306,23 @@ def test_too_many_request_rows_are_refused_naming_max_running_requests(tiny_mode
 
 def test_the_memory_check_compares_device_and_host_separately_on_cuda(tiny_model):
     config = attrs.evolve(small_config(), device="cuda", dtype="bfloat16")
-    estimate = preflight.estimate_memory(config, tiny_model.cfg)
+    device = plan_engine(config, tiny_model.cfg).device
+    estimate = preflight.estimate_memory(config, device)
     fits = dict(host_available=estimate.host_bytes, device_available=estimate.device_bytes)
-    assert preflight.check_memory(config, tiny_model.cfg, **fits) == estimate
+    assert preflight.check_memory(config, device, **fits) == estimate
     with pytest.raises(ConfigError, match="of cuda memory") as info:
         preflight.check_memory(
-            config, tiny_model.cfg, **{**fits, "device_available": estimate.device_bytes - 1}
+            config, device, **{**fits, "device_available": estimate.device_bytes - 1}
         )
     assert info.value.field == "device_pool_tokens"
     with pytest.raises(ConfigError, match="of host memory"):
-        preflight.check_memory(config, tiny_model.cfg, **{**fits, "host_available": estimate.host_bytes - 1})
+        preflight.check_memory(config, device, **{**fits, "host_available": estimate.host_bytes - 1})
     # on a CPU machine the device pools are host memory: the sum must fit
     cpu = small_config()
-    total = preflight.estimate_memory(cpu, tiny_model.cfg).total_bytes
-    preflight.check_memory(cpu, tiny_model.cfg, host_available=total)
+    total = preflight.estimate_memory(cpu, plan_engine(cpu, tiny_model.cfg).device).total_bytes
+    preflight.check_memory(cpu, plan_engine(cpu, tiny_model.cfg).device, host_available=total)
     with pytest.raises(ConfigError):
-        preflight.check_memory(cpu, tiny_model.cfg, host_available=total - 1)
+        preflight.check_memory(cpu, plan_engine(cpu, tiny_model.cfg).device, host_available=total - 1)
 
 
 def _tensor_bytes(obj, seen: set[int], storages: dict[int, int], depth: int = 0) -> None:
@@ -343,7 +346,7 @@ def _tensor_bytes(obj, seen: set[int], storages: dict[int, int], depth: int = 0)
 @pytest.mark.parametrize(("hisparse", "num_steps"), [(True, 3), (True, None), (False, 3), (False, None)])
 def test_the_estimate_is_what_the_memory_layer_allocates(tiny_model, hisparse, num_steps):
     config = small_config(hisparse=hisparse, num_steps=num_steps)
-    estimate = preflight.estimate_memory(config, tiny_model.cfg)
+    estimate = preflight.estimate_memory(config, plan_engine(config, tiny_model.cfg).device)
     executor = Executor(config, model=tiny_model)
     storages: dict[int, int] = {}
     _tensor_bytes(executor.memory, set(), storages)
@@ -355,4 +358,4 @@ def test_the_estimate_is_what_the_memory_layer_allocates(tiny_model, hisparse, n
 def test_the_bundled_model_config_is_read_without_weights(tmp_path):
     shutil.copy(BUNDLED_MODELS["tiny"] / "config.json", tmp_path / "config.json")
     assert preflight.read_model_config(str(tmp_path)) == preflight.read_model_config("tiny")
-    preflight.preflight(EngineConfig(model=str(tmp_path)))  # config.json alone passes the preflight
+    startup.preflight(EngineConfig(model=str(tmp_path)))  # config.json alone passes the preflight
