@@ -29,15 +29,27 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 if TYPE_CHECKING:
     import torch
 
-POINTS = ("admit", "prefill", "staging", "backup", "swap_in", "draft", "verify", "finalize", "sample", "release")
-HISPARSE_ONLY = frozenset({"staging", "backup", "swap_in", "finalize"})  # all-resident memory has no such step
+POINTS = (
+    "admit",
+    "prefill",
+    "staging",
+    "backup",
+    "swap_in",
+    "draft",
+    "verify",
+    "finalize",
+    "sample",
+    "release",
+)
+# all-resident memory has no such step
+HISPARSE_ONLY = frozenset({"staging", "backup", "swap_in", "finalize"})
 SPECULATIVE_ONLY = frozenset({"draft", "verify", "finalize"})
 
 
@@ -60,8 +72,14 @@ class FaultyStream:
     failure is reported by the copy's handle, as a copy that failed on the transfer worker is (it
     runs there, after the copies before it); ``"issue"``, ``copy_rows`` itself raises."""
 
-    def __init__(self, inner, fails: Callable[[torch.Tensor], bool], *, mode: str = "worker",
-                 message: str = "injected copy fault") -> None:
+    def __init__(
+        self,
+        inner,
+        fails: Callable[[torch.Tensor], bool],
+        *,
+        mode: str = "worker",
+        message: str = "injected copy fault",
+    ) -> None:
         assert mode in ("worker", "issue"), mode
         self.inner = inner
         self.fails = fails
@@ -121,7 +139,7 @@ class Injector:
 
     # --- deciding ---------------------------------------------------------------------------------
 
-    def _live(self, point: str) -> dict[str, object]:
+    def _live(self, point: str) -> dict[str, Any]:
         """Live culprits of ``point``: request id -> its executor ``Sequence``."""
         seqs = self.ex.seqs
         return {rid: seqs[rid] for rid, c in self.culprits.items() if c.point == point and rid in seqs}
@@ -154,10 +172,11 @@ class Injector:
     def _install(self, stack: ExitStack) -> None:
         from kernels import hisparse_attend_numba
         from pipeline import sampling
+        from pipeline.forward import Forwards
         from pipeline.hisparse.coordinator import HiSparseCoordinator
         from pipeline.memory import HostPool, PagedAllocator
         from pipeline.memory.paged import page_slots
-        from pipeline.speculative import round as spec_round
+        from pipeline.speculative import batch_round as spec_round
 
         ex, me = self.ex, self
         memory = ex.memory
@@ -196,16 +215,17 @@ class Injector:
         # prefill: a forward carrying the culprit's chunk (alone or mixed with decode tokens)
         def prefill_batch(real):
             def run(self, items):
-                if self is ex:
+                if self.memory is ex.memory:
                     me._fire_if("prefill", [seq.request_id for seq, *_ in items])
                 return real(self, items)
 
             return run
 
-        patch(type(ex), "_prefill_batch", prefill_batch)
+        patch(Forwards, "prefill_batch", prefill_batch)
 
         # staging / backup: the culprit's rows among a copy's host destinations
         if hisparse:
+
             def copy_fails(point: str) -> Callable[[torch.Tensor], bool]:
                 def fails(dst_idx: torch.Tensor) -> bool:
                     targets = set(dst_idx.tolist())
@@ -220,8 +240,16 @@ class Injector:
 
             for point, attr in (("staging", "_staging_stream"), ("backup", "_backup_stream")):
                 real_stream = getattr(memory, attr)
-                setattr(memory, attr, FaultyStream(real_stream, copy_fails(point), mode=self.copy_mode,
-                                                   message=f"injected {point} copy fault"))
+                setattr(
+                    memory,
+                    attr,
+                    FaultyStream(
+                        real_stream,
+                        copy_fails(point),
+                        mode=self.copy_mode,
+                        message=f"injected {point} copy fault",
+                    ),
+                )
                 stack.callback(setattr, memory, attr, real_stream)
 
             # swap_in: the step-by-step path and the one-call CPU attention (which runs the same loop)
@@ -308,7 +336,12 @@ class Injector:
         def executor_release(real):
             def run(self, request_id, **kwargs):
                 culprit = me.culprits.get(request_id)
-                armed = self is ex and culprit is not None and culprit.point == "release" and request_id in ex.seqs
+                armed = (
+                    self is ex
+                    and culprit is not None
+                    and culprit.point == "release"
+                    and request_id in ex.seqs
+                )
                 if armed:
                     me._releasing = request_id
                 try:

@@ -10,14 +10,26 @@ is the target's next-token distribution after verify token j):
 
 Both return ``(a, next_token)``: ``a`` accepted drafts, so ``a + 1`` tokens are committed (the bonus
 that was verify token 0, then ``d_1..d_a``) and ``next_token`` is the new bonus.
+
+``accept`` is one request's acceptance in a verify: its logit adjustments, either rule, and the
+log-probabilities of the committed tokens.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from pipeline.sampling import LogitContext, SamplingParams, adjust_logits, probabilities, token_logprob
 
-def greedy_accept(drafts: list[int], target_logits: torch.Tensor, choice: list[int] | None = None) -> tuple[int, int]:
+if TYPE_CHECKING:
+    from pipeline.messages import TokenLogprob
+
+
+def greedy_accept(
+    drafts: list[int], target_logits: torch.Tensor, choice: list[int] | None = None
+) -> tuple[int, int]:
     """``target_logits [k + 1, V]``; argmax ties go to the lowest id, as in plain greedy decoding.
     ``choice``: that argmax of each row, when the caller read it for a whole batch at once."""
     if choice is None:
@@ -55,3 +67,33 @@ def output_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     rejected_mass = 1.0 - float(accept.sum())
     total = float(residual.sum())
     return accept + (rejected_mass * residual / total if total > 0 else torch.zeros_like(p))
+
+
+def accept(
+    drafts: list[int],
+    draft_probs: tuple[torch.Tensor, ...] | None,
+    logits: torch.Tensor,  # [k + 1, V]
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    choice: list[int] | None = None,  # greedy: the target's argmax per row, when already read
+    context: LogitContext | None = None,  # the request's, before the bonus token's successor
+) -> tuple[int, int, tuple[TokenLogprob, ...] | None]:
+    """(accepted drafts a, the new bonus token, the log-probabilities of the ``a + 1`` committed
+    tokens when the request asks for them). Row j's logits are adjusted for the context extended by
+    ``d_1..d_j`` (the output a plain step there would have seen), so a request with penalties, a
+    bias or ``min_tokens`` is verified against exactly the distribution plain decoding samples."""
+    if params.adjusts_logits:
+        assert context is not None, "adjusted logits need the request's context"
+        logits = torch.stack([adjust_logits(logits[j], params, context.extended(drafts[:j]))
+                              for j in range(logits.shape[0])])
+        choice = None
+    if params.greedy:
+        a, token = greedy_accept(drafts, logits, choice)
+    else:
+        assert draft_probs is not None
+        target = probabilities(logits.cpu(), params)
+        a, token = rejection_accept(drafts, draft_probs, target, generator)
+    if params.logprobs is None:
+        return a, token, None
+    committed = (*drafts[:a], token)
+    return a, token, tuple(token_logprob(logits[j], params, t) for j, t in enumerate(committed))

@@ -125,13 +125,15 @@ class DraftPool:
 
     def _zeros(self, width: int, *, on_host: bool) -> torch.Tensor:
         if on_host:  # pinned on CUDA, for the copies to and from the device
-            return torch.zeros(1, self.num_locations, width, dtype=self.dtype, pin_memory=self.device.type == "cuda")
+            pinned = self.device.type == "cuda"
+            return torch.zeros(1, self.num_locations, width, dtype=self.dtype, pin_memory=pinned)
         return torch.zeros(1, self.num_locations, width, dtype=self.dtype, device=self.device)
 
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:
         """The backend of one draft forward; ``locs`` are the target table's locations of
         ``(rows, positions)`` (where the forward's rows are written)."""
-        kind = HostKeysBackend if self.keys_on_host else HostRowsBackend if self.rows_on_host else ResidentBackend
+        kind = (HostKeysBackend if self.keys_on_host
+                else HostRowsBackend if self.rows_on_host else ResidentBackend)
         self.store.req_to_token = self.token_table()
         inner = kind(self.store, records_layout=False)
         inner.begin(ForwardLayout(rows, positions, locs))

@@ -63,7 +63,7 @@ def quiet_logs() -> Iterator[None]:
 def oracle_drafter(monkeypatch, executor, truth: dict[str, list[int]]) -> None:
     """Drafts = the true continuation (``truth[request_id]``: prompt and plain output), wrong at one
     pseudo-random position per round (or none), so every accept length occurs."""
-    from pipeline.speculative import round as round_module
+    from pipeline.speculative import batch_round as round_module
     from pipeline.speculative.draft_state import DraftState
 
     real = round_module.draft_chain

@@ -72,7 +72,7 @@ def test_a_batch_of_proposals_is_each_rows_own_proposal(greedy, vocab, seed):
     ``propose`` proposes for it alone: the first maximum for greedy rows (logits with ties), the
     same draw from the same generator for sampled ones."""
     from pipeline.sampling import SamplingParams
-    from pipeline.speculative.rounds import propose, propose_rows
+    from pipeline.speculative.drafting import propose, propose_rows
 
     logits = torch.randint(0, 3, (len(greedy), vocab), generator=torch.Generator().manual_seed(seed)).double()
     params = [SamplingParams() if g else SamplingParams(temperature=0.8, seed=seed + i) for i, g in enumerate(greedy)]

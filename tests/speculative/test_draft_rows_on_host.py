@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kernels import sparse_mla
 from pipeline.capacity import device_structures
-from pipeline.config import EngineConfig, HiSparseConfig, resolve_for_model
+from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
@@ -131,8 +131,7 @@ def test_host_rows_leave_the_device_plan_and_seat_more(model):
         hs = attrs.evolve(base.hisparse, draft_rows_on_host=where != "device", draft_keys_on_host=where == "keys")
         cfg = attrs.evolve(base, hisparse=hs)
         plans[where] = device_plan(cfg, model.cfg)
-        resolved = resolve_for_model(cfg, model.cfg, log_choices=False)
-        estimates[where] = {a.name for a in estimate_memory(resolved, model.cfg).allocations}
+        estimates[where] = {a.name for a in estimate_memory(cfg, plans[where]).allocations}
     plain = device_plan(attrs.evolve(base, speculative=None), model.cfg)
     names = {k: {s.name for s in device_structures(p.plan, p.dims)} for k, p in plans.items()}
     assert "draft layer KV rows" in names["device"] and "draft layer KV rows" not in names["rows"]

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipeline.executor import HiddenRun
+from pipeline.speculative.hidden_run import HiddenRun
 
 D = 3
 

@@ -18,7 +18,9 @@ from _spec_util import RandomSwitch, oracle_drafter, quiet_logs
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
+from pipeline.messages import Mixed
 from pipeline.sampling import SamplingParams
+from pipeline.scheduler import split
 
 from tiny_models import build_tiny_model
 
@@ -154,22 +156,23 @@ def test_default_adaptive_rule_decodes_plainly_above_its_batch_size(tiny_model):
 @pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
 def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_model, monkeypatch, hisparse):
     """Two requests over ``max_batch_size`` 1 decode plainly for dozens of steps: the MTP layer is
-    caught up every ``catch_up_after`` plain steps (the hidden states a request keeps stay bounded),
-    and once the short one finishes the long one speculates alone, with plain decoding's tokens."""
+    caught up every ``MtpLedger.catch_up_after`` plain steps (the hidden states a request keeps stay
+    bounded), and once the short one finishes the long one speculates alone, with plain decoding's
+    tokens."""
     catch_up_after = 16
     prompts = make_prompts(2, seed=5)
     lengths = (catch_up_after * 2 + 20, catch_up_after * 2 + 6)
     plain, truth = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
     cfg = attrs.evolve(config(hisparse, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False))
     executor = Executor(cfg, model=tiny_model)
-    executor.catch_up_after = catch_up_after
+    executor.mtp.catch_up_after = catch_up_after
     oracle_drafter(monkeypatch, executor, truth)
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
         reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
         most = 0
         while driver.step():
-            most = max([most, *(len(s.behind) for s in executor.seqs.values())])
+            most = max([most, *(executor.mtp.held(rid) for rid in executor.seqs)])
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert 0 < most < catch_up_after  # caught up as soon as catch_up_after were held
     assert executor.spec_counters.verify_rounds > 0 and executor.spec_counters.accepted_drafts > 0
@@ -193,19 +196,20 @@ def test_plain_tails_and_prefill_pauses_keep_the_tokens(tiny_model, monkeypatch,
     executor = Executor(attrs.evolve(cfg, speculative=spec), model=tiny_model)
     oracle_drafter(monkeypatch, executor, truth)
     left_at_rounds, mixed = [], []
-    real_verify, real_together = executor.verify, executor.run_together
+    real_verify, real_run = executor.verify, executor.run
 
     def verify(request_ids):
         left_at_rounds.append(max(executor.seqs[rid].params.max_new_tokens - len(executor.seqs[rid].produced)
                                   for rid in request_ids))
         return real_verify(request_ids)
 
-    def run_together(commands, idle=False):
-        outcomes = real_together(commands, idle=idle)
-        mixed.extend(o.mixed for o in outcomes if o.mixed)
-        return outcomes
+    def run(command, idle=True):
+        outcome = real_run(command, idle=idle)
+        if isinstance(command, Mixed):
+            mixed.extend(o.mixed for o in split(outcome) if o.mixed)
+        return outcome
 
-    executor.verify, executor.run_together = verify, run_together
+    executor.verify, executor.run = verify, run
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
         first = driver.submit(prompts[0], SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True))
@@ -222,8 +226,8 @@ def test_plain_tails_and_prefill_pauses_keep_the_tokens(tiny_model, monkeypatch,
 
 def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, monkeypatch):
     """The MTP layer's draft extend is deferred from prefill to the first round that needs it: over
-    ``max_batch_size`` requests that never comes (in fewer than ``catch_up_after`` steps), so the
-    speculative config costs what plain decoding does (without a prefix cache, which would want the
+    ``max_batch_size`` requests that never comes (in fewer than ``MtpLedger.catch_up_after`` steps), so
+    the speculative config costs what plain decoding does (without a prefix cache, which would want the
     MTP rows of the pages it keeps); the tokens are plain decoding's."""
     import pipeline.executor as executor_module
 
@@ -243,12 +247,13 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
 
 @pytest.mark.parametrize("eager", [False, True], ids=["rows-left-for-later", "caught-up-on-leaving"])
 def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_cache(tiny_model, eager):
-    """Its pages go to the cache with its MTP rows as hidden states (or, over ``pending_mtp_limit``,
-    caught up as it leaves), so the next request with the same prompt hits."""
+    """Its pages go to the cache with its MTP rows as hidden states (or, over
+    ``MtpLedger.pending_limit``, caught up as it leaves), so the next request with the same prompt
+    hits."""
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
     if eager:
-        executor.pending_mtp_limit = 0
+        executor.mtp.pending_limit = 0
     prompt = make_prompts(4, seed=11)[3]  # 37 tokens
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
@@ -268,13 +273,13 @@ def test_rows_only_draft_extend_proposes_what_one_forward_proposes(tiny_model, m
     """A draft extend stores the rows of the positions whose outputs it does not read alone, then runs
     the full forward over the proposing positions only. With the model's own MTP head (float64) it
     proposes every draft a single forward over all positions proposes, round after round."""
-    from pipeline.speculative import rounds as rounds_module
+    from pipeline.speculative import drafting
 
     drafted: dict[int, list[int]] = {}
     seen = _record_proposals(monkeypatch)
 
     def run(rows_only_min: int) -> list[list[int]]:
-        monkeypatch.setattr(rounds_module, "ROWS_ONLY_MIN", rows_only_min)
+        monkeypatch.setattr(drafting, "ROWS_ONLY_MIN", rows_only_min)
         seen.clear()
         reqs, _ = generate(tiny_model, config(hisparse, 3), make_prompts(6, seed=13))
         drafted[rows_only_min] = list(seen)
@@ -310,7 +315,7 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
     monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: calls.append(inputs) or real(m, mem, inputs))
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
-    executor.pending_mtp_limit = 0  # nothing left for later: every row is written on leaving
+    executor.mtp.pending_limit = 0  # nothing left for later: every row is written on leaving
     prompts = make_prompts(8, seed=17)[3:6]  # 37, 145 and 7 tokens
     params = SamplingParams(max_new_tokens=64, temperature=1.0, seed=5)
     ids = [f"r{i}" for i in range(3)]
@@ -332,17 +337,17 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
 
 
 def _record_proposals(monkeypatch) -> list[int]:
-    from pipeline.speculative import rounds as rounds_module
+    from pipeline.speculative import drafting
 
     seen: list[int] = []
-    real = rounds_module.propose_rows
+    real = drafting.propose_rows
 
     def spy(*args):
         out = real(*args)
         seen.extend(token for token, _ in out)
         return out
 
-    monkeypatch.setattr(rounds_module, "propose_rows", spy)
+    monkeypatch.setattr(drafting, "propose_rows", spy)
     return seen
 
 
@@ -370,7 +375,7 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
         cfg = attrs.evolve(config(hisparse, 3), prefix_cache=True)
         executor = Executor(cfg, model=tiny_model)
         if eager:
-            executor.pending_mtp_limit = 0
+            executor.mtp.pending_limit = 0
         ids = ["a", "b"]
         seen.clear()
         extends.clear()
@@ -409,21 +414,21 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
 
 
 def test_rows_left_for_later_stay_within_the_limit(tiny_model):
-    """Past ``pending_mtp_limit`` positions held as hidden states, a leaving request's MTP layer
+    """Past ``MtpLedger.pending_limit`` positions held as hidden states, a leaving request's MTP layer
     catches up as it leaves, so what the cache holds stays bounded."""
     from pipeline.messages import Release
 
     cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
     executor = Executor(cfg, model=tiny_model)
     prompts = make_prompts(8, seed=29)[3:6]  # 37, 145 and 7 tokens
-    executor.pending_mtp_limit = (len(prompts[0]) + 6) // PAGE * PAGE  # room for the first only
+    executor.mtp.pending_limit = (len(prompts[0]) + 6) // PAGE * PAGE  # room for the first only
     ids = ["x", "y", "z"]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     with quiet_logs():
         _decode_plainly(executor, ids, prompts, params, 6)
         executor.run(Release(tuple(ids)))
     cache = executor.memory.cache
-    assert cache.pending_positions == executor.pending_mtp_limit
+    assert cache.pending_positions == executor.mtp.pending_limit
     full = sum((len(p) + 6) // PAGE for p in prompts)
     assert cache.held_pages() == full  # the others' rows were written as they left: cached too
     executor.check_integrity()
@@ -490,7 +495,7 @@ def test_no_mtp_row_at_or_past_the_context_limit_is_ever_computed(tiny_model, mo
                                                                                                               inputs))
     seen = _record_proposals(monkeypatch)
     executor = Executor(cfg, model=tiny_model)
-    assert executor.mtp_limit == limit
+    assert executor.mtp.limit == limit
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
         reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]

@@ -1,4 +1,4 @@
-"""One speculative round on the executor's side: chain drafting, then verify with acceptance,
+"""A speculative round over a batch of requests: chain drafting, then verify with acceptance,
 finalize and the draft extend for the next round.
 
 The scheduling core orders a round (``Reserve`` -> ``Draft`` -> ``Verify``, see
@@ -9,24 +9,28 @@ allocates anything that can run out, except the host copies of finalize, which r
 Positions (``n`` committed positions; the bonus token sits at position ``n``)::
 
     target KV:  0 ........ n-1 | verify: n (bonus), n+1 (d_1), ..., n+k (d_k)
-    MTP row p:  pairs the target hidden of position p with the token at p+1 (``rounds.py``)
+    MTP row p:  pairs the target hidden of position p with the token at p+1 (``drafting.py``)
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
+from pipeline.isolation import isolate, reason
 from pipeline.sampling import NON_FINITE, NonFiniteLogits, checked_picks
-from pipeline.speculative.rounds import ExtendInput, accept, draft_chain, draft_extend
+from pipeline.speculative.acceptance import accept
+from pipeline.speculative.drafting import ExtendInput, draft_chain, draft_extend
 
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
     from pipeline.messages import TokenLogprob
     from pipeline.model.model import DeepseekV32
+    from pipeline.sequence import Sequence as Request
+    from pipeline.speculative.ledger import Extend, MtpLedger
 
 
 @attrs.frozen
@@ -55,6 +59,21 @@ def draft(model: DeepseekV32, memory: KVMemory, seqs: Sequence, num_steps: int) 
         seq.draft = state
 
 
+def draft_round(
+    model: DeepseekV32, memory: KVMemory, seqs: list[Request], num_steps: int, mtp: MtpLedger, extend: Extend
+) -> dict[str, str]:
+    """A round's drafting, isolated per request: each request's MTP layer catches up over its plain
+    steps first (``MtpLedger.before_draft``), then chain drafting (``draft``). Returns the requests
+    that failed, with the reason."""
+
+    def chain(group: list[Request]) -> list[Request]:
+        mtp.before_draft(group, memory, extend)
+        draft(model, memory, group, num_steps)
+        return group
+
+    return isolate(seqs, chain, "draft")[1]
+
+
 def verify(
     model: DeepseekV32,
     memory: KVMemory,
@@ -63,13 +82,13 @@ def verify(
     *,
     trace: object = None,
     labels: dict[int, str] | None = None,
-    isolate: Callable,
 ) -> VerifyRound:
     """One target forward over ``[bonus, d_1..d_k]`` of every request, acceptance (per request),
-    finalize, and the draft extend over the accepted tokens.
+    finalize, and the draft extend over the accepted tokens; each request's committed tokens join
+    its ``produced``.
 
-    ``isolate(items, fn, what)`` runs a batched step and, when it raises, pins the failure on the
-    requests that cause it (the executor's bisection); per-request work is guarded one by one."""
+    A batched step that raises is bisected to the requests that cause it (``isolate``); per-request
+    work is guarded one by one."""
     d = draft_tokens
     failed: dict[str, str] = {}
 
@@ -104,7 +123,7 @@ def verify(
             a, token, logprobs = accept(list(seq.draft.drafts), seq.draft.draft_probs, logits, seq.params,
                                         seq.generator, choice, seq.context())
         except Exception as exc:  # one request's fault fails that request
-            failed[seq.request_id] = f"{type(exc).__name__}: {exc}"
+            failed[seq.request_id] = reason(exc)
             continue
         if logprobs is not None:
             logprob_of[seq.request_id] = logprobs
@@ -141,6 +160,9 @@ def verify(
         failed[rid] = why
         tokens.pop(rid, None)
         accepted.pop(rid, None)
+    for seq in seqs:
+        if seq.request_id in tokens:
+            seq.produced.extend(tokens[seq.request_id])
     return VerifyRound(tokens, accepted, failed, {rid: lp for rid, lp in logprob_of.items() if rid in tokens})
 
 

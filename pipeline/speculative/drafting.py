@@ -1,4 +1,4 @@
-"""One speculative round, as three device commands: draft extend, chain drafting, verify.
+"""The MTP layer's drafting: the draft extend over committed positions, chain drafting, proposals.
 
 Positions (``n`` committed positions, the bonus token sits at position ``n``)::
 
@@ -10,8 +10,9 @@ Positions (``n`` committed positions, the bonus token sits at position ``n``)::
   accepted tokens after a verify) with the target's hidden states; yields each request's bonus,
   first proposal ``d_1`` and MTP hidden (the draft state).
 * ``draft_chain``: ``k - 1`` chained top-1 MTP steps; step j runs at MTP position ``n + j - 2``.
-* ``verify``: one target forward over ``[bonus, d_1..d_k]`` of every request, acceptance, finalize
-  in memory, then the draft extend over the accepted tokens for the next round.
+
+A round runs them over a batch (``batch_round.py``): the chain, then the verify, whose accepted tokens
+get their rows from a draft extend for the next round.
 """
 
 from __future__ import annotations
@@ -21,20 +22,11 @@ from typing import TYPE_CHECKING
 import attrs
 import torch
 
-from pipeline.sampling import (
-    LogitContext,
-    SamplingParams,
-    adjust_logits,
-    greedy_picks,
-    probabilities,
-    token_logprob,
-)
-from pipeline.speculative.acceptance import greedy_accept, rejection_accept
+from pipeline.sampling import SamplingParams, greedy_picks, probabilities
 from pipeline.speculative.draft_state import DraftBatch, DraftState
 
 if TYPE_CHECKING:
     from pipeline.memory.interface import KVMemory
-    from pipeline.messages import TokenLogprob
     from pipeline.model.model import DeepseekV32
 
 
@@ -58,7 +50,9 @@ class ExtendInput:
     propose: bool = True
 
 
-def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+def propose(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None
+) -> tuple[int, torch.Tensor | None]:
     """A draft token from MTP logits ``[V]``: argmax when greedy, else a sample from q (returned)."""
     if params.greedy:
         return int(logits.argmax()), None
@@ -66,7 +60,9 @@ def propose(logits: torch.Tensor, params: SamplingParams, generator: torch.Gener
     return int(torch.multinomial(q, 1, generator=generator)), q
 
 
-def propose_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+def propose_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[tuple[int, torch.Tensor | None]]:
     """``propose`` for each row of ``logits [B, V]``: the greedy rows' tokens from one ``argmax``
     over the batch, read back in one transfer (each row's first maximum, as ``propose`` takes it)."""
     picks = greedy_picks(logits, params)
@@ -91,7 +87,8 @@ def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]
     ends = (torch.cumsum(torch.tensor([len(x.next_ids) for x in inputs]), 0) - 1).tolist()
     read = [end for x, end in zip(inputs, ends) if x.propose]  # the positions whose outputs are read
     if len(ends) and ends[-1] + 1 - len(read) >= ROWS_ONLY_MIN:
-        model.mtp_store(ids, positions.to(dev), hidden, memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev)))
+        every = memory.draft_backend(rows.to(dev), positions.to(dev), locs.to(dev))
+        model.mtp_store(ids, positions.to(dev), hidden, every)
         if not read:
             return [None] * len(inputs)
         at = torch.tensor(read)
@@ -103,9 +100,10 @@ def draft_extend(model: DeepseekV32, memory: KVMemory, inputs: list[ExtendInput]
         out = model.mtp_forward(ids, positions.to(dev), hidden, backend)
         where = {end: end for end in read}
     proposing = [x for x in inputs if x.propose]
-    at = [where[end] for x, end in zip(inputs, ends) if x.propose]
-    proposals = iter(propose_rows(out.logits[at], [x.params for x in proposing], [x.generator for x in proposing]))
-    states = []
+    read_at = [where[end] for x, end in zip(inputs, ends) if x.propose]
+    generators = [x.generator for x in proposing]
+    proposals = iter(propose_rows(out.logits[read_at], [x.params for x in proposing], generators))
+    states: list[DraftState | None] = []
     for x, end in zip(inputs, ends):
         if not x.propose:
             states.append(None)
@@ -144,39 +142,12 @@ def draft_chain(
         hidden = out.hidden
         for i, (token, q) in enumerate(propose_rows(out.logits, params, generators)):
             drafts[i].append(token)
-            if probs[i] is not None:
-                probs[i].append(q)
+            kept = probs[i]
+            if kept is not None:  # (a sampling request: ``propose`` returns its q)
+                assert q is not None
+                kept.append(q)
     return [
-        DraftState(s.bonus, hidden[i].clone(), tuple(drafts[i]), None if probs[i] is None else tuple(probs[i]))
-        for i, s in enumerate(states)
+        DraftState(s.bonus, hidden[i].clone(), tuple(drafts[i]), None if q is None else tuple(q))
+        for i, (s, q) in enumerate(zip(states, probs))
     ]
 
-
-def accept(
-    drafts: list[int],
-    draft_probs: tuple[torch.Tensor, ...] | None,
-    logits: torch.Tensor,  # [k + 1, V]
-    params: SamplingParams,
-    generator: torch.Generator | None,
-    choice: list[int] | None = None,  # greedy: the target's argmax per row, when already read
-    context: LogitContext | None = None,  # the request's, before the bonus token's successor
-) -> tuple[int, int, tuple[TokenLogprob, ...] | None]:
-    """(accepted drafts a, the new bonus token, the log-probabilities of the ``a + 1`` committed
-    tokens when the request asks for them). Row j's logits are adjusted for the context extended by
-    ``d_1..d_j`` (the output a plain step there would have seen), so a request with penalties, a
-    bias or ``min_tokens`` is verified against exactly the distribution plain decoding samples."""
-    if params.adjusts_logits:
-        assert context is not None, "adjusted logits need the request's context"
-        logits = torch.stack([adjust_logits(logits[j], params, context.extended(drafts[:j]))
-                              for j in range(logits.shape[0])])
-        choice = None
-    if params.greedy:
-        a, token = greedy_accept(drafts, logits, choice)
-    else:
-        assert draft_probs is not None
-        target = probabilities(logits.cpu(), params)
-        a, token = rejection_accept(drafts, draft_probs, target, generator)
-    if params.logprobs is None:
-        return a, token, None
-    committed = (*drafts[:a], token)
-    return a, token, tuple(token_logprob(logits[j], params, t) for j, t in enumerate(committed))

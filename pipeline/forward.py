@@ -1,0 +1,130 @@
+"""A target forward over a batch: its inputs built from the memory, its outputs read per request.
+
+Three kinds, one flat batch of tokens each::
+
+    prefill:  [chunk 0 tokens | chunk 1 tokens | ...]          one row per token, T in all
+    decode:   [next token of request 0, 1, ..., B - 1]        one row per request
+    mixed:    [decode tokens (B) | prefill tokens (T)]        attention dispatched per segment
+
+Nothing here commits: the memory's write targets are prepared, the forward runs, and the caller
+commits what returned (so a failing forward can be retried on part of its batch).
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from pipeline.hisparse.trace import TopKTrace
+from pipeline.memory.interface import KVMemory
+from pipeline.memory.mixed import MixedBackend
+from pipeline.model import DeepseekV32
+from pipeline.model.attention_api import AttentionBackend
+from pipeline.sampling import checked_picks
+from pipeline.sequence import Sequence
+
+Chunk = tuple[Sequence, int, int]  # (request, start, end): positions [start, end) of its token_ids
+# (the chunk, its hidden states [end - start, D] when kept, the logits of its last token [V])
+PrefillOut = tuple[Chunk, torch.Tensor | None, torch.Tensor]
+# (the request, (its new row's slot [1], logits [V], hidden state [D], greedy pick / NON_FINITE / None))
+DecodeOut = tuple[Sequence, tuple[torch.Tensor, torch.Tensor, torch.Tensor, int | None]]
+
+
+@attrs.frozen
+class Batch:
+    """The model inputs of one forward's tokens and the backend prepared for them."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    backend: AttentionBackend
+    slots: torch.Tensor | None = None  # decode: the device slot of each token's new row
+
+
+@attrs.frozen
+class Forwards:
+    """Builds and reads the forwards of one step over ``model`` and ``memory``."""
+
+    model: DeepseekV32
+    memory: KVMemory
+    device: torch.device
+    trace: TopKTrace | None
+    labels: dict[int, str] | None  # row -> request id, for the trace
+    keep_hidden: bool  # a prefill returns each chunk's hidden states (the draft extend's input)
+
+    def prefill(self, items: list[Chunk]) -> list[PrefillOut]:
+        batch = self.prefill_batch(items)
+        try:
+            hidden = self.model(batch.ids, batch.positions, batch.backend)  # [T, D]
+        finally:
+            self.memory.end_forward()  # swap-in workspace lent to this forward goes back
+        return self.prefill_outputs(items, hidden)
+
+    def decode(self, seqs: list[Sequence]) -> list[DecodeOut]:
+        batch = self.decode_batch(seqs)
+        hidden = self.model(batch.ids, batch.positions, batch.backend)  # [B, D]
+        return self.decode_outputs(seqs, batch, hidden)
+
+    def mixed(self, seqs: list[Sequence], chunks: list[Chunk]) -> list[DecodeOut | PrefillOut]:
+        """One forward over decode requests and prefill chunks (both kinds present); the results of
+        ``decode`` and of ``prefill``, decode first."""
+        decode, prefill = self.decode_batch(seqs), self.prefill_batch(chunks)
+        backend = MixedBackend(decode.backend, prefill.backend, len(seqs))
+        ids = torch.cat([decode.ids, prefill.ids])
+        try:
+            hidden = self.model(ids, torch.cat([decode.positions, prefill.positions]), backend)  # [B + T, D]
+        finally:
+            self.memory.end_forward()  # swap-in workspace lent to the chunks goes back
+        n = len(seqs)
+        return [*self.decode_outputs(seqs, decode, hidden[:n]), *self.prefill_outputs(chunks, hidden[n:])]
+
+    def prefill_batch(self, items: list[Chunk]) -> Batch:
+        dev = self.device
+        targets = [self.memory.prefill_targets(seq.row, start, end) for seq, start, end in items]
+        ids = torch.tensor([t for seq, start, end in items for t in seq.token_ids[start:end]], device=dev)
+        positions = torch.cat([torch.arange(start, end, device=dev) for _, start, end in items])
+        rows = torch.cat([torch.full((end - start,), seq.row, device=dev) for seq, start, end in items])
+        starts = torch.cat([torch.full((end - start,), start, device=dev) for _, start, end in items])
+        locs = torch.cat([t.locs for t in targets])
+        slots = torch.cat([t.slots for t in targets])
+        backend = self.memory.backend(
+            rows, positions, locs, slots, chunk_starts=starts, trace=self.trace, labels=self.labels
+        )
+        return Batch(ids, positions, backend)
+
+    def prefill_outputs(self, items: list[Chunk], hidden: torch.Tensor) -> list[PrefillOut]:
+        """Per chunk: (the item, its hidden states (when kept: the draft extend's input), the logits
+        of its last token)."""
+        dev = self.device
+        lens = [end - start for _, start, end in items]
+        ends = torch.cumsum(torch.tensor(lens), 0) - 1
+        logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
+        out: list[PrefillOut] = []
+        at = 0
+        for i, (item, n) in enumerate(zip(items, lens)):
+            # own copies (the draft extend's input): no batch retained
+            own = hidden[at : at + n].clone() if self.keep_hidden else None
+            out.append((item, own, logits[i]))
+            at += n
+        return out
+
+    def decode_batch(self, seqs: list[Sequence]) -> Batch:
+        row_list = [s.row for s in seqs]
+        targets = self.memory.prepare_decode(row_list)
+        dev = self.device
+        rows = torch.tensor(row_list, device=dev)
+        positions = torch.tensor([self.memory.length(r) for r in row_list], device=dev)
+        ids = torch.tensor([s.next_token for s in seqs], device=dev)
+        backend = self.memory.backend(
+            rows, positions, targets.locs, targets.slots, steps=1, trace=self.trace, labels=self.labels
+        )
+        return Batch(ids, positions, backend, targets.slots)
+
+    def decode_outputs(self, seqs: list[Sequence], batch: Batch, hidden: torch.Tensor) -> list[DecodeOut]:
+        """Per request: (its new row's slot, its logits, its hidden state, its greedy token or None,
+        or ``NON_FINITE``). The greedy requests' tokens are one ``argmax`` over the batch's rows (the
+        one ``sample`` takes of each row alone: the first maximum), read back in one transfer with
+        whether each request's logits are finite."""
+        assert batch.slots is not None, "a decode batch carries its new rows' slots"
+        logits = self.model.logits(hidden)  # [B, V]
+        picks = checked_picks(logits, [s.params for s in seqs])
+        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i])) for i, s in enumerate(seqs)]
