@@ -21,7 +21,8 @@ from typing import Any
 import anyio
 from anyio.from_thread import BlockingPortal
 
-from pipeline.generate import add_engine_arguments, drop, engine_config, sampling_params, user_error
+from pipeline.cli_config import engine_config
+from pipeline.generate import add_engine_arguments, drop, sampling_params, user_error
 from pipeline.logs import configure_logging
 
 EXIT, RESET = "/exit", "/reset"

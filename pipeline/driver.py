@@ -3,8 +3,9 @@
 Each iteration runs one turn of every part of the core in pipeline order (admission, prefill: one
 forward, a chunk of each head prompt; staging, decode), executing their commands directly on the
 executor, and passes each turn's hand-off to the next part. While requests decode and a prompt is
-being prefilled (mixed steps on), the prefill and decode turns run side by side instead, their
-``Prefill`` and ``Decode`` in one mixed forward (``Executor.run_together``), then staging's turn. Staging copies are waited for before staging's turn, so which requests join which
+being prefilled (mixed steps on), the prefill and decode turns run side by side instead
+(``scheduler.together``: their ``Decode`` and ``Prefill`` go out as one ``Mixed`` command), then
+staging's turn. Staging copies are waited for before staging's turn, so which requests join which
 step does not depend on copy timing (the async engine overlaps them instead). It is the oracle and
 the baseline of the async engine, and what many tests drive directly.
 """
@@ -12,13 +13,18 @@ the baseline of the async engine, and what many tests drive directly.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Generator
+from typing import TypeVar
 
-from pipeline.executor import Executor
-from pipeline.messages import Command, Decode, Outcome, Prefill
+from pipeline.executor_interface import CommandExecutor
+from pipeline.messages import Command, Outcome
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
-from pipeline.scheduler import Handoff, Scheduler, SpecPolicy, Turn, end
+from pipeline.scheduler import Handoff, Scheduler, SpecPolicy, end, together
 from statemachines.request import AbortRequested, State
+
+# what a driven generator returns: one part's hand-off, or (turns side by side) each part's by name
+Done = TypeVar("Done")
 
 
 class SyncDriver:
@@ -26,7 +32,7 @@ class SyncDriver:
 
     def __init__(
         self,
-        executor: Executor,
+        executor: CommandExecutor,
         *,
         max_prefill_tokens: int = 8192,
         check: bool = False,
@@ -36,14 +42,14 @@ class SyncDriver:
         self.executor = executor
         self.check = check
         policy = spec_policy if spec_policy is not None else spec_policy_of(executor)
-        # a prefill chunk shares its forward with the decode step (``Executor.run_together``)
-        self.mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
+        # a prefill chunk shares its forward with the decode step (a ``Mixed`` command)
+        self.mixes = executor.config.mixed_steps
         self.core = Scheduler.build(
             max_prefill_tokens=max_prefill_tokens,
             num_steps=executor.num_steps,
             policy=policy,
             chunk_tokens=executor.config.chunked_prefill_tokens,
-            batch_tokens=executor.config.prefill_budget,
+            batch_tokens=executor.plan.prefill_budget,
             mixes=self.mixes,
         )
         self.requests: dict[str, Request] = {}
@@ -60,7 +66,7 @@ class SyncDriver:
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         req = Request(
-            rid, tuple(prompt_ids), params, self.executor.tokenizer, self.executor.config.max_context_len
+            rid, tuple(prompt_ids), params, self.executor.tokenizer, self.executor.plan.max_context_len
         )
         self.requests[rid] = req
         self.core.admission.push(req)
@@ -101,7 +107,7 @@ class SyncDriver:
         core = self.core
         self._route(self._drive(core.admission.turn()), "admission")
         if self.mixes and len(core.prefill) and len(core.decode):  # one mixed step, then staging
-            handoffs = self._drive_together({"prefill": core.prefill.turn(), "decode": core.decode.turn()})
+            handoffs = self._drive(together({"prefill": core.prefill.turn(), "decode": core.decode.turn()}))
             for part in ("prefill", "decode"):
                 self._route(handoffs[part], part)
             self.executor.wait_staging()
@@ -117,7 +123,7 @@ class SyncDriver:
             self.check_integrity()
         return any(not r.is_finished for r in self.requests.values())
 
-    def _drive(self, turn: Turn) -> Handoff:
+    def _drive(self, turn: Generator[Command, Outcome, Done]) -> Done:
         """Run a turn's commands on the executor until it returns its hand-off."""
         try:
             command = next(turn)
@@ -125,36 +131,6 @@ class SyncDriver:
                 command = turn.send(self.executor.run(command))
         except StopIteration as stop:
             return stop.value
-
-    def _drive_together(self, turns: dict[str, Turn]) -> dict[str, Handoff]:
-        """Run turns side by side until each returns its hand-off: a ``Decode`` of one and a
-        ``Prefill`` of the other go to the executor together (one mixed forward); any other command
-        runs alone as soon as it is yielded, and a command left without its partner (the other turn
-        ended, or yields a speculative round) runs alone."""
-        pending: dict[str, Command] = {}
-        handoffs: dict[str, Handoff] = {}
-
-        def advance(name: str, outcome: Outcome | None) -> None:
-            turn = turns[name]
-            try:
-                pending[name] = next(turn) if outcome is None else turn.send(outcome)
-            except StopIteration as stop:
-                pending.pop(name, None)
-                handoffs[name] = stop.value
-
-        for name in turns:
-            advance(name, None)
-        while pending:
-            alone = [n for n, c in pending.items() if not isinstance(c, (Decode, Prefill))]
-            kinds = {type(c) for c in pending.values()}
-            if not alone and kinds == {Decode, Prefill}:
-                names = list(pending)
-                for name, outcome in zip(names, self.executor.run_together([pending[n] for n in names])):
-                    advance(name, outcome)
-                continue
-            name = alone[0] if alone else next(iter(pending))
-            advance(name, self.executor.run(pending[name]))
-        return handoffs
 
     def _route(self, handoff: Handoff, part: str) -> None:
         core = self.core
@@ -178,7 +154,7 @@ class SyncDriver:
         self.executor.check_integrity(states={r.request_id: r.state for r in live})
 
 
-def spec_policy_of(executor: Executor) -> SpecPolicy:
+def spec_policy_of(executor: CommandExecutor) -> SpecPolicy:
     """The adaptive-speculation rule of the executor's configuration (inert without speculation)."""
-    spec = executor.config.speculative
+    spec = executor.plan.speculative
     return SpecPolicy.from_config(spec, executor.config.device) if executor.speculative else SpecPolicy()

@@ -26,13 +26,8 @@ import anyio
 import structlog
 
 from kernels.swap_in_policy import POLICIES
-from pipeline.config import (
-    DEFAULT_CHUNK,
-    DEFAULT_PREFILL_BATCH,
-    EngineConfig,
-    HiSparseConfig,
-    SpeculativeConfig,
-)
+from pipeline.cli_config import engine_config
+from pipeline.config import DEFAULT_CHUNK, DEFAULT_PREFILL_BATCH
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
 
@@ -136,64 +131,6 @@ def add_chunk_argument(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"prompt tokens one prefill forward carries over all its requests (default: the larger of "
         f"{DEFAULT_PREFILL_BATCH} and the chunk, none with whole prompts; 0 = no bound)",
-    )
-
-
-def chunk_tokens(args: argparse.Namespace) -> int | None:
-    """``--chunked-prefill-tokens``: 0 turns chunking off (negative values reach the config's check)."""
-    return None if args.chunked_prefill_tokens == 0 else args.chunked_prefill_tokens
-
-
-def batch_tokens(args: argparse.Namespace) -> int | str | None:
-    """``--prefill-batch-tokens``: not given is "auto", 0 is no bound (negative values reach the
-    config's check)."""
-    given = args.prefill_batch_tokens
-    return "auto" if given is None else None if given == 0 else given
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The ``EngineConfig`` of the command-line options ``generate``, ``chat`` and ``serve`` share.
-
-    An option a command does not have takes its default here (``--page-size`` 16, ``--hot`` None,
-    which the engine resolves to 128 or the model's index_topk in whole pages if that is more,
-    ``--policy auto``, ``--max-running-requests``/``--device-pool-tokens`` None: with no device
-    memory budget, a pool of 16384 slots or one full context if that is more). No ``--num-steps``
-    is ``speculative="auto"`` (on exactly when the model has an MTP layer); ``--num-steps N``
-    asks for speculation (a model without an MTP layer is then a ``ConfigError``)."""
-    page = getattr(args, "page_size", 16)
-    context = args.max_context_len
-    if args.no_spec:
-        speculative: SpeculativeConfig | str | None = None
-    else:  # "auto": on exactly when the model has an MTP layer
-        speculative = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
-    budget = args.device_memory is not None or args.device_memory_fraction is not None
-    pool = getattr(args, "device_pool_tokens", None)
-    if pool is None and not budget:
-        pool = 16384 if context is None else max(16384, -(-context // page) * page)
-    hisparse = None if args.no_hisparse else HiSparseConfig(
-        device_buffer_size=getattr(args, "hot", None), policy=getattr(args, "policy", "auto"),
-        near_margin=getattr(args, "near_margin", None),
-    )
-    return EngineConfig(
-        model=args.model,
-        tokenizer=getattr(args, "tokenizer", None),
-        chat_template=getattr(args, "chat_template", None),
-        device=args.device,
-        dtype=args.dtype,
-        page_size=page,
-        max_context_len=context,
-        max_running_requests=getattr(args, "max_running_requests", None),
-        device_pool_tokens=pool,
-        device_memory_bytes=args.device_memory,
-        device_memory_fraction=args.device_memory_fraction,
-        hisparse=hisparse,
-        speculative=speculative,
-        chunked_prefill_tokens=chunk_tokens(args),
-        prefill_batch_tokens=batch_tokens(args),
-        mixed_steps=not args.no_mixed_steps,
-        prefix_cache=not args.no_prefix_cache,
-        seed=args.seed,
-        tensor_parallel_size=args.tp,
     )
 
 

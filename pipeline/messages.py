@@ -5,7 +5,8 @@ Four kinds of value, one section each below:
 * scheduling core -> executor: a *command* (what device work to run, by request id). Both drivers send
   the same commands (the synchronous driver calls ``Executor.run`` directly, the async engine through
   the executor actor), so the device sees one protocol.
-* executor -> scheduling core: an ``Outcome`` wrapping the command's *result*.
+* executor -> scheduling core: an ``Outcome`` wrapping the command's *result*. A ``Mixed`` command
+  (a decode step and a prefill chunk in one forward) answers each of its two parts in its result.
 * stage -> stage (async engine only): requests changing hands. Ownership moves with the message: from
   the moment a stage receives a request, only that stage applies events to it, until it sends it on.
   ``Wake`` carries no request: it asks a stage to look at shared state again.
@@ -135,7 +136,17 @@ class FlushCache:
     """Evict every prefix-cache page that no live request shares."""
 
 
-Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release | FlushCache
+@attrs.frozen
+class Mixed:
+    """A ``Decode`` and a ``Prefill`` in one model forward (a *mixed step*): the decode tokens, then
+    the chunks' tokens, attention per segment. The scheduling core forms it (``scheduler.mix``) from
+    two parts' commands; its ``MixedResult`` answers each part as if its command had run alone."""
+
+    decode: Decode
+    prefill: Prefill
+
+
+Command = Admit | Prefill | CollectReady | Decode | Reserve | Draft | Verify | Release | FlushCache | Mixed
 
 # --- results -------------------------------------------------------------------------------------
 
@@ -189,7 +200,18 @@ class StepFigures:
 
 NO_FIGURES = StepFigures(0, 0, 0)
 
-Result = AdmitResult | PrefillResult | ReadyResult | RoomResult | StepResult | None
+
+@attrs.frozen
+class MixedResult:
+    """Each part of a ``Mixed`` command answered on its own: its result, its own swap-in figures,
+    its own error (the chunks' finishing may fail while the decode step stands). Both carry the
+    shared forward's ``seconds`` and say ``mixed`` when the forward really carried both parts."""
+
+    decode: Outcome
+    prefill: Outcome
+
+
+Result = AdmitResult | PrefillResult | ReadyResult | RoomResult | StepResult | MixedResult | None
 
 
 @attrs.frozen
@@ -201,8 +223,8 @@ class Outcome:
     changed: bool = False  # memory or request state changed (stages waiting for memory look again)
     error: str | None = None  # the command raised outside any one request: exception type and message
     seconds: float = 0.0  # wall time of the command
-    # the command ran in one forward with another (``Executor.run_together``): ``seconds`` is the
-    # shared forward's
+    # a part of a ``Mixed`` command whose forward carried both parts: ``seconds`` is the shared
+    # forward's
     mixed: bool = False
 
 

@@ -20,6 +20,12 @@ awaits and never touches torch; whoever drives it runs the commands:
 So the policy (who is admitted, how a speculative round is ordered, who is retracted, how a request
 ends) is written once, here, and both drivers produce the same commands for the same request.
 
+Mixed steps (``EngineConfig.mixed_steps``): a decode turn's ``Decode`` and a prefill turn's
+``Prefill`` at hand together go to the executor as one ``Mixed`` command (``mix``), and its outcome
+is split back (``split``), so each turn is sent its own command's outcome and never knows it shared
+a forward. The synchronous driver runs the two turns side by side with ``together``; the executor
+actor pairs the two stages' commands with ``mix`` as they arrive.
+
 Rules every part follows:
 
 * Ending a request: release its memory first (``Release``), then apply the terminal event (which sets
@@ -43,12 +49,15 @@ import structlog
 
 from pipeline.chunking import plan_chunks
 from pipeline.messages import (
+    NO_FIGURES,
     Admit,
     AdmitResult,
     CollectReady,
     Command,
     Decode,
     Draft,
+    Mixed,
+    MixedResult,
     NewSequence,
     Outcome,
     Prefill,
@@ -450,8 +459,8 @@ class SpecPolicy:
     losing costs ever less to watch (with ``probe_every`` 16, twice in the 100 turns after the
     first comparison instead of 5 times). Each mode's first ``warm_up_turns`` turns at a size are
     not counted (a fresh engine's
-    first round also pays one-off costs, its first forward of that shape among them, and measured
-    alone it made rounds look slower than plain steps in half the runs), so the mode is tried again
+    first round also pays one-off costs, its first forward of that shape among them, which would
+    make rounds look slower than plain steps; docs/performance-notes.md), so the mode is tried again
     before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
     sampled request served alone always speculates (so a seeded one stays reproducible).
 
@@ -711,6 +720,64 @@ class DecodePart:
         done = yield from end(ending, self.name)
         done.notify.extend(notify)
         return done
+
+
+# --- mixed steps -------------------------------------------------------------------------------------
+
+
+def mix(a: Command, b: Command) -> Mixed | None:
+    """The mixed step two parts' commands make together: a ``Decode`` and a ``Prefill``, in either
+    order (``EngineConfig.mixed_steps``); None for any other pair, which run one after the other."""
+    if isinstance(a, Decode) and isinstance(b, Prefill):
+        return Mixed(a, b)
+    if isinstance(a, Prefill) and isinstance(b, Decode):
+        return Mixed(b, a)
+    return None
+
+
+def split(outcome: Outcome) -> tuple[Outcome, Outcome]:
+    """The outcomes of a ``Mixed`` command's two parts, (decode's, prefill's). A mixed step that
+    failed as a whole fails both parts with its error."""
+    if outcome.error is not None:
+        failed = Outcome(None, NO_FIGURES, outcome.changed, outcome.error, outcome.seconds, mixed=True)
+        return failed, failed
+    result = outcome.result
+    assert isinstance(result, MixedResult), f"not a mixed step's outcome: {result!r}"
+    return result.decode, result.prefill
+
+
+Together = Generator[Command, Outcome, dict[str, Handoff]]
+
+
+def together(turns: dict[str, Turn]) -> Together:
+    """Turns side by side until each returns its hand-off (by name): a ``Decode`` of one and a
+    ``Prefill`` of the other go out as one ``Mixed`` command; any other command goes out alone as
+    soon as it is yielded, and a command left without its partner (the other turn ended, or yields
+    a speculative round) goes out alone."""
+    pending: dict[str, Command] = {}
+    handoffs: dict[str, Handoff] = {}
+
+    def advance(name: str, outcome: Outcome | None) -> None:
+        turn = turns[name]
+        try:
+            pending[name] = next(turn) if outcome is None else turn.send(outcome)
+        except StopIteration as stop:
+            pending.pop(name, None)
+            handoffs[name] = stop.value
+
+    for name in turns:
+        advance(name, None)
+    while pending:
+        mixed = mix(*pending.values()) if len(pending) == 2 else None
+        if mixed is not None:
+            parts = dict(zip((mixed.decode, mixed.prefill), split((yield mixed))))
+            for name, command in list(pending.items()):
+                advance(name, parts[command])
+            continue
+        alone = [n for n, c in pending.items() if not isinstance(c, (Decode, Prefill))]
+        name = alone[0] if alone else next(iter(pending))
+        advance(name, (yield pending[name]))
+    return handoffs
 
 
 # --- the whole core ----------------------------------------------------------------------------------

@@ -1,13 +1,13 @@
 """``hispec bench capacity``: one device memory budget, all-resident KV beside HiSparse.
 
-A long-context workload: ``--requests`` requests of ``--prompt-len`` prompt tokens and
-``--new-tokens`` output tokens (contexts several times HOT), all arriving together, more of them
-than resident KV can seat at ``--device-memory``. Every variant gets the same budget, its pools and
-request rows derived from it (``pipeline.capacity``): ``resident`` (all KV on the device),
-``hisparse`` and ``hisparse+spec`` (MTP speculation on; its draft layer's KV is all resident and
-paid from the same budget); ``resident+spec`` on request (``--variants``). Reported per variant: seats (the plan's), output tokens/s, requests/s,
-peak and mean running requests (the engine's counters: requests stepped together), retractions,
-time to first token and inter-token latency p50/p99, HiSparse misses per decode step.
+A long-context workload: ``--requests`` requests of ``--prompt-len`` prompt tokens and ``--new-tokens`` output
+tokens (contexts several times HOT), all arriving together, more of them than resident KV can seat at
+``--device-memory``. Every variant gets the same budget, its pools and request rows derived from it
+(``pipeline.capacity``): ``resident`` (all KV on the device), ``hisparse`` and ``hisparse+spec`` (MTP
+speculation on; its draft layer's KV is all resident and paid from the same budget); ``resident+spec`` on
+request (``--variants``). Reported per variant: seats (the plan's), output tokens/s, requests/s, peak and mean
+running requests (the engine's counters: requests stepped together), retractions, time to first token and
+inter-token latency p50/p99, HiSparse misses per decode step.
 
 ``--repeats N`` runs the variants N times, alternating their order repeat by repeat; the table shows
 each variant's median run (by tokens/s), and the tokens/s ratios that matter (HiSparse against
@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 import attrs
 
-from pipeline.benchmarks.common import held_out_prompts, machine, setup, table, write_json
+from pipeline.benchmarks.common import held_out_prompts, machine, percentile, setup, table, write_json
 from pipeline.capacity import format_bytes
 from pipeline.config import EngineConfig
 from pipeline.plan import add_plan_arguments, plan_config
@@ -43,8 +43,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=1536)
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--requests", type=int, default=32, help="requests arriving together")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {VARIANTS}")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of every variant, alternating their order")
+    parser.add_argument(
+        "--variants", default=",".join(DEFAULT_VARIANTS), help=f"comma-separated, of {VARIANTS}"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=1, help="runs of every variant, alternating their order"
+    )
     parser.add_argument("--sweep", default="", metavar="N,N,...", help="also run these request counts")
     parser.add_argument("--plot", default="bench-capacity.png", help="the sweep's plot (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
@@ -60,16 +64,13 @@ def variant_config(args: argparse.Namespace, variant: str) -> EngineConfig:
         from pipeline.config import SpeculativeConfig
 
         steps = args.num_steps or 3
-        return attrs.evolve(cfg, speculative=SpeculativeConfig(num_steps=steps), seed=args.seed,
-                            num_threads=args.threads or None)
+        return attrs.evolve(
+            cfg,
+            speculative=SpeculativeConfig(num_steps=steps),
+            seed=args.seed,
+            num_threads=args.threads or None,
+        )
     return attrs.evolve(cfg, speculative=None, seed=args.seed, num_threads=args.threads or None)
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
@@ -87,8 +88,10 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         seconds = time.perf_counter() - start
-        stats = engine.stats()
-        plan = engine.executor.device_plan
+        stats: dict[str, Any] = engine.stats()  # JSON-shaped figures
+        executor = engine.executor
+        assert executor is not None  # (the engine is running)
+        plan = executor.plan.device
     tokens = sum(len(r.token_ids) for r in results.values())
     metrics = [r.metrics for r in results.values()]
     ttft = [m.time_to_first_token for m in metrics if m.time_to_first_token is not None]
@@ -147,14 +150,40 @@ def paired_ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, 
     return out
 
 
-HEADERS = ["variant", "seats", "tok/s", "req/s", "peak run", "mean run", "retract", "TTFT p50", "TTFT p99",
-           "ITL p50", "ITL p99", "miss/step"]
+HEADERS = [
+    "variant",
+    "seats",
+    "tok/s",
+    "req/s",
+    "peak run",
+    "mean run",
+    "retract",
+    "TTFT p50",
+    "TTFT p99",
+    "ITL p50",
+    "ITL p99",
+    "miss/step",
+]
 
 
 def rows_of(results: dict[str, dict[str, Any]]) -> list[list[object]]:
-    return [[name, r["seats"], r["tokens_per_s"], r["requests_per_s"], r["peak_running"], r["mean_running"],
-             r["retractions"], r["ttft_p50"], r["ttft_p99"], r["itl_p50"], r["itl_p99"], r["misses_per_step"]]
-            for name, r in results.items()]
+    return [
+        [
+            name,
+            r["seats"],
+            r["tokens_per_s"],
+            r["requests_per_s"],
+            r["peak_running"],
+            r["mean_running"],
+            r["retractions"],
+            r["ttft_p50"],
+            r["ttft_p99"],
+            r["itl_p50"],
+            r["itl_p99"],
+            r["misses_per_step"],
+        ]
+        for name, r in results.items()
+    ]
 
 
 def plot(sweep: dict[int, dict[str, dict[str, Any]]], path: str, title: str) -> None:
@@ -191,8 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
     budget = format_bytes(args.device_memory)
     ratio = args.ratio or "per plan"
-    title = (f"{args.model}, {budget} device budget, {args.prompt_len}+{args.new_tokens} tokens, HOT {args.hot}, "
-             f"ratio {ratio}")
+    title = (
+        f"{args.model}, {budget} device budget, {args.prompt_len}+{args.new_tokens} tokens, HOT {args.hot}, "
+        f"ratio {ratio}"
+    )
     runs = run_all(args, variants, args.requests)
     results = median_runs(runs)
     repeats = f", median of {args.repeats} alternating runs" if args.repeats > 1 else ""
@@ -201,8 +232,11 @@ def main(argv: list[str] | None = None) -> int:
     ratios = paired_ratios(runs)
     for name, r in ratios.items():
         print(f"tokens/s {name}: {r['median']:.2f} (range {r['low']:.2f}-{r['high']:.2f})")
-    payload: dict[str, object] = {
-        "machine": machine(), "args": vars(args), "results": strip(results), "ratios": ratios,
+    payload: dict[str, Any] = {
+        "machine": machine(),
+        "args": vars(args),
+        "results": strip(results),
+        "ratios": ratios,
         "runs": {v: [{f: x for f, x in r.items() if f != "outputs"} for r in rs] for v, rs in runs.items()},
     }
     first = runs[variants[0]][0]["outputs"]
@@ -226,4 +260,3 @@ def main(argv: list[str] | None = None) -> int:
 
 def strip(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {k: {f: v for f, v in r.items() if f != "outputs"} for k, r in results.items()}
-

@@ -24,11 +24,14 @@ import argparse
 import itertools
 import statistics
 import time
+from typing import Any
 
 import anyio
 
-from pipeline.benchmarks.common import held_out_prompts, machine, setup, table, write_json
+from pipeline import cli_config
+from pipeline.benchmarks.common import held_out_prompts, machine, percentile, setup, table, write_json
 from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline.hisparse.coordinator import HiSparseCoordinator
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +41,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chunk", type=int, default=256, help="chunked_prefill_tokens of the chunked side")
     parser.add_argument("--pool", type=int, default=1024, help="device_pool_tokens of the small-pool run")
     parser.add_argument("--hot", type=int, default=128, help="HiSparse device buffer (hot columns)")
-    parser.add_argument("--running", type=int, default=8, help="requests decoding when the long prompt arrives")
+    parser.add_argument(
+        "--running", type=int, default=8, help="requests decoding when the long prompt arrives"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="alternating repeats")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
@@ -51,9 +56,8 @@ def config(
 ) -> EngineConfig:
     context = min(args.long + 64, 4096) if args.model == "tiny" else args.long + 64
     ratio = -(-(context * rows + 1024) // pool)  # the host and logical pools hold every request
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
+    return cli_config.engine_config(
+        args,
         max_context_len=context,
         max_running_requests=rows,
         device_pool_tokens=pool,
@@ -61,19 +65,20 @@ def config(
         mixed_steps=mixed,
         hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=max(1, ratio)),
         speculative=None,
-        seed=args.seed,
         num_threads=args.threads or None,
     )
 
 
-def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, object]:
+def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, Any]:
     """Time to first token and peak device rows of one long prompt (synchronous driver)."""
     from pipeline.driver import SyncDriver
     from pipeline.executor import Executor
     from pipeline.sampling import SamplingParams
 
     executor = Executor(cfg, model=model)
-    pages = executor.memory.alloc.physical
+    memory = executor.memory
+    assert isinstance(memory, HiSparseCoordinator)  # (the configurations here run HiSparse)
+    pages = memory.alloc.physical
     peak, ttft = 0, None
     command = executor.run
 
@@ -97,7 +102,7 @@ def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, ob
         executor.close()
 
 
-def measure_long(args, model, prompt: list[int]) -> dict[str, object]:
+def measure_long(args, model, prompt: list[int]) -> dict[str, Any]:
     small = config(args, chunk=args.chunk, pool=args.pool)
     whole = config(args, chunk=None, pool=-(-(args.long + 64) // 16) * 16 + 16)
     runs: dict[str, list[dict]] = {"chunked": [], "whole": []}
@@ -123,7 +128,12 @@ def measure_long(args, model, prompt: list[int]) -> dict[str, object]:
 
 
 def itl_run(
-    model, cfg: EngineConfig, running: list[list[int]], long: list[int] | None, gaps: int | None, pacing: bool = True
+    model,
+    cfg: EngineConfig,
+    running: list[list[int]],
+    long: list[int] | None,
+    gaps: int | None,
+    pacing: bool = True,
 ):
     """Gaps between the running requests' deltas while ``long`` is prefilled (or, without it, the
     first ``gaps`` gaps after the same warm-up)."""
@@ -131,7 +141,7 @@ def itl_run(
     from pipeline.sampling import SamplingParams
 
     warm = 4
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
 
     async def main() -> None:
         async with Engine(cfg, model=model, prefill_pacing=pacing) as engine:
@@ -141,7 +151,9 @@ def itl_run(
             done = anyio.Event()
 
             async def decode(i: int) -> None:
-                params = SamplingParams(max_new_tokens=cfg.max_context_len - len(running[i]) - 1, ignore_eos=True)
+                params = SamplingParams(
+                    max_new_tokens=cfg.max_context_len - len(running[i]) - 1, ignore_eos=True
+                )
                 async with engine.generate(running[i], params, request_id=f"run-{i}") as stream:
                     async for _ in stream:
                         stamps[i].append(time.perf_counter())
@@ -154,10 +166,13 @@ def itl_run(
                 await started.wait()
                 window.append(time.perf_counter())
                 if long is not None:
-                    result = await engine.generate_text(long, SamplingParams(max_new_tokens=1, ignore_eos=True))
+                    result = await engine.generate_text(
+                        long, SamplingParams(max_new_tokens=1, ignore_eos=True)
+                    )
                     out["first_token"] = result.token_ids[0]
                     window.append(time.perf_counter())
                 else:
+                    assert gaps is not None  # (a run without the long prompt counts gaps)
                     while sum(_gaps_in(s, window[0], None) for s in stamps) < gaps:
                         await anyio.sleep(0.005)
                     window.append(time.perf_counter())
@@ -188,12 +203,7 @@ def _gaps_in(stamps: list[float], start: float, end: float | None) -> int:
     return sum(1 for a, b in itertools.pairwise(stamps) if b >= start and (end is None or b <= end))
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[str, object]:
+def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[str, Any]:
     rows = args.running + 1
     pool = (args.long + 64) + rows * (args.hot + 64)
     pool = -(-pool // 16) * 16
@@ -216,8 +226,13 @@ def measure_itl(args, model, running: list[list[int]], long: list[int]) -> dict[
         # the same running requests, no prompt arriving: as many gaps as the chunked window had
         run = itl_run(model, cfgs["chunked"], running, None, max(8, len(samples["chunked"]) // (repeat + 1)))
         samples["none"].extend(run["gaps"])
-    report = {
-        name: {"p50_ms": pct(v, 0.5) * 1e3, "p99_ms": pct(v, 0.99) * 1e3, "max_ms": max(v) * 1e3, "gaps": len(v)}
+    report: dict[str, Any] = {
+        name: {
+            "p50_ms": percentile(v, 0.5) * 1e3,
+            "p99_ms": percentile(v, 0.99) * 1e3,
+            "max_ms": max(v) * 1e3,
+            "gaps": len(v),
+        }
         for name, v in samples.items()
     }
     for name in cfgs:
@@ -238,20 +253,28 @@ def main(argv: list[str]) -> int:
     running = held_out_prompts(args.running, 64, args.seed + 1)
     first = measure_long(args, model, long)
     itl = measure_itl(args, model, running, long)
-    write_json(args.out, {"bench": "chunked", "machine": machine(), "note": note, "long_prompt": first, "itl": itl})
+    write_json(
+        args.out, {"bench": "chunked", "machine": machine(), "note": note, "long_prompt": first, "itl": itl}
+    )
     if note:
         print(f"note: {note}")
-    print(f"model {args.model} {args.dtype}, {threads} thread(s), prompt of {first['prompt_tokens']} tokens, "
-          f"chunks of {args.chunk}, HOT {args.hot}, {args.repeats} alternating repeats")
+    print(
+        f"model {args.model} {args.dtype}, {threads} thread(s), prompt of {first['prompt_tokens']} tokens, "
+        f"chunks of {args.chunk}, HOT {args.hot}, {args.repeats} alternating repeats"
+    )
     print(table(
         ["prefill", "device_pool_tokens", "peak device rows", "time to first token (s)"],
         [["chunked", first["chunked_device_pool_tokens"], first["peak_device_rows"]["chunked"],
           first["ttft_s"]["chunked"]],
-         ["whole", first["whole_device_pool_tokens"], first["peak_device_rows"]["whole"], first["ttft_s"]["whole"]]],
+         ["whole", first["whole_device_pool_tokens"], first["peak_device_rows"]["whole"],
+          first["ttft_s"]["whole"]]],
     ))  # fmt: skip
-    print(f"bound chunk + HOT + page = {first['bound_rows']} rows; TTFT chunked / whole "
-          f"{first['ttft_chunked_over_whole']:.2f} (range {first['ttft_ratio_min_max'][0]:.2f}-"
-          f"{first['ttft_ratio_min_max'][1]:.2f}); same first token: {'yes' if first['same_first_token'] else 'NO'}")
+    print(
+        f"bound chunk + HOT + page = {first['bound_rows']} rows; TTFT chunked / whole "
+        f"{first['ttft_chunked_over_whole']:.2f} (range {first['ttft_ratio_min_max'][0]:.2f}-"
+        f"{first['ttft_ratio_min_max'][1]:.2f}); "
+        f"same first token: {'yes' if first['same_first_token'] else 'NO'}"
+    )
     print()
     print(f"inter-token latency of {args.running} running requests while the prompt is prefilled")
     labels = {
@@ -263,8 +286,9 @@ def main(argv: list[str]) -> int:
     }
     print(table(
         ["prompt arriving", "p50 (ms)", "p99 (ms)", "max (ms)", "gaps", "p99 / no prompt", "its TTFT (s)"],
-        [["none", itl["none"]["p50_ms"], itl["none"]["p99_ms"], itl["none"]["max_ms"], itl["none"]["gaps"], 1.0, "-"]]
-        + [[labels[n], itl[n]["p50_ms"], itl[n]["p99_ms"], itl[n]["max_ms"], itl[n]["gaps"], itl[f"{n}_p99_over_none"],
-            itl[n]["ttft_s"]] for n in labels],
+        [["none", itl["none"]["p50_ms"], itl["none"]["p99_ms"], itl["none"]["max_ms"], itl["none"]["gaps"],
+          1.0, "-"]]
+        + [[labels[n], itl[n]["p50_ms"], itl[n]["p99_ms"], itl[n]["max_ms"], itl[n]["gaps"],
+            itl[f"{n}_p99_over_none"], itl[n]["ttft_s"]] for n in labels],
     ))  # fmt: skip
     return 0

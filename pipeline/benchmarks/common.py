@@ -8,9 +8,11 @@ import platform
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from pipeline import cli_config
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.logs import configure_logging
 from pipeline.model.corpus import build_corpus
@@ -57,11 +59,26 @@ class Timer:
         self.seconds = time.perf_counter() - self.start
 
 
+def measured(seconds: float | None) -> float:
+    """A timing every finished request has (its first and last token times, its time to first token)."""
+    if seconds is None:
+        raise ValueError("a finished request lacks a timing")
+    return seconds
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile (0..1) as the nearest value of ``values`` (NaN for none)."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def machine() -> dict[str, object]:
+def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -71,7 +88,7 @@ def machine() -> dict[str, object]:
     }
 
 
-def write_json(path: str, payload: dict[str, object]) -> None:
+def write_json(path: str, payload: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
@@ -95,14 +112,13 @@ def batch_config(
     page = 16
     context = prompt_len + args.new_tokens + page
     per_request = -(-(context + 2 * page) // page) * page
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
+    return cli_config.engine_config(
+        args,
         page_size=page,
         max_context_len=context,
         max_running_requests=requests,
         device_pool_tokens=max(per_request * requests, args.hot + page),
         hisparse=HiSparseConfig(device_buffer_size=args.hot) if hisparse else None,
         speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
-        seed=args.seed,
+        tensor_parallel_size=1,  # (``bench tp``'s --tp lists the sizes it runs; each run sets its own)
     )

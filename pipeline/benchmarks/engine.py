@@ -20,12 +20,16 @@ import argparse
 import io
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from pipeline.benchmarks.common import batch_config, machine, table, write_json
 from pipeline.config import EngineConfig
 from pipeline.logs import configure_logging
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +71,9 @@ RANDOM_TINY = dict(
     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, n_shared_experts=1,
     num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
     qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, max_position_embeddings=4096, index_topk=16,
-    index_n_heads=2, index_head_dim=8, num_nextn_predict_layers=1, eos_token_id=256, routed_scaling_factor=1.0,
-    norm_topk_prob=True, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False,
+    index_n_heads=2, index_head_dim=8, num_nextn_predict_layers=1, eos_token_id=256,
+    routed_scaling_factor=1.0, norm_topk_prob=True, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+    tie_word_embeddings=False,
 )  # fmt: skip
 
 
@@ -120,19 +125,26 @@ def run_engine(model, cfg, prompts, params) -> tuple[float, list[list[int]], flo
                 result = await engine.generate_text(prompts[i], params, request_id=f"req-{i}")
                 outputs[i] = list(result.token_ids)
 
-            busy = engine.stats()["executor_busy_s"]
+            busy = _busy_seconds(engine)
             start = time.perf_counter()
             async with anyio.create_task_group() as tg:
                 for i in range(len(prompts)):
                     tg.start_soon(one, i)
             seconds = time.perf_counter() - start
-            return seconds, (engine.stats()["executor_busy_s"] - busy) / seconds
+            return seconds, (_busy_seconds(engine) - busy) / seconds
 
     seconds, busy_share = anyio.run(main)
     return seconds, outputs, busy_share
 
 
-def measure(args, model, concurrency: int) -> dict[str, object]:
+def _busy_seconds(engine: Engine) -> float:
+    """The engine's executor-busy time so far (``Engine.stats``)."""
+    busy = engine.stats()["executor_busy_s"]
+    assert isinstance(busy, int | float)
+    return float(busy)
+
+
+def measure(args, model, concurrency: int) -> dict[str, Any]:
     from pipeline.sampling import SamplingParams
 
     cfg = engine_config(args, concurrency)
@@ -196,9 +208,12 @@ def main(argv: list[str]) -> int:
     write_json(args.out, report)
     if note:
         print(f"note: {note}")
-    mode = f"{'speculative (3 steps)' if report['speculative'] else 'plain'}, HiSparse {'on' if report['hisparse'] else 'off'}"
-    print(f"model {report['model']} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, "
-          f"{args.new_tokens} new tokens, median of {args.repeats}, {torch.get_num_threads()} threads")
+    spec = "speculative (3 steps)" if report["speculative"] else "plain"
+    mode = f"{spec}, HiSparse {'on' if report['hisparse'] else 'off'}"
+    print(
+        f"model {report['model']} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, "
+        f"{args.new_tokens} new tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
+    )
     print(table(
         ["concurrent requests", "sync driver tokens/s", "engine tokens/s", "engine / driver (paired median)",
          "range", "engine time in executor commands", "same tokens"],

@@ -11,9 +11,11 @@ hits both alike; the throughput ratio is paired repeat by repeat (median and ran
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import attrs
 
+from pipeline import cli_config
 from pipeline.benchmarks.common import (
     Timer,
     add_common_args,
@@ -26,6 +28,7 @@ from pipeline.benchmarks.common import (
 )
 from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.executor import Executor, NewSequence
+from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
@@ -48,18 +51,18 @@ def decode_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
     executor.wait_staging()
     # every request ready (in staging order: a short prompt may finish its prefill before a long one)
     assert sorted(executor.collect_ready()) == sorted(ids)
-    counters = executor.memory.counters_dict()
+    counters: dict[str, Any] | None = executor.memory.counters_dict()  # JSON-shaped
     with Timer() as timer:
         for _ in range(new_tokens):
             result = executor.decode(ids)
             assert not result.refused, "the benchmark's pools are too small"
-    after = executor.memory.counters_dict()
+    after: dict[str, Any] | None = executor.memory.counters_dict()
     kv_bytes = [executor.memory.device_kv_bytes(executor.seqs[rid].row) for rid in ids]
     for rid in ids:
         executor.release(rid)
 
     def delta(key: str) -> list[int]:
-        if counters is None:
+        if counters is None or after is None:
             return []
         return [b - a for a, b in zip(counters[key], after[key])]
 
@@ -69,20 +72,14 @@ def decode_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
 
 
 def configs(args: argparse.Namespace) -> dict[str, EngineConfig]:
-    common = dict(
-        model=args.model,
-        dtype=args.dtype,
-        page_size=args.page_size,
-        max_context_len=args.prompt_len + args.new_tokens + 8,
-        max_running_requests=args.batch,
-        speculative=None,
-        seed=args.seed,
-    )
+    common = dict(max_context_len=args.prompt_len + args.new_tokens + 8, max_running_requests=args.batch,
+                  speculative=None)
     pool = (args.prompt_len + args.new_tokens + 64) * args.batch
     pool = -(-pool // args.page_size) * args.page_size
     return {
-        "resident": EngineConfig(**common, device_pool_tokens=pool, hisparse=None),
-        "hisparse": EngineConfig(
+        "resident": cli_config.engine_config(args, **common, device_pool_tokens=pool, hisparse=None),
+        "hisparse": cli_config.engine_config(
+            args,
             **common,
             device_pool_tokens=pool,
             hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=2),
@@ -124,6 +121,7 @@ def main(argv: list[str]) -> int:
 def summarize(runs: dict[str, list[DecodeRun]], executors: dict[str, Executor], args, threads: int) -> dict:
     cfg = executors["hisparse"].model.cfg
     coord = executors["hisparse"].memory
+    assert isinstance(coord, HiSparseCoordinator)
     row_bytes = coord.host.row_bytes
     last = runs["hisparse"][-1]
     per_layer_rows = cfg.kv_row_dim * coord.device_kv.element_size()

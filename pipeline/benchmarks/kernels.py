@@ -13,6 +13,7 @@ rewrites a tracked file by default.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -28,7 +30,6 @@ from kernels.indexer_topk import indexer_topk
 from kernels.kv_copy import copy_rows
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import swap_in
-from kernels.swap_in_numba import AVAILABLE as NUMBA
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "kernels.md"
 
@@ -152,7 +153,8 @@ def prep_sparse_mla(device, dtype, *, tokens, heads, latent, rope, top_k) -> Pre
     kv = torch.randn(rows, latent + rope, device=device, dtype=dtype)
     slots = torch.stack([torch.randperm(rows, device=device)[:top_k] for _ in range(tokens)])
     moved = slots.numel() * ((latent + rope) * size + 8) + (ql.numel() + qr.numel() + ql.numel()) * size
-    return Prepared(lambda impl: sparse_mla(ql, qr, kv, slots, (latent + rope) ** -0.5, impl=impl), _nothing, moved)
+    scale = (latent + rope) ** -0.5
+    return Prepared(lambda impl: sparse_mla(ql, qr, kv, slots, scale, impl=impl), _nothing, moved)
 
 
 def prep_copy(device, dtype, *, layers, n, dim, host_src: bool) -> Prepared:
@@ -164,25 +166,61 @@ def prep_copy(device, dtype, *, layers, n, dim, host_src: bool) -> Prepared:
     di = torch.randperm(rows, device=device)[:n]
     si = torch.randperm(rows, device=src_dev)[:n]
     src_, dst_ = (src[0], dst[0]) if layers == 1 else (src, dst)
-    return Prepared(lambda impl: copy_rows(dst_, di, src_, si, impl=impl, validate=False), _nothing,
-                    2 * layers * n * dim * dtype.itemsize)
+    return Prepared(
+        lambda impl: copy_rows(dst_, di, src_, si, impl=impl, validate=False),
+        _nothing,
+        2 * layers * n * dim * dtype.itemsize,
+    )
 
 
 def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict, Callable[[], Prepared]]]:
     """(op, label, shape, builder): a tiny-model shape and a DeepSeek-like one scaled for a CPU."""
-    table = [
+    table: list[tuple[str, str, Callable[..., Prepared], dict[str, Any]]] = [
         ("indexer_topk", "small", prep_indexer, dict(tokens=8, heads=4, dim=64, ctx=1024, top_k=64)),
         ("indexer_topk", "batch", prep_indexer, dict(tokens=32, heads=4, dim=32, ctx=2048, top_k=64)),
         ("indexer_topk", "large", prep_indexer, dict(tokens=4, heads=64, dim=128, ctx=16384, top_k=2048)),
-        ("indexer_topk", "prefill", prep_indexer,
-         dict(tokens=1536, heads=4, dim=32, ctx=1536, top_k=64, prefill=True)),
-        ("swap_in", "decode", prep_swap_in, dict(reqs=1, steps=1, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
-        ("swap_in", "verify", prep_swap_in, dict(reqs=1, steps=4, top_k=64, hot=128, extra=16, dim=80, ctx=2048)),
-        ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
-        ("swap_in", "small", prep_swap_in, dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=576, ctx=2048)),
-        ("swap_in", "batch", prep_swap_in, dict(reqs=32, steps=1, top_k=64, hot=128, extra=8, dim=80, ctx=2048)),
-        ("swap_in", "large", prep_swap_in,
-         dict(reqs=4, steps=2, top_k=2048, hot=4096, extra=8, dim=576, ctx=16384)),
+        (
+            "indexer_topk",
+            "prefill",
+            prep_indexer,
+            dict(tokens=1536, heads=4, dim=32, ctx=1536, top_k=64, prefill=True),
+        ),
+        (
+            "swap_in",
+            "decode",
+            prep_swap_in,
+            dict(reqs=1, steps=1, top_k=64, hot=128, extra=16, dim=80, ctx=2048),
+        ),
+        (
+            "swap_in",
+            "verify",
+            prep_swap_in,
+            dict(reqs=1, steps=4, top_k=64, hot=128, extra=16, dim=80, ctx=2048),
+        ),
+        (
+            "swap_in",
+            "small",
+            prep_swap_in,
+            dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=80, ctx=2048),
+        ),
+        (
+            "swap_in",
+            "small",
+            prep_swap_in,
+            dict(reqs=8, steps=4, top_k=64, hot=128, extra=8, dim=576, ctx=2048),
+        ),
+        (
+            "swap_in",
+            "batch",
+            prep_swap_in,
+            dict(reqs=32, steps=1, top_k=64, hot=128, extra=8, dim=80, ctx=2048),
+        ),
+        (
+            "swap_in",
+            "large",
+            prep_swap_in,
+            dict(reqs=4, steps=2, top_k=2048, hot=4096, extra=8, dim=576, ctx=16384),
+        ),
         ("sparse_mla", "decode", prep_sparse_mla, dict(tokens=1, heads=4, latent=64, rope=16, top_k=64)),
         ("sparse_mla", "verify", prep_sparse_mla, dict(tokens=4, heads=4, latent=64, rope=16, top_k=64)),
         ("sparse_mla", "small", prep_sparse_mla, dict(tokens=32, heads=16, latent=512, rope=64, top_k=64)),
@@ -192,7 +230,9 @@ def cases(device: torch.device, dtype: torch.dtype) -> list[tuple[str, str, dict
     ]
     if device.type == "cuda":
         table.append(("kv_copy", "host->device", prep_copy, dict(layers=8, n=2048, dim=576, host_src=True)))
-    return [(op, label, shape, (lambda f=f, shape=shape: f(device, dtype, **shape))) for op, label, f, shape in table]
+    return [
+        (op, label, shape, functools.partial(f, device, dtype, **shape)) for op, label, f, shape in table
+    ]
 
 
 def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> dict:
@@ -203,22 +243,40 @@ def measure(device: torch.device, dtype: torch.dtype, only: set[str] | None) -> 
         if only and op not in only:
             continue
         prepared = build()
-        # on a CPU, swap-in also has the plain-Python, numpy and compiled paths that `auto` chooses
-        # between, the indexer the compiled loop that `auto` gives decode and verify, and sparse
-        # attention the loop that `auto` gives small queries
-        cpu_paths = {"swap_in": ["python", "numpy"] + (["numba"] if NUMBA else []),
-                     "indexer_topk": ["numba"] if NUMBA else [],
-                     "sparse_mla": ["numba"] if NUMBA else []}
-        for impl in impls + (cpu_paths.get(op, []) if device.type == "cpu" else []):
-            seconds = time_call(lambda p=prepared, i=impl: p.run(i), prepared.reset, device)
+        # on a CPU, swap-in also has the compiled path that `auto` takes, the indexer the compiled
+        # loop that `auto` gives decode and verify, and sparse attention the loop that `auto` gives
+        # small queries
+        cpu_paths = (
+            ["numba"] if device.type == "cpu" and op in ("swap_in", "indexer_topk", "sparse_mla") else []
+        )
+        for impl in impls + cpu_paths:
+            seconds = time_call(functools.partial(prepared.run, impl), prepared.reset, device)
             rate = prepared.bytes_moved / seconds
-            results.append(dict(op=op, label=label, shape=shape, impl=impl, seconds=seconds,
-                                bytes=prepared.bytes_moved, bytes_per_s=rate, of_copy_bw=rate / bandwidth))
-            print(f"{op:13s} {label:12s} {impl:6s} {seconds * 1e3:9.3f} ms  {rate / 1e9:8.2f} GB/s", flush=True)
-    machine = dict(device=str(device), dtype=str(dtype).removeprefix("torch."), torch=torch.__version__, threads=torch.get_num_threads(),
-                   processor=platform.processor() or platform.machine(), cpus=os.cpu_count(),
-                   load_avg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-                   gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None)
+            results.append(
+                dict(
+                    op=op,
+                    label=label,
+                    shape=shape,
+                    impl=impl,
+                    seconds=seconds,
+                    bytes=prepared.bytes_moved,
+                    bytes_per_s=rate,
+                    of_copy_bw=rate / bandwidth,
+                )
+            )
+            print(
+                f"{op:13s} {label:12s} {impl:6s} {seconds * 1e3:9.3f} ms  {rate / 1e9:8.2f} GB/s", flush=True
+            )
+    machine = dict(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        processor=platform.processor() or platform.machine(),
+        cpus=os.cpu_count(),
+        load_avg_1min=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+    )
     return dict(machine=machine, copy_bytes_per_s=bandwidth, results=results)
 
 
@@ -228,8 +286,10 @@ def _shape_text(shape: dict) -> str:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
-    where = m["gpu"] or (f"{m['processor']}, {m['cpus']} CPUs, {m['threads']} torch thread(s), "
-                         f"load average {m['load_avg_1min']:.1f}")
+    where = m["gpu"] or (
+        f"{m['processor']}, {m['cpus']} CPUs, {m['threads']} torch thread(s), "
+        f"load average {m['load_avg_1min']:.1f}"
+    )
     lines = [
         f"Measured on {where} (torch {m['torch']}, {m['dtype']} rows); plain `copy_` bandwidth "
         f"**{report['copy_bytes_per_s'] / 1e9:.2f} GB/s** (read + write).",
@@ -238,9 +298,11 @@ def markdown(report: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
-        lines.append(f"| {r['op']} ({r['label']}) | {_shape_text(r['shape'])} | {r['impl']} | "
-                     f"{r['seconds'] * 1e3:.3f} ms | {r['bytes'] / 2**20:.2f} MiB | "
-                     f"{r['bytes_per_s'] / 1e9:.2f} | {100 * r['of_copy_bw']:.1f}% |")
+        lines.append(
+            f"| {r['op']} ({r['label']}) | {_shape_text(r['shape'])} | {r['impl']} | "
+            f"{r['seconds'] * 1e3:.3f} ms | {r['bytes'] / 2**20:.2f} MiB | "
+            f"{r['bytes_per_s'] / 1e9:.2f} | {100 * r['of_copy_bw']:.1f}% |"
+        )
     return "\n".join(lines)
 
 
@@ -258,15 +320,24 @@ def write_docs(path: Path, table: str) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="hispec bench kernels",
-                                     description="Time each kernel op beside plain torch copy bandwidth.")
+    parser = argparse.ArgumentParser(
+        prog="hispec bench kernels", description="Time each kernel op beside plain torch copy bandwidth."
+    )
     parser.add_argument("--out", default="bench-kernels.json", help="JSON results (default: %(default)s)")
-    parser.add_argument("--write-docs", nargs="?", const=str(DOCS), default=None, metavar="MD",
-                        help="replace the bench section of MD (default when given: the repo's docs/kernels.md); "
-                             "without this flag no tracked file is written")
+    parser.add_argument(
+        "--write-docs",
+        nargs="?",
+        const=str(DOCS),
+        default=None,
+        metavar="MD",
+        help="replace the bench section of MD (default when given: the repo's docs/kernels.md); "
+        "without this flag no tracked file is written",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--ops", nargs="*", help="subset of: indexer_topk swap_in sparse_mla kv_copy")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="row/query dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), help="row/query dtype (default: bfloat16 on CUDA, float32 on CPU)"
+    )
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
     args = parser.parse_args(argv)

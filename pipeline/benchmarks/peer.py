@@ -5,10 +5,9 @@ DeepSeek-V3.2 class), greedy, the same prompts. Three configurations alternate w
 HF ``generate`` on a left-padded batch, the engine decoding plainly, and the engine with MTP
 speculation; both engine configurations run HiSparse. Repeat by repeat the order goes through all
 six orders of the three, so that each configuration runs first, second and third, and right after
-each of the others, equally often (over 6 repeats): a run is affected by the one before it. With
-the orders only rotated, speculation ran right after plain decoding in most repeats and came out
-2-4% behind it at batches of 8 and 32, where it decodes plainly too; plain decoding in both places
-of that order measured the same way gave 0.98x for the second one (9 alternations). Workloads: batches of ``--concurrency``
+each of the others, equally often (over 6 repeats): a run is affected by the one before it, enough
+to move a paired ratio by a few per cent when one configuration mostly follows another
+(docs/performance-notes.md). Workloads: batches of ``--concurrency``
 requests with ``--prompt-len``-byte prompts, and one ``--long-prompt-len``-byte prompt alone.
 
 Reported per workload and configuration (medians over repeats): generated tokens per second from
@@ -17,7 +16,7 @@ to first token. On the engine's side that is each request's own ``time_to_first_
 over the batch; on HF's side a separate ``generate(max_new_tokens=1)`` of the whole batch, since its
 requests all get their first token together. Before the repeats, ``--warmup`` untimed runs of every
 configuration (default 1) pay for what a process's first run pays once (first touches of freshly
-mapped memory: a first engine run page-faults some 15,000-25,000 times, the later ones a few;
+mapped memory: a first engine run page-faults many thousands of times, the later ones a few;
 lazy compilation), which would otherwise fall on whichever configuration the first repeat runs
 first. Ratios are the medians of each repeat's paired ratio
 (engine / HF; above 1 is faster for tokens/s, below 1 is faster for time to first token) with their
@@ -31,6 +30,7 @@ import io
 import itertools
 import statistics
 import time
+from typing import Any
 
 import anyio
 import torch
@@ -40,7 +40,6 @@ from pipeline.config import EngineConfig
 from pipeline.logs import configure_logging
 
 CONFIGS = ("hf", "plain", "spec")
-LABELS = {"hf": "HF generate", "plain": "hispec plain", "spec": "hispec speculative"}
 INSTALL = "bench peer needs HF transformers: pip install 'hispec[bench]' (or: pip install transformers)"
 
 
@@ -56,8 +55,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed runs of every configuration per workload before the repeats")
     parser.add_argument("--spec-steps", type=int, default=3, help="draft tokens per verify round")
-    parser.add_argument("--hot", type=int, default=128,
-                        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)")
+    parser.add_argument(
+        "--hot",
+        type=int,
+        default=128,
+        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-peer.json")
@@ -65,11 +68,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace, batch: int, prompt_len: int, spec: bool) -> EngineConfig:
     return batch_config(
-        args, requests=batch, prompt_len=prompt_len, hisparse=True, num_steps=args.spec_steps if spec else None
+        args,
+        requests=batch,
+        prompt_len=prompt_len,
+        hisparse=True,
+        num_steps=args.spec_steps if spec else None,
     )
 
 
-def run_engine(args, model, prompts, spec: bool) -> dict[str, object]:
+def run_engine(args, model, prompts, spec: bool) -> dict[str, Any]:
     """One batch through a fresh engine: seconds, outputs, the median time to first token."""
     from pipeline.engine import Engine
     from pipeline.sampling import SamplingParams
@@ -106,7 +113,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
     return ids, mask
 
 
-def run_hf(hf_model, prompts, new_tokens: int, pad_id: int) -> dict[str, object]:
+def run_hf(hf_model, prompts, new_tokens: int, pad_id: int) -> dict[str, Any]:
     ids, mask = left_padded(prompts, pad_id)
     kw = dict(input_ids=ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id)
     with torch.inference_mode():
@@ -119,12 +126,12 @@ def run_hf(hf_model, prompts, new_tokens: int, pad_id: int) -> dict[str, object]
     return {"seconds": seconds, "outputs": out[:, ids.shape[1] :].tolist(), "ttft": ttft}
 
 
-def _paired(mine: list[float], theirs: list[float]) -> dict[str, object]:
+def _paired(mine: list[float], theirs: list[float]) -> dict[str, Any]:
     ratios = [a / b for a, b in zip(mine, theirs)]
     return {"median": statistics.median(ratios), "min_max": [min(ratios), max(ratios)]}
 
 
-def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> dict[str, object]:
+def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> dict[str, Any]:
     prompts = held_out_prompts(batch, prompt_len, args.seed)
     rates: dict[str, list[float]] = {c: [] for c in CONFIGS}
     ttfts: dict[str, list[float]] = {c: [] for c in CONFIGS}
@@ -145,7 +152,11 @@ def measure(args, model, hf_model, pad_id: int, batch: int, prompt_len: int) -> 
             rates[name].append(sum(len(o) for o in run["outputs"]) / run["seconds"])
             ttfts[name].append(run["ttft"])
             outputs.setdefault(name, run["outputs"])
-    row: dict[str, object] = {"batch": batch, "prompt_len": prompt_len, "runs": {"tokens_per_s": rates, "ttft_s": ttfts}}
+    row: dict[str, Any] = {
+        "batch": batch,
+        "prompt_len": prompt_len,
+        "runs": {"tokens_per_s": rates, "ttft_s": ttfts},
+    }
     for name in CONFIGS:
         row[f"{name}_tokens_per_s"] = statistics.median(rates[name])
         row[f"{name}_ttft_s"] = statistics.median(ttfts[name])
@@ -172,23 +183,47 @@ def load_hf(args):
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(args.dtype)).eval()
 
 
-def _fmt(ratio: dict[str, object]) -> str:
+def _fmt(ratio: dict[str, Any]) -> str:
     low, high = ratio["min_max"]
     return f"{ratio['median']:.2f}x ({low:.2f}-{high:.2f})"
 
 
-def print_report(report: dict[str, object]) -> None:
+def print_report(report: dict[str, Any]) -> None:
     args = report["args"]
-    print(f"model {report['model']} {args['dtype']}, HiSparse on (hot {args['hot']}), speculative "
-          f"{args['spec_steps']} steps, {args['new_tokens']} new tokens, median of {args['repeats']}, "
-          f"{report['machine']['threads']} threads")
-    headers = ["batch", "prompt bytes", "HF tokens/s", "plain tokens/s", "spec tokens/s", "plain / HF",
-               "spec / HF", "HF TTFT s", "plain TTFT / HF", "spec TTFT / HF", "same tokens as HF (plain, spec)"]
-    rows = [[r["batch"], r["prompt_len"], r["hf_tokens_per_s"], r["plain_tokens_per_s"], r["spec_tokens_per_s"],
-             _fmt(r["plain_speed_vs_hf"]), _fmt(r["spec_speed_vs_hf"]), r["hf_ttft_s"], _fmt(r["plain_ttft_vs_hf"]),
-             _fmt(r["spec_ttft_vs_hf"]),
-             ", ".join("yes" if r[f"{n}_same_tokens_as_hf"] else "no" for n in ("plain", "spec"))]
-            for r in report["rows"]]
+    print(
+        f"model {report['model']} {args['dtype']}, HiSparse on (hot {args['hot']}), speculative "
+        f"{args['spec_steps']} steps, {args['new_tokens']} new tokens, median of {args['repeats']}, "
+        f"{report['machine']['threads']} threads"
+    )
+    headers = [
+        "batch",
+        "prompt bytes",
+        "HF tokens/s",
+        "plain tokens/s",
+        "spec tokens/s",
+        "plain / HF",
+        "spec / HF",
+        "HF TTFT s",
+        "plain TTFT / HF",
+        "spec TTFT / HF",
+        "same tokens as HF (plain, spec)",
+    ]
+    rows = [
+        [
+            r["batch"],
+            r["prompt_len"],
+            r["hf_tokens_per_s"],
+            r["plain_tokens_per_s"],
+            r["spec_tokens_per_s"],
+            _fmt(r["plain_speed_vs_hf"]),
+            _fmt(r["spec_speed_vs_hf"]),
+            r["hf_ttft_s"],
+            _fmt(r["plain_ttft_vs_hf"]),
+            _fmt(r["spec_ttft_vs_hf"]),
+            ", ".join("yes" if r[f"{n}_same_tokens_as_hf"] else "no" for n in ("plain", "spec")),
+        ]
+        for r in report["rows"]
+    ]
     print(table(headers, rows))
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 import argparse
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from kernels.swap_in_policy import POLICIES
+from pipeline import cli_config
 from pipeline.benchmarks.common import Timer, add_common_args, held_out_prompts, machine, median, setup, table
 from pipeline.benchmarks.common import write_json as _write_json
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
@@ -32,13 +34,14 @@ from pipeline.sampling import SamplingParams
 GREEDY = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
 
-def config(args: argparse.Namespace, context: int, *, hot: int, policy: str, num_steps: int | None) -> EngineConfig:
+def config(
+    args: argparse.Namespace, context: int, *, hot: int, policy: str, num_steps: int | None
+) -> EngineConfig:
     page = 16
     max_context = context + args.new_tokens + 2 * page
     pool = -(-(max_context + 2 * page) // page) * page * args.requests
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
+    return cli_config.engine_config(
+        args,
         page_size=page,
         max_context_len=max_context,
         max_running_requests=args.requests,
@@ -47,18 +50,22 @@ def config(args: argparse.Namespace, context: int, *, hot: int, policy: str, num
         # rounds at any batch size and context: the speculative traces are there to record verify steps
         # (the default rule on a CPU keeps rounds to a request alone within 1,024 tokens)
         speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, max_context=None)
-        if num_steps else None,
-        seed=args.seed,
+        if num_steps
+        else None,
     )
 
 
-def record(args: argparse.Namespace, model, context: int, num_steps: int | None, hot: int, path: Path) -> None:
+def record(
+    args: argparse.Namespace, model, context: int, num_steps: int | None, hot: int, path: Path
+) -> None:
     """Serve the prompts of one context to the end, recording the trace at ``path``."""
     cfg = config(args, context, hot=hot, policy="lru", num_steps=num_steps)
     executor = Executor(cfg, model=model, trace_path=str(path))
     try:
         prompts = held_out_prompts(args.requests, context, args.seed)
-        SyncDriver(executor).generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True))
+        SyncDriver(executor).generate(
+            prompts, SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+        )
     finally:
         executor.close()
 
@@ -78,7 +85,8 @@ def engine_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
     executor.wait_staging()
     # every request ready (in staging order: a short prompt may finish its prefill before a long one)
     assert sorted(executor.collect_ready()) == sorted(ids)
-    before = executor.memory.counters_dict()
+    before: dict[str, Any] | None = executor.memory.counters_dict()  # JSON-shaped
+    assert before is not None  # (HiSparse)
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     with Timer() as timer:
         for _ in range(new_tokens):
@@ -86,26 +94,37 @@ def engine_run(executor: Executor, prompts: list[list[int]], new_tokens: int, ta
             assert not result.refused, "the benchmark's pools are too small"
             for rid, new in result.tokens.items():
                 tokens[rid].extend(new)
-    after = executor.memory.counters_dict()
+    after: dict[str, Any] | None = executor.memory.counters_dict()
+    assert after is not None
     for rid in ids:
         executor.release(rid)
     delta = {key: [b - a for a, b in zip(before[key], after[key])] for key in ("misses", "h2d_bytes")}
-    return EngineRun(timer.seconds, {rid.rsplit("-", 1)[1]: t for rid, t in tokens.items()},
-                     delta["misses"], delta["h2d_bytes"])
+    return EngineRun(
+        timer.seconds,
+        {rid.rsplit("-", 1)[1]: t for rid, t in tokens.items()},
+        delta["misses"],
+        delta["h2d_bytes"],
+    )
 
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec bench policy", description=__doc__.split("\n\n")[0])
     add_common_args(parser, "bench-policy.json")
-    parser.add_argument("--contexts", default="1024,3584", help="prompt lengths in tokens, comma-separated "
-                        "(the bundled model has 4096 positions: prompt + new tokens + 32 must fit)")
+    parser.add_argument(
+        "--contexts",
+        default="1024,3584",
+        help="prompt lengths in tokens, comma-separated "
+        "(the bundled model has 4096 positions: prompt + new tokens + 32 must fit)",
+    )
     parser.add_argument("--hots", default="128,256,512", help="HOT values to replay at, comma-separated")
     parser.add_argument("--requests", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--num-steps", type=int, default=3, help="draft steps of the speculative traces")
     parser.add_argument("--engine-hot", type=int, default=128, help="HOT of the end-to-end runs")
     parser.add_argument("--engine-new-tokens", type=int, default=None, help="default: --new-tokens")
-    parser.add_argument("--trace-dir", default=None, help="keep the traces here (default: a temporary folder)")
+    parser.add_argument(
+        "--trace-dir", default=None, help="keep the traces here (default: a temporary folder)"
+    )
     args = parser.parse_args(argv)
     threads = setup(args.threads)
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -125,7 +144,9 @@ def main(argv: list[str]) -> int:
                 record(args, model, context, steps, min(hots), path)
                 records, header = read_trace(path), read_header(path)
                 for hot in hots:
-                    result = replay(records, hot, row_bytes=header["row_bytes"], top_k=header["top_k"])
+                    row_bytes, top_k = header["row_bytes"], header["top_k"]
+                    assert isinstance(row_bytes, int) and isinstance(top_k, int), "an engine trace's header"
+                    result = replay(records, hot, row_bytes=row_bytes, top_k=top_k)
                     replays.append({"context": context, "mode": mode, **result.as_dict()})
         best = _best_online(replays)
         e2e = end_to_end(args, model, max(contexts), best)
@@ -155,7 +176,7 @@ def _best_online(replays: list[dict]) -> str:
     return best
 
 
-def end_to_end(args: argparse.Namespace, model, context: int, best: str) -> dict[str, object]:
+def end_to_end(args: argparse.Namespace, model, context: int, best: str) -> dict[str, Any]:
     """LRU, the engine's default on this device (``HiSparseConfig.policy="auto"``) and the best
     online policy of the replays, each in its own executor, the order rotating repeat by repeat."""
     default = HiSparseConfig().policy_for(model.device.type)
@@ -202,19 +223,39 @@ def print_report(r: dict) -> None:
     rows = []
     for rep in r["replays"]:
         pol = rep["policies"]
-        rows.append([rep["context"], rep["mode"], rep["hot"], *[pol[p]["misses"] for p in names],
-                     *[round(pol[p]["over_min"], 3) for p in names if p != "min"]])
-    head = ["context", "mode", "HOT", *[f"{p} misses" for p in names], *[f"{p} / MIN" for p in names if p != "min"]]
+        rows.append(
+            [
+                rep["context"],
+                rep["mode"],
+                rep["hot"],
+                *[pol[p]["misses"] for p in names],
+                *[round(pol[p]["over_min"], 3) for p in names if p != "min"],
+            ]
+        )
+    head = [
+        "context",
+        "mode",
+        "HOT",
+        *[f"{p} misses" for p in names],
+        *[f"{p} / MIN" for p in names if p != "min"],
+    ]
     print(table(head, rows))
     e2e = r["end_to_end"]
     print(
-        f"\nend to end: context {e2e['context']}, HOT {e2e['hot']}, {e2e['new_tokens']} new tokens, plain decoding, "
-        f"median of {r['repeats']}; tokens identical: {e2e['tokens_identical']}"
+        f"\nend to end: context {e2e['context']}, HOT {e2e['hot']}, {e2e['new_tokens']} new tokens, "
+        f"plain decoding, median of {r['repeats']}; tokens identical: {e2e['tokens_identical']}"
     )
+
     def label(p: str) -> str:
-        marks = [m for m, q in (("default", e2e.get("default")), ("fewest replayed misses", r["best_online"])) if q == p]
+        marks = [
+            m
+            for m, q in (("default", e2e.get("default")), ("fewest replayed misses", r["best_online"]))
+            if q == p
+        ]
         return f"{p} ({', '.join(marks)})" if marks else p
 
-    rows = [[label(p), v["misses"], round(v["h2d_bytes"] / 1e6, 3), v["decode_tokens_per_s"]]
-            for p, v in e2e["policies"].items()]
+    rows = [
+        [label(p), v["misses"], round(v["h2d_bytes"] / 1e6, 3), v["decode_tokens_per_s"]]
+        for p, v in e2e["policies"].items()
+    ]
     print(table(["policy", "misses", "host->device MB", "decode tokens/s"], rows))

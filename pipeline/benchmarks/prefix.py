@@ -3,10 +3,10 @@
 1. **Shared system prompt**: a ``--prefix``-token prefix common to every request, each with its own
    ``--suffix``-token question. One request warms the cache; then ``--requests`` requests arrive one
    after another. Reported: time to first token (median), throughput, hit rate.
-2. **Multi-turn chat**: ``--chats`` conversations of ``--turns`` turns run concurrently, each
-   opening with the same ``--system``-token system prompt; each turn resends the whole conversation
-   (the system prompt, its earlier messages and answers) plus a new ``--user``-token message. Reported: output tokens per second over the whole workload, mean time to first token,
-   hit rate.
+2. **Multi-turn chat**: ``--chats`` conversations of ``--turns`` turns run concurrently, each opening with the
+   same ``--system``-token system prompt; each turn resends the whole conversation (the system prompt, its
+   earlier messages and answers) plus a new ``--user``-token message. Reported: output tokens per second over
+   the whole workload, mean time to first token, hit rate.
 
 Each workload runs with the cache on and off in one process, alternating which goes first repeat by
 repeat; ratios are the median of each repeat's paired ratio, with their range. Greedy outputs must
@@ -18,11 +18,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import anyio
 
-from pipeline.benchmarks.common import held_out_prompts, machine, setup, table, write_json
-from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline import cli_config
+from pipeline.benchmarks.common import held_out_prompts, machine, measured, setup, table, write_json
+from pipeline.config import DEFAULT_POOL_TOKENS, EngineConfig, HiSparseConfig
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -50,16 +52,14 @@ def config(args: argparse.Namespace, *, cache: bool) -> EngineConfig:
 
     chat = args.system + args.turns * (args.user + args.new_tokens)
     context = max(args.prefix + args.suffix, chat) + args.new_tokens + 64
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
+    return cli_config.engine_config(
+        args,
         max_context_len=context,
         max_running_requests=max(args.chats, 2),
-        device_pool_tokens=max(16384, -(-context // 16) * 16 * 2),
+        device_pool_tokens=max(DEFAULT_POOL_TOKENS, -(-context // 16) * 16 * 2),
         hisparse=None if args.no_hisparse else HiSparseConfig(),
         speculative=SpeculativeConfig() if args.spec else None,
         prefix_cache=cache,
-        seed=args.seed,
         num_threads=args.threads or None,
     )
 
@@ -69,7 +69,7 @@ def shared_prompt(model, cfg: EngineConfig, prefix: list[int], suffixes: list[li
     from pipeline.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
 
     async def main() -> None:
         async with Engine(cfg, model=model) as engine:
@@ -78,13 +78,17 @@ def shared_prompt(model, cfg: EngineConfig, prefix: list[int], suffixes: list[li
             start = time.perf_counter()
             for suffix in suffixes[1:]:
                 result = await engine.generate_text(prefix + suffix, params)
-                ttft.append(result.metrics.time_to_first_token)
+                ttft.append(measured(result.metrics.time_to_first_token))
                 outputs.append(list(result.token_ids))
                 hits.append(result.metrics.cached_tokens)
                 tokens += len(result.token_ids)
             seconds = time.perf_counter() - start
-            out.update(ttft=statistics.median(ttft), tokens_per_s=tokens / seconds, outputs=outputs,
-                       hit_rate=sum(hits) / sum(len(prefix) + len(s) for s in suffixes[1:]))
+            out.update(
+                ttft=statistics.median(ttft),
+                tokens_per_s=tokens / seconds,
+                outputs=outputs,
+                hit_rate=sum(hits) / sum(len(prefix) + len(s) for s in suffixes[1:]),
+            )
 
     anyio.run(main)
     return out
@@ -95,7 +99,7 @@ def chat(model, cfg: EngineConfig, system: list[int], messages: list[list[list[i
     from pipeline.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
 
     async def main() -> None:
         async with Engine(cfg, model=model) as engine:
@@ -110,7 +114,7 @@ def chat(model, cfg: EngineConfig, system: list[int], messages: list[list[list[i
                     prompt = history + user
                     result = await engine.generate_text(prompt, params)
                     outputs[i].append(list(result.token_ids))
-                    ttft.append(result.metrics.time_to_first_token)
+                    ttft.append(measured(result.metrics.time_to_first_token))
                     hits += result.metrics.cached_tokens
                     queried += len(prompt)
                     tokens += len(result.token_ids)
@@ -121,15 +125,21 @@ def chat(model, cfg: EngineConfig, system: list[int], messages: list[list[list[i
                 for i in range(len(messages)):
                     tg.start_soon(conversation, i)
             seconds = time.perf_counter() - start
-            out.update(tokens_per_s=tokens / seconds, ttft=statistics.mean(ttft), outputs=outputs,
-                       hit_rate=hits / queried)
+            out.update(
+                tokens_per_s=tokens / seconds,
+                ttft=statistics.mean(ttft),
+                outputs=outputs,
+                hit_rate=hits / queried,
+            )
 
     anyio.run(main)
     return out
 
 
 def paired(runs: dict[str, list[dict]], key: str, invert: bool = False) -> tuple[float, float, float]:
-    ratios = [(off[key] / on[key]) if invert else (on[key] / off[key]) for on, off in zip(runs["on"], runs["off"])]
+    ratios = [
+        (off[key] / on[key]) if invert else (on[key] / off[key]) for on, off in zip(runs["on"], runs["off"])
+    ]
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
@@ -152,16 +162,23 @@ def main(argv: list[str]) -> int:
             cfg = config(args, cache=side == "on")
             shared[side].append(shared_prompt(model, cfg, prefix, suffixes, args))
             chats[side].append(chat(model, cfg, system, messages, args))
-    same = all(a["outputs"] == b["outputs"] for runs in (shared, chats) for a, b in zip(runs["on"], runs["off"]))
+    same = all(
+        a["outputs"] == b["outputs"] for runs in (shared, chats) for a, b in zip(runs["on"], runs["off"])
+    )
     ttft_ratio = paired(shared, "ttft")
     chat_ratio = paired(chats, "tokens_per_s")
     report = {
         "bench": "prefix",
         "machine": machine(),
         "note": note,
-        "shared_prompt": {side: [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
-                          for side, runs in shared.items()},
-        "chat": {side: [{k: v for k, v in r.items() if k != "outputs"} for r in runs] for side, runs in chats.items()},
+        "shared_prompt": {
+            side: [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+            for side, runs in shared.items()
+        },
+        "chat": {
+            side: [{k: v for k, v in r.items() if k != "outputs"} for r in runs]
+            for side, runs in chats.items()
+        },
         "ttft_on_over_off": ttft_ratio,
         "chat_throughput_on_over_off": chat_ratio,
         "outputs_identical": same,
@@ -170,18 +187,25 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"note: {note}")
     med = statistics.median
-    print(f"model {args.model} {args.dtype}, {threads} thread(s), HiSparse {'off' if args.no_hisparse else 'on'}, "
-          f"{'speculative' if args.spec else 'plain'}, {args.repeats} alternating repeats")
+    print(
+        f"model {args.model} {args.dtype}, {threads} thread(s), "
+        f"HiSparse {'off' if args.no_hisparse else 'on'}, {'speculative' if args.spec else 'plain'}, "
+        f"{args.repeats} alternating repeats"
+    )
     print(table(
         ["workload", "cache", "time to first token (s)", "tokens/s", "hit rate"],
         [[f"shared prefix {args.prefix} + {args.suffix}", side, med([r["ttft"] for r in shared[side]]),
           med([r["tokens_per_s"] for r in shared[side]]), f"{med([r['hit_rate'] for r in shared[side]]):.0%}"]
          for side in ("off", "on")]
-        + [[f"chat {args.chats} x {args.turns} turns, system {args.system}", side, med([r["ttft"] for r in chats[side]]),
-            med([r["tokens_per_s"] for r in chats[side]]), f"{med([r['hit_rate'] for r in chats[side]]):.0%}"]
+        + [[f"chat {args.chats} x {args.turns} turns, system {args.system}", side,
+            med([r["ttft"] for r in chats[side]]), med([r["tokens_per_s"] for r in chats[side]]),
+            f"{med([r['hit_rate'] for r in chats[side]]):.0%}"]
            for side in ("off", "on")],
     ))  # fmt: skip
-    print(f"time to first token, cache on / off: {ttft_ratio[0]:.2f} (range {ttft_ratio[1]:.2f}-{ttft_ratio[2]:.2f}); "
-          f"chat throughput on / off: {chat_ratio[0]:.2f} (range {chat_ratio[1]:.2f}-{chat_ratio[2]:.2f}); "
-          f"same tokens: {'yes' if same else 'NO'}")
+    print(
+        f"time to first token, cache on / off: {ttft_ratio[0]:.2f} "
+        f"(range {ttft_ratio[1]:.2f}-{ttft_ratio[2]:.2f}); "
+        f"chat throughput on / off: {chat_ratio[0]:.2f} (range {chat_ratio[1]:.2f}-{chat_ratio[2]:.2f}); "
+        f"same tokens: {'yes' if same else 'NO'}"
+    )
     return 0

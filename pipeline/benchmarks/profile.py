@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline import cli_config
+from pipeline.config import HiSparseConfig
 from pipeline.logs import configure_logging
 from pipeline.sampling import SamplingParams
 
@@ -41,12 +42,8 @@ def main(argv: list[str]) -> int:
     from pipeline.executor import Executor
 
     sink = configure_logging(level="warning", stream=io.StringIO())
-    config = EngineConfig(
-        model=args.model,
-        max_context_len=args.max_context_len,
-        hisparse=HiSparseConfig(device_buffer_size=args.device_buffer_size),
-        speculative=None,
-    )
+    hisparse = HiSparseConfig(device_buffer_size=args.device_buffer_size)
+    config = cli_config.engine_config(args, hisparse=hisparse, speculative=None)
     executor = Executor(config)
     prompts = [[(i * 7 + j * 13) % 250 + 1 for j in range(args.prompt_len)] for i in range(args.batch)]
     SyncDriver(executor).generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up

@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import Any
 
 import anyio
 import numpy as np
@@ -148,7 +149,10 @@ async def run_round(
     async with anyio.create_task_group() as tg:
         for _ in range(clients):
             tg.start_soon(worker)
-    return time.perf_counter() - start, records
+    seconds = time.perf_counter() - start
+    done = [r for r in records if r is not None]
+    assert len(done) == len(records), "every prompt was sent"
+    return seconds, done
 
 
 def summary(seconds: float, records: list[Record]) -> dict[str, float]:
@@ -171,13 +175,14 @@ def summary(seconds: float, records: list[Record]) -> dict[str, float]:
 def start_server(argv: list[str]) -> tuple[subprocess.Popen, str]:
     command = [sys.executable, "-m", "pipeline.cli", "serve", *argv]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None  # (stdout=PIPE)
     for line in proc.stdout:
         if "listening on" in line:
             return proc, line.split("listening on ")[1].split()[0]
     raise RuntimeError(f"hispec serve did not start (exit status {proc.wait()})")
 
 
-async def measure(args: argparse.Namespace, url: str) -> list[dict[str, object]]:
+async def measure(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
     import httpx
 
     from pipeline.benchmarks.engine import prompts_for
@@ -259,8 +264,8 @@ def main(argv: list[str]) -> int:
     spec = "speculative (3 steps)" if report["speculative"] else "plain"
     mode = f"{spec}, HiSparse {'on' if report['hisparse'] else 'off'}"
     print(
-        f"model {args.model} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, {args.max_tokens} new "
-        f"tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
+        f"model {args.model} {args.dtype}, {mode}, prompts of {args.prompt_len} tokens, "
+        f"{args.max_tokens} new tokens, median of {args.repeats}, {torch.get_num_threads()} threads"
     )
     ms = 1000.0
     print(

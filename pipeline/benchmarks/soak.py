@@ -36,8 +36,9 @@ import logging
 import random
 import resource
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import ExitStack, contextmanager, suppress
+from typing import Any, Required, TypedDict
 
 import anyio
 import attrs
@@ -64,7 +65,8 @@ class Item:
     sampled: bool
     stop: tuple[str, ...]
     give_up: str  # one of GIVE_UPS
-    fault: str | None  # one of FAULTS (or of the fault points, ``faults.POINTS``) when this request is a culprit
+    # one of FAULTS (or of the fault points, ``faults.POINTS``) when this request is a culprit
+    fault: str | None
     after: int = 0  # a fault point's passages of the culprit that go by before it fires
 
 
@@ -96,7 +98,9 @@ def workload(
         stop = ("\n\n",) if rng.random() < 0.2 else ()
         max_new, sampled, give_up = rng.randint(1, 40), rng.random() < 0.3, rng.choice(GIVE_UPS)
         after = rng.randint(0, latest[fault]) if points and fault else 0
-        items.append(Item(f"s{seed}-{i}", prompt, max_new, sampled or fault == "sample", stop, give_up, fault, after))
+        items.append(
+            Item(f"s{seed}-{i}", prompt, max_new, sampled or fault == "sample", stop, give_up, fault, after)
+        )
     return items
 
 
@@ -274,7 +278,11 @@ def injected(engine, items: list[Item]) -> Iterator[Fired]:
         def dispatch(real):
             def run(self, command, idle):
                 ids = getattr(command, "request_ids", ())
-                if self is ex and type(command).__name__ == "Decode" and any(culprits.get(r) == "executor" for r in ids):
+                if (
+                    self is ex
+                    and type(command).__name__ == "Decode"
+                    and any(culprits.get(r) == "executor" for r in ids)
+                ):
                     fired.counts["executor"] += 1
                     fired.victims.update(ids)
                     raise RuntimeError("injected executor fault")
@@ -307,10 +315,14 @@ async def serve(engine, items: list[Item]) -> dict[str, list[int]]:
         try:
             if it.give_up == "timeout":
                 with suppress(TimeoutError):
-                    await engine.generate_text(list(it.prompt), params_of(it), request_id=it.request_id, timeout=0.01)
+                    await engine.generate_text(
+                        list(it.prompt), params_of(it), request_id=it.request_id, timeout=0.01
+                    )
                 return
             with anyio.CancelScope() as scope:
-                async with engine.generate(list(it.prompt), params_of(it), request_id=it.request_id) as stream:
+                async with engine.generate(
+                    list(it.prompt), params_of(it), request_id=it.request_id
+                ) as stream:
                     async for delta in stream:
                         got.extend(delta.token_ids)
                         if got and it.give_up == "abort":
@@ -329,8 +341,14 @@ async def serve(engine, items: list[Item]) -> dict[str, list[int]]:
 
 
 def run_round(
-    model, items: list[Item], *, speculative: bool, hisparse: bool = True, points: bool = False,
-    copy_mode: str = "worker", watchdog_s: float = 300.0,
+    model,
+    items: list[Item],
+    *,
+    speculative: bool,
+    hisparse: bool = True,
+    points: bool = False,
+    copy_mode: str = "worker",
+    watchdog_s: float = 300.0,
 ) -> RoundReport:
     """One round (see the module docstring); raises ``TimeoutError`` on a hang. ``points``: the
     items' faults are fault points (``pipeline.benchmarks.faults``), failing copies the
@@ -400,7 +418,7 @@ def _points(engine, items: list[Item], copy_mode: str) -> Iterator[Fired]:
 
 
 @contextmanager
-def _lifecycle_logs() -> Iterator[list[dict]]:
+def _lifecycle_logs() -> Iterator[list[MutableMapping[str, Any]]]:
     """Capture every event at info level and above (whatever level the application configured)."""
     before = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
@@ -423,13 +441,36 @@ def build_model(seed: int = 0):
     from pipeline.model.model import DeepseekV32
 
     cfg = ModelConfig(
-        vocab_size=257, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=4, n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=1.0,
-        kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1,
-        topk_group=1, num_experts_per_tok=2, norm_topk_prob=True, mlp_layer_types=("dense", "sparse"),
-        hidden_act="silu", max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=10000.0, index_topk=8,
-        index_head_dim=16, index_n_heads=2, tie_word_embeddings=False, eos_token_id=256,
-        num_nextn_predict_layers=1, dtype="float64",
+        vocab_size=257,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        mlp_layer_types=("dense", "sparse"),
+        hidden_act="silu",
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        index_topk=8,
+        index_head_dim=16,
+        index_n_heads=2,
+        tie_word_embeddings=False,
+        eos_token_id=256,
+        num_nextn_predict_layers=1,
+        dtype="float64",
     )
     import torch
 
@@ -444,22 +485,44 @@ def _fault_points(value: str) -> tuple[str, ...]:
     return points
 
 
-def round_kind(round_no: int, points: bool) -> dict[str, object]:
+class RoundKind(TypedDict, total=False):
+    """``run_round``'s configuration arguments."""
+
+    speculative: Required[bool]
+    hisparse: bool
+    points: bool
+    copy_mode: str
+
+
+class RoundPoints(TypedDict, total=False):
+    """``workload``'s fault arguments."""
+
+    points: tuple[str, ...] | None
+    hisparse: bool
+
+
+def round_kind(round_no: int, points: bool) -> RoundKind:
     """A round's configuration: speculation alternates; with fault points, HiSparse too, and the
     way a failing copy reports (on the transfer worker, or as it is issued)."""
     if not points:
-        return dict(speculative=round_no % 2 == 1)
-    return dict(speculative=round_no % 2 == 1, hisparse=round_no % 4 < 2, points=True,
-                copy_mode="worker" if round_no % 8 < 4 else "issue")
+        return RoundKind(speculative=round_no % 2 == 1)
+    return RoundKind(
+        speculative=round_no % 2 == 1,
+        hisparse=round_no % 4 < 2,
+        points=True,
+        copy_mode="worker" if round_no % 8 < 4 else "issue",
+    )
 
 
-def round_points(kind: dict[str, object], points: tuple[str, ...] | None) -> dict[str, object]:
+def round_points(kind: RoundKind, points: tuple[str, ...] | None) -> RoundPoints:
     """``workload``'s fault arguments for a round of ``kind``: the points its configuration has."""
     if points is None:
-        return {}
+        return RoundPoints()
     hisparse, speculative = bool(kind["hisparse"]), bool(kind["speculative"])
-    return dict(points=tuple(p for p in points if applies(p, hisparse=hisparse, speculative=speculative)) or None,
-                hisparse=hisparse)
+    return RoundPoints(
+        points=tuple(p for p in points if applies(p, hisparse=hisparse, speculative=speculative)) or None,
+        hisparse=hisparse,
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -469,7 +532,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--size", type=int, default=24, help="requests per round")
     parser.add_argument("--fault-rate", type=float, default=0.2, help="share of requests that are culprits")
     parser.add_argument(
-        "--faults", type=_fault_points, nargs="?", const=POINTS, default=None, metavar="POINTS",
+        "--faults",
+        type=_fault_points,
+        nargs="?",
+        const=POINTS,
+        default=None,
+        metavar="POINTS",
         help=f"inject faults at these points ({','.join(POINTS)}; all when none is named) instead of the "
         f"classic kinds ({','.join(FAULTS)})",
     )
@@ -485,7 +553,9 @@ def main(argv: list[str]) -> int:
     model = build_model(args.seed)
     start = time.monotonic()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    totals = dict(rounds=0, requests=0, faults=0, failed=0, failed_culprits=0, wrong=0, hangs=0, leaks=0, illegal=0)
+    totals = dict(
+        rounds=0, requests=0, faults=0, failed=0, failed_culprits=0, wrong=0, hangs=0, leaks=0, illegal=0
+    )
     kinds = args.faults or FAULTS
     by_kind = dict.fromkeys(kinds, 0)
     round_no = 0
@@ -497,8 +567,12 @@ def main(argv: list[str]) -> int:
 
     while more():
         kind = round_kind(round_no, args.faults is not None)
-        items = workload(args.seed * 100_003 + round_no, size=args.size, fault_rate=args.fault_rate,
-                         **round_points(kind, args.faults))
+        items = workload(
+            args.seed * 100_003 + round_no,
+            size=args.size,
+            fault_rate=args.fault_rate,
+            **round_points(kind, args.faults),
+        )
         try:
             report = run_round(model, items, **kind)
         except TimeoutError:
@@ -508,20 +582,23 @@ def main(argv: list[str]) -> int:
         totals["rounds"] += 1
         for key in ("requests", "faults", "failed", "failed_culprits", "illegal"):
             totals[key] += getattr(report, key)
-        for kind, n in report.fired.items():
-            by_kind[kind] = by_kind.get(kind, 0) + n
+        for fault, n in report.fired.items():
+            by_kind[fault] = by_kind.get(fault, 0) + n
         totals["wrong"] += len(report.wrong)
         totals["leaks"] += int(report.leaked)
         round_no += 1
         if round_no % 10 == 0:
-            print(f"  {round_no} rounds, {totals['requests']} requests, {time.monotonic() - start:.0f}s", flush=True)
+            print(
+                f"  {round_no} rounds, {totals['requests']} requests, {time.monotonic() - start:.0f}s",
+                flush=True,
+            )
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     print(
-        f"soak: {totals['rounds']} rounds in {(time.monotonic() - start) / 60:.1f} min, {totals['requests']} requests, "
-        f"{totals['faults']} faults injected, {totals['failed']} failed (of which {totals['failed_culprits']} "
-        f"culprits), {totals['wrong']} wrong outputs, {totals['hangs']} hangs, {totals['leaks']} rounds with "
-        f"pools not restored, {totals['illegal']} illegal lifecycles, peak RSS {rss0 / 1024:.0f} -> "
-        f"{rss1 / 1024:.0f} MiB"
+        f"soak: {totals['rounds']} rounds in {(time.monotonic() - start) / 60:.1f} min, "
+        f"{totals['requests']} requests, {totals['faults']} faults injected, {totals['failed']} failed "
+        f"(of which {totals['failed_culprits']} culprits), {totals['wrong']} wrong outputs, "
+        f"{totals['hangs']} hangs, {totals['leaks']} rounds with pools not restored, "
+        f"{totals['illegal']} illegal lifecycles, peak RSS {rss0 / 1024:.0f} -> {rss1 / 1024:.0f} MiB"
     )
     print("faults injected by kind: " + ", ".join(f"{kind} {n}" for kind, n in by_kind.items()))
     print(f"leaks: {totals['leaks']}")

@@ -18,10 +18,12 @@ from __future__ import annotations
 import argparse
 import itertools
 
+from pipeline import cli_config
 from pipeline.benchmarks.common import (
     add_common_args,
     held_out_prompts,
     machine,
+    measured,
     median,
     setup,
     table,
@@ -36,10 +38,8 @@ from pipeline.speculative.metrics import SpecCounters
 def engine_config(args: argparse.Namespace, num_steps: int) -> EngineConfig:
     ctx = args.prompt_len + args.new_tokens + 16
     pages = -(-(ctx + 16) * args.batch // args.page_size) * args.page_size
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        page_size=args.page_size,
+    return cli_config.engine_config(
+        args,
         max_context_len=ctx,
         max_running_requests=args.batch,
         device_pool_tokens=max(pages, args.hot + args.page_size),
@@ -47,7 +47,6 @@ def engine_config(args: argparse.Namespace, num_steps: int) -> EngineConfig:
         if args.no_hisparse
         else HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=2),
         speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
-        seed=args.seed,
     )
 
 
@@ -59,8 +58,8 @@ def run_batch(
 
     driver = SyncDriver(executor)
     reqs = driver.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
-    first = min(r.metrics.first_token_time for r in reqs)
-    last = max(r.metrics.last_token_time for r in reqs)
+    first = min(measured(r.metrics.first_token_time) for r in reqs)
+    last = max(measured(r.metrics.last_token_time) for r in reqs)
     return [r.output_ids for r in reqs], last - first, sum(len(r.output_ids) - 1 for r in reqs)
 
 
@@ -146,9 +145,9 @@ def summarize(args, steps, executors, per_repeat, ratios, identical, threads) ->
 
 def print_report(r: dict) -> None:
     print(
-        f"model {r['model']} {r['dtype']}, HiSparse {'on' if r['hisparse'] else 'off'}, {r['prompts']} held-out "
-        f"prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens, batch {r['batch']}, "
-        f"{r['threads']} threads, {r['repeats']} repeats"
+        f"model {r['model']} {r['dtype']}, HiSparse {'on' if r['hisparse'] else 'off'}, "
+        f"{r['prompts']} held-out prompts of {r['prompt_len']} tokens, {r['new_tokens']} new tokens, "
+        f"batch {r['batch']}, {r['threads']} threads, {r['repeats']} repeats"
     )
     rows = []
     for k, c in r["configs"].items():
@@ -157,6 +156,17 @@ def print_report(r: dict) -> None:
         shown = ["-" if v is None else v for v in (length, rate)]
         low, high = c["speedup_min_max"]
         rows.append([name, *shown, c["tokens_per_s"], c["speedup"], f"{low:.2f}-{high:.2f}"])
-    print(table(["decoding", "accept length", "accept rate", "decode tokens/s", "vs plain (median)",
-                 "per-prompt range"], rows))
+    print(
+        table(
+            [
+                "decoding",
+                "accept length",
+                "accept rate",
+                "decode tokens/s",
+                "vs plain (median)",
+                "per-prompt range",
+            ],
+            rows,
+        )
+    )
     print(f"outputs identical to plain greedy: {r['outputs_identical_to_plain']}")

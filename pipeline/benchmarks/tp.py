@@ -21,14 +21,15 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import attrs
 
 from pipeline.benchmarks.common import batch_config, machine, setup, table, write_json
 from pipeline.benchmarks.engine import load_or_random, prompts_for
-from pipeline.messages import Decode, Draft, Verify
+from pipeline.messages import Decode, Draft, Mixed, Verify
 
-STEP_COMMANDS = (Decode, Draft, Verify)
+STEP_COMMANDS = (Decode, Draft, Verify, Mixed)  # (a mixed step's forward carries a decode step)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +43,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--no-hisparse", action="store_true")
-    parser.add_argument("--hot", type=int, default=64, help="HiSparse device buffer (>= the model's index_topk)")
+    parser.add_argument(
+        "--hot", type=int, default=64, help="HiSparse device buffer (>= the model's index_topk)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-tp.json")
@@ -77,12 +80,13 @@ class TimedExecutor:
         return getattr(self.executor, name)
 
 
-def run_once(model, cfg, prompts, params, size: int) -> dict[str, object]:
+def run_once(model, cfg, prompts, params, size: int) -> dict[str, Any]:
     from pipeline.distributed.executor import DistributedExecutor
     from pipeline.driver import SyncDriver
     from pipeline.executor import Executor
 
     start = time.perf_counter()
+    executor: Executor | DistributedExecutor
     if size == 1:
         executor = Executor(cfg, model=model)
     else:
@@ -106,7 +110,7 @@ def run_once(model, cfg, prompts, params, size: int) -> dict[str, object]:
     }
 
 
-def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[str, object]:
+def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[str, Any]:
     from pipeline.sampling import SamplingParams
 
     cfg = batch_config(
@@ -140,7 +144,7 @@ def main(argv: list[str]) -> int:
     threads = setup(args.threads)
     model, note = load_or_random(args)
     model = model.to(args.device)
-    rows: list[dict[str, object]] = []
+    rows: list[dict[str, Any]] = []
     reference = None
     for size in sorted(set(args.tp)):
         row = measure(args, model, size, reference)
@@ -171,8 +175,8 @@ def main(argv: list[str]) -> int:
     mode = "speculative (3 steps)" if report["speculative"] else "plain"
     print(
         f"model {report['model']} {args.dtype}, {mode}, HiSparse {'on' if report['hisparse'] else 'off'}, "
-        f"{args.concurrency} requests of {args.prompt_len} + {args.new_tokens} tokens, median of {args.repeats}, "
-        f"{threads} thread(s) per rank"
+        f"{args.concurrency} requests of {args.prompt_len} + {args.new_tokens} tokens, "
+        f"median of {args.repeats}, {threads} thread(s) per rank"
     )
     headers = ["TP", "tokens/s", "step ms", "collectives share", "start-up s", "tokens == TP 1"]
     print(table(headers, [

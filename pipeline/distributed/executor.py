@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -51,7 +52,25 @@ from pipeline.distributed.worker import (
     worker_main,
 )
 from pipeline.errors import EngineError
-from pipeline.messages import CollectReady, Command, Outcome, ReadyResult, Release, StepFigures
+from pipeline.messages import (
+    CollectReady,
+    Command,
+    Mixed,
+    MixedResult,
+    Outcome,
+    ReadyResult,
+    Release,
+    StepFigures,
+)
+from pipeline.startup import preflight
+
+if TYPE_CHECKING:
+    from pipeline.executor import Sequence
+    from pipeline.memory.interface import KVMemory
+    from pipeline.model import DeepseekV32
+    from pipeline.model.tokenizer import Tokenizer
+    from pipeline.sampling import SamplingParams
+    from statemachines.request import State
 
 log = structlog.get_logger(__name__)
 
@@ -68,7 +87,8 @@ class RanksDiverged(EngineError):
 
 
 class DistributedExecutor:
-    """Rank 0's executor: the ``Executor`` interface the engine and the drivers use, over every rank.
+    """Rank 0's executor: the ``CommandExecutor`` interface (``pipeline/executor_interface.py``) the
+    engine and the drivers use, over every rank.
 
     ``transfer``: rank -> transfer stream factory (tests inject staging delays on one rank).
     ``timeout_s``: the bound on any collective, hence on noticing a lost rank.
@@ -84,6 +104,7 @@ class DistributedExecutor:
         transfer: dict[int, Callable] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
+        preflight(config, model=model)  # start-up's checks, before any rank is spawned
         size = config.tensor_parallel_size
         store = open_store(0, size, host=True, timeout_s=timeout_s)
         tensors = None if model is None else {name: t.detach() for name, t in model.state_dict().items()}
@@ -119,8 +140,9 @@ class DistributedExecutor:
             raise EngineError(f"tensor-parallel rank {rank} could not start: {why}")
         self._rank_stats: list[dict] = [s for _, s in answers]
         self.config = self.local.config
+        self.plan = self.local.plan  # every rank made the same plan from the same config and model
 
-    # --- the Executor interface ---------------------------------------------------------------------
+    # --- the CommandExecutor interface --------------------------------------------------------------
 
     @property
     def lost(self) -> str | None:
@@ -132,19 +154,19 @@ class DistributedExecutor:
         return self.group.size
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         return self.local.tokenizer
 
     @property
-    def model(self):
+    def model(self) -> DeepseekV32:
         return self.local.model
 
     @property
-    def memory(self):
+    def memory(self) -> KVMemory:
         return self.local.memory
 
     @property
-    def seqs(self):
+    def seqs(self) -> dict[str, Sequence]:
         return self.local.seqs
 
     @property
@@ -159,7 +181,7 @@ class DistributedExecutor:
     def draft_tokens(self) -> int:
         return self.local.draft_tokens
 
-    def validate(self, token_ids, params) -> None:
+    def validate(self, token_ids: list[int] | tuple[int, ...], params: SamplingParams) -> None:
         self.local.validate(token_ids, params)
 
     def run(self, command: Command, *, idle: bool = True) -> Outcome:
@@ -180,7 +202,7 @@ class DistributedExecutor:
     def wait_staging(self) -> None:
         self._exchange(Inspect("wait_staging"))
 
-    def check_integrity(self, *, data: bool = True, states: dict | None = None) -> None:
+    def check_integrity(self, *, data: bool = True, states: dict[str, State] | None = None) -> None:
         for rank, problem in enumerate(self._exchange(Inspect("integrity", states, data))):
             assert problem is None, f"rank {rank}: {problem}"
 
@@ -269,7 +291,8 @@ class DistributedExecutor:
 
 def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
     """One outcome from every rank's: results must agree (``CollectReady``: a request failed on any
-    rank is failed), swap-in figures are summed, the time is rank 0's."""
+    rank is failed; ``Mixed``: each part merged on its own), swap-in figures are summed, the time is
+    rank 0's."""
     first = outcomes[0]
     figures = StepFigures(*(sum(getattr(o.figures, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes")))
     changed = any(o.changed for o in outcomes)
@@ -278,9 +301,13 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
         if not all(errors):
             rank = next(r for r, e in enumerate(errors) if e)
             raise RanksDiverged(f"{type(command).__name__} failed on rank {rank} only: {errors[rank]}")
-        return Outcome(None, figures, changed, first.error, first.seconds)
+        return Outcome(None, figures, changed, first.error, first.seconds, mixed=first.mixed)
     result = first.result
-    if isinstance(command, CollectReady):
+    if isinstance(command, Mixed):
+        parts = [_mixed_result(o) for o in outcomes]
+        decode = merge(command.decode, [p.decode for p in parts])
+        result = MixedResult(decode, merge(command.prefill, [p.prefill for p in parts]))
+    elif isinstance(command, CollectReady):
         failed = {rid: why for o in reversed(outcomes) for rid, why in o.result.failed.items()}
         ready = tuple(rid for rid in first.result.ready if rid not in failed)
         for rank, o in enumerate(outcomes):
@@ -291,7 +318,12 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
         for rank, o in enumerate(outcomes[1:], start=1):
             if o.result != result:
                 raise RanksDiverged(f"{type(command).__name__}: rank {rank} answered {o.result!r}, rank 0 {result!r}")
-    return Outcome(result, figures, changed, None, first.seconds)
+    return Outcome(result, figures, changed, None, first.seconds, mixed=first.mixed)
+
+
+def _mixed_result(outcome: Outcome) -> MixedResult:
+    assert isinstance(outcome.result, MixedResult), f"a Mixed command answered {outcome.result!r}"
+    return outcome.result
 
 
 def sum_counters(per_rank: list[dict | None]) -> dict | None:

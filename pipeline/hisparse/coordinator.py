@@ -45,7 +45,7 @@ from kernels import hisparse_attend_numba
 from kernels.kv_copy import copy_rows
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_policy import near_margin
-from pipeline.config import MemoryPlan
+from pipeline.capacity import MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
@@ -60,7 +60,7 @@ from pipeline.hisparse.transfer import (
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory import release as resumable
-from pipeline.memory.interface import Residency
+from pipeline.memory.interface import Residency, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
@@ -226,10 +226,10 @@ class HiSparseCoordinator:
         return sorted(set(self._mem) - self._leaving)
 
     def _admission_pages(self, num_tokens: int, speculative: bool) -> tuple[int, int]:
-        """(buffer pages, chunk pages) a prompt holds from admission on: its device buffer (whose
-        identity columns receive the positions below HOT, and whose newest column and draft zone the
-        first of a chunk's positions past HOT) and the rows of the rest of a chunk. Holding the buffer from admission means staging never waits for memory (the
-        progress guarantee of ``docs/invariants.md``)."""
+        """(buffer pages, chunk pages) a prompt holds from admission on: its device buffer (whose identity
+        columns receive the positions below HOT, and whose newest column and draft zone the first of a chunk's
+        positions past HOT) and the rows of the rest of a chunk. Holding the buffer from admission means
+        staging never waits for memory (the progress guarantee of ``docs/invariants.md``)."""
         page = self.plan.page_size
         buffer_pages = self.buffers.capacity_for(num_tokens, speculative=speculative) // page
         return buffer_pages, self.plan.chunk_area(num_tokens) // page
@@ -261,12 +261,16 @@ class HiSparseCoordinator:
         )
         return (chain, needs) if fits else None
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+    def can_admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> bool:
         """Room for a prompt (``tokens``, when given, may share cached pages): a row, its buffer and
         chunk rows, locations and its host copy; unreferenced cached pages count as free."""
         return self._admission(num_tokens, speculative, tokens) is not None
 
-    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
+    def admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> int:
         """A row holding everything its prompt needs to reach decode (locations and host pages for
         every position, the device buffer, one chunk's rows); raises ``OutOfMemory`` (nothing
         changed). With ``tokens`` and a prefix cache, the longest cached prefix is shared: its
@@ -342,7 +346,9 @@ class HiSparseCoordinator:
         """The device slots a prefilling row's positions past HOT go to, in order: the buffer's
         newest column and draft zone, then its chunk rows."""
         mem = self._mem[row]
-        return torch.cat([self.buffers.locs[row, self.hot :].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)])
+        return torch.cat(
+            [self.buffers.locs[row, self.hot :].cpu(), page_slots(mem.chunk_pages, self.plan.page_size)]
+        )
 
     def spare_chunk_rows(self, row: int, start: int, end: int) -> torch.Tensor:
         """Device slots the chunk ``[start, end)``'s swap-in may use as workspace during the forward:
@@ -541,7 +547,9 @@ class HiSparseCoordinator:
         # one lookup and one bind for the whole step (the rows' locations are disjoint)
         row_t = torch.tensor(rows, dtype=torch.int64)
         locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
-        slots = self.buffers.locs[row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)]
+        slots = self.buffers.locs[
+            row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)
+        ]
         self.alloc.bind(locs, slots.cpu())
         return WriteTargets(locs.to(self.device), slots)
 
@@ -572,7 +580,9 @@ class HiSparseCoordinator:
 
     # --- backups ----------------------------------------------------------------------------------
 
-    def back_up(self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None:
+    def back_up(
+        self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor
+    ) -> None:
         """Copy newly committed positions to host: ``counts[i]`` positions of ``rows[i]``, from
         ``dev_slots`` to ``host_slots`` (the rows in order), one copy (all layers) for all of them;
         each row remembers it as its newest backup. The source rows must stay as they are until the
@@ -661,10 +671,20 @@ class HiSparseCoordinator:
         """The attention backend of one forward: ``steps`` = 0 for a prefill (``chunk_starts``: the
         first position of each token's chunk), else tokens per row."""
         # decode / verify only: what the near-policies and the trace read (a prefill's swap-in does not)
-        margin = near_margin(self.plan.near_margin, self.plan.policy, self.plan.top_k, tracing=trace is not None)
+        margin = near_margin(
+            self.plan.near_margin, self.plan.policy, self.plan.top_k, tracing=trace is not None
+        )
         margin = margin if steps else 0
         return HiSparseBackend(
-            self, rows, positions, locs, slots, steps=steps, chunk_starts=chunk_starts, trace=trace, labels=labels,
+            self,
+            rows,
+            positions,
+            locs,
+            slots,
+            steps=steps,
+            chunk_starts=chunk_starts,
+            trace=trace,
+            labels=labels,
             near_margin=margin,
         )
 
@@ -689,8 +709,13 @@ class HiSparseCoordinator:
     # --- swap-in --------------------------------------------------------------------------------
 
     def swap_in(
-        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
-        *, near: torch.Tensor | None = None,
+        self,
+        layer: int,
+        top_k_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        near: torch.Tensor | None = None,
     ) -> SwapInResult:
         """Resolve ``top_k_pos [B, S, K]`` of ``layer`` to device slots, loading misses from host;
         ``near [B, S, M]``: the positions the indexer ranked next (what the near-policies read)."""
@@ -713,7 +738,12 @@ class HiSparseCoordinator:
         return result
 
     def record_swap_in(
-        self, layer: int, result: SwapInResult, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor
+        self,
+        layer: int,
+        result: SwapInResult,
+        top_k_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
     ) -> None:
         """Count one swap-in call of ``layer`` (this method's or the compiled attention's, which
         runs the same loop) and report any unrecoverable miss."""
@@ -724,15 +754,27 @@ class HiSparseCoordinator:
     def compiled_pools(self) -> hisparse_attend_numba.Pools | None:
         """The views ``kernels.hisparse_attend_numba`` reads, when every pool and table is in CPU
         memory (None otherwise: the step-by-step path serves the layer)."""
-        tensors = (self.device_kv, self.index_k, self.buffers.tokens, self.host.kv,
-                   self.req_to_token_device, self.req_to_host_device)
-        if not hisparse_attend_numba.AVAILABLE or any(t.device.type != "cpu" for t in tensors):
+        tensors = (
+            self.device_kv,
+            self.index_k,
+            self.buffers.tokens,
+            self.host.kv,
+            self.req_to_token_device,
+            self.req_to_host_device,
+        )
+        if any(t.device.type != "cpu" for t in tensors):
             return None
         if self.device_kv.dtype not in hisparse_attend_numba.DTYPES:  # (numpy has no bfloat16)
             return None
         return hisparse_attend_numba.Pools(
-            self.device_kv, self.index_k, self.buffers.tokens, self.buffers.locs, self.buffers.lru,
-            self.host.kv, self.req_to_token_device, self.req_to_host_device,
+            self.device_kv,
+            self.index_k,
+            self.buffers.tokens,
+            self.buffers.locs,
+            self.buffers.lru,
+            self.host.kv,
+            self.req_to_token_device,
+            self.req_to_host_device,
         )
 
     @property
@@ -741,7 +783,12 @@ class HiSparseCoordinator:
         return self.plan.policy
 
     def _log_unrecoverable(
-        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, result: SwapInResult
+        self,
+        layer: int,
+        top_k_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        result: SwapInResult,
     ) -> None:
         """A valid position with no copy anywhere is an invariant violation: say where (warning)."""
         lost = (result.slots < 0) & (top_k_pos >= 0) & (top_k_pos.long() < seq_lens[..., None])
@@ -812,7 +859,10 @@ class HiSparseCoordinator:
     def _leave_to_cache(self, row: int, mem: RowMemory, tokens: Sequence[int]) -> int:
         """Hand the row's own full pages (KV committed, next token known) to the cache; returns how
         many were handed (its first own pages)."""
-        full = self.cache.full_pages(mem.length, tokens)
+        cache = self.cache
+        if cache is None:
+            return 0
+        full = cache.full_pages(mem.length, tokens)
         first = len(mem.shared)
         if full <= first:
             return 0
@@ -820,7 +870,7 @@ class HiSparseCoordinator:
         host = self.host.map.pages(row)[first:full]
         if len(host) < len(logical):  # a host page not reserved: nothing to cache past it
             logical = logical[: len(host)]
-        return self.cache.insert(tokens, mem.shared, list(zip(logical, host)), row)
+        return cache.insert(tokens, mem.shared, list(zip(logical, host)), row)
 
     def flush_cache(self) -> int:
         """Evict every cached page no request shares; returns how many."""
@@ -839,9 +889,13 @@ class HiSparseCoordinator:
         """Every device tensor, by its name in the memory plan (``pipeline.capacity``)."""
         b = self.buffers
         out = {
-            "device KV rows": self.device_kv, "indexer keys (every logical location)": self.index_k,
-            "device buffer slots": b.locs, "device buffer positions": b.tokens, "device buffer LRU": b.lru,
-            "token table": self.req_to_token_device, "host map": self.req_to_host_device,
+            "device KV rows": self.device_kv,
+            "indexer keys (every logical location)": self.index_k,
+            "device buffer slots": b.locs,
+            "device buffer positions": b.tokens,
+            "device buffer LRU": b.lru,
+            "token table": self.req_to_token_device,
+            "host map": self.req_to_host_device,
         }
         if self.draft is not None:
             store = self.draft.store  # its token table is the target's
@@ -882,6 +936,13 @@ class HiSparseCoordinator:
 
     def counters_dict(self) -> dict[str, object]:
         return self.counters.as_dict()
+
+    def transfer_totals(self) -> TransferTotals:
+        c = self.counters
+        return TransferTotals(
+            swap_in=(sum(c.hits), sum(c.misses), sum(c.h2d_bytes)),
+            prefill=(sum(c.prefill_hits), sum(c.prefill_loads), sum(c.prefill_h2d_bytes)),
+        )
 
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (its buffer and a prefill's chunk rows), all layers."""

@@ -17,6 +17,8 @@ from __future__ import annotations
 import enum
 from typing import TYPE_CHECKING, Protocol
 
+import attrs
+
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
@@ -33,6 +35,20 @@ class Residency(enum.Enum):
     PREFILL = "prefill"  # admitted: the prompt is being computed, chunk by chunk
     STAGING = "staging"  # prompt KV computed; its copy to host is in flight
     RESIDENT = "resident"  # decode layout: the device buffer (HiSparse) or the resident pool
+
+
+# (hits, misses, bytes): entries found on the device, rows loaded host -> device, the bytes they moved
+Transfers = tuple[int, int, int]
+NO_TRANSFERS: Transfers = (0, 0, 0)
+
+
+@attrs.frozen
+class TransferTotals:
+    """Rows brought host -> device since the memory was built, summed over layers (zeros for a
+    memory that never swaps). A command's figures are the difference of two readings."""
+
+    swap_in: Transfers = NO_TRANSFERS  # decode and verify top-k swap-ins
+    prefill: Transfers = NO_TRANSFERS  # a prefill chunk's earlier positions (found, loaded, bytes)
 
 
 class KVMemory(Protocol):
@@ -207,6 +223,10 @@ class KVMemory(Protocol):
 
     def counters_dict(self) -> dict[str, object] | None:
         """HiSparse transfer counters per layer (None for resident memory)."""
+        ...
+
+    def transfer_totals(self) -> TransferTotals:
+        """The running swap-in and prefill-load totals (reads only; zeros for resident memory)."""
         ...
 
     def device_kv_bytes(self, row: int) -> int:

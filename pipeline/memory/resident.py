@@ -17,9 +17,9 @@ import attrs
 import structlog
 import torch
 
-from pipeline.config import MemoryPlan
+from pipeline.capacity import MemoryPlan
 from pipeline.memory import release as resumable
-from pipeline.memory.interface import Residency
+from pipeline.memory.interface import Residency, TransferTotals
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.req_to_token import RequestRows, token_table
@@ -27,6 +27,7 @@ from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
 log = structlog.get_logger(__name__)
+NOTHING_MOVED = TransferTotals()
 
 
 @attrs.define(eq=False)
@@ -308,6 +309,9 @@ class ResidentMemory:
 
     def counters_dict(self) -> None:
         return None
+
+    def transfer_totals(self) -> TransferTotals:
+        return NOTHING_MOVED  # every row is resident: nothing is ever swapped in
 
     def device_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor, by its name in the memory plan (``pipeline.capacity``)."""

@@ -33,9 +33,9 @@ import anyio
 import structlog
 import uvicorn
 
-from pipeline.config import EngineConfig
+from pipeline import cli_config
+from pipeline.config import DEFAULT_POOL_TOKENS, EngineConfig
 from pipeline.generate import add_budget_arguments, add_chunk_argument, add_tokenizer_arguments
-from pipeline.generate import engine_config as shared_engine_config
 from pipeline.logs import configure_logging
 from pipeline.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, create_app
 from pipeline.server.connections import ConnectionWatch, HttpProtocol, default_max_connections
@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device-pool-tokens",
         type=int,
         default=None,
-        help="device KV slots (default: 16384, or one full context if that is more)",
+        help=f"device KV slots (default: {DEFAULT_POOL_TOKENS}, or one full context if that is more)",
     )
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--hot", type=int, default=None,
@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """``pipeline.generate.engine_config`` with serve's own defaults: the context capped at the
+    """``pipeline.cli_config.engine_config`` with serve's own defaults: the context capped at the
     model's positions, 32 request rows without a device memory budget."""
     from pipeline.model import ModelConfig, resolve_model_dir
 
@@ -149,8 +149,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     budget = args.device_memory is not None or args.device_memory_fraction is not None
     if rows is None and not budget:
         rows = 32
-    return shared_engine_config(argparse.Namespace(**{**vars(args), "max_context_len": context,
-                                                      "max_running_requests": rows}))
+    return cli_config.engine_config(args, max_context_len=context, max_running_requests=rows)
 
 
 class _Uvicorn(uvicorn.Server):

@@ -9,9 +9,9 @@ touches it while the engine runs. ``Executor.run`` is the same entry point the s
 calls.
 
 Why not a thread on a CPU: there a forward is Python between short torch ops, holding the GIL, so
-the loop gets little done beside it anyway, and the hand-over costs more than it buys. On a 2-core
-machine, a decode step of the bundled model at batch 1 ran 1.6-1.9x slower in the worker thread
-than on the loop (or in ``SyncDriver``). The executor's own user time nearly doubled while the loop
+the loop gets little done beside it anyway, and the hand-over costs more than it buys: a decode
+step of the bundled model ran slower in the worker thread than on the loop (or in ``SyncDriver``;
+figures in docs/performance-notes.md). The executor's own user time nearly doubled while the loop
 thread (woken several times a step) ran on the other core; pinning both threads to one core
 removed the loss.
 
@@ -20,14 +20,15 @@ for memory look again) and refreshes the statistics snapshot that ``Engine.stats
 crossing threads.
 
 Mixed steps. The decode stage's ``Decode`` and the prefill stage's ``Prefill`` run as one forward
-(``Executor.run_together``) when both are at hand. The two stages run concurrently, so one command
-usually arrives a moment before the other; the actor then *holds* it, but only while the other
-stage is busy (``Pairing``): it is inside its loop and will send its next command without waiting for
-anything but the actor's replies. A stage stops being busy, and says so, before every other wait
-(an empty inbox, a full hand-off to the next stage) and before it ends, and the actor looks again
-then. While it holds one command the actor runs every other command as it comes; the partner's
-``Release`` keeps the hold (its turn goes on), any other command of the partner (a speculative
-round) ends it: the held command then runs alone, so a chunk makes progress beside speculation.
+(the ``Mixed`` command the core forms of them: ``scheduler.mix``) when both are at hand. The two
+stages run concurrently, so one command usually arrives a moment before the other; the actor then
+*holds* it, but only while the other stage is busy (``Pairing``): it is inside its loop and will
+send its next command without waiting for anything but the actor's replies. A stage stops being
+busy, and says so, before every other wait (an empty inbox, a full hand-off to the next stage) and
+before it ends, and the actor looks again then. While it holds one command the actor runs every
+other command as it comes; the partner's ``Release`` keeps the hold (its turn goes on), any other
+command of the partner (a speculative round) ends it: the held command then runs alone, so a chunk
+makes progress beside speculation.
 """
 
 from __future__ import annotations
@@ -45,8 +46,10 @@ import anyio.lowlevel
 import attrs
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pipeline.executor import Executor
-from pipeline.messages import Command, Decode, Outcome, Prefill, Release, Verify
+from pipeline.config import EngineConfig
+from pipeline.executor_interface import CommandExecutor
+from pipeline.messages import Command, Decode, Mixed, Outcome, Prefill, Release, Verify
+from pipeline.scheduler import mix, split
 
 # the stage whose commands may share a forward with each stage's: its partner
 PARTNER = {"decode": "prefill", "prefill": "decode"}
@@ -103,9 +106,9 @@ class CommandThread:
 
     Under asyncio a command is handed over through a queue and its result comes back through
     ``call_soon_threadsafe`` onto a future: one wake-up each way. ``anyio.to_thread.run_sync`` costs
-    several times that per call (a capacity limiter, a cancel scope, its worker pool's bookkeeping):
-    measured 0.3-0.5 ms a round trip on a 2-core machine, where a small decode step takes 4-6 ms
-    and the plain hand-over 0.03-0.1 ms. On another anyio backend it is used as it is.
+    several times that per call (a capacity limiter, a cancel scope, its worker pool's bookkeeping),
+    a cost a small decode step notices (docs/performance-notes.md). On another anyio backend it is
+    used as it is.
 
     As with ``run_sync``, the caller cannot be cancelled out of a running command (the executor's
     state must not be left half-changed): the wait is shielded, and a command runs to its end. The
@@ -166,7 +169,7 @@ def _settle(future: asyncio.Future, value: object, failed: bool) -> None:
         future.set_result(value)
 
 
-def runs_in_thread(config: Any) -> bool:
+def runs_in_thread(config: EngineConfig) -> bool:
     """``EngineConfig.executor_thread``, resolved: None is a thread on CUDA and with tensor
     parallelism, the event loop on a CPU."""
     if config.executor_thread is not None:
@@ -231,7 +234,7 @@ class ExecutorActor:
 
     def __init__(
         self,
-        executor: Executor,
+        executor: CommandExecutor,
         inbox: MemoryObjectReceiveStream[Envelope],
         on_change: Callable[[], None],
         pairing: Pairing | None = None,
@@ -244,8 +247,7 @@ class ExecutorActor:
         self.num_commands = 0
         self.busy_s = 0.0  # wall time spent inside commands (the rest of the engine's time is its own)
         self.batches = BatchCounters()
-        mixes = executor.config.mixed_steps and hasattr(executor, "run_together")
-        self.pairing = pairing if mixes else None  # None: every command runs alone
+        self.pairing = pairing if executor.config.mixed_steps else None  # None: every command runs alone
         self._held: Envelope | None = None  # a Decode or Prefill waiting for its partner's
 
     async def run(self) -> None:
@@ -267,9 +269,9 @@ class ExecutorActor:
                 if envelope.command is None:  # a notice: a stage stopped being busy
                     continue
                 held = self._held
-                if held is not None and _partners(held, envelope):
+                if held is not None and (mixed := _mixed(held, envelope)) is not None:
                     self._held = None
-                    await self._run(held, envelope)
+                    await self._run_mixed(mixed, held, envelope)
                 elif held is None and self._worth_holding(envelope):
                     self._held = envelope
                 else:
@@ -284,6 +286,7 @@ class ExecutorActor:
 
     async def _run_held(self) -> None:
         held, self._held = self._held, None
+        assert held is not None
         await self._run(held)
 
     def _worth_holding(self, envelope: Envelope) -> bool:
@@ -293,35 +296,55 @@ class ExecutorActor:
         partner = PARTNER.get(envelope.source or "")
         return partner is not None and self.pairing.busy[partner]
 
-    async def _run(self, *envelopes: Envelope) -> None:
-        """Run one command, or two together (one mixed forward); answer each."""
-        stats = self._inbox.statistics()
-        idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0 and self._held is None
-        commands = [e.command for e in envelopes]
-        outcomes, snapshot = await self._thread.run(self._execute, commands, idle)
-        self.num_commands += len(commands)
-        self.busy_s += outcomes[0].seconds if outcomes[0].mixed else sum(o.seconds for o in outcomes)
-        if snapshot is not None:
-            self.snapshot = snapshot
-        for envelope, outcome in zip(envelopes, outcomes):
-            with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                envelope.reply.send_nowait(outcome)  # the caller may have been cancelled
-            envelope.reply.close()
-        if any(o.changed for o in outcomes):
+    async def _run(self, envelope: Envelope) -> None:
+        """Run one command; answer it."""
+        assert envelope.command is not None, "a notice carries no command"
+        outcome = await self._execute(envelope.command)
+        self._answer(envelope, outcome)
+        if outcome.changed:
             self._on_change()
 
-    def _execute(self, commands: list[Command], idle: bool) -> tuple[tuple[Outcome, ...], dict[str, object] | None]:
-        """In the worker thread: the command(s), then (if anything changed) fresh statistics."""
-        if len(commands) == 1:
-            outcomes = (self.executor.run(commands[0], idle=idle),)
-        else:
-            outcomes = self.executor.run_together(commands, idle=idle)
-        for command in commands:
-            self.batches.record(command, len(self.executor.seqs))
-        return outcomes, (self.executor.stats() if any(o.changed for o in outcomes) else None)
+    async def _run_mixed(self, mixed: Mixed, *envelopes: Envelope) -> None:
+        """Run the mixed step two envelopes' commands make; answer each with its part's outcome."""
+        outcome = await self._execute(mixed)
+        parts = dict(zip((mixed.decode, mixed.prefill), split(outcome)))
+        for envelope in envelopes:
+            self._answer(envelope, parts[envelope.command])
+        if outcome.changed:
+            self._on_change()
+
+    async def _execute(self, command: Command) -> Outcome:
+        stats = self._inbox.statistics()
+        idle = stats.current_buffer_used == 0 and stats.tasks_waiting_send == 0 and self._held is None
+        outcome, snapshot = await self._thread.run(self._in_thread, command, idle)
+        self.num_commands += len(_parts(command))
+        self.busy_s += outcome.seconds
+        if snapshot is not None:
+            self.snapshot = snapshot
+        return outcome
+
+    def _in_thread(self, command: Command, idle: bool) -> tuple[Outcome, dict[str, object] | None]:
+        """In the worker thread: the command, then (if anything changed) fresh statistics."""
+        outcome = self.executor.run(command, idle=idle)
+        for part in _parts(command):
+            self.batches.record(part, len(self.executor.seqs))
+        return outcome, (self.executor.stats() if outcome.changed else None)
+
+    @staticmethod
+    def _answer(envelope: Envelope, outcome: Outcome) -> None:
+        assert envelope.reply is not None, "a notice wants no answer"
+        with suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            envelope.reply.send_nowait(outcome)  # the caller may have been cancelled
+        envelope.reply.close()
 
 
-def _partners(held: Envelope, envelope: Envelope) -> bool:
-    """``envelope`` is the held command's partner: a Decode with a Prefill, from the partner stage."""
-    kinds = {type(held.command), type(envelope.command)}
-    return kinds == {Decode, Prefill} and envelope.source == PARTNER.get(held.source or "")
+def _parts(command: Command) -> tuple[Command, ...]:
+    """The stages' commands ``command`` answers: a mixed step's two parts, else itself."""
+    return (command.decode, command.prefill) if isinstance(command, Mixed) else (command,)
+
+
+def _mixed(held: Envelope, envelope: Envelope) -> Mixed | None:
+    """The mixed step of the held command and its partner stage's (None: ``envelope`` is not it)."""
+    if envelope.source != PARTNER.get(held.source or "") or held.command is None or envelope.command is None:
+        return None
+    return mix(held.command, envelope.command)

@@ -27,7 +27,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from pipeline.driver import spec_policy_of
 from pipeline.errors import EngineClosed
-from pipeline.executor import Executor
+from pipeline.executor_interface import CommandExecutor
 from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request
 from pipeline.scheduler import Scheduler
@@ -140,7 +140,7 @@ class Pipeline:
 
 
 def build_pipeline(
-    executor: Executor,
+    executor: CommandExecutor,
     *,
     queue_size: int,
     max_prefill_tokens: int,
@@ -159,9 +159,9 @@ def build_pipeline(
         num_steps=executor.num_steps,
         policy=spec_policy_of(executor),
         chunk_tokens=executor.config.chunked_prefill_tokens,
-        batch_tokens=executor.config.prefill_budget,
+        batch_tokens=executor.plan.prefill_budget,
         pace=prefill_pacing,
-        mixes=executor.config.mixed_steps and hasattr(executor, "run_together"),
+        mixes=executor.config.mixed_steps,
     )
     ctx = StageContext(
         registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens

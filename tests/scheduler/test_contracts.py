@@ -1,0 +1,119 @@
+"""The contracts between the core, the executors and the memory, checked without duck typing.
+
+* both executors (local and tensor-parallel) implement ``CommandExecutor``: every member, with
+  parameters the protocol's callers may pass;
+* the core forms a mixed step from a ``Decode`` and a ``Prefill`` only, and splits its outcome
+  into each part's (a step that failed as a whole fails both);
+* both memories report their transfer totals (zeros for resident memory), which a command's
+  figures are the difference of.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
+from _engine_util import config
+
+from pipeline.distributed.executor import DistributedExecutor
+from pipeline.executor import Executor
+from pipeline.executor_interface import CommandExecutor
+from pipeline.memory.interface import TransferTotals
+from pipeline.messages import (
+    NO_FIGURES,
+    CollectReady,
+    Decode,
+    Mixed,
+    MixedResult,
+    Outcome,
+    Prefill,
+    PrefillChunk,
+    PrefillResult,
+    Release,
+    StepFigures,
+    StepResult,
+)
+from pipeline.scheduler import mix, split
+
+DECODE = Decode(("a", "b"))
+PREFILL = Prefill((PrefillChunk("c", 0, 8),))
+
+
+def protocol_members() -> dict[str, object]:
+    return {
+        name: value for name, value in vars(CommandExecutor).items()
+        if not name.startswith("_") and (callable(value) or isinstance(value, property))
+    }
+
+
+@pytest.mark.parametrize("cls", [Executor, DistributedExecutor])
+def test_both_executors_have_every_member_of_the_protocol(cls):
+    """Methods with the protocol's parameters; the attributes as properties or set in ``__init__``
+    (the instance check below and the type checker see those)."""
+    set_in_init = cls.__init__.__code__.co_names  # (the attribute names ``__init__`` touches)
+    for name, member in protocol_members().items():
+        if isinstance(member, property):
+            assert isinstance(getattr(cls, name, None), property) or name in set_in_init, name
+            continue
+        have = inspect.signature(getattr(cls, name)).parameters
+        for param in inspect.signature(member).parameters.values():
+            assert param.name in have, f"{cls.__name__}.{name} lacks {param.name!r}"
+            assert have[param.name].kind is param.kind, f"{cls.__name__}.{name}: {param.name!r} kind"
+
+
+def test_a_local_executor_is_a_command_executor(tiny_model):
+    executor = Executor(config(), model=tiny_model)
+    try:
+        assert isinstance(executor, CommandExecutor)
+        assert executor.lost is None
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("a, b", [(DECODE, PREFILL), (PREFILL, DECODE)])
+def test_a_decode_and_a_prefill_mix_in_either_order(a, b):
+    assert mix(a, b) == Mixed(DECODE, PREFILL)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [(DECODE, DECODE), (PREFILL, PREFILL), (DECODE, Release(("a",))), (CollectReady(("c",)), PREFILL)],
+)
+def test_no_other_pair_mixes(a, b):
+    assert mix(a, b) is None
+    assert mix(b, a) is None
+
+
+def test_each_part_gets_its_own_outcome():
+    step = Outcome(StepResult({"a": (1,), "b": (2,)}), StepFigures(3, 1, 64), True, None, 0.5, mixed=True)
+    chunk = Outcome(PrefillResult({}), NO_FIGURES, True, None, 0.5, mixed=True)
+    assert split(Outcome(MixedResult(step, chunk), StepFigures(3, 1, 64), True, None, 0.5)) == (step, chunk)
+
+
+def test_a_mixed_step_that_failed_as_a_whole_fails_both_parts():
+    decode, prefill = split(Outcome(None, NO_FIGURES, True, "RuntimeError: boom", 0.25))
+    assert decode == prefill
+    assert decode.error == "RuntimeError: boom" and decode.result is None and decode.mixed
+
+
+def test_resident_memory_moves_nothing(tiny_model):
+    executor = Executor(config(hisparse=False), model=tiny_model)
+    try:
+        assert executor.memory.transfer_totals() == TransferTotals((0, 0, 0), (0, 0, 0))
+    finally:
+        executor.close()
+
+
+def test_hisparse_totals_sum_the_layer_counters(tiny_model):
+    executor = Executor(config(), model=tiny_model)
+    try:
+        counters = executor.memory.counters
+        counters.hits[0], counters.misses[-1], counters.h2d_bytes[0] = 5, 2, 128
+        counters.prefill_hits[-1], counters.prefill_loads[0], counters.prefill_h2d_bytes[-1] = 4, 3, 192
+        assert executor.memory.transfer_totals() == TransferTotals((5, 2, 128), (4, 3, 192))
+    finally:
+        executor.close()
