@@ -28,8 +28,10 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
 
+# ruff over the code and the tests, then mypy over the code ([tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(BIN)/ruff check pipeline statemachines kernels tests
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV)

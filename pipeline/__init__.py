@@ -10,7 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pipeline.config import EngineConfig, HiSparseConfig, MemoryPlan, SpeculativeConfig
+from pipeline.capacity import MemoryPlan
+from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import ConfigError, EngineClosed, EngineError, HispecError, RequestError, RequestFailed
 
 # public name -> the module that defines it (imported on first access)

@@ -28,7 +28,11 @@ class RequestError(HispecError, ValueError):
         self.field = field
         self.value = value
         self.rule = rule
-        shown = value if not isinstance(value, (list, tuple, str)) or len(value) <= 40 else f"<{len(value)} items>"
+        shown = (
+            value
+            if not isinstance(value, (list, tuple, str)) or len(value) <= 40
+            else f"<{len(value)} items>"
+        )
         super().__init__(f"{field}={shown!r}: {rule}")
 
 

@@ -28,8 +28,6 @@ import structlog
 
 from statemachines.request import EVENTS_BY_NAME, State, advance
 
-LIFECYCLE_LOGGER = "hispec.lifecycle"
-
 
 def info_enabled() -> bool:
     """Whether info events get processed under the current configuration (cheap to ask)."""
@@ -172,7 +170,9 @@ def replay(records: Iterable[dict[str, Any]]) -> dict[str, State]:
         state = State.QUEUED
         for record in events:
             if record["from_state"] != state.value:
-                raise LogReplayError(f"{rid}: logged from_state {record['from_state']}, replayed {state.value}")
+                raise LogReplayError(
+                    f"{rid}: logged from_state {record['from_state']}, replayed {state.value}"
+                )
             state = advance(state, _event_of(record))
             if record["state"] != state.value:
                 raise LogReplayError(f"{rid}: logged state {record['state']}, replayed {state.value}")

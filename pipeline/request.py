@@ -95,7 +95,8 @@ class Request:
     metrics: RequestMetrics = attrs.Factory(RequestMetrics)
     _text: str = ""  # settled output text so far (incremental detokenizer), stop strings cut away
     _detok: IncrementalDetokenizer = attrs.field(init=False)
-    _end_ids: frozenset[int] = attrs.field(init=False)  # ids that end the request (kept in output_ids, not in text)
+    # ids that end the request (kept in output_ids, not in text)
+    _end_ids: frozenset[int] = attrs.field(init=False)
     _stopped: bool = attrs.field(init=False, default=False)  # a stop string matched: the text is final
 
     def __attrs_post_init__(self) -> None:
@@ -134,11 +135,23 @@ class Request:
         fields = attrs.asdict(event) if attrs.has(type(event)) else {}
         if stage is not None:
             with request_context(self.request_id, stage):
-                log.info(event.name, request_id=self.request_id, from_state=before.value,
-                         state=self.state.value, **fields, **figures)
+                log.info(
+                    event.name,
+                    request_id=self.request_id,
+                    from_state=before.value,
+                    state=self.state.value,
+                    **fields,
+                    **figures,
+                )
         else:
-            log.info(event.name, request_id=self.request_id, from_state=before.value,
-                     state=self.state.value, **fields, **figures)
+            log.info(
+                event.name,
+                request_id=self.request_id,
+                from_state=before.value,
+                state=self.state.value,
+                **fields,
+                **figures,
+            )
         return self.state
 
     def record_verify(self, accepted: int, num_steps: int) -> None:
@@ -150,8 +163,10 @@ class Request:
     @property
     def tokens_left(self) -> int:
         """The most tokens it may still produce (its ``max_new_tokens`` and context bounds)."""
-        return min(self.params.max_new_tokens - len(self.output_ids),
-                   self.max_context_len - len(self.prompt_ids) - len(self.output_ids))
+        return min(
+            self.params.max_new_tokens - len(self.output_ids),
+            self.max_context_len - len(self.prompt_ids) - len(self.output_ids),
+        )
 
     def known_tokens(self) -> tuple[int, ...]:
         """Prompt and output so far: what a re-admission after a retraction prefills."""
@@ -170,11 +185,13 @@ class Request:
         now = time.monotonic() if now is None else now
         keep = self.output_logprobs
         if keep is not None and (logprobs is None or len(logprobs) != len(tokens)):
-            raise ValueError(f"request {self.request_id!r}: {len(tokens)} tokens came with "
-                             f"{0 if logprobs is None else len(logprobs)} log-probabilities")
+            raise ValueError(
+                f"request {self.request_id!r}: {len(tokens)} tokens came with "
+                f"{0 if logprobs is None else len(logprobs)} log-probabilities"
+            )
         for i, token in enumerate(tokens):
             self.output_ids.append(token)
-            if keep is not None:
+            if keep is not None and logprobs is not None:  # (both or neither: checked above)
                 keep.append(logprobs[i])
             self.metrics.num_generation_tokens += 1
             if self.metrics.first_token_time is None:

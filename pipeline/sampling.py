@@ -107,7 +107,8 @@ class SamplingParams:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_tuple)  # end the request (not output)
     seed: int | None = None  # None: derived from the engine seed and the request id
     ignore_eos: bool = False  # as vLLM: the model's end ids do not end the request; stop_token_ids still do
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_tuple)  # extra ids that end the request (kept in token_ids, not in text)
+    # extra ids that end the request (kept in token_ids, not in text)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_tuple)
     # OpenAI's penalties over the output so far: logit -= frequency * count + presence * (count > 0)
     presence_penalty: float = 0.0  # in [-2, 2]
     frequency_penalty: float = 0.0  # in [-2, 2]
@@ -156,19 +157,31 @@ class SamplingParams:
         bias = self.logit_bias
         _check(
             isinstance(bias, tuple)
-            and all(isinstance(p, tuple) and len(p) == 2 and _is_int(p[0]) and p[0] >= 0 and _is_real(p[1])
-                    and abs(p[1]) <= MAX_LOGIT_BIAS for p in bias)
+            and all(
+                isinstance(p, tuple)
+                and len(p) == 2
+                and _is_int(p[0])
+                and p[0] >= 0
+                and _is_real(p[1])
+                and abs(p[1]) <= MAX_LOGIT_BIAS
+                for p in bias
+            )
             and len({p[0] for p in bias}) == len(bias),
             "logit_bias",
             bias,
-            f"must map distinct token ids (ints >= 0) to finite numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            "must map distinct token ids (ints >= 0) to finite numbers in "
+            f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
         )
         m = self.min_tokens
         _check(_is_int(m) and m >= 0, "min_tokens", m, "must be an integer >= 0")
         _check(m <= n, "min_tokens", m, f"must be at most max_new_tokens ({n})")
-        k = self.logprobs
-        _check(k is None or (_is_int(k) and 0 <= k <= MAX_LOGPROBS), "logprobs", k,
-               f"must be None or an integer in [0, {MAX_LOGPROBS}]")
+        num_logprobs = self.logprobs
+        _check(
+            num_logprobs is None or (_is_int(num_logprobs) and 0 <= num_logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            num_logprobs,
+            f"must be None or an integer in [0, {MAX_LOGPROBS}]",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -178,8 +191,11 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """Whether the logits depend on the request's history (penalties, bias, ``min_tokens``)."""
         return bool(
-            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-            or self.logit_bias or self.min_tokens
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
         )
 
     @property
@@ -214,8 +230,9 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, context: LogitCo
             out[torch.tensor(ends, device=out.device)] = float("-inf")
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], device=out.device)
-        out.index_add_(0, ids, torch.tensor([float(b) for _, b in params.logit_bias], dtype=out.dtype,
-                                            device=out.device))
+        out.index_add_(
+            0, ids, torch.tensor([float(b) for _, b in params.logit_bias], dtype=out.dtype, device=out.device)
+        )
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted({*context.prompt_ids, *outputs}), dtype=torch.int64, device=out.device)
         if seen.numel():
@@ -315,8 +332,8 @@ def checked_picks(logits: torch.Tensor, params: list[SamplingParams]) -> list:
     greedy = [p.greedy and not p.adjusts_logits for p in params]
     if not any(greedy):
         return [None if ok else NON_FINITE for ok in finite.tolist()]
-    picks = logits.argmax(-1).reshape(batch, -1)  # [B, rows per request]
-    picks = torch.where(finite[:, None], picks, NON_FINITE).tolist()
+    argmax = logits.argmax(-1).reshape(batch, -1)  # [B, rows per request]
+    picks = torch.where(finite[:, None], argmax, NON_FINITE).tolist()
     whole = logits.dim() > 2  # a list of picks per request (a verify's rows)
     out: list = []
     for row, g in zip(picks, greedy):
@@ -344,4 +361,3 @@ def greedy_picks(logits: torch.Tensor, params: list[SamplingParams]) -> list:
     if not any(greedy):
         return [None] * len(params)
     return [pick if g else None for pick, g in zip(logits.argmax(-1).tolist(), greedy)]
-

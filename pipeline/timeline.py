@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from pipeline.logs import Band, arrivals, bands, by_request, read_json_lines
+from pipeline.logs import arrivals, bands, by_request, read_json_lines
 
 # state -> colour (terminal states colour the end marker)
 COLOURS = {
@@ -34,9 +34,18 @@ LIVE_STATES = ("queued", "prefill", "staging", "ready", "decode", "draft", "veri
 
 
 @attrs.frozen
+class Span:
+    """A ``Band`` of a live state, which has an end."""
+
+    state: str
+    start: float  # seconds since the epoch
+    end: float
+
+
+@attrs.frozen
 class Row:
     request_id: str
-    bands: tuple[Band, ...]  # live states, each with an end
+    bands: tuple[Span, ...]  # live states
     end: float | None  # when it reached its terminal state
     final: str  # the last state logged
     reason: str  # finish reason, or "" while live
@@ -49,7 +58,7 @@ def build_rows(records: list[dict]) -> list[Row]:
     rows = []
     for rid, events in by_request(records).items():
         spans = list(bands(events, arrived.get(rid)))
-        live = tuple(b for b in spans if b.end is not None)
+        live = tuple(Span(b.state, b.start, b.end) for b in spans if b.end is not None)
         last = events[-1]
         terminal = spans[-1] if spans and spans[-1].end is None and last["state"] not in LIVE_STATES else None
         rows.append(
@@ -112,18 +121,28 @@ def svg(rows: list[Row], width: int = 1100) -> str:
     span = width - left - right
     x = lambda t: left + (t - t0) / (t1 - t0) * span  # noqa: E731
     height = top + row_h * len(rows) + 30
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        'font-family="sans-serif">'
+    ]
     for i in range(6):
         t = t0 + (t1 - t0) * i / 5
-        out.append(f'<line x1="{x(t):.1f}" y1="{top - 4}" x2="{x(t):.1f}" y2="{height - 24}" stroke="#e4e4e4"/>')
-        out.append(f'<text x="{x(t):.1f}" y="{height - 10}" font-size="10" text-anchor="middle">{t - t0:.3f}s</text>')
+        out.append(
+            f'<line x1="{x(t):.1f}" y1="{top - 4}" x2="{x(t):.1f}" y2="{height - 24}" stroke="#e4e4e4"/>'
+        )
+        out.append(
+            f'<text x="{x(t):.1f}" y="{height - 10}" font-size="10" text-anchor="middle">{t - t0:.3f}s</text>'
+        )
     for y_index, row in enumerate(rows):
         y = top + y_index * row_h
         label = html.escape(row.request_id)
         out.append(f'<text x="{left - 6}" y="{y + 13}" font-size="11" text-anchor="end">{label}</text>')
         for b in row.bands:
             w = max(x(b.end) - x(b.start), 0.5)
-            tip = f"{label}: {b.state} {b.start - t0:.4f}s - {b.end - t0:.4f}s ({(b.end - b.start) * 1e3:.2f} ms)"
+            tip = (
+                f"{label}: {b.state} {b.start - t0:.4f}s - {b.end - t0:.4f}s "
+                f"({(b.end - b.start) * 1e3:.2f} ms)"
+            )
             out.append(
                 f'<rect x="{x(b.start):.2f}" y="{y + 3}" width="{w:.2f}" height="{row_h - 6}" '
                 f'fill="{COLOURS[b.state]}"><title>{tip}</title></rect>'
@@ -184,8 +203,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         import matplotlib  # noqa: F401 -- only to know whether the PNG can be drawn
     except ImportError:
         print(f"wrote {page}")
-        print("hispec trace: no PNG: matplotlib is not installed (pip install matplotlib, or the "
-              "`bench` extra)", file=sys.stderr)
+        print(
+            "hispec trace: no PNG: matplotlib is not installed (pip install matplotlib, or the "
+            "`bench` extra)",
+            file=sys.stderr,
+        )
         return 2 if args.out_png else 0  # a PNG asked for by name and not written is a failure
     write_png(rows, png, title)
     print(f"wrote {png} and {page}")

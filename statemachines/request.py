@@ -1,13 +1,13 @@
 """The lifecycle of one request: one enum, one transition table, one function.
 
-Theory of operation. A request is accepted into QUEUED, admitted into a prefill batch, and its prompt
-is computed in PREFILL, chunk by chunk (PREFILL -> PREFILL per chunk when the prompt is longer than
-one chunk; a short prompt is one chunk). It then waits in STAGING while its prompt KV is copied to the host pool. Once the copy lands it is READY (it owns a
-device buffer) and joins the running batch in DECODE. Plain decoding loops DECODE -> DECODE one token
-per step; speculative decoding loops DECODE -> DRAFT -> VERIFY -> DECODE, several tokens per round.
-It ends in exactly one terminal state: FINISHED (EOS, stop string, length), ABORTED (the caller gave
-up) or FAILED (something broke). Abort and failure are legal from every live state; memory pressure
-may retract a request from PREFILL, READY or DECODE back to QUEUED, releasing its memory.
+Theory of operation. A request is accepted into QUEUED, admitted into a prefill batch, and its prompt is
+computed in PREFILL, chunk by chunk (PREFILL -> PREFILL per chunk when the prompt is longer than one chunk; a
+short prompt is one chunk). It then waits in STAGING while its prompt KV is copied to the host pool. Once the
+copy lands it is READY (it owns a device buffer) and joins the running batch in DECODE. Plain decoding loops
+DECODE -> DECODE one token per step; speculative decoding loops DECODE -> DRAFT -> VERIFY -> DECODE, several
+tokens per round. It ends in exactly one terminal state: FINISHED (EOS, stop string, length), ABORTED (the
+caller gave up) or FAILED (something broke). Abort and failure are legal from every live state; memory
+pressure may retract a request from PREFILL, READY or DECODE back to QUEUED, releasing its memory.
 
 ``advance(state, event)`` is the only way to change a state. It is pure: an illegal pair raises
 ``IllegalTransition`` and the caller's state stays what it was. Entering a terminal state is the
@@ -39,6 +39,7 @@ class State(enum.Enum):
 TERMINAL: frozenset[State] = frozenset({State.FINISHED, State.ABORTED, State.FAILED})
 
 
+@attrs.frozen
 class Event:
     """Base of the events; each event class is a frozen value carrying that step's figures."""
 

@@ -29,8 +29,12 @@ from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import SwapInResult
 from kernels.swap_in_policy import policy_code
+from pipeline.hisparse.buffers import DeviceBuffers
+from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.prefill_swap import prefill_swap_rounds
 from pipeline.hisparse.trace import TopKTrace
+from pipeline.memory.hisparse_allocator import HiSparseAllocator
+from pipeline.memory.host_pool import HostPool
 from pipeline.model.attention_api import AttentionInputs
 
 
@@ -39,12 +43,17 @@ class SwapInMemory(Protocol):
 
     device_kv: torch.Tensor  # [L, physical rows, row_dim]
     index_k: torch.Tensor  # [L, logical rows, index_dim]
-    alloc: Any  # HiSparseAllocator (``lookup``: logical location -> physical slot)
+    alloc: HiSparseAllocator  # ``lookup``: logical location -> physical slot
     # a prefill chunk's grouped swap-in (``prefill_swap.py``) reads these too
-    buffers: Any  # DeviceBuffers
-    host: Any  # HostPool
-    counters: Any  # LayerCounters
-    hot: int
+    buffers: DeviceBuffers
+    host: HostPool
+    counters: LayerCounters
+
+    @property
+    def hot(self) -> int: ...
+
+    @property
+    def policy(self) -> str: ...  # the replacement policy
 
     def spare_chunk_rows(self, row: int, start: int, end: int) -> torch.Tensor: ...
 
@@ -58,6 +67,17 @@ class SwapInMemory(Protocol):
         self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
         *, near: torch.Tensor | None = None,
     ) -> SwapInResult: ...
+
+    def record_swap_in(
+        self,
+        layer: int,
+        result: SwapInResult,
+        top_k_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None: ...
+
+    def compiled_pools(self) -> hisparse_attend_numba.Pools | None: ...
 
 
 @attrs.define(eq=False)
@@ -104,10 +124,11 @@ class HiSparseBackend:
             if self.last_topk is None:
                 raise RuntimeError(f"layer {layer} reuses a top-k, but no full layer ran before it")
             return self._attend_selected(inputs, layer, kv, self.last_topk)
-        keys[self.write_locs] = inputs.index_k.to(keys.dtype)
+        index_q, index_w, index_k = inputs.indexer_inputs()
+        keys[self.write_locs] = index_k.to(keys.dtype)
         top = indexer_topk(
-            inputs.index_q,
-            inputs.index_w,
+            index_q,
+            index_w,
             keys,
             self.coord.req_to_token_device,
             self.req_rows,
@@ -131,10 +152,13 @@ class HiSparseBackend:
             pools = None
             quiet = self.trace is None and self.near_margin == 0 and not torch.is_grad_enabled()
             if quiet and self.steps <= MATMUL_MIN_QUERIES:
-                make = getattr(self.coord, "compiled_pools", None)
-                pools = make() if make is not None else None
+                pools = self.coord.compiled_pools()
             if pools is not None and not hisparse_attend_numba.fits(
-                inputs.q_latent, self.coord.device_kv, self.coord.index_k, inputs.index_q, self.coord.host.kv,
+                inputs.q_latent,
+                self.coord.device_kv,
+                self.coord.index_k,
+                inputs.indexer_inputs()[0],
+                self.coord.host.kv,
                 inputs.top_k,
             ):
                 pools = None
@@ -145,17 +169,35 @@ class HiSparseBackend:
         coord, steps, views = self.coord, self.steps, self._views
         if views is None:  # the forward's tables, once for all its layers
             views = self._views = hisparse_attend_numba.ForwardViews(
-                self.write_slots, self.write_locs, self.req_rows, self.positions + 1, steps)
+                self.write_slots, self.write_locs, self.req_rows, self.positions + 1, steps
+            )
             self._policy = policy_code(coord.policy)
+        index_q, index_w, index_k = inputs.indexer_inputs()
         out, top, result = hisparse_attend_numba.attend_views(
-            self._pools, views, layer, inputs.kv_rows, inputs.index_k, inputs.index_q, inputs.index_w,
-            inputs.index_scale, inputs.top_k, coord.hot, self._policy, inputs.q_latent, inputs.q_rope,
+            self._pools,
+            views,
+            layer,
+            inputs.kv_rows,
+            index_k,
+            index_q,
+            index_w,
+            inputs.index_scale,
+            inputs.top_k,
+            coord.hot,
+            self._policy,
+            inputs.q_latent,
+            inputs.q_rope,
             inputs.attn_scale,
         )
         self.last_topk = top
         batch = top.shape[0] // steps
-        coord.record_swap_in(layer, result, top.view(batch, steps, -1), views.seq_lens.view(batch, steps),
-                             self.req_rows[::steps])
+        coord.record_swap_in(
+            layer,
+            result,
+            top.view(batch, steps, -1),
+            views.seq_lens.view(batch, steps),
+            self.req_rows[::steps],
+        )
         if out is not None:
             return out
         return self._attend_swapped(inputs, layer, coord.device_kv[layer], top, first=result)
@@ -208,7 +250,11 @@ class HiSparseBackend:
         return self._chunks
 
     def _attend_swapped(
-        self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor,
+        self,
+        inputs: AttentionInputs,
+        layer: int,
+        kv: torch.Tensor,
+        top: torch.Tensor,
         first: SwapInResult | None = None,
     ) -> torch.Tensor:
         steps = self.steps
@@ -223,13 +269,20 @@ class HiSparseBackend:
                 return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
             if out is None:
                 out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
-            out[idx] = sparse_mla(inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False)
+            out[idx] = sparse_mla(
+                inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False
+            )
         assert out is not None
         return out
 
     def _swap_rounds(
-        self, layer: int, top3: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
-        near3: torch.Tensor | None = None, first: SwapInResult | None = None,
+        self,
+        layer: int,
+        top3: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        near3: torch.Tensor | None = None,
+        first: SwapInResult | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Swap-in of ``top3 [B, S, K]``, in as many calls as the hot region needs: yields (flat
         indices of the steps resolved by one call, their slots ``[n, K]``). The caller attends over

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import attrs
 import torch
 
@@ -18,10 +20,10 @@ class LayerCounters:
     unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
     h2d_bytes: list[int] = attrs.field(init=False)
     d2h_bytes: list[int] = attrs.field(init=False)  # staging copies and backups
-    prefill_hits: list[int] = attrs.field(init=False)  # a prefill chunk's earlier positions found on the device
+    # a prefill chunk's earlier positions found on the device
+    prefill_hits: list[int] = attrs.field(init=False)
     prefill_loads: list[int] = attrs.field(init=False)  # rows a prefill loaded host -> device
     prefill_h2d_bytes: list[int] = attrs.field(init=False)
-    swap_in_calls: int = 0
     last_unrecoverable: int = 0  # unrecoverable entries of the latest swap-in call
 
     def __attrs_post_init__(self) -> None:
@@ -35,7 +37,7 @@ class LayerCounters:
         self.prefill_h2d_bytes = [0] * self.num_layers
 
     def add_swap_in(self, layer: int, result: SwapInResult) -> None:
-        totals = result.totals
+        totals: Sequence[int] | None = result.totals
         if totals is None:  # one device->host read of four scalars
             sums = [
                 result.hits.sum(),
@@ -49,7 +51,6 @@ class LayerCounters:
         self.unrecoverable[layer] += int(totals[2])
         self.h2d_bytes[layer] += int(totals[3])
         self.last_unrecoverable = int(totals[2])
-        self.swap_in_calls += 1
 
     def add_prefill_loads(self, layer: int, hits: int, loads: int, h2d_bytes: int) -> None:
         """Rows a prefill brought to the device outside ``kernels.swap_in``: a chunk's grouped reads of

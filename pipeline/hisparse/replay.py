@@ -26,10 +26,11 @@ swap-in steps the engine ran, modelled exactly as ``kernels.swap_in`` resolves t
 
 Policies: the engine's online ones (``kernels.swap_in_policy``: ``lru``, ``slide``, ``slide-lru``,
 ``adaptive``, ``near``, ``near-adaptive``, exactly the engine's rule, so a trace recorded with a policy
-reproduces the engine's miss counters for it; the near-policies read each record's ``near`` positions,
-none in a trace without them, as an engine with ``near_margin=0``), **CLOCK** (second chance: a hand sweeps the slots, clearing reference bits, and evicts the
-first unreferenced slot the step does not hold), and **MIN** (Belady: evicts the evictable position
-whose next use lies farthest in the future; offline, the optimum under the same rules).
+reproduces the engine's miss counters for it; the near-policies read each record's ``near`` positions, none in
+a trace without them, as an engine with ``near_margin=0``), **CLOCK** (second chance: a hand sweeps the slots,
+clearing reference bits, and evicts the first unreferenced slot the step does not hold), and **MIN** (Belady:
+evicts the evictable position whose next use lies farthest in the future; offline, the optimum under the same
+rules).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import collections
 import json
 import sys
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import attrs
 
@@ -64,7 +66,7 @@ class Step:
     prefill: tuple[tuple[int, ...], ...] = ()
 
 
-def _check(rec: object) -> tuple[str, int, str, int, list[int]]:
+def _check(rec: Any) -> tuple[str, int, str, int, list[int]]:  # rec: a parsed JSON value
     try:
         return rec["request"], rec["layer"], rec.get("phase", "decode"), rec["position"], rec["top_k"]
     except (AttributeError, KeyError, TypeError):
@@ -78,7 +80,8 @@ def swap_in_steps(records: Iterable[dict], hot: int) -> dict[tuple[str, int], li
     finalize: set[tuple[str, int]] = set()  # a verify call ran last: its finalize sets the newest
     fresh: set[tuple[str, int]] = set()  # buffer (re)assigned, no step since
     call: dict[tuple[str, int], int] = {}  # committed length of the verify call in progress
-    chunks: dict[tuple[str, int], list[set[int]]] = {}  # prefill chunks since the last step: earlier positions
+    # prefill chunks since the last step: earlier positions
+    chunks: dict[tuple[str, int], list[set[int]]] = {}
     chunk: dict[tuple[str, int], tuple[int, int]] = {}  # the open prefill chunk: (start, next position)
     previous: tuple[tuple[str, int], str] | None = None  # the key and phase of the record before
     for rec in records:
@@ -222,7 +225,9 @@ def min_misses(steps: list[Step], hot: int) -> int:
             if t in resident:
                 continue
             misses += 1
-            victim = max((p for p in resident if p not in pinned), key=lambda p: (_next_use(uses, segment, p), -p))
+            victim = max(
+                (p for p in resident if p not in pinned), key=lambda p: (_next_use(uses, segment, p), -p)
+            )
             resident.remove(victim)
             resident.add(t)
     return misses
@@ -321,8 +326,12 @@ def report_lines(result: ReplayResult, engine_policy: str | None = None) -> list
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec replay", description=__doc__.split("\n\n")[0])
     parser.add_argument("trace", help="a JSON-lines top-k trace (hispec generate --topk-trace FILE)")
-    parser.add_argument("--hot", type=int, action="append", help="HOT to replay with (repeatable; "
-                        "default: the device_buffer_size the trace was recorded with)")
+    parser.add_argument(
+        "--hot",
+        type=int,
+        action="append",
+        help="HOT to replay with (repeatable; default: the device_buffer_size the trace was recorded with)",
+    )
     parser.add_argument("--policy", action="append", choices=ALL_POLICIES, help="only these (repeatable)")
     parser.add_argument("--row-bytes", type=int, help="bytes per row per layer (default: the trace's)")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
@@ -333,11 +342,12 @@ def main(argv: list[str]) -> int:
     hots = args.hot or ([header["hot"]] if isinstance(header.get("hot"), int) else None)
     if not hots:
         parser.error("--hot is required: the trace does not say which device_buffer_size it ran with")
-    row_bytes = args.row_bytes if args.row_bytes is not None else header.get("row_bytes")
+    traced_bytes = value if isinstance(value := header.get("row_bytes"), int) else None
+    row_bytes = args.row_bytes if args.row_bytes is not None else traced_bytes
     policies = args.policy or list(ALL_POLICIES)
-    top_k = header.get("top_k") if isinstance(header.get("top_k"), int) else None
+    top_k = value if isinstance(value := header.get("top_k"), int) else None
     results = [replay(records, hot, policies=policies, row_bytes=row_bytes, top_k=top_k) for hot in hots]
-    engine = header.get("policy") if isinstance(header.get("policy"), str) else None
+    engine = value if isinstance(value := header.get("policy"), str) else None
     if args.json:
         payload = {"trace": str(args.trace), "recorded": header, "results": [r.as_dict() for r in results]}
         json.dump(payload, sys.stdout, indent=2)
@@ -346,8 +356,10 @@ def main(argv: list[str]) -> int:
     for result in results:
         recorded = f" (recorded with HOT={header['hot']}, policy {engine})" if header.get("hot") else ""
         recorded += f", {header.get('near_margin', 0)} near positions per step"
-        print(f"HOT={result.hot}{recorded}: {result.steps} long swap-in steps (request x layer), "
-              f"{result.wanted} positions wanted from the hot region")
+        print(
+            f"HOT={result.hot}{recorded}: {result.steps} long swap-in steps (request x layer), "
+            f"{result.wanted} positions wanted from the hot region"
+        )
         ran = engine if header.get("hot") == result.hot else None
         print("\n".join(report_lines(result, ran)))
     return 0

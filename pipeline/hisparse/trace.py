@@ -3,9 +3,9 @@
 A JSON-lines file (format of record: ``docs/topk-trace.md``). The first line is a header naming
 the configuration the engine ran with, every other line one selection::
 
-    {"trace": "hispec-topk", "version": 2, "hot": 128, "policy": "lru", "row_bytes": 320, ...}
-    {"request": "r3", "layer": 1, "phase": "decode", "position": 812, "top_k": [805, 3, 811, ...]}
-    {"request": "r3", "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...], "near": [...]}
+    {"trace": "hispec-topk", "version": 2, "hot": 128, "policy": "lru", "row_bytes": 320, ...} {"request":
+    "r3", "layer": 1, "phase": "decode", "position": 812, "top_k": [805, 3, 811, ...]} {"request": "r3",
+    "layer": 1, "phase": "verify", "step": 2, "position": 815, "top_k": [...], "near": [...]}
 
 ``position`` is the query token's position (its visible length is ``position + 1``); ``top_k`` is in
 contract order with the -1 padding dropped; ``phase`` is ``prefill`` (a prefill chunk's queries),
@@ -20,32 +20,50 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Protocol, TextIO
 
 import torch
 
 from kernels.swap_in_policy import near_margin
+from pipeline.config import EngineConfig, SpeculativeConfig
+from pipeline.model.config import ModelConfig
 
 FORMAT = "hispec-topk"
 VERSION = 3
 
 
-def trace_meta(config: Any, model_cfg: Any, dtype: torch.dtype) -> dict[str, object]:
-    """The header of a trace recorded by an engine of ``config`` (an ``EngineConfig``) and a model of
-    ``model_cfg``: what a replay needs to model the engine's swap-in."""
+class TracedPlan(Protocol):
+    """What a trace's header reads of an engine's start-up plan (``EnginePlan``)."""
+
+    @property
+    def hot(self) -> int: ...
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None: ...
+
+
+def trace_meta(
+    config: EngineConfig, plan: TracedPlan, model_cfg: ModelConfig, dtype: torch.dtype
+) -> dict[str, object]:
+    """The header of a trace recorded by an engine of ``config``, its start-up ``plan`` and a model
+    of ``model_cfg``: what a replay needs to model the engine's swap-in."""
     hs = config.hisparse
-    spec = config.speculative
+    spec = plan.speculative
     policy = hs.policy_for(config.device) if hs is not None else None
-    margin = near_margin(hs.near_margin, policy, model_cfg.index_topk, tracing=True) if hs is not None else 0
+    margin = (
+        0
+        if hs is None or policy is None
+        else near_margin(hs.near_margin, policy, model_cfg.index_topk, tracing=True)
+    )
     return {
         "near_margin": margin,
-        "hot": hs.device_buffer_size if hs is not None else None,
+        "hot": plan.hot if hs is not None else None,
         "policy": policy,
         "page_size": config.page_size,
         "top_k": model_cfg.index_topk,
         "layers": model_cfg.num_hidden_layers,
         "row_bytes": model_cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size(),
-        "draft_tokens": spec.draft_tokens if spec is not None and not isinstance(spec, str) else 0,
+        "draft_tokens": spec.draft_tokens if spec is not None else 0,
     }
 
 
@@ -55,7 +73,6 @@ class TopKTrace:
     def __init__(self, path: str | Path, *, meta: dict[str, object] | None = None) -> None:
         self.path = Path(path)
         self._file: TextIO = self.path.open("w")
-        self.num_records = 0
         header = {"trace": FORMAT, "version": VERSION, **(meta or {})}
         self._file.write(json.dumps(header, separators=(",", ":")) + "\n")
 
@@ -78,14 +95,14 @@ class TopKTrace:
         for label, pos, picked, close in zip(labels, positions.tolist(), rows, nears):
             entry: dict[str, object] = {"request": label, "layer": layer, "phase": phase}
             if phase == "verify":
-                entry["step"] = steps.get(label, 0)
-                steps[label] = entry["step"] + 1
+                step = steps.get(label, 0)
+                entry["step"] = step
+                steps[label] = step + 1
             entry["position"] = pos
             entry["top_k"] = [t for t in picked if t >= 0]
             if close is not None:
                 entry["near"] = [t for t in close if t >= 0]
             self._file.write(json.dumps(entry, separators=(",", ":")) + "\n")
-        self.num_records += len(rows)
 
     def close(self) -> None:
         self._file.close()

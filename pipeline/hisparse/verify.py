@@ -1,9 +1,9 @@
 """Speculative verify on HiSparse memory: binding the verify tokens, and finalizing the accepted ones.
 
-Verify binding (docs/invariants.md, "Verify binding and finalize"): verify token j of a request with ``n`` committed positions sits at
-position ``n + j``; its column is the position itself while ``n + j < HOT`` (the identity hot column),
-else ``HOT + 1 + j`` in the draft zone, so drafts never pollute or evict hot rows. The target writes
-its KV there and the token's logical location maps to that slot.
+Verify binding (docs/invariants.md, "Verify binding and finalize"): verify token j of a request with ``n``
+committed positions sits at position ``n + j``; its column is the position itself while ``n + j < HOT`` (the
+identity hot column), else ``HOT + 1 + j`` in the draft zone, so drafts never pollute or evict hot rows. The
+target writes its KV there and the token's logical location maps to that slot.
 
 Finalize, per request, in this order:
 
@@ -37,7 +37,9 @@ class FinalizeError(RuntimeError):
     def __init__(self, row: int, reason: str, *, rolled_back: bool = True) -> None:
         self.row = row
         self.reason = reason
-        super().__init__(f"request row {row}: finalize {'rolled back' if rolled_back else 'failed'}: {reason}")
+        super().__init__(
+            f"request row {row}: finalize {'rolled back' if rolled_back else 'failed'}: {reason}"
+        )
 
 
 class VerifyTables(Protocol):
@@ -57,7 +59,9 @@ class VerifyTables(Protocol):
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None: ...
 
-    def back_up(self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor) -> None: ...
+    def back_up(
+        self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor
+    ) -> None: ...
 
     def settle_backups(self, upto: int | None = None) -> None: ...
 
@@ -100,11 +104,11 @@ class VerifyBuffers:
     def finalize(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
 
-        Returns the rows that failed (``take_failure`` says why; the caller releases them): rolled
-        back, or committed with a backup that failed; the others are committed and backed up. Each row's host pages are taken one
-        by one (a row the pool cannot take changes nothing); the module docstring's steps then run
-        for all the committed rows at once, in its order (their rows, columns and locations are
-        distinct, so no step of one row touches another's).
+        Returns the rows that failed (``take_failure`` says why; the caller releases them): rolled back, or
+        committed with a backup that failed; the others are committed and backed up. Each row's host pages are
+        taken one by one (a row the pool cannot take changes nothing); the module docstring's steps then run
+        for all the committed rows at once, in its order (their rows, columns and locations are distinct, so
+        no step of one row touches another's).
         """
         coord, d = self.coord, layout.draft_tokens
         hot, buffers = coord.hot, coord.buffers
@@ -140,12 +144,17 @@ class VerifyBuffers:
         pos_rows = [row for row in committed for _ in range(d)]
         pos = [start + j for start in starts for j in range(d)]
         locs = coord.req_to_token[torch.tensor(pos_rows), torch.tensor(pos)].tolist()
-        short = [(row, start + j) for row, start, count in zip(committed, starts, counts)
-                 for j in range(count - 1) if start + j < hot]
+        short = [
+            (row, start + j)
+            for row, start, count in zip(committed, starts, counts)
+            for j in range(count - 1)
+            if start + j < hot
+        ]
         col_rows = committed + [row for row, _ in short]
         cols = [newest] * len(committed) + [p for _, p in short]
-        found = buffers.locs[torch.tensor(col_rows, device=buffers.device),
-                             torch.tensor(cols, device=buffers.device)].tolist()
+        found = buffers.locs[
+            torch.tensor(col_rows, device=buffers.device), torch.tensor(cols, device=buffers.device)
+        ].tolist()
         newest_slots, hot_slots = found[: len(committed)], iter(found[len(committed) :])
         # 1., 2. and 4.'s mappings as one write (the locations are distinct): every verify location
         # cleared, the accepted ones below HOT at their hot column, the last accepted one at the
@@ -166,24 +175,33 @@ class VerifyBuffers:
         # a held token is a committed one (below the row's start), so its location is none of the
         # verify locations this one write also sets
         held_at = [(row, h) for row, h, start in zip(committed, held, starts) if 0 <= h < start]
-        held_locs = coord.req_to_token[torch.tensor([row for row, _ in held_at], dtype=torch.int64),
-                                       torch.tensor([h for _, h in held_at], dtype=torch.int64)].tolist()
-        coord.alloc.bind(torch.tensor(locs + held_locs, dtype=torch.int64),
-                         torch.tensor(values + [0] * len(held_locs), dtype=coord.alloc.logical_to_physical.dtype))
+        held_locs = coord.req_to_token[
+            torch.tensor([row for row, _ in held_at], dtype=torch.int64),
+            torch.tensor([h for _, h in held_at], dtype=torch.int64),
+        ].tolist()
+        coord.alloc.bind(
+            torch.tensor(locs + held_locs, dtype=torch.int64),
+            torch.tensor(values + [0] * len(held_locs), dtype=coord.alloc.logical_to_physical.dtype),
+        )
         host_slots = coord.host.record_runs(committed, starts, counts)  # 3. every accepted token
         if moves:  # 4. the last accepted token's row into the newest column
             # (rows of the coordinator's own pool to others of its rows: no argument to check)
             dst, src = zip(*moves)
-            copy_rows_unchecked(coord.device_kv, torch.tensor(dst, device=coord.device), coord.device_kv,
-                                torch.tensor(src, device=coord.device))
+            copy_rows_unchecked(
+                coord.device_kv,
+                torch.tensor(dst, device=coord.device),
+                coord.device_kv,
+                torch.tensor(src, device=coord.device),
+            )
         # 4.'s newest column and 5.'s empty draft zone (which follows it), as one write
         zone = torch.full((len(committed), buffers.tokens.shape[-1] - newest), -1, dtype=buffers.tokens.dtype)
         zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
         buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
         for row, start, count in zip(committed, starts, counts):
             coord._mem[row].length = start + count
-        backed = torch.tensor([s for row_slots, count in zip(slots, counts) for s in row_slots[:count]],
-                              device=coord.device)
+        backed = torch.tensor(
+            [s for row_slots, count in zip(slots, counts) for s in row_slots[:count]], device=coord.device
+        )
         coord.back_up(committed, counts, host_slots, backed)
         for row, why in coord.take_backup_failures(committed).items():
             failed.append(row)

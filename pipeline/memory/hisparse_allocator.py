@@ -12,7 +12,8 @@ is never a real token. ``logical_to_physical`` has one extra trailing entry fixe
 indexing it with -1 (an invalid location) yields -1.
 
 Ownership: every page of either level belongs to one request row (``PagedAllocator`` records it);
-``logical_to_physical[loc]`` is 0 or a slot owned by the row that owns ``loc`` (invariant I2, docs/invariants.md).
+``logical_to_physical[loc]`` is 0 or a slot owned by the row that owns ``loc`` (invariant I2,
+docs/invariants.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable, page_slots
+from pipeline.memory.paged import AllocatorSnapshot, OutOfMemory, PagedAllocator, PagedTable, page_slots
 from pipeline.memory.req_to_token import token_table
 
 
@@ -28,8 +29,8 @@ from pipeline.memory.req_to_token import token_table
 class HiSparseSnapshot:
     """Everything ``restore`` needs to undo a transaction."""
 
-    logical: object
-    physical: object
+    logical: AllocatorSnapshot
+    physical: AllocatorSnapshot
     mapping: torch.Tensor
     table: torch.Tensor
     table_pages: tuple[tuple[int, ...], ...]

@@ -81,6 +81,7 @@ class HostPool:
         self.map.release(row, handed=handed)
 
     def check_integrity(self) -> None:
-        """Host half of invariant I7 (docs/invariants.md): slots unique across requests, disjoint from the free list."""
+        """Host half of invariant I7 (docs/invariants.md): slots unique across requests, disjoint from
+        the free list."""
         self.allocator.check_integrity()
         self.map.check_integrity()

@@ -20,11 +20,11 @@ FREE = -1  # owner of a free page
 RESERVED = -2  # owner of the reserved page 0
 
 
-class MemoryError_(Exception):
-    """Base of the memory layer's errors (named so as not to shadow the builtin)."""
+class PoolError(Exception):
+    """Base of the page pools' errors."""
 
 
-class OutOfMemory(MemoryError_):
+class OutOfMemory(PoolError):
     """An allocation asked for more than the pool has free; nothing was allocated."""
 
     def __init__(self, pool: str, requested: int, free: int) -> None:
@@ -34,7 +34,7 @@ class OutOfMemory(MemoryError_):
         super().__init__(f"{pool}: asked for {requested} pages, {free} free")
 
 
-class OwnershipError(MemoryError_):
+class OwnershipError(PoolError):
     """A free named a page that is free, reserved, out of range or owned by another request."""
 
     def __init__(self, pool: str, page: int, owner: int, actual: int) -> None:
@@ -85,10 +85,6 @@ class PagedAllocator:
     @property
     def num_free_pages(self) -> int:
         return len(self._free)
-
-    @property
-    def num_free_tokens(self) -> int:
-        return len(self._free) * self.page_size
 
     def can_allocate(self, num_pages: int) -> bool:
         return 0 <= num_pages <= len(self._free)
@@ -309,10 +305,6 @@ class PagedTable:
 
     def pages(self, row: int) -> list[int]:
         return list(self._pages[row])
-
-    def shared_pages(self, row: int) -> int:
-        """How many of ``row``'s first pages are shared (the prefix cache owns them)."""
-        return self._shared[row]
 
     def handed_pages(self, row: int) -> int:
         """How many of ``row``'s own pages, from its first, another owner holds now (handed to the

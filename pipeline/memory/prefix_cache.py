@@ -136,7 +136,7 @@ class PrefixCache:
     # --- insertion ------------------------------------------------------------------------------
 
     def insert(
-        self, tokens: Sequence[int], shared: list[CachedPage], own_pages: list[tuple[int, ...]], row: int
+        self, tokens: Sequence[int], shared: list[CachedPage], own_pages: Sequence[tuple[int, ...]], row: int
     ) -> int:
         """Cache the pages of a finished request ``row``: ``tokens`` its known tokens, ``shared``
         the entries it shares (its first pages), ``own_pages[j]`` its page ``len(shared) + j`` in
@@ -176,7 +176,9 @@ class PrefixCache:
     def set_pending(self, entry: CachedPage, offset: int, hidden: Any) -> None:
         """``entry``'s MTP rows from ``offset`` within its page on are not written: ``hidden`` holds
         the target's hidden states there (one row per position to the page's end)."""
-        assert entry.mtp_pending is None and entry.refs == 0, f"prefix cache: page entry {entry.id} is not new"
+        assert entry.mtp_pending is None and entry.refs == 0, (
+            f"prefix cache: page entry {entry.id} is not new"
+        )
         assert len(hidden) == self.page_size - offset, "prefix cache: pending rows must reach the page's end"
         entry.mtp_pending = (offset, hidden)
         self.pending_positions += len(hidden)
@@ -254,7 +256,11 @@ class PrefixCache:
         return len(self.entries)
 
     def stats(self) -> dict[str, float]:
-        return {**self.counters.as_dict(), "pages_held": len(self.entries), "pages_referenced": self.referenced()}
+        return {
+            **self.counters.as_dict(),
+            "pages_held": len(self.entries),
+            "pages_referenced": self.referenced(),
+        }
 
     def referenced(self) -> int:
         return sum(1 for e in self.entries.values() if e.refs)
@@ -269,16 +275,25 @@ class PrefixCache:
         children: dict[int, int] = {}
         for entry in self.entries.values():
             assert entry.refs == shares.get(entry.id, 0), (
-                f"prefix cache: entry {entry.id} has {entry.refs} references, {shares.get(entry.id, 0)} requests share it"
+                f"prefix cache: entry {entry.id} has {entry.refs} references, "
+                f"{shares.get(entry.id, 0)} requests share it"
             )
             for pool, page in zip(self.pools, entry.pages):
-                assert pool.owner_of(page) == self.owner, f"prefix cache: {pool.name} page {page} is not the cache's"
+                assert pool.owner_of(page) == self.owner, (
+                    f"prefix cache: {pool.name} page {page} is not the cache's"
+                )
             if entry.parent is not None:
-                assert self.entries.get(entry.parent.key) is entry.parent, f"entry {entry.id}: parent evicted first"
+                assert self.entries.get(entry.parent.key) is entry.parent, (
+                    f"entry {entry.id}: parent evicted first"
+                )
                 children[entry.parent.id] = children.get(entry.parent.id, 0) + 1
         for entry in self.entries.values():
-            assert entry.children == children.get(entry.id, 0), f"prefix cache: entry {entry.id} children count"
+            assert entry.children == children.get(entry.id, 0), (
+                f"prefix cache: entry {entry.id} children count"
+            )
         for pool in self.pools:
-            assert len(pool.pages_of(self.owner)) == len(self.entries), f"prefix cache: {pool.name} pages held"
+            assert len(pool.pages_of(self.owner)) == len(self.entries), (
+                f"prefix cache: {pool.name} pages held"
+            )
         pending = sum(len(e.mtp_pending[1]) for e in self.entries.values() if e.mtp_pending is not None)
         assert pending == self.pending_positions, "prefix cache: pending MTP positions miscounted"

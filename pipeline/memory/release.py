@@ -18,7 +18,9 @@ log = structlog.get_logger("hispec.memory")
 GiveBack = Callable[[int, Sequence[int] | None], None]
 
 
-def release(row: int, tokens: Sequence[int] | None, leaving: set[int], give_back: GiveBack, layer: str) -> None:
+def release(
+    row: int, tokens: Sequence[int] | None, leaving: set[int], give_back: GiveBack, layer: str
+) -> None:
     """Release ``row`` (``tokens``: what its pages may leave to the prefix cache); never raises."""
     reclaim(leaving, give_back, layer)
     leaving.add(row)

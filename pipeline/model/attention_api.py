@@ -47,6 +47,12 @@ class AttentionInputs:
     top_k: int  # index_topk
     reuse_topk: bool = False  # a shared layer: no indexer pass, reuse the previous layer's top-k
 
+    def indexer_inputs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(index_q, index_w, index_k)`` of a layer that runs its indexer (not ``reuse_topk``)."""
+        if self.index_q is None or self.index_w is None or self.index_k is None:
+            raise ValueError(f"layer {self.layer} has no indexer inputs (reuse_topk={self.reuse_topk})")
+        return self.index_q, self.index_w, self.index_k
+
 
 class AttentionBackend(Protocol):
     """Owns the KV storage and the batch layout of the current forward."""

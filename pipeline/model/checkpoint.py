@@ -98,7 +98,9 @@ def model_tensors(model: DeepseekV32, dtype: torch.dtype) -> dict[str, Tensor]:
     for depth in range(cfg.num_nextn_predict_layers):
         prefix = f"model.layers.{cfg.num_hidden_layers + depth}."
         # copies, not views: safetensors refuses tensors that share memory
-        out[prefix + "embed_tokens.weight"] = model.model.embed_tokens.weight.detach().to("cpu", dtype).clone()
+        out[prefix + "embed_tokens.weight"] = (
+            model.model.embed_tokens.weight.detach().to("cpu", dtype).clone()
+        )
         out[prefix + "shared_head.head.weight"] = model.lm_head.weight.detach().to("cpu", dtype).clone()
     return {k: v.contiguous() for k, v in sorted(out.items())}
 

@@ -57,7 +57,9 @@ def resolve_model_dir(name_or_path: str | Path) -> Path:
         return BUNDLED_MODELS[name_or_path]
     path = Path(name_or_path)
     if not path.is_dir():
-        raise ModelNotFoundError(f"no such model directory (bundled: {', '.join(sorted(BUNDLED_MODELS))})", str(name_or_path))
+        raise ModelNotFoundError(
+            f"no such model directory (bundled: {', '.join(sorted(BUNDLED_MODELS))})", str(name_or_path)
+        )
     return path
 
 
@@ -80,7 +82,7 @@ class ModelConfig:
     n_routed_experts: int
     routed_scaling_factor: float
     kv_lora_rank: int = attrs.field(validator=_positive)  # C: width of the cached latent
-    q_lora_rank: int = attrs.field(validator=_positive)  # the indexer reads the query latent, so it is required
+    q_lora_rank: int = attrs.field(validator=_positive)  # the indexer reads the query latent: required
     qk_rope_head_dim: int = attrs.field(validator=_positive)  # R: rotated part of a query/key head
     v_head_dim: int = attrs.field(validator=_positive)
     qk_nope_head_dim: int = attrs.field(validator=_positive)
@@ -119,24 +121,34 @@ class ModelConfig:
             if len(self.indexer_types) != self.num_hidden_layers:
                 raise ModelConfigError("indexer_types must have one entry per hidden layer")
             if set(self.indexer_types) - {"full", "shared"}:
-                raise ModelConfigError(f"indexer_types entries must be 'full' or 'shared': {list(self.indexer_types)}")
+                raise ModelConfigError(
+                    f"indexer_types entries must be 'full' or 'shared': {list(self.indexer_types)}"
+                )
             if self.indexer_types[0] != "full":
-                raise ModelConfigError("indexer_types[0] must be 'full' (a shared layer reuses an earlier full layer)")
+                raise ModelConfigError(
+                    "indexer_types[0] must be 'full' (a shared layer reuses an earlier full layer)"
+                )
         if len(self.mlp_layer_types) != self.num_hidden_layers:
             raise ModelConfigError("mlp_layer_types must have one entry per hidden layer")
         if set(self.mlp_layer_types) - {"dense", "sparse"}:
-            raise ModelConfigError(f"mlp_layer_types entries must be 'dense' or 'sparse': {self.mlp_layer_types}")
+            raise ModelConfigError(
+                f"mlp_layer_types entries must be 'dense' or 'sparse': {self.mlp_layer_types}"
+            )
         if self.has_moe:
             if self.n_routed_experts % self.n_group:
                 raise ModelConfigError("n_routed_experts must be a multiple of n_group")
             if not 0 < self.topk_group <= self.n_group:
                 raise ModelConfigError("topk_group must be in 1..n_group")
             if self.n_routed_experts // self.n_group < 2:
-                raise ModelConfigError("each expert group needs at least 2 experts (groups are scored by their top 2)")
+                raise ModelConfigError(
+                    "each expert group needs at least 2 experts (groups are scored by their top 2)"
+                )
             if not 0 < self.num_experts_per_tok <= self.n_routed_experts:
                 raise ModelConfigError("num_experts_per_tok must be in 1..n_routed_experts")
         if self.index_head_dim < self.qk_rope_head_dim:
-            raise ModelConfigError("index_head_dim must be >= qk_rope_head_dim (the indexer rotates that many channels)")
+            raise ModelConfigError(
+                "index_head_dim must be >= qk_rope_head_dim (the indexer rotates that many channels)"
+            )
         if self.qk_rope_head_dim % 2:
             raise ModelConfigError("qk_rope_head_dim must be even")
         if self.hidden_act != "silu":
@@ -188,7 +200,9 @@ class ModelConfig:
 
     @property
     def has_moe(self) -> bool:
-        return "sparse" in self.mlp_layer_types or (self.num_nextn_predict_layers > 0 and self.n_routed_experts > 0)
+        return "sparse" in self.mlp_layer_types or (
+            self.num_nextn_predict_layers > 0 and self.n_routed_experts > 0
+        )
 
     @property
     def qk_head_dim(self) -> int:
@@ -226,7 +240,8 @@ class ModelConfig:
         return attrs.evolve(self, num_nextn_predict_layers=0, absent_mtp_layers=self.num_nextn_predict_layers)
 
     def mlp_kind(self, layer: int) -> str:
-        """``"dense"`` or ``"sparse"`` for a target layer; MTP layers are MoE whenever experts exist (as in HF)."""
+        """``"dense"`` or ``"sparse"`` for a target layer; MTP layers are MoE whenever experts exist
+        (as in HF)."""
         if layer < self.num_hidden_layers:
             return self.mlp_layer_types[layer]
         return "sparse" if self.n_routed_experts > 0 else "dense"
@@ -234,7 +249,8 @@ class ModelConfig:
     # ----- HF config.json -------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        """Parse a config dict of a registered architecture; raises :class:`ModelConfigError` naming the field."""
+        """Parse a config dict of a registered architecture; raises :class:`ModelConfigError` naming
+        the field."""
         try:
             arch = architecture(raw.get("model_type"))
         except UnsupportedArchitecture as exc:
@@ -284,7 +300,9 @@ class ModelConfig:
             num_attention_heads=size("num_attention_heads"),
             n_shared_experts=size("n_shared_experts", 0, minimum=0),
             n_routed_experts=size("n_routed_experts", 0, minimum=0),
-            routed_scaling_factor=number(raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", positive=True),
+            routed_scaling_factor=number(
+                raw.get("routed_scaling_factor", 1.0), "routed_scaling_factor", positive=True
+            ),
             kv_lora_rank=size("kv_lora_rank"),
             q_lora_rank=size("q_lora_rank"),
             qk_rope_head_dim=size("qk_rope_head_dim"),

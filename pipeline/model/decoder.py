@@ -13,15 +13,29 @@ previous step's ``h_out`` (also normed) in its place.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 from torch import Tensor, nn
 
 from pipeline.model.attention import MlaAttention
 from pipeline.model.attention_api import AttentionBackend
 from pipeline.model.config import ModelConfig
-from pipeline.model.fused import FusedLayer
 from pipeline.model.layers import DenseMLP, RMSNorm
 from pipeline.model.moe import MoE
+
+
+class FastPath(Protocol):
+    """A layer's inference forward, attached by ``pipeline.model.fused.fuse_for_inference``: the
+    same results as the module path while ``current`` holds."""
+
+    def current(self) -> bool: ...
+
+    def __call__(
+        self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int
+    ) -> Tensor: ...
+
+    def cache_rows(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]: ...
 
 
 class DecoderLayer(nn.Module):
@@ -35,7 +49,7 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (
             MoE(cfg) if cfg.mlp_kind(layer) == "sparse" else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         )
-        self.fused: FusedLayer | None = None  # the inference fast path (``fuse_for_inference``)
+        self.fused: FastPath | None = None  # the inference fast path (``fuse_for_inference``)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         fused = self.fused
@@ -78,11 +92,19 @@ class MtpLayer(nn.Module):
         return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(prev_hidden)], dim=-1))
 
     def forward(
-        self, embeds: Tensor, prev_hidden: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int
+        self,
+        embeds: Tensor,
+        prev_hidden: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        backend: AttentionBackend,
+        layer: int,
     ) -> Tensor:
         h = self.block(self.combine(embeds, prev_hidden), cos, sin, backend, layer)
         return self.shared_head.norm(h)
 
-    def cache_rows(self, embeds: Tensor, prev_hidden: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor | None]:
+    def cache_rows(
+        self, embeds: Tensor, prev_hidden: Tensor, cos: Tensor, sin: Tensor
+    ) -> tuple[Tensor, Tensor | None]:
         """What ``forward`` stores in the MTP layer's cache for these tokens, computed alone."""
         return self.block.cache_rows(self.combine(embeds, prev_hidden), cos, sin)

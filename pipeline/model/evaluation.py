@@ -43,7 +43,9 @@ def held_out_metrics(model: DeepseekV32, windows: torch.Tensor, mode: str) -> di
     for batch in windows.split(4):
         hidden = target_hidden(model, batch, mode)  # [B, T, D]
         logits = model.logits(hidden).float()
-        totals["lm"] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten()).item() * len(batch)
+        totals["lm"] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten()).item() * len(
+            batch
+        )
         if len(model.mtp):
             mtp_logits = model.logits(mtp_hidden(model, batch, hidden, mode)[:, :-1]).float()  # slot t -> t+2
             truth = batch[:, 2:]
@@ -55,7 +57,9 @@ def held_out_metrics(model: DeepseekV32, windows: torch.Tensor, mode: str) -> di
 
 
 @torch.no_grad()
-def loss_by_position(model: DeepseekV32, windows: torch.Tensor, mode: str, edges: list[int]) -> dict[str, float]:
+def loss_by_position(
+    model: DeepseekV32, windows: torch.Tensor, mode: str, edges: list[int]
+) -> dict[str, float]:
     """LM loss over predicted positions ``[edges[i], edges[i+1])`` of long windows ``[N, T]``."""
     losses = []
     for window in windows.split(1):
@@ -68,7 +72,9 @@ def loss_by_position(model: DeepseekV32, windows: torch.Tensor, mode: str, edges
 _WHITESPACE = frozenset(b" \t\r\n")
 
 
-def accept_stats(model: DeepseekV32, prompts: torch.Tensor, num_steps: int, max_new_tokens: int) -> dict[str, float]:
+def accept_stats(
+    model: DeepseekV32, prompts: torch.Tensor, num_steps: int, max_new_tokens: int
+) -> dict[str, float]:
     """Accepted tokens per verify (bonus included) over all prompts' verify rounds.
 
     A byte model's greedy output often ends in runs of spaces, where every draft is trivially
@@ -104,11 +110,17 @@ def tokens_per_second(model: DeepseekV32, prompt: list[int], max_new_tokens: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.model.evaluation", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.model.evaluation", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("model", nargs="?", default="tiny")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--corpus", choices=SELECTIONS, default=DEFAULT_SELECTION,
-                   help="corpus selection whose held-out split is measured (pipeline/model/corpus.py)")
+    p.add_argument(
+        "--corpus",
+        choices=SELECTIONS,
+        default=DEFAULT_SELECTION,
+        help="corpus selection whose held-out split is measured (pipeline/model/corpus.py)",
+    )
     p.add_argument("--windows", type=int, default=64)
     p.add_argument("--window-len", type=int, default=1024)
     p.add_argument("--prompts", type=int, default=16)
@@ -121,8 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     model = load_model(args.model, dtype=torch.float32)
     held = build_corpus(eos_id=model.cfg.eos_token_id or 256, selection=args.corpus).held_out
-    report: dict[str, object] = {"params": sum(t.numel() for t in model.parameters()), "corpus": args.corpus,
-                                 "held_out_tokens": held.numel()}
+    report: dict[str, object] = {
+        "params": sum(t.numel() for t in model.parameters()),
+        "corpus": args.corpus,
+        "held_out_tokens": held.numel(),
+    }
     if not args.skip_loss:
         windows = sample_windows(held, args.windows, args.window_len, seed=100)
         report["sparse"] = held_out_metrics(model, windows, SPARSE_STABLE)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import TypeGuard
 
 
 class FieldError(ValueError):
@@ -28,11 +29,11 @@ def show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def is_integer(value: object) -> bool:
+def is_integer(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_number(value: object) -> bool:
+def is_number(value: object) -> TypeGuard[int | float]:
     """An int or a float (never a bool), finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 

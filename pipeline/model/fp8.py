@@ -57,8 +57,14 @@ class Fp8Config:
         block = q.get("weight_block_size")
         if block is None:
             return cls(block=None)
-        if not (isinstance(block, list | tuple) and len(block) == 2 and all(is_integer(b) and b > 0 for b in block)):
-            raise QuantizationError(f"quantization_config.weight_block_size must be two positive ints, got {block!r}")
+        if not (
+            isinstance(block, list | tuple)
+            and len(block) == 2
+            and all(is_integer(b) and b > 0 for b in block)
+        ):
+            raise QuantizationError(
+                f"quantization_config.weight_block_size must be two positive ints, got {block!r}"
+            )
         return cls(block=(int(block[0]), int(block[1])))
 
     def grid(self, shape: tuple[int, ...]) -> tuple[int, int]:
@@ -80,7 +86,9 @@ def dequantize_into(dest: Tensor, weight: Tensor, scale_inv: Tensor, cfg: Fp8Con
     if weight.dtype not in FP8_DTYPES:
         raise QuantizationError(f"{name} has a weight_scale_inv but is {weight.dtype}, not float8_e4m3fn")
     if weight.ndim < 2 or tuple(dest.shape) != tuple(weight.shape):
-        raise QuantizationError(f"{name} has shape {list(weight.shape)}, the config implies {list(dest.shape)}")
+        raise QuantizationError(
+            f"{name} has shape {list(weight.shape)}, the config implies {list(dest.shape)}"
+        )
     rows, cols = weight.shape[-2:]
     grid = cfg.grid(tuple(weight.shape))
     scale = scale_inv.to(torch.float32)

@@ -38,14 +38,17 @@ instead whenever no gradient is recorded. What it changes:
   them. ``_CompiledWeights`` holds the weights' numpy views and checks at every call that what they
   view is still in place.
 
-A module replaced after fusion, or a fused module's parameter replaced (a new ``Parameter``, or
-``.data`` re-pointed), no longer feeds the fused path; every call checks that each module it holds
-is still in place and that the fused weights' data pointers did not move, and falls back to the
-module path otherwise, so stale weights are never used (``fuse_for_inference`` again re-fuses). Layers whose modules are not plain
+A module replaced after fusion, or a fused module's parameter replaced (a new ``Parameter``, or ``.data``
+re-pointed), no longer feeds the fused path; every call checks that each module it holds is still in place and
+that the fused weights' data pointers did not move, and falls back to the module path otherwise, so stale
+weights are never used (``fuse_for_inference`` again re-fuses). Layers whose modules are not plain
 ``nn.Linear`` (tensor-parallel shards) are left unfused.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,12 +57,13 @@ from torch import Tensor, nn
 
 from kernels import layer_numba, moe_numba, small_ops_numba
 from pipeline.model.attention_api import AttentionBackend, AttentionInputs
+from pipeline.model.decoder import DecoderLayer
 from pipeline.model.layers import DenseMLP, wide_dtype
-from pipeline.model.moe import RoutedExperts
+from pipeline.model.moe import MoE, RoutedExperts, TopkRouter
 
 # the most token x expert rows the dense expert path computes (beyond it, only the chosen rows, grouped
-# by expert): with few experts a matmul over all of them costs less than one per expert up to about
-# 40 tokens of the bundled model's 4 (measured on a CPU, one thread; 64 tokens run 10% faster grouped)
+# by expert): with few experts a matmul over all of them costs less than one per expert for a few
+# dozen tokens of the bundled model's 4 (the crossover measured: docs/performance-notes.md)
 DENSE_EXPERT_ROWS = 160
 # the most tokens whose layer runs ``kernels.layer_numba``'s loops between BLAS's matmuls (beyond
 # it, a prefill chunk's, the torch ops' vectorised passes over many rows cost less than the loops)
@@ -88,13 +92,14 @@ def _plain(*modules: nn.Module | None) -> bool:
 class FusedLayer:
     """A ``DecoderLayer``'s inference forward (see the module docstring)."""
 
-    def __init__(self, layer: nn.Module) -> None:
+    def __init__(self, layer: DecoderLayer) -> None:
         attn = layer.self_attn
         cfg = attn.cfg
         self.cfg = cfg
         self.attn = attn
         self.heads = attn.num_heads
         idx = attn.indexer
+        self.indexer = idx
         self.has_indexer = idx is not None
         self.input_norm = layer.input_layernorm
         self.post_norm = layer.post_attention_layernorm
@@ -103,7 +108,7 @@ class FusedLayer:
         dtype = attn.q_a_proj.weight.dtype
         # the indexer's per-head weights join the first matmul when they share the model's dtype
         self.w_in_weights = idx is not None and idx.weights_proj.weight.dtype == dtype
-        first = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
+        first: list[nn.Linear] = [attn.q_a_proj, attn.kv_a_proj_with_mqa]
         if idx is not None:
             first.append(idx.wk)
             if self.w_in_weights:
@@ -114,11 +119,20 @@ class FusedLayer:
         second = [attn.q_b_proj] + ([idx.wq_b] if idx is not None else [])
         self.splits_q = [m.weight.shape[0] for m in second]
         self.w_q = _fuse(second, self._views)
-        self.mlp = _fused_mlp(layer.mlp, self._views)
+        self.mlp: _FusedDense | _FusedMoE = _fused_mlp(layer.mlp, self._views)
         self.attn_scale, self.index_scale = cfg.attn_scale, cfg.index_scale
         # every module this object holds, by where it sits: a replaced one means stale weights
-        names = {layer: ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"],
-                 attn: ["q_a_layernorm", "kv_a_layernorm", "indexer", "q_a_proj", "kv_a_proj_with_mqa", "q_b_proj"]}
+        names: dict[nn.Module, list[str]] = {
+            layer: ["self_attn", "input_layernorm", "post_attention_layernorm", "mlp"],
+            attn: [
+                "q_a_layernorm",
+                "kv_a_layernorm",
+                "indexer",
+                "q_a_proj",
+                "kv_a_proj_with_mqa",
+                "q_b_proj",
+            ],
+        }
         if idx is not None:
             names[idx] = ["wk", "wq_b", "weights_proj"]
         mlp = layer.mlp
@@ -127,18 +141,20 @@ class FusedLayer:
             names[mlp] = ["shared_experts"]
         if dense is not None:
             names[dense] = ["gate_proj", "up_proj", "down_proj"]
-        self._links = [(parent, name, getattr(parent, name)) for parent, attrs_ in names.items() for name in attrs_]
+        self._links = [
+            (parent, name, getattr(parent, name)) for parent, attrs_ in names.items() for name in attrs_
+        ]
         self._numba: _CompiledWeights | None = None  # ``kernels.layer_numba``'s weights, made at first use
 
     @staticmethod
-    def fits(layer: nn.Module) -> bool:
+    def fits(layer: DecoderLayer) -> bool:
         attn = layer.self_attn
         idx = attn.indexer
         mods = [attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj]
         if idx is not None:
             mods += [idx.wq_b, idx.wk, idx.weights_proj]
         mlp = layer.mlp
-        mlp_fits = hasattr(mlp, "experts") or (isinstance(mlp, DenseMLP) and _plain(mlp.gate_proj, mlp.up_proj))
+        mlp_fits = isinstance(mlp, MoE) or (isinstance(mlp, DenseMLP) and _plain(mlp.gate_proj, mlp.up_proj))
         return _plain(*mods) and attn.num_heads == attn.cfg.num_attention_heads and mlp_fits
 
     def current(self) -> bool:
@@ -150,7 +166,9 @@ class FusedLayer:
         for parent, name, module in self._links:
             if parent._modules.get(name) is not module:
                 return False
-        return all(m._parameters[name].data_ptr() == ptr for m, name, ptr in self._views)
+        return all(
+            (p := m._parameters[name]) is not None and p.data_ptr() == ptr for m, name, ptr in self._views
+        )
 
     def __call__(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
         out = self._compiled(x, cos, sin, backend, layer)
@@ -159,7 +177,9 @@ class FusedLayer:
         x = x + self._attention(self.input_norm(x), cos, sin, backend, layer)
         return x + self.mlp(self.post_norm(x))
 
-    def _compiled(self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor | None:
+    def _compiled(
+        self, x: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int
+    ) -> Tensor | None:
         """A few tokens on a CPU (decode, verify, draft steps, a small batch's): the work around
         ``backend.attend`` by ``kernels.layer_numba``, or None where its loops do not take the layer
         (weights of other dtypes, an indexer whose head weights are apart, no numba). Up to
@@ -191,16 +211,20 @@ class FusedLayer:
             return torch.from_numpy(layer_numba.finish(xs, out, loops))
         attended = F.linear(torch.from_numpy(layer_numba.up_values(out, loops)), weights.w_o).numpy()
         resid, normed = layer_numba.add_norm(xs, attended, loops)
-        if weights.routes:  # the router as one compiled call, the experts BLAS's
+        mlp = self.mlp
+        # the router as one compiled call, the experts BLAS's
+        if weights.routes and isinstance(mlp, _FusedMoE):
             ids, routed = layer_numba.route(normed, loops)
-            return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed), (torch.from_numpy(ids),
-                                                                                   torch.from_numpy(routed)))
-        return torch.from_numpy(resid) + self.mlp(torch.from_numpy(normed))
+            routing = (torch.from_numpy(ids), torch.from_numpy(routed))
+            return torch.from_numpy(resid) + mlp(torch.from_numpy(normed), routing)
+        return torch.from_numpy(resid) + mlp(torch.from_numpy(normed))
 
     def _compiled_inputs(self, x: Tensor, cos: Tensor, sin: Tensor):
         """``_compiled``'s projection: (the attention inputs' arrays, ``x``'s, the weights, whether
         the loops do the whole layer), or None where they do not take it."""
-        if not (x.shape[0] <= MAX_HYBRID_TOKENS and x.is_cpu and x.dtype in _COMPILED_DTYPES and x.dim() == 2):
+        if not (
+            x.shape[0] <= MAX_HYBRID_TOKENS and x.is_cpu and x.dtype in _COMPILED_DTYPES and x.dim() == 2
+        ):
             return None
         weights = self._numba
         if weights is None or not weights.current():
@@ -208,14 +232,20 @@ class FusedLayer:
         if not weights.usable or x.dtype != weights.dtype:
             return None
         rope = _RopeTables.of(cos, sin)
-        if rope.compiled is None or rope.dtype != x.dtype or rope.shape != (x.shape[0], self.cfg.qk_rope_head_dim):
+        if (
+            rope.compiled is None
+            or rope.dtype != x.dtype
+            or rope.shape != (x.shape[0], self.cfg.qk_rope_head_dim)
+        ):
             return None
         a, loops = weights.arrays, weights.loops
         xs = x.detach().contiguous().numpy()
         whole = weights.whole and x.shape[0] <= layer_numba.MAX_TOKENS
         if whole:
             return layer_numba.project(xs, loops, *rope.compiled), xs, weights, True
-        p = F.linear(torch.from_numpy(layer_numba.rms_rows(xs, a["norm_w"], a["norm_eps"])), self.w_in).numpy()
+        p = F.linear(
+            torch.from_numpy(layer_numba.rms_rows(xs, a["norm_w"], a["norm_eps"])), self.w_in
+        ).numpy()
         q_resid = layer_numba.rms_rows(p[:, : a["q_lora"]], a["q_norm_w"], a["q_eps"])
         q = F.linear(torch.from_numpy(q_resid), self.w_q).numpy()
         return layer_numba.assemble(p, q, loops, *rope.compiled), xs, weights, False
@@ -235,13 +265,16 @@ class FusedLayer:
         latent, k_rope = parts[1].split([c, r], dim=-1)
         k_rope = rope.rotate(k_rope[:, None, :], interleaved=True)[:, 0]
         kv_rows = torch.cat([self.kv_norm(latent), k_rope], dim=-1)
-        if not self.has_indexer:
+        idx = self.indexer
+        if idx is None:
             return kv_rows, None
-        ik = self.attn.indexer.k_norm(parts[2])
+        ik = idx.k_norm(parts[2])
         ik_rope = rope.rotate(ik[:, None, :r], interleaved=cfg.indexer_rope == "interleaved")[:, 0]
         return kv_rows, torch.cat([ik_rope, ik[:, r:]], dim=-1)
 
-    def _attention(self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int) -> Tensor:
+    def _attention(
+        self, h: Tensor, cos: Tensor, sin: Tensor, backend: AttentionBackend, layer: int
+    ) -> Tensor:
         cfg, attn, heads = self.cfg, self.attn, self.heads
         r, nope, c = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         rope = _RopeTables.of(cos, sin)
@@ -255,8 +288,8 @@ class FusedLayer:
         rotated = rope.rotate(torch.cat([q_rope, k_rope[:, None, :]], dim=1), interleaved=True)
         w_uk, w_uv = attn.up_weights()
         index_q = index_w = index_k = None
-        if self.has_indexer:
-            idx = attn.indexer
+        idx = self.indexer
+        if idx is not None:
             hi = cfg.index_n_heads
             iq = qs[1].unflatten(-1, (hi, cfg.index_head_dim))
             ik = idx.k_norm(parts[2])
@@ -302,21 +335,26 @@ class _CompiledWeights:
     sizes ``kernels.moe_numba`` takes, with a plain shared expert or none)."""
 
     def __init__(self, fused: FusedLayer) -> None:
-        self._held: list[tuple[dict, str, object, int | None]] = []
+        self._held: list[tuple[Mapping[str, object], str, object]] = []  # (registry, name, what it held)
+        self._held_at: list[tuple[Tensor, int]] = []  # the held tensors and where their data lay
         self._tensors: list[Tensor] = [fused.w_in, fused.w_q]
         self.dtype = fused.w_in.dtype
-        self.arrays: dict[str, object] = {}
+        # the loops' inputs by name: arrays, numpy scalars, ints and flags (numba's dispatch types them)
+        self.arrays: dict[str, Any] = {}
         self.usable = self.whole = self.routes = False
-        if not layer_numba.AVAILABLE or self.dtype not in _COMPILED_DTYPES:
+        if self.dtype not in _COMPILED_DTYPES:
             return
         self._wide = np.float64 if self.dtype == torch.float64 else np.float32
         if not self._take_attention(fused):
             return
         self.w_o = fused.attn.o_proj.weight  # the hybrid path's output projection (BLAS)
         whole = self._take_mlp(fused)
-        if not all(t.dtype == self.dtype and t.device.type == "cpu" and t.is_contiguous() for t in self._tensors):
+        if not all(
+            t.dtype == self.dtype and t.device.type == "cpu" and t.is_contiguous() for t in self._tensors
+        ):
             return
-        for name, value in self.arrays.items():  # the tensors as numpy views (no copies: the weights' own memory)
+        # the tensors as numpy views (no copies: the weights' own memory)
+        for name, value in self.arrays.items():
             if isinstance(value, Tensor):
                 self.arrays[name] = value.detach().numpy()
         self.loops = layer_numba.LayerWeights(self.arrays)
@@ -324,44 +362,63 @@ class _CompiledWeights:
         # the hybrid path routes by the loops too: ungrouped routed experts whose weights they hold
         self.routes = whole and bool(self.arrays["routed"])
 
-    def _hold(self, owner: nn.Module, kind: str, name: str) -> Tensor | nn.Module:
-        """``owner``'s parameter, buffer or submodule ``name``, remembered for ``current``."""
-        table = getattr(owner, kind)
+    def _hold(self, table: Mapping[str, object], name: str) -> object:
+        """``table[name]`` (a module's parameter, buffer or submodule), remembered for ``current``."""
         value = table[name]
-        self._held.append((table, name, value, value.data_ptr() if isinstance(value, Tensor) else None))
+        self._held.append((table, name, value))
+        if isinstance(value, Tensor):
+            self._held_at.append((value, value.data_ptr()))
         return value
 
-    def _param(self, module: nn.Module, name: str = "weight") -> Tensor:
-        tensor = self._hold(module, "_parameters", name)
-        self._tensors.append(tensor)
-        return tensor
+    def _module(self, owner: nn.Module, name: str) -> nn.Module | None:
+        """``owner``'s submodule ``name``, remembered; None when it is not a module."""
+        value = self._hold(owner._modules, name)
+        return value if isinstance(value, nn.Module) else None
+
+    def _tensor(
+        self, module: nn.Module | None, name: str = "weight", kind: str = "_parameters"
+    ) -> Tensor | None:
+        """``module``'s parameter (or buffer) ``name``, remembered and checked with the others for
+        place and dtype; None when there is none."""
+        value = None if module is None else self._hold(getattr(module, kind), name)
+        if not isinstance(value, Tensor):
+            return None
+        self._tensors.append(value)
+        return value
 
     def current(self) -> bool:
-        return all(table.get(name) is value and (ptr is None or value.data_ptr() == ptr)
-                   for table, name, value, ptr in self._held)
+        return all(table.get(name) is value for table, name, value in self._held) and all(
+            t.data_ptr() == ptr for t, ptr in self._held_at
+        )
 
     def _take_attention(self, fused: FusedLayer) -> bool:
-        cfg, attn, a, wide, param = fused.cfg, fused.attn, self.arrays, self._wide, self._param
+        cfg, attn, a, wide, param = fused.cfg, fused.attn, self.arrays, self._wide, self._tensor
         a["norm_w"], a["norm_eps"] = param(fused.input_norm), wide(fused.input_norm.eps)
         a["q_norm_w"], a["q_eps"] = param(fused.q_norm), wide(fused.q_norm.eps)
         a["kv_norm_w"], a["kv_eps"] = param(fused.kv_norm), wide(fused.kv_norm.eps)
         a["post_w"], a["post_eps"] = param(fused.post_norm), wide(fused.post_norm.eps)
         heads, nope = fused.heads, cfg.qk_nope_head_dim
-        kv_b = param(self._hold(attn, "_modules", "kv_b_proj"))
-        if not kv_b.is_contiguous():
+        kv_b = param(self._module(attn, "kv_b_proj"))
+        a["w_o"] = param(self._module(attn, "o_proj"))
+        weights = ("norm_w", "q_norm_w", "kv_norm_w", "post_w", "w_o")
+        if kv_b is None or not kv_b.is_contiguous() or any(a[key] is None for key in weights):
             return False
         a["kv_b"], a["nope"] = kv_b.view(heads, nope + cfg.v_head_dim, -1), nope
-        a["w_o"] = param(self._hold(attn, "_modules", "o_proj"))
-        a["w_in"], a["w_q"], a["q_lora"], a["rope"] = fused.w_in, fused.w_q, cfg.q_lora_rank, cfg.qk_rope_head_dim
+        a["w_in"], a["w_q"], a["q_lora"], a["rope"] = (
+            fused.w_in,
+            fused.w_q,
+            cfg.q_lora_rank,
+            cfg.qk_rope_head_dim,
+        )
         a["has_index"] = fused.has_indexer
-        if not fused.has_indexer:
+        if attn.indexer is None:
             empty = torch.empty(0, dtype=self.dtype)
             a["k_norm_w"] = a["k_norm_b"] = empty
             a["k_norm_eps"], a["index_w_scale"], a["index_interleaved"] = wide(1.0), wide(1.0), False
             return True
         if not fused.w_in_weights:
             return False
-        k_norm = self._hold(attn.indexer, "_modules", "k_norm")
+        k_norm = self._module(attn.indexer, "k_norm")
         if not isinstance(k_norm, nn.LayerNorm) or k_norm.weight is None or k_norm.bias is None:
             return False
         a["k_norm_w"], a["k_norm_b"], a["k_norm_eps"] = param(k_norm), param(k_norm, "bias"), wide(k_norm.eps)
@@ -371,7 +428,14 @@ class _CompiledWeights:
         return True
 
     def _take_mlp(self, fused: FusedLayer) -> bool:
-        cfg, mlp, a, wide, param, dtype = fused.cfg, fused.mlp, self.arrays, self._wide, self._param, self.dtype
+        cfg, mlp, a, wide, param, dtype = (
+            fused.cfg,
+            fused.mlp,
+            self.arrays,
+            self._wide,
+            self._tensor,
+            self.dtype,
+        )
         a["routed"], a["top_k"], a["normalise"], a["scaling"] = False, 0, False, wide(1.0)
         a["tiny"] = wide(1e-20)
         a["gate_w"], a["bias"] = torch.zeros(1, cfg.hidden_size, dtype=dtype), torch.zeros(1, dtype=dtype)
@@ -381,25 +445,44 @@ class _CompiledWeights:
         a["shared_gate_up"] = torch.zeros(2, cfg.hidden_size, dtype=dtype)
         a["shared_down"] = torch.zeros(cfg.hidden_size, 1, dtype=dtype)
         a["has_shared"] = False
+        shared: _FusedDense | DenseMLP | None
         if isinstance(mlp, _FusedDense):
             shared = mlp
         elif isinstance(mlp, _FusedMoE) and mlp.ungrouped:
             moe = mlp.moe
-            experts, gate = self._hold(moe, "_modules", "experts"), self._hold(moe, "_modules", "gate")
+            experts, gate = self._module(moe, "experts"), self._module(moe, "gate")
             gate_up, down = param(experts, "gate_up_proj"), param(experts, "down_proj")
+            bias = param(gate, "e_score_correction_bias", "_buffers")
+            gate_w = param(gate)
             shared = mlp.shared
-            if gate_up[0].numel() > moe_numba.MAX_EXPERT_ELEMENTS or not isinstance(shared, _FusedDense | None):
+            if (
+                gate_up is None
+                or down is None
+                or bias is None
+                or gate_w is None
+                or not isinstance(gate, TopkRouter)
+                or gate_up[0].numel() > moe_numba.MAX_EXPERT_ELEMENTS
+                or not isinstance(shared, _FusedDense | None)
+            ):
                 return False
-            bias = self._hold(gate, "_buffers", "e_score_correction_bias")
-            self._tensors.append(bias)
             route = gate.cfg
-            a.update(gate_up=gate_up, down=down, gate_w=param(gate), bias=bias, routed=True,
-                     top_k=route.num_experts_per_tok, normalise=bool(route.norm_topk_prob),
-                     scaling=wide(route.routed_scaling_factor))
+            a.update(
+                gate_up=gate_up,
+                down=down,
+                gate_w=gate_w,
+                bias=bias,
+                routed=True,
+                top_k=route.num_experts_per_tok,
+                normalise=bool(route.norm_topk_prob),
+                scaling=wide(route.routed_scaling_factor),
+            )
         else:
             return False
         if shared is not None:
-            a["shared_gate_up"], a["shared_down"], a["has_shared"] = shared.w_gate_up, param(shared.down), True
+            shared_down = param(shared.down)
+            if shared_down is None:
+                return False
+            a["shared_gate_up"], a["shared_down"], a["has_shared"] = shared.w_gate_up, shared_down, True
             self._tensors.append(shared.w_gate_up)
         return True
 
@@ -438,8 +521,13 @@ class _RopeTables:
 
     def rotate(self, x: Tensor, *, interleaved: bool) -> Tensor:
         """``x [T, heads, R]`` rotated (de-interleaved first when ``interleaved``)."""
-        if self.compiled is not None and x.dtype == self.dtype and x.is_cpu and x.dim() == 3 and (
-            x.shape[0], x.shape[2]) == self.shape:
+        if (
+            self.compiled is not None
+            and x.dtype == self.dtype
+            and x.is_cpu
+            and x.dim() == 3
+            and (x.shape[0], x.shape[2]) == self.shape
+        ):
             return small_ops_numba.rotate_with_tables(x, *self.compiled, interleaved)
         if interleaved:
             x = x.unflatten(-1, (self.half, 2)).transpose(-1, -2).reshape(x.shape)
@@ -449,8 +537,8 @@ class _RopeTables:
 def _swiglu(gate: Tensor, up: Tensor) -> Tensor:
     """``silu(gate) * up``, the product written into the ``silu`` result: the same values, one
     temporary fewer. A prefill's temporaries are megabytes, and each fresh one is new pages from the
-    system (a page fault per 4 KiB): the dense MLP over 2,048 tokens took 21 ms with the product in
-    a tensor of its own, 14 ms without."""
+    system (a page fault per 4 KiB), which the dense MLP of a long prefill feels
+    (docs/performance-notes.md)."""
     return F.silu(gate).mul_(up)
 
 
@@ -458,7 +546,9 @@ class _FusedDense:
     """A SwiGLU MLP over one fused ``[gate; up]`` weight (``w_gate_up``: one made already, whose row
     slices the two modules' weights are)."""
 
-    def __init__(self, mlp: DenseMLP, views: list[tuple[nn.Module, str, int]], w_gate_up: Tensor | None = None) -> None:
+    def __init__(
+        self, mlp: DenseMLP, views: list[tuple[nn.Module, str, int]], w_gate_up: Tensor | None = None
+    ) -> None:
         self.inner = mlp.gate_proj.weight.shape[0]
         self.w_gate_up = _fuse([mlp.gate_proj, mlp.up_proj], views) if w_gate_up is None else w_gate_up
         self.down = mlp.down_proj
@@ -472,7 +562,7 @@ class _FusedMoE:
     """Routed experts, dense over every expert for few tokens and grouped by expert beyond (module
     docstring), plus shared experts."""
 
-    def __init__(self, moe: nn.Module, views: list[tuple[nn.Module, str, int]]) -> None:
+    def __init__(self, moe: MoE, views: list[tuple[nn.Module, str, int]]) -> None:
         self.moe = moe
         cfg = moe.gate.cfg
         self.experts = cfg.n_routed_experts
@@ -484,21 +574,24 @@ class _FusedMoE:
         self.ungrouped = cfg.topk_group >= cfg.n_group
         self.cfg = cfg
         shared = moe.shared_experts
-        plain = shared is not None and _plain(shared.gate_proj, shared.up_proj)
+        plain = shared if shared is not None and _plain(shared.gate_proj, shared.up_proj) else None
         # the dense path's weights with the shared expert as one more expert (None where it is not)
         self.w_all: Tensor | None = None
         self.down_all: Tensor | None = None
         # what must still view them: (the module's path under the MoE, its parameter, where its data lies)
         self._joined: list[tuple[tuple[str, ...], str, int]] = []
-        if plain and self.dense_ok and self.grouped_ok and _joins_experts(moe.experts, shared):
-            self.w_all, self.down_all = _fuse_with_experts(moe.experts, shared, views)
-            self._joined = [(("experts",), "gate_up_proj", moe.experts.gate_up_proj.data_ptr()),
-                            (("experts",), "down_proj", moe.experts.down_proj.data_ptr()),
-                            (("shared_experts", "down_proj"), "weight", shared.down_proj.weight.data_ptr())]
+        self.shared: _FusedDense | DenseMLP | None
+        if plain is not None and self.dense_ok and self.grouped_ok and _joins_experts(moe.experts, plain):
+            self.w_all, self.down_all = _fuse_with_experts(moe.experts, plain, views)
+            self._joined = [
+                (("experts",), "gate_up_proj", moe.experts.gate_up_proj.data_ptr()),
+                (("experts",), "down_proj", moe.experts.down_proj.data_ptr()),
+                (("shared_experts", "down_proj"), "weight", plain.down_proj.weight.data_ptr()),
+            ]
             routed_rows = moe.experts.gate_up_proj.shape[0] * moe.experts.gate_up_proj.shape[1]
-            self.shared = _FusedDense(shared, views, w_gate_up=self.w_all[routed_rows:])
+            self.shared = _FusedDense(plain, views, w_gate_up=self.w_all[routed_rows:])
         else:
-            self.shared = _FusedDense(shared, views) if plain else shared
+            self.shared = _FusedDense(plain, views) if plain is not None else shared
 
     def __call__(self, x: Tensor, routing: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``routing``: the tokens' expert ids and weights, when the caller has them already (the
@@ -540,8 +633,9 @@ class _FusedMoE:
         shared = self.shared
         if shared is None:
             return moe_numba.moe(x, ids, weights, gate_up, down)
-        if not isinstance(shared, _FusedDense) or not moe_numba.fits(x, shared.w_gate_up[None], shared.down.weight,
-                                                                     weights):
+        if not isinstance(shared, _FusedDense) or not moe_numba.fits(
+            x, shared.w_gate_up[None], shared.down.weight, weights
+        ):
             return None
         return moe_numba.moe(x, ids, weights, gate_up, down, shared.w_gate_up, shared.down.weight)
 
@@ -566,7 +660,8 @@ class _FusedMoE:
         for slot, expert in sorted(enumerate(ids[0].tolist()), key=lambda chosen: chosen[1]):
             gate, up = F.linear(x, experts.gate_up_proj[expert]).chunk(2, dim=-1)
             y = F.linear(_swiglu(gate, up), experts.down_proj[expert])
-            out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)  # a [1, 1] weight: wide, as the module's
+            # a [1, 1] weight: wide, as the module's
+            out = out + (y * weights[:, slot : slot + 1]).to(x.dtype)
         return out
 
     def _dense(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
@@ -590,10 +685,10 @@ class _FusedMoE:
         ``w_all`` and ``down_all`` (a replaced or re-pointed one is read by ``_dense``, live). The
         shared expert's ``gate``/``up`` are checked with the layer's other fused weights."""
         for path, name, ptr in self._joined:
-            module = self.moe
+            module: nn.Module | None = self.moe
             for step in path:  # read live: a replaced module is seen
-                module = module._modules[step]
-            param = module._parameters.get(name)
+                module = None if module is None else module._modules.get(step)
+            param = None if module is None else module._parameters.get(name)
             if param is None or param.data_ptr() != ptr:
                 return False
         return True
@@ -606,9 +701,11 @@ class _FusedMoE:
         expert order (so equal to rounding); float32/64 models only (a narrower one's router weights
         are wider than its activations, and the module path rounds each product to the narrow type)."""
         n, e = x.shape[0], self.experts
-        gate, up = F.linear(x, self.w_all).view(n, e + 1, -1).chunk(2, dim=-1)
+        w_all, down_all = self.w_all, self.down_all
+        assert w_all is not None and down_all is not None  # the caller checked (they are made together)
+        gate, up = F.linear(x, w_all).view(n, e + 1, -1).chunk(2, dim=-1)
         act = _swiglu(gate, up).transpose(0, 1)  # [E + 1, N, I]
-        y = torch.bmm(act, self.down_all.transpose(1, 2))  # [E + 1, N, D]
+        y = torch.bmm(act, down_all.transpose(1, 2))  # [E + 1, N, D]
         dense = torch.zeros(n, e + 1, dtype=x.dtype, device=x.device)
         dense[:, e] = 1  # the shared expert
         dense[:, :e].scatter_(1, ids, weights)
@@ -677,8 +774,13 @@ def _fuse_with_experts(
     gate_up, down = experts.gate_up_proj, experts.down_proj
     e, two_i, d = gate_up.shape
     inner = two_i // 2
-    w_all = torch.cat([gate_up.detach().reshape(e * two_i, d), shared.gate_proj.weight.detach(),
-                       shared.up_proj.weight.detach()])
+    w_all = torch.cat(
+        [
+            gate_up.detach().reshape(e * two_i, d),
+            shared.gate_proj.weight.detach(),
+            shared.up_proj.weight.detach(),
+        ]
+    )
     down_all = torch.cat([down.detach(), shared.down_proj.weight.detach()[None]])
     experts.gate_up_proj.data = w_all[: e * two_i].view(e, two_i, d)
     experts.down_proj.data = down_all[:e]
@@ -689,17 +791,19 @@ def _fuse_with_experts(
     return w_all, down_all
 
 
-def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Module, str, int]]):
+def _fused_mlp(mlp: nn.Module, views: list[tuple[nn.Module, str, int]]) -> _FusedDense | _FusedMoE:
     if isinstance(mlp, DenseMLP):
         return _FusedDense(mlp, views)
-    return _FusedMoE(mlp, views)
+    if isinstance(mlp, MoE):
+        return _FusedMoE(mlp, views)
+    raise TypeError(f"no fused path for a {type(mlp).__name__} (FusedLayer.fits refuses it)")
 
 
 def fuse_for_inference(model: nn.Module) -> int:
     """Give every plain decoder layer of ``model`` (target and MTP) its fused inference path.
     Idempotent; returns the number of layers fused (0 for a model of another shape)."""
     backbone = getattr(model, "model", None)
-    if not isinstance(model, nn.Module) or not hasattr(backbone, "layers"):
+    if not isinstance(model, nn.Module) or backbone is None or not hasattr(backbone, "layers"):
         return 0
     layers = list(backbone.layers) + [m.block for m in getattr(model, "mtp", ())]
     count = 0

@@ -66,7 +66,9 @@ def generation_defaults(model_dir: str | Path) -> dict[str, float | int]:
         out[name] = kind(value)
     sample = raw.get("do_sample")
     if sample is not None and not isinstance(sample, bool):
-        raise ConfigError("model", str(path), f"{GENERATION_CONFIG}: do_sample={sample!r} must be true or false")
+        raise ConfigError(
+            "model", str(path), f"{GENERATION_CONFIG}: do_sample={sample!r} must be true or false"
+        )
     if sample is False:  # HF's generate decodes greedily then, whatever the temperature
         out["temperature"] = 0.0
     return out

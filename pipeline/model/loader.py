@@ -72,7 +72,9 @@ def load_model(
     path = resolve_model_dir(name_or_path)
     cfg, quant = read_model_config(path)
     if mtp_layers is not None:
-        cfg = attrs.evolve(cfg, num_nextn_predict_layers=min(max(mtp_layers, 0), cfg.num_nextn_predict_layers))
+        cfg = attrs.evolve(
+            cfg, num_nextn_predict_layers=min(max(mtp_layers, 0), cfg.num_nextn_predict_layers)
+        )
     target = parse_dtype(dtype if dtype is not None else cfg.dtype)
     with torch.device("meta"):
         model = DeepseekV32(cfg)
@@ -119,12 +121,16 @@ def load_weights(
             bar.update(files.entries[name].nbytes)
     missing = [name for name in dests if name not in filled]
     if missing or unknown:
-        parts = [_listing(what, names) for what, names in (("missing", missing), ("unexpected", unknown)) if names]
+        parts = [
+            _listing(what, names) for what, names in (("missing", missing), ("unexpected", unknown)) if names
+        ]
         raise CheckpointError("tensors " + "; ".join(parts), where)
     finite = torch.stack([ok for _, ok in checks]).tolist() if checks else []  # one device sync
     bad = [name for (name, _), ok in zip(checks, finite, strict=True) if not ok]
     if bad:
-        raise CheckpointError(f"{_listing('tensors hold NaN or Inf', bad)} when served as {dtype_name(model.dtype)}", where)
+        raise CheckpointError(
+            f"{_listing('tensors hold NaN or Inf', bad)} when served as {dtype_name(model.dtype)}", where
+        )
 
 
 def all_finite(tensor: Tensor) -> Tensor:
@@ -142,8 +148,16 @@ def _progress_bar(total: int, progress: bool | None) -> tqdm:
     """The weights' progress bar (bytes); drawn on stderr only when ``progress``, or with None when
     stderr is a terminal."""
     show = progress if progress is not None else sys.stderr.isatty()
-    return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not show, leave=False, file=sys.stderr)
+    return tqdm(
+        total=total,
+        desc="loading weights",
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        disable=not show,
+        leave=False,
+        file=sys.stderr,
+    )
 
 
 def _load_one(

@@ -19,6 +19,8 @@ state dict maps onto HF checkpoints by name; the MTP layers live under ``mtp.*``
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import torch
 from torch import Tensor, nn
@@ -132,11 +134,13 @@ class DeepseekV32(nn.Module):
             raise ValueError(f"model has {len(self.mtp)} MTP layers, asked for depth {depth}")
         embeds = self.model.embed_tokens(next_token_ids)
         cos, sin = self.rope(positions, embeds.dtype)
-        kv_rows, index_k = self.mtp[depth].cache_rows(embeds, prev_hidden.to(embeds.dtype), cos, sin)
+        mtp = cast(MtpLayer, self.mtp[depth])  # (an nn.ModuleList's items are typed as Module)
+        kv_rows, index_k = mtp.cache_rows(embeds, prev_hidden.to(embeds.dtype), cos, sin)
         backend.store_rows(self.cfg.num_hidden_layers + depth, kv_rows, index_k)
 
     def to_dtype(self, dtype: torch.dtype) -> DeepseekV32:
-        """Cast in place; the router and indexer weights stay in the wide dtype (as HF keeps them in float32)."""
+        """Cast in place; the router and indexer weights stay in the wide dtype (as HF keeps them in
+        float32)."""
         self.to(dtype)
         wide = wide_dtype(dtype)
         for name, tensor in [*self.named_parameters(), *self.named_buffers()]:

@@ -24,7 +24,10 @@ from pipeline.model.layers import DenseMLP, wide_dtype
 
 
 class TopkRouter(nn.Module):
-    """Picks experts and their weights; ``weight`` and the bias stay in the wide dtype (see ``cast_model``)."""
+    """Picks experts and their weights; ``weight`` and the bias stay in the wide dtype (see
+    ``cast_model``)."""
+
+    e_score_correction_bias: Tensor  # [E], a buffer
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -68,7 +71,8 @@ class RoutedExperts(nn.Module):
         nn.init.normal_(self.down_proj, std=0.02)
 
     def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
-        """``x [N, D]``, ``ids/weights [N, k]`` -> ``[N, D]``; accumulated in the activations' dtype, expert by expert."""
+        """``x [N, D]``, ``ids/weights [N, k]`` -> ``[N, D]``; accumulated in the activations'
+        dtype, expert by expert."""
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)  # [N * k]
         for expert in torch.unique(flat_ids).tolist():
@@ -88,7 +92,7 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = TopkRouter(cfg)
         self.experts = RoutedExperts(cfg)
-        self.shared_experts = (
+        self.shared_experts: DenseMLP | None = (
             DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
             if cfg.n_shared_experts > 0
             else None

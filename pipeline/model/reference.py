@@ -61,7 +61,9 @@ def pick_token(logits: Tensor, sampling: Sampling, generator: torch.Generator | 
     """``logits [V]`` -> one token id."""
     if sampling.temperature == 0:
         return int(torch.argmax(logits))
-    scaled = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / sampling.temperature
+    scaled = (
+        logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32) / sampling.temperature
+    )
     if sampling.top_k:
         kth = torch.topk(scaled, min(sampling.top_k, scaled.numel())).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -101,8 +103,9 @@ class DecodeSession:
     def mtp(self, next_ids: list[int], prev_hidden: Tensor, start: int) -> tuple[Tensor, Tensor]:
         """MTP forward at slots ``start..``; returns ``(hidden [T, D], logits [T, V])``."""
         positions = self._begin(start, len(next_ids))
-        out = self.model.mtp_forward(torch.tensor(next_ids, device=self.model.device), positions, prev_hidden,
-                                     self.backend)
+        out = self.model.mtp_forward(
+            torch.tensor(next_ids, device=self.model.device), positions, prev_hidden, self.backend
+        )
         return out.hidden, out.logits
 
 
@@ -124,11 +127,19 @@ class ReferenceDecoder:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[int], max_new_tokens: int, sampling: Sampling = Sampling(), stop_at_eos: bool = True
+        self,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        stop_at_eos: bool = True,
     ) -> Generation:
         _check_prompt(prompt_ids, max_new_tokens, self.max_ctx)
         session = DecodeSession(self.model, self.max_ctx)
-        gen = torch.Generator(device=self.model.device).manual_seed(sampling.seed) if sampling.seed is not None else None
+        gen = (
+            torch.Generator(device=self.model.device).manual_seed(sampling.seed)
+            if sampling.seed is not None
+            else None
+        )
         eos = self.model.cfg.eos_token_id if stop_at_eos else None
         hidden = session.target(list(prompt_ids), 0)
         n, out, forwards = len(prompt_ids), [], 1

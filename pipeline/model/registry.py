@@ -26,7 +26,8 @@ class UnsupportedArchitecture(ValueError):
 
 
 def architecture(model_type: object) -> Architecture:
-    """The table entry of ``model_type``; raises :class:`UnsupportedArchitecture` listing the supported ones."""
+    """The table entry of ``model_type``; raises :class:`UnsupportedArchitecture` listing the
+    supported ones."""
     arch = ARCHITECTURES.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         raise UnsupportedArchitecture(

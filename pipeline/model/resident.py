@@ -16,7 +16,10 @@ write_locs`` before the first layer, so a token can see the batch's own earlier 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -88,7 +91,7 @@ class ResidentBackend:
     records_layout: bool = True
     # the numpy views of the pools when ``kernels.hisparse_attend_numba`` serves this forward's
     # layers, False when it cannot, None before the first layer decides
-    _compiled: object = attrs.field(default=None, init=False)
+    _compiled: tuple[np.ndarray, np.ndarray] | Literal[False] | None = attrs.field(default=None, init=False)
 
     def begin(self, layout: ForwardLayout) -> None:
         """Set the layout for the next forward and record its locations in ``req_to_token``."""
@@ -104,11 +107,13 @@ class ResidentBackend:
             raise RuntimeError("ResidentBackend.attend called before begin(layout)")
         if inputs.kv_rows.shape[0] != layout.req_rows.shape[0]:
             raise ValueError("the forward's token count does not match the layout")
-        if not inputs.reuse_topk and self._compiled_fits(inputs, layout):
-            kv_all, keys_all = self._compiled
+        compiled = self._compiled if not inputs.reuse_topk and self._compiled_fits(inputs, layout) else None
+        if isinstance(compiled, tuple):
+            kv_all, keys_all = compiled
+            index_q, index_w, index_k = inputs.indexer_inputs()
             out, self.last_topk = hisparse_attend_numba.attend_resident(
-                kv_all, keys_all, inputs.layer, layout.write_locs, inputs.kv_rows, inputs.index_k,
-                inputs.index_q, inputs.index_w, self.store.req_to_token, layout.req_rows, layout.positions + 1,
+                kv_all, keys_all, inputs.layer, layout.write_locs, inputs.kv_rows, index_k,
+                index_q, index_w, self.store.req_to_token, layout.req_rows, layout.positions + 1,
                 inputs.index_scale, inputs.top_k, inputs.q_latent, inputs.q_rope, inputs.attn_scale,
             )
             return out
@@ -173,9 +178,12 @@ class ResidentBackend:
         """The indexer's top-k positions of every token of the layout: ``[T, K]`` int32, -1 padded."""
         layout = self.layout
         assert layout is not None
+        index_q, index_w = inputs.index_q, inputs.index_w
+        if index_q is None or index_w is None:
+            raise ValueError(f"layer {inputs.layer} has no indexer queries (reuse_topk={inputs.reuse_topk})")
         return indexer_topk(
-            inputs.index_q,
-            inputs.index_w,
+            index_q,
+            index_w,
             keys,
             self.store.req_to_token,
             layout.req_rows,

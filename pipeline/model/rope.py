@@ -136,14 +136,17 @@ class Rope:
             return cls(theta=theta)
         if rope_type != "yarn":
             raise RopeError(
-                f"{key}.rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+                f"{key}.rope_type {rope_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
             )
         max_pos = raw.get("max_position_embeddings")
         # as HF: a top-level original_max_position_embeddings wins over the one in the rope dict
         if raw.get("original_max_position_embeddings") is not None:
             original = integer(raw["original_max_position_embeddings"], "original_max_position_embeddings")
         elif "original_max_position_embeddings" in params:
-            original = integer(params["original_max_position_embeddings"], f"{key}.original_max_position_embeddings")
+            original = integer(
+                params["original_max_position_embeddings"], f"{key}.original_max_position_embeddings"
+            )
         elif max_pos is not None:
             original = integer(max_pos, "max_position_embeddings")
         else:

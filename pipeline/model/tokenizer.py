@@ -28,7 +28,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -42,9 +42,11 @@ log = structlog.get_logger("hispec.tokenizer")
 
 EOS_TEXT = "<eos>"
 BYTE_MARKER = "hispec_tokenizer"  # tokenizer_config.json key; the value "byte" selects ByteTokenizer
-_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")  # a byte-fallback piece, as HF's ByteFallback decoder reads it
+# a byte-fallback piece, as HF's ByteFallback decoder reads it
+_BYTE_PIECE = re.compile(r"^<0x[0-9A-Fa-f]{2}>$")
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
-# files that mean "this directory has a tokenizer" (tokenizer.json is read directly, the others via transformers)
+# files that mean "this directory has a tokenizer" (tokenizer.json is read directly, the others via
+# transformers)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 Messages = Sequence[Mapping[str, Any]]
@@ -89,10 +91,14 @@ class Tokenizer(Protocol):
         ...
 
 
+def _id_set(ids: Iterable[int]) -> frozenset[int]:
+    return frozenset(ids)
+
+
 @attrs.frozen
 class ByteTokenizer:
     eos_token_id: int = 256
-    eos_token_ids: frozenset[int] = attrs.field(converter=frozenset)
+    eos_token_ids: frozenset[int] = attrs.field(converter=_id_set)
     chat_template: str | None = None  # none of its own; one given renders to text encoded as bytes
 
     @eos_token_ids.default
@@ -120,7 +126,9 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: Messages, add_generation_prompt: bool = True) -> list[int]:
         if self.chat_template is None:
-            raise RequestError("messages", "<conversation>", "the model has no chat template (byte-level tokenizer)")
+            raise RequestError(
+                "messages", "<conversation>", "the model has no chat template (byte-level tokenizer)"
+            )
         _check_messages(messages)
         return self.encode(_render(self.chat_template, messages, add_generation_prompt, {}))
 
@@ -130,7 +138,7 @@ class ByteTokenizer:
     def write_hf_files(self, path: str | Path) -> None:
         out = Path(path)
         vocab = {symbol: byte for byte, symbol in _byte_symbols().items()}
-        tokenizer = {
+        tokenizer: dict[str, object] = {
             "version": "1.0",
             "truncation": None,
             "padding": None,
@@ -146,19 +154,41 @@ class ByteTokenizer:
                 }
             ],
             "normalizer": None,
-            "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                              "use_regex": False},
+            "pre_tokenizer": {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
             "post_processor": None,
-            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
-                        "use_regex": False},
-            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                      "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
-                      "ignore_merges": False, "vocab": vocab, "merges": []},
+            "decoder": {
+                "type": "ByteLevel",
+                "add_prefix_space": False,
+                "trim_offsets": False,
+                "use_regex": False,
+            },
+            "model": {
+                "type": "BPE",
+                "dropout": None,
+                "unk_token": None,
+                "continuing_subword_prefix": None,
+                "end_of_word_suffix": None,
+                "fuse_unk": False,
+                "byte_fallback": False,
+                "ignore_merges": False,
+                "vocab": vocab,
+                "merges": [],
+            },
         }
         # split_special_tokens: the text "<eos>" is five bytes, as here, not the special token
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS_TEXT, "split_special_tokens": True,
-                  "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False,
-                  BYTE_MARKER: "byte"}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "eos_token": EOS_TEXT,
+            "split_special_tokens": True,
+            "model_max_length": 1 << 30,
+            "clean_up_tokenization_spaces": False,
+            BYTE_MARKER: "byte",
+        }
         (out / "tokenizer.json").write_text(json.dumps(tokenizer, indent=1, ensure_ascii=False) + "\n")
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 
@@ -180,7 +210,11 @@ class StreamDecoder:
 
 def _byte_symbols() -> dict[int, str]:
     """GPT-2's byte -> printable symbol table (what the ``ByteLevel`` pre-tokenizer emits)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table = {b: chr(b) for b in printable}
     extra = 0
     for b in range(256):
@@ -248,8 +282,10 @@ class HFTokenizer:
         """The conversation as text, by the checkpoint's chat template (as ``transformers`` renders it)."""
         if self.chat_template is None:
             raise RequestError(
-                "messages", "<conversation>", "the checkpoint has no chat template (tokenizer_config.json "
-                "'chat_template' or chat_template.jinja); pass a prompt instead"
+                "messages",
+                "<conversation>",
+                "the checkpoint has no chat template (tokenizer_config.json "
+                "'chat_template' or chat_template.jinja); pass a prompt instead",
             )
         _check_messages(messages)
         return _render(self.chat_template, messages, add_generation_prompt, self.special_tokens)
@@ -292,10 +328,14 @@ def load_tokenizer(
     config = _read_json(source / "tokenizer_config.json", field)
     has_files = any((source / name).exists() for name in _TOKENIZER_FILES)
     if tokenizer is not None and not has_files:
-        raise ConfigError("tokenizer", str(tokenizer), f"holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})")
+        raise ConfigError(
+            "tokenizer", str(tokenizer), f"holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"
+        )
     if config.get(BYTE_MARKER) == "byte" or not has_files:
         if config.get(BYTE_MARKER) != "byte":
-            log.warning("tokenizer.byte_level", model=str(path), reason="the directory has no tokenizer files")
+            log.warning(
+                "tokenizer.byte_level", model=str(path), reason="the directory has no tokenizer files"
+            )
         primary = ends[0] if ends else 256
         return ByteTokenizer(eos_token_id=primary, eos_token_ids=ends or (primary,), chat_template=template)
     return HFTokenizer.from_dir(source, eos_token_ids=ends or None, chat_template=template, field=field)
@@ -329,11 +369,15 @@ def end_token_ids(path: str | Path, *, vocab_size: int | None = None) -> tuple[i
             continue
         for token in value if isinstance(value, list) else [value]:
             if isinstance(token, bool) or not isinstance(token, int):
-                raise ConfigError("model", str(path), f"{name}: eos_token_id must be an int or a list of ints")
+                raise ConfigError(
+                    "model", str(path), f"{name}: eos_token_id must be an int or a list of ints"
+                )
             if vocab_size is not None and not 0 <= token < vocab_size:
                 raise ConfigError(
-                    "model", str(path), f"{name}: eos_token_id {token} is outside the model's vocabulary of "
-                    f"{vocab_size} ids (0..{vocab_size - 1})"
+                    "model",
+                    str(path),
+                    f"{name}: eos_token_id {token} is outside the model's vocabulary of "
+                    f"{vocab_size} ids (0..{vocab_size - 1})",
                 )
             if token not in ids:
                 ids.append(token)
@@ -351,16 +395,20 @@ def tokenizer_for_model(
     """The engine's tokenizer: ``model_dir``'s (:func:`load_tokenizer`, with ``tokenizer`` and
     ``chat_template`` as there), or for a model built in memory (no directory) ``tokenizer``'s, else
     the byte-level one with the model's EOS. Refuses a tokenizer whose ids the model cannot embed."""
-    if model_dir is None and tokenizer is None:
-        template = None if chat_template is None else read_chat_template(chat_template)
-        return ByteTokenizer(eos_token_id=eos_token_id if eos_token_id is not None else 256, chat_template=template)
     source = model_dir if model_dir is not None else tokenizer
+    if source is None:
+        template = None if chat_template is None else read_chat_template(chat_template)
+        return ByteTokenizer(
+            eos_token_id=eos_token_id if eos_token_id is not None else 256, chat_template=template
+        )
     ends_below = vocab_size if model_dir is not None else None  # a model built in memory has no end-id files
     loaded = load_tokenizer(source, tokenizer=tokenizer, chat_template=chat_template, vocab_size=ends_below)
     if loaded.vocab_size > vocab_size:
         field, where = ("model", model_dir) if tokenizer is None else ("tokenizer", tokenizer)
         raise ConfigError(
-            field, str(where), f"the tokenizer has {loaded.vocab_size} ids but the model's vocab_size is {vocab_size}"
+            field,
+            str(where),
+            f"the tokenizer has {loaded.vocab_size} ids but the model's vocab_size is {vocab_size}",
         )
     return loaded
 
@@ -374,9 +422,13 @@ def _read_json(path: Path, field: str = "model") -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-        raise ConfigError(field, str(path.parent), f"{path.name} is not valid JSON ({_one_line(exc)})") from None
+        raise ConfigError(
+            field, str(path.parent), f"{path.name} is not valid JSON ({_one_line(exc)})"
+        ) from None
     if not isinstance(data, dict):
-        raise ConfigError(field, str(path.parent), f"{path.name} must hold a JSON object, not a {type(data).__name__}")
+        raise ConfigError(
+            field, str(path.parent), f"{path.name} must hold a JSON object, not a {type(data).__name__}"
+        )
     return data
 
 
@@ -403,21 +455,26 @@ def _load_backend(path: Path, field: str = "model") -> Any:
             return Backend.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # the library raises a bare Exception for a bad file
             raise ConfigError(
-                field, str(path), f"tokenizer.json is not a tokenizer the tokenizers library can read ({_one_line(exc)})"
+                field,
+                str(path),
+                f"tokenizer.json is not a tokenizer the tokenizers library can read ({_one_line(exc)})",
             ) from None
     try:
         from transformers import AutoTokenizer
     except ImportError as exc:
         raise ConfigError(
-            field, str(path), "its tokenizer has no tokenizer.json: reading the other tokenizer files "
-            "needs transformers (pip install transformers)"
+            field,
+            str(path),
+            "its tokenizer has no tokenizer.json: reading the other tokenizer files "
+            "needs transformers (pip install transformers)",
         ) from exc
     try:
         hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as exc:  # whatever the files make transformers raise
         raise ConfigError(
-            field, str(path), f"its tokenizer files cannot be read by transformers ({type(exc).__name__}: "
-            f"{_one_line(exc)})"
+            field,
+            str(path),
+            f"its tokenizer files cannot be read by transformers ({type(exc).__name__}: {_one_line(exc)})",
         ) from None
     backend = getattr(hf, "backend_tokenizer", None)
     if backend is None:
@@ -433,7 +490,9 @@ def _chat_template(path: Path, config: dict[str, Any], field: str = "model") -> 
         try:
             return jinja.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(field, str(path), f"chat_template.jinja cannot be read ({_one_line(exc)})") from None
+            raise ConfigError(
+                field, str(path), f"chat_template.jinja cannot be read ({_one_line(exc)})"
+            ) from None
     template = config.get("chat_template")
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
@@ -450,15 +509,24 @@ def _check_messages(messages: Messages) -> None:
         )
 
 
-def _render(template: str, messages: Messages, add_generation_prompt: bool, special: Mapping[str, Any]) -> str:
+def _render(
+    template: str, messages: Messages, add_generation_prompt: bool, special: Mapping[str, Any]
+) -> str:
     """Render like ``transformers``' ``apply_chat_template`` (sandboxed Jinja, trim_blocks and
     lstrip_blocks, ``raise_exception``, ``strftime_now``, a ``tojson`` that keeps non-ASCII)."""
     from jinja2 import TemplateError
 
     try:
-        return _jinja_environment().from_string(template).render(
-            messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tools=None,
-            documents=None, **special
+        return (
+            _jinja_environment()
+            .from_string(template)
+            .render(
+                messages=[dict(m) for m in messages],
+                add_generation_prompt=add_generation_prompt,
+                tools=None,
+                documents=None,
+                **special,
+            )
         )
     except TemplateError as exc:
         raise RequestError("messages", "<conversation>", f"the chat template refused it: {exc}") from exc
@@ -472,11 +540,20 @@ def _jinja_environment() -> Any:
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
-    def tojson(value: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-               sort_keys: bool = False) -> str:
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    def tojson(
+        value: Any,
+        ensure_ascii: bool = False,
+        indent: Any = None,
+        separators: Any = None,
+        sort_keys: bool = False,
+    ) -> str:
+        return json.dumps(
+            value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -42,13 +42,21 @@ from pipeline.model.training import DENSE, SPARSE, SPARSE_STABLE, TrainOutput, t
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True,
-                   help="checkpoint directory to write (required: the bundled model is never overwritten by default)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="checkpoint directory to write (required: the bundled model is never overwritten by default)",
+    )
     p.add_argument("--log", type=Path, default=None, help="JSON-lines metrics file")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--corpus", choices=SELECTIONS, default=DEFAULT_SELECTION,
-                   help="corpus selection (pipeline/model/corpus.py); stdlib-v1 is the bundled model's data")
+    p.add_argument(
+        "--corpus",
+        choices=SELECTIONS,
+        default=DEFAULT_SELECTION,
+        help="corpus selection (pipeline/model/corpus.py); stdlib-v1 is the bundled model's data",
+    )
     # architecture
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
@@ -75,8 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="dense phase")
     p.add_argument("--sparse-batch", type=int, default=3)
     p.add_argument("--sparse-seq-len", type=int, default=1024)
-    p.add_argument("--long-every", type=int, default=0,
-                   help="sparse phase: every n-th step uses long windows instead (0: never)")
+    p.add_argument(
+        "--long-every",
+        type=int,
+        default=0,
+        help="sparse phase: every n-th step uses long windows instead (0: never)",
+    )
     p.add_argument("--long-batch", type=int, default=1)
     p.add_argument("--long-seq-len", type=int, default=4096)
     p.add_argument("--lr", type=float, default=2e-3)
@@ -84,8 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="loss weight of each MTP chain step")
     p.add_argument("--mtp-steps", type=int, default=3, help="chain steps the MTP layer is trained for")
-    p.add_argument("--dense-mtp-steps", type=int, default=None,
-                   help="the same, in the dense warm-up (default: --mtp-steps)")
+    p.add_argument(
+        "--dense-mtp-steps",
+        type=int,
+        default=None,
+        help="the same, in the dense warm-up (default: --mtp-steps)",
+    )
     p.add_argument("--kl-weight", type=float, default=1.0)
     p.add_argument("--bias-gamma", type=float, default=1e-3, help="loss-free balancing step")
     p.add_argument("--eval-every", type=int, default=250)
@@ -183,8 +199,15 @@ def phases(args: argparse.Namespace) -> list[Phase]:
     dense_mtp_steps = args.mtp_steps if args.dense_mtp_steps is None else args.dense_mtp_steps
     return [
         Phase("dense", args.dense_steps, DENSE, args.batch, args.seq_len, dense_mtp_steps),
-        Phase("sparse", args.sparse_steps, SPARSE, args.sparse_batch, args.sparse_seq_len, args.mtp_steps,
-              args.long_every),
+        Phase(
+            "sparse",
+            args.sparse_steps,
+            SPARSE,
+            args.sparse_batch,
+            args.sparse_seq_len,
+            args.mtp_steps,
+            args.long_every,
+        ),
         Phase("long", args.long_steps, SPARSE, args.long_batch, args.long_seq_len, args.mtp_steps),
     ]
 
@@ -198,10 +221,20 @@ def make_optimizer(model: DeepseekV32, args: argparse.Namespace) -> torch.optim.
 
 
 def train_step(
-    model: DeepseekV32, opt: torch.optim.Optimizer, windows: torch.Tensor, phase: Phase, args: argparse.Namespace
+    model: DeepseekV32,
+    opt: torch.optim.Optimizer,
+    windows: torch.Tensor,
+    phase: Phase,
+    args: argparse.Namespace,
 ) -> TrainOutput:
-    out = train_forward(model, windows, mode=phase.mode, mtp_weight=args.mtp_weight, mtp_steps=phase.mtp_steps,
-                        kl_weight=args.kl_weight)
+    out = train_forward(
+        model,
+        windows,
+        mode=phase.mode,
+        mtp_weight=args.mtp_weight,
+        mtp_steps=phase.mtp_steps,
+        kl_weight=args.kl_weight,
+    )
     opt.zero_grad(set_to_none=True)
     out.loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -228,14 +261,19 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     corpus = build_corpus(eos_id=ByteTokenizer().eos_token_id, selection=args.corpus)
-    model = init_weights(DeepseekV32(model_config(args, ByteTokenizer().eos_token_id)), seed=args.seed).train()
+    model = init_weights(
+        DeepseekV32(model_config(args, ByteTokenizer().eos_token_id)), seed=args.seed
+    ).train()
     num_params = sum(p.numel() for p in model.parameters())
-    tqdm.write(f"params {num_params:,}  corpus {args.corpus}  train tokens {corpus.train.numel():,}  "
-               f"held-out {corpus.held_out.numel():,}")
+    tqdm.write(
+        f"params {num_params:,}  corpus {args.corpus}  train tokens {corpus.train.numel():,}  "
+        f"held-out {corpus.held_out.numel():,}"
+    )
     opt = make_optimizer(model, args)
     gen = torch.Generator().manual_seed(args.seed + 1)  # window sampling
-    eval_windows = sample_windows(corpus.held_out, args.eval_windows, args.eval_len,
-                                  torch.Generator().manual_seed(args.seed + 2))
+    eval_windows = sample_windows(
+        corpus.held_out, args.eval_windows, args.eval_len, torch.Generator().manual_seed(args.seed + 2)
+    )
     plan = phases(args)
     total = sum(p.steps for p in plan)
     step, started = 0, time.perf_counter()
@@ -244,20 +282,42 @@ def main(argv: list[str]) -> int:
         for i in range(phase.steps):
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, total, args)
-            out = train_step(model, opt, sample_windows(corpus.train, *phase.shape(i, args), gen), phase, args)
+            out = train_step(
+                model, opt, sample_windows(corpus.train, *phase.shape(i, args), gen), phase, args
+            )
             step += 1
             bar.update(1)
-            bar.set_postfix(phase=phase.name, lm=f"{out.lm_loss.item():.3f}",
-                            mtp="/".join(f"{m.item():.2f}" for m in out.mtp_losses), kl=f"{out.kl_loss.item():.3f}")
+            bar.set_postfix(
+                phase=phase.name,
+                lm=f"{out.lm_loss.item():.3f}",
+                mtp="/".join(f"{m.item():.2f}" for m in out.mtp_losses),
+                kl=f"{out.kl_loss.item():.3f}",
+            )
             if step % args.eval_every == 0 or step == total:
                 held = evaluate(model, eval_windows, DENSE if phase.mode == DENSE else SPARSE_STABLE)
-                report({"step": step, "phase": phase.name, "wall_s": round(time.perf_counter() - started, 1),
-                        "train_lm": out.lm_loss.item(), "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
-                        "held_lm": held["lm"], "held_mtp": held["mtp"], "kl": out.kl_loss.item()}, args.log)
+                report(
+                    {
+                        "step": step,
+                        "phase": phase.name,
+                        "wall_s": round(time.perf_counter() - started, 1),
+                        "train_lm": out.lm_loss.item(),
+                        "train_mtp": [round(m.item(), 4) for m in out.mtp_losses],
+                        "held_lm": held["lm"],
+                        "held_mtp": held["mtp"],
+                        "kl": out.kl_loss.item(),
+                    },
+                    args.log,
+                )
                 save(model, args.out)
     bar.close()
-    report({"wall_s": round(time.perf_counter() - started, 1), "params": num_params,
+    report(
+        {
+            "wall_s": round(time.perf_counter() - started, 1),
+            "params": num_params,
             "held_lm_sparse": evaluate(model, eval_windows, SPARSE_STABLE)["lm"],
-            "held_lm_dense": evaluate(model, eval_windows, DENSE)["lm"]}, args.log)
+            "held_lm_dense": evaluate(model, eval_windows, DENSE)["lm"],
+        },
+        args.log,
+    )
     save(model, args.out)
     return 0

@@ -17,12 +17,14 @@ draft extend = pass 1, slot ``t-j+i`` by pass i)::
 
 from __future__ import annotations
 
+from typing import cast
+
 import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipeline.model.decoder import DecoderLayer
+from pipeline.model.decoder import DecoderLayer, MtpLayer
 from pipeline.model.model import DeepseekV32
 from pipeline.model.moe import MoE
 from pipeline.model.training_attention import DENSE, SPARSE, SPARSE_STABLE, KeySet, LayerStats, attention
@@ -60,7 +62,9 @@ def _mlp(layer: DecoderLayer, x: Tensor, stats: LayerStats) -> Tensor:
 
 def _layer(layer: DecoderLayer, x: Tensor, cos: Tensor, sin: Tensor, allowed: Tensor, mode: str,
            stats: LayerStats, earlier: list[KeySet] | None = None) -> tuple[Tensor, KeySet]:
-    attn_out, own = attention(layer.self_attn, layer.input_layernorm(x), cos, sin, allowed, mode, stats, earlier)
+    attn_out, own = attention(
+        layer.self_attn, layer.input_layernorm(x), cos, sin, allowed, mode, stats, earlier
+    )
     x = x + attn_out
     return x + _mlp(layer, layer.post_attention_layernorm(x), stats), own
 
@@ -77,7 +81,9 @@ def target_hidden(model: DeepseekV32, ids: Tensor, mode: str, stats: LayerStats 
     cos, sin = model.rope(torch.arange(t, device=ids.device), x.dtype)  # [T, R]
     causal = _causal(t, ids.device)
     for layer in model.model.layers:
-        x, _ = _layer(layer, x, cos, sin, causal, mode, stats)
+        x, _ = _layer(
+            cast(DecoderLayer, layer), x, cos, sin, causal, mode, stats
+        )  # (ModuleList items: Module)
     return model.model.norm(x)
 
 
@@ -91,17 +97,24 @@ def _chain_allowed(slots: int, step: int, device: torch.device) -> Tensor:
 
 
 def mtp_chain(
-    model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, steps: int = 1, stats: LayerStats | None = None
+    model: DeepseekV32,
+    ids: Tensor,
+    hidden: Tensor,
+    mode: str,
+    steps: int = 1,
+    stats: LayerStats | None = None,
 ) -> list[Tensor]:
     """Chain passes of MTP depth 0 over a window: pass j's slot t reads token ``ids[t + 1]`` and predicts
     ``ids[t + 2]``; pass 1 pairs it with ``hidden[:, t]``, pass j > 1 with pass j-1's output at slot t-1.
     Returns each pass's normed output ``[B, T-1, D]`` (pass j's slots below j-1 are padding)."""
     stats = stats if stats is not None else LayerStats()
-    mtp = model.mtp[0]
+    mtp = cast(MtpLayer, model.mtp[0])  # (an nn.ModuleList's items are typed as Module)
     slots = ids.shape[1] - 1
     embeds = model.model.embed_tokens(ids[:, 1:])
     cos, sin = model.rope(torch.arange(slots, device=ids.device), embeds.dtype)
-    prev, keys, outs = hidden[:, :slots], [], []
+    prev = hidden[:, :slots]
+    keys: list[KeySet] = []
+    outs: list[Tensor] = []
     for step in range(1, steps + 1):
         allowed = _chain_allowed(slots, step, ids.device)
         x, own = _layer(mtp.block, mtp.combine(embeds, prev), cos, sin, allowed, mode, stats, keys)
@@ -112,7 +125,9 @@ def mtp_chain(
     return outs
 
 
-def mtp_hidden(model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, stats: LayerStats | None = None) -> Tensor:
+def mtp_hidden(
+    model: DeepseekV32, ids: Tensor, hidden: Tensor, mode: str, stats: LayerStats | None = None
+) -> Tensor:
     """MTP depth 0 over a window (chain step 1 only); returns ``[B, T-1, D]``."""
     return mtp_chain(model, ids, hidden, mode, 1, stats)[0]
 
@@ -138,5 +153,10 @@ def train_forward(
             mtp.append(F.cross_entropy(mtp_logits.flatten(0, 1).float(), ids[:, step + 1 :].flatten()))
     kl = torch.stack(stats.kl).sum()
     loss = lm + mtp_weight * sum(mtp, torch.zeros((), device=ids.device)) + kl_weight * kl
-    return TrainOutput(loss=loss, lm_loss=lm.detach(), mtp_losses=tuple(m.detach() for m in mtp),
-                       kl_loss=kl.detach(), expert_counts=stats.counts)
+    return TrainOutput(
+        loss=loss,
+        lm_loss=lm.detach(),
+        mtp_losses=tuple(m.detach() for m in mtp),
+        kl_loss=kl.detach(),
+        expert_counts=stats.counts,
+    )

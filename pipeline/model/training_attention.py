@@ -81,10 +81,15 @@ def attention(
     stats: LayerStats,
     earlier: list[KeySet] | None = None,
 ) -> tuple[Tensor, KeySet]:
-    """``x [B, T, D]`` (normed) -> (``[B, T, D]``, this call's own keys). Keys: ``earlier`` + own, in order."""
+    """``x [B, T, D]`` (normed) -> (``[B, T, D]``, this call's own keys). Keys: ``earlier`` + own,
+    in order."""
+    if attn.indexer is None:
+        raise ValueError("training attention needs a layer with its own indexer")
     p = attn.project(x, cos, sin)
     idx = attn.indexer.project(x.detach(), p.q_resid.detach(), cos, sin)
-    own = KeySet(latent=p.latent, k_rope=p.k_rope, index_k=idx.k, pos=torch.arange(x.shape[1], device=x.device))
+    own = KeySet(
+        latent=p.latent, k_rope=p.k_rope, index_k=idx.k, pos=torch.arange(x.shape[1], device=x.device)
+    )
     keys = KeySet.concat([*(earlier or []), own])
     allowed = allowed.expand(x.shape[0], -1, -1)
     if mode == DENSE:
@@ -98,7 +103,9 @@ def attention(
 
 
 @torch.no_grad()
-def _select(idx: IndexerProjection, keys: KeySet, allowed: Tensor, top_k: int, stable: bool) -> tuple[Tensor, Tensor]:
+def _select(
+    idx: IndexerProjection, keys: KeySet, allowed: Tensor, top_k: int, stable: bool
+) -> tuple[Tensor, Tensor]:
     """Top-k allowed keys per query: indices ``[B, T, K]`` int64 and validity, K = min(top_k, S).
 
     ``stable`` orders ties by key position (each query sees at most one key per position), exactly the
@@ -122,8 +129,14 @@ def _select(idx: IndexerProjection, keys: KeySet, allowed: Tensor, top_k: int, s
     return top.indices, top.values > float("-inf")
 
 
-def _masked(attn: MlaAttention, p: MlaProjection, idx: IndexerProjection, keys: KeySet, mask: Tensor,
-            stats: LayerStats) -> Tensor:
+def _masked(
+    attn: MlaAttention,
+    p: MlaProjection,
+    idx: IndexerProjection,
+    keys: KeySet,
+    mask: Tensor,
+    stats: LayerStats,
+) -> Tensor:
     """Expanded-form attention where ``mask [B, T, S]`` allows; ``[B, H, T, S]`` logits."""
     cfg = attn.cfg
     scores = index_scores(idx.q, idx.w, keys.index_k, cfg.index_scale)  # [B, T, S]
@@ -140,8 +153,15 @@ def _masked(attn: MlaAttention, p: MlaProjection, idx: IndexerProjection, keys: 
     return attn.o_proj(out)
 
 
-def _gathered(attn: MlaAttention, p: MlaProjection, idx: IndexerProjection, keys: KeySet, pos: Tensor,
-              valid: Tensor, stats: LayerStats) -> Tensor:
+def _gathered(
+    attn: MlaAttention,
+    p: MlaProjection,
+    idx: IndexerProjection,
+    keys: KeySet,
+    pos: Tensor,
+    valid: Tensor,
+    stats: LayerStats,
+) -> Tensor:
     """Absorbed-form attention over each query's gathered top-k rows; ``[B, T, H, K]`` logits."""
     cfg = attn.cfg
     rows = torch.arange(pos.shape[0], device=pos.device)[:, None, None]

@@ -17,11 +17,11 @@ a :class:`CheckpointError` naming the file or tensor.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 import attrs
 import torch
@@ -71,12 +71,14 @@ class CheckpointFiles:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.entries: dict[str, TensorEntry] = {}
-        self._files: dict[Path, BinaryIO] = {}
+        self._files: dict[Path, io.BufferedReader] = {}
         for file, names in self._shards().items():
             table = read_header(file, self.path)
             for name in names if names is not None else sorted(table):
                 if name not in table:
-                    raise CheckpointError(f"{INDEX_FILE} puts {name} in {file.name}, which lacks it", str(path))
+                    raise CheckpointError(
+                        f"{INDEX_FILE} puts {name} in {file.name}, which lacks it", str(path)
+                    )
                 self.entries[name] = table[name]
 
     def _shards(self) -> dict[Path, list[str] | None]:
@@ -120,7 +122,7 @@ class CheckpointFiles:
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
-    def _handle(self, file: Path) -> BinaryIO:
+    def _handle(self, file: Path) -> io.BufferedReader:
         if file not in self._files:
             self._files[file] = open(file, "rb")  # noqa: SIM115 - kept open until close()
         return self._files[file]
@@ -137,10 +139,14 @@ class CheckpointFiles:
         of their bytes; a tensor-parallel rank reads its shard so)."""
         entry = self.entries[name]
         if not entry.shape or not 0 <= start <= stop <= entry.shape[0]:
-            raise CheckpointError(f"tensor {name} {list(entry.shape)} has no rows [{start}, {stop})", str(self.path))
+            raise CheckpointError(
+                f"tensor {name} {list(entry.shape)} has no rows [{start}, {stop})", str(self.path)
+            )
         row_bytes = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
         part = attrs.evolve(
-            entry, shape=(stop - start, *entry.shape[1:]), offset=entry.offset + start * row_bytes,
+            entry,
+            shape=(stop - start, *entry.shape[1:]),
+            offset=entry.offset + start * row_bytes,
             nbytes=(stop - start) * row_bytes,
         )
         out = torch.empty(part.shape, dtype=entry.dtype)
@@ -152,7 +158,8 @@ class CheckpointFiles:
         entry = self.entries[name]
         if tuple(dest.shape) != entry.shape:
             raise CheckpointError(
-                f"tensor {name} has shape {list(entry.shape)}, the config implies {list(dest.shape)}", str(self.path)
+                f"tensor {name} has shape {list(entry.shape)}, the config implies {list(dest.shape)}",
+                str(self.path),
             )
         if dest.dtype == entry.dtype and dest.device.type == "cpu" and dest.is_contiguous():
             self._read_bytes(entry, dest)
@@ -165,7 +172,7 @@ class CheckpointFiles:
         f = self._handle(entry.file)
         f.seek(entry.offset)
         view = out.reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, writable
-        if f.readinto(view) != entry.nbytes:
+        if f.readinto(view.data) != entry.nbytes:
             raise CheckpointError(f"{entry.file.name} ends inside tensor {entry.name}", str(self.path))
 
 

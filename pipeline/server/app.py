@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import attrs
 from fastapi import APIRouter, FastAPI, Request
@@ -72,6 +72,8 @@ from pipeline.server.protocol import (
     TokenizeResponse,
     VersionResponse,
     _Generation,
+    api_finish_reason,
+    ended_finish_reason,
 )
 from pipeline.server.sse import EventStream, chat_events, completion_events, error_detail, shutdown_abort
 from pipeline.server.validation import describe_validation_error
@@ -136,7 +138,7 @@ class ServerState:
 
     def card(self) -> ModelCard:
         return ModelCard(
-            id=self.model_name, created=self.created, max_model_len=self.engine.config.max_context_len
+            id=self.model_name, created=self.created, max_model_len=self.engine.plan.max_context_len
         )
 
     def token_texts(self) -> TokenTexts:
@@ -148,14 +150,14 @@ class ServerState:
     async def encode(self, prompt: str | list[int], *, room: int = 1) -> list[int]:
         """A completion prompt's token ids (``ApiError`` naming ``prompt`` for text that cannot be
         encoded, or that certainly leaves less than ``room`` tokens of the context)."""
-        context = self.engine.config.max_context_len
+        context = self.engine.plan.max_context_len
         return await prompts.encode_text(self.engine.tokenizer, prompt, context, room=room)
 
     async def render(
         self, messages: list[ChatMessage], *, add_generation_prompt: bool = True, room: int = 1
     ) -> list[int]:
         """A conversation's prompt token ids (``ApiError`` naming ``messages``)."""
-        context = self.engine.config.max_context_len
+        context = self.engine.plan.max_context_len
         try:
             return await prompts.encode_chat(
                 self.engine, messages, context, room=room, add_generation_prompt=add_generation_prompt
@@ -167,7 +169,7 @@ class ServerState:
 
     def begin(self, body: _Generation, prompt_ids: list[int], *, prompt_field: str, prefix: str) -> Choices:
         """Submit one checked request's ``n`` choices (``ApiError`` if it cannot be served)."""
-        context = self.engine.config.max_context_len
+        context = self.engine.plan.max_context_len
         params = sampling_params(
             body,
             len(prompt_ids),
@@ -227,7 +229,8 @@ router = APIRouter()
 async def completions(body: CompletionRequest, request: Request) -> Response:
     state = _state(request)
     state.check(body)
-    prompt_ids = await state.encode(body.prompt)
+    # the validator unwrapped a batch of one
+    prompt_ids = await state.encode(cast(str | list[int], body.prompt))
     choices = state.begin(body, prompt_ids, prompt_field="prompt", prefix="cmpl")
     echo = None
     if body.echo:
@@ -249,7 +252,9 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
         logprobs = None if texts is None else completion_logprobs(got.logprobs, texts, len(echo or ""))[0]
         text = (echo or "") + "".join(got.text)
         listed.append(
-            CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=gen.finish_reason)
+            CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=api_finish_reason(gen.finish_reason)
+            )
         )
     return _json(
         Completion(id=choices.response_id, model=state.model_name, choices=listed, usage=choices.usage)
@@ -277,7 +282,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             index=index,
             message=AssistantMessage(content="".join(got.text)),
             logprobs=None if texts is None else chat_logprobs(got.logprobs, texts),
-            finish_reason=gen.finish_reason,
+            finish_reason=ended_finish_reason(gen.finish_reason),
         )
         for index, (gen, got) in enumerate(zip(choices.gens, collected, strict=True))
     ]
@@ -316,7 +321,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         tokens = await state.encode(body.prompt, room=0)
     else:
         raise ApiError("prompt: give a prompt or messages", param="prompt")
-    context = state.engine.config.max_context_len
+    context = state.engine.plan.max_context_len
     return _json(TokenizeResponse(count=len(tokens), max_model_len=context, tokens=tokens))
 
 
@@ -403,9 +408,10 @@ def create_app(
     app.state.hispec = ServerState(
         engine, served_model_name or str(engine.config.model), ServerMetrics(engine)
     )
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(HTTPException, _http_error)
+    # Starlette types a handler as taking any Exception; it calls each with the class it is registered for
+    app.add_exception_handler(ApiError, _api_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _validation_error)  # type: ignore[arg-type]
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, _internal_error)
     app.include_router(router)
     app.add_middleware(InternalErrors)  # innermost: the endpoints' unexpected errors

@@ -94,7 +94,11 @@ class ConnectionWatch:
 
     def __call__(self, loop: Any, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        if isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS and "accept" in context.get("message", ""):
+        if (
+            isinstance(exc, OSError)
+            and exc.errno in RESOURCE_ERRNOS
+            and "accept" in context.get("message", "")
+        ):
             self.last_failure = loop.time()
             if not self.failing:
                 log.warning(
@@ -242,7 +246,12 @@ class HttpProtocol(HttpToolsProtocol):
         """Close the connection now if it is idle or its request is still arriving; otherwise let
         its response end (then it closes)."""
         cycle = self.cycle
-        if cycle is not None and not cycle.response_complete and cycle.more_body and not cycle.response_started:
+        if (
+            cycle is not None
+            and not cycle.response_complete
+            and cycle.more_body
+            and not cycle.response_started
+        ):
             self.transport.close()  # its request never reached the engine: nothing is lost
             return
         super().shutdown()

@@ -22,7 +22,7 @@ response is being produced, streaming or not, and cancels the work when it comes
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing, asynccontextmanager, suppress
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,7 +32,7 @@ import structlog
 
 from pipeline.errors import EngineClosed, RequestError, RequestFailed
 from pipeline.sampling import SamplingParams
-from pipeline.server.protocol import CompletionRequest, Usage, _Generation
+from pipeline.server.protocol import CompletionRequest, PromptTokensDetails, Usage, _Generation
 
 if TYPE_CHECKING:
     from pipeline.messages import RequestOutput
@@ -145,7 +145,7 @@ def usage(num_prompt_tokens: int, num_output_tokens: int, cached_tokens: int = 0
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_output_tokens,
         total_tokens=num_prompt_tokens + num_output_tokens,
-        prompt_tokens_details={"cached_tokens": cached_tokens},
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
 
 
@@ -204,7 +204,7 @@ class Generation:
         self.state.metrics.disconnects.inc()
         self.state.engine.abort(self.request_id)
 
-    async def deltas(self) -> AsyncIterator[RequestOutput]:
+    async def deltas(self) -> AsyncGenerator[RequestOutput]:
         """The engine's deltas for this request. Raises ``ApiError`` (503) if the engine refuses the
         submission, and ``RequestFailed`` if the request fails."""
         metrics = self.state.metrics
@@ -376,7 +376,7 @@ async def _pump(index: int, gen: Generation, send: Any) -> None:
                 await send.send((index, None, exc))
 
 
-async def _merged(receive: Any) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merged(receive: Any) -> AsyncGenerator[tuple[int, RequestOutput]]:
     async for index, delta, error in receive:
         if error is not None:
             raise error

@@ -69,9 +69,13 @@ class EngineCollector(Collector):
 
 def _prefix_cache(cache: dict[str, float]) -> Iterator[Metric]:
     """vLLM's prefix-cache figures: tokens queried and hit, and the pages held."""
-    yield _counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache["queried_tokens"])
+    yield _counter(
+        "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", cache["queried_tokens"]
+    )
     yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", cache["hit_tokens"])
-    yield _counter("prefix_cache_evicted_pages", "Pages evicted from the prefix cache.", cache["evicted_pages"])
+    yield _counter(
+        "prefix_cache_evicted_pages", "Pages evicted from the prefix cache.", cache["evicted_pages"]
+    )
     yield _gauge("prefix_cache_pages", "Pages the prefix cache holds.", cache["pages_held"])
 
 

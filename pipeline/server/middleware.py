@@ -36,7 +36,9 @@ KEYED_PATHS = ("/tokenize", "/detokenize")  # beside every path under /v1
 CLIENT_GONE = 499  # nginx's "client closed request"
 
 
-async def send_error(send: Send, status: int, detail: ErrorDetail, headers: list[tuple[bytes, bytes]]) -> None:
+async def send_error(
+    send: Send, status: int, detail: ErrorDetail, headers: list[tuple[bytes, bytes]]
+) -> None:
     """A whole response with OpenAI's error body."""
     body = ErrorResponse(error=detail).model_dump_json().encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]
@@ -209,4 +211,6 @@ class InternalErrors:
 
 
 def log_internal_error(exc: BaseException, request_id: str, **fields: object) -> None:
-    log.error("server.internal_error", request_id=request_id, error=type(exc).__name__, exc_info=exc, **fields)
+    log.error(
+        "server.internal_error", request_id=request_id, error=type(exc).__name__, exc_info=exc, **fields
+    )

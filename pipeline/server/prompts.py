@@ -152,7 +152,12 @@ async def encode_text(tokenizer: Any, prompt: str | list[int], context: int, *, 
 
 
 async def encode_chat(
-    engine: Any, messages: Sequence[ChatMessage], context: int, *, room: int, add_generation_prompt: bool = True
+    engine: Any,
+    messages: Sequence[ChatMessage],
+    context: int,
+    *,
+    room: int,
+    add_generation_prompt: bool = True,
 ) -> list[int]:
     """The prompt ids of a conversation (as ``pipeline.server.chat.render_chat`` renders them); the
     rendered text is measured (``check_fits``, naming ``messages``) before it is tokenized."""

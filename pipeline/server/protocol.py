@@ -251,6 +251,26 @@ class DetokenizeRequest(_Strict):
 FinishReason = Literal["stop", "length"]
 
 
+def api_finish_reason(reason: str | None) -> FinishReason | None:
+    """The engine's finish reason as a response spells it (an aborted or failed request never gets
+    one: its response is an error)."""
+    if reason is None:
+        return None
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    raise ValueError(f"finish reason {reason!r} has no place in a response")
+
+
+def ended_finish_reason(reason: str | None) -> FinishReason:
+    """``api_finish_reason`` of a choice that has ended, which always has one."""
+    ended = api_finish_reason(reason)
+    if ended is None:
+        raise ValueError("a choice that ended has no finish reason")
+    return ended
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from a prefix cache
 

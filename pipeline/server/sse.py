@@ -15,7 +15,7 @@ traceback in ``server.internal_error``).
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import aclosing
 
 from pydantic import BaseModel
@@ -35,6 +35,7 @@ from pipeline.server.protocol import (
     CompletionChoice,
     ErrorDetail,
     ErrorResponse,
+    api_finish_reason,
 )
 
 DONE = b"data: [DONE]\n\n"
@@ -77,7 +78,7 @@ async def completion_events(
     *,
     echo: str | None = None,
     texts: TokenTexts | None = None,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     """A completion's chunks: one per delta of each choice (tagged with its ``index``); ``echo``: the
     prompt's text, first, as each choice's first chunk; ``texts``: the request asked for logprobs."""
     created = int(time.time())
@@ -100,7 +101,7 @@ async def completion_events(
             logprobs = None
             if texts is not None and delta.logprobs is not None:
                 logprobs, offsets[index] = completion_logprobs(delta.logprobs, texts, offsets[index])
-            reason = delta.finish_reason if delta.finished else None
+            reason = api_finish_reason(delta.finish_reason) if delta.finished else None
             yield chunk(
                 CompletionChoice(index=index, text=delta.text, logprobs=logprobs, finish_reason=reason)
             )
@@ -113,7 +114,7 @@ async def completion_events(
 
 async def chat_events(
     outputs: Outputs, choices: Choices, model: str, include_usage: bool, *, texts: TokenTexts | None = None
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     """A chat completion's chunks: each choice's role first, then one per delta of each choice
     (tagged with its ``index``); ``texts``: the request asked for logprobs."""
     created = int(time.time())
@@ -136,7 +137,7 @@ async def chat_events(
             logprobs = None
             if texts is not None and delta.logprobs is not None:
                 logprobs = chat_logprobs(delta.logprobs, texts)
-            reason = delta.finish_reason if delta.finished else None
+            reason = api_finish_reason(delta.finish_reason) if delta.finished else None
             yield chunk(
                 ChatChunkChoice(
                     index=index, delta=ChatDelta(content=delta.text), logprobs=logprobs, finish_reason=reason
@@ -156,9 +157,9 @@ class EventStream(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, choices: Choices, render: Callable[[Outputs], AsyncIterator[bytes]]) -> None:
+    def __init__(self, choices: Choices, render: Callable[[Outputs], AsyncGenerator[bytes]]) -> None:
         self.choices = choices
-        self.render = render
+        self.render_events = render
         self.status_code = 200
         self.background = None
         self.init_headers({"cache-control": "no-cache", "x-accel-buffering": "no"})
@@ -168,7 +169,7 @@ class EventStream(Response):
         async with (
             cancel_on_disconnect(receive, self.choices.disconnected) as watch,
             self.choices.outputs() as outputs,
-            aclosing(self.render(outputs)) as events,
+            aclosing(self.render_events(outputs)) as events,
         ):
             async for data in events:
                 await send({"type": "http.response.body", "body": data, "more_body": True})

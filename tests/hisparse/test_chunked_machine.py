@@ -104,11 +104,17 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         mixed = self.executor.stats()["prefill"]["mixed_forwards"]
         event("a chunk shared a decode step's forward" if mixed else "no mixed step")
         event("a request was retracted" if any(r.metrics.num_retractions for r in reqs) else "no retraction")
-        event("a prompt took several chunks" if any(len(p) > 7 for p in self.prompts.values()) else "one chunk each")
+        event(
+            "a prompt took several chunks"
+            if any(len(p) > 7 for p in self.prompts.values())
+            else "one chunk each"
+        )
         assert self.executor.pool_counts() == self.initial, "a pool did not return to its initial count"
         for rid, req in self.driver.requests.items():
             if req.finish_reason == "length":
-                assert list(req.output_ids) == alone(self.prompts[rid]), f"{rid}: chunked prefill changed the answer"
+                assert list(req.output_ids) == alone(self.prompts[rid]), (
+                    f"{rid}: chunked prefill changed the answer"
+                )
             else:
                 assert req.finish_reason == "abort", (rid, req.finish_reason, req.error)
         self.executor.close()

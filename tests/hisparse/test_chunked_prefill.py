@@ -83,8 +83,9 @@ def test_chunked_prefill_gives_the_tokens_of_unchunked_prefill(tiny_model, refer
 
 @pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "resident"])
 @pytest.mark.parametrize("budget", [7, 20, 64, None], ids=lambda b: f"budget{b}")
-def test_a_forwards_budget_above_the_chunk_shares_forwards_and_keeps_the_tokens(tiny_model, reference, hisparse,
-                                                                                 budget):
+def test_a_forwards_budget_above_the_chunk_shares_forwards_and_keeps_the_tokens(
+    tiny_model, reference, hisparse, budget
+):
     """Chunks of 7 within a forward budget of 7 (one chunk a forward), 20, 64 or none: the requests'
     chunks share forwards as the plan says, and the tokens are the unchunked reference's."""
     cfg = config(hisparse=hisparse, chunk=7, prefill_batch_tokens=budget)
@@ -173,7 +174,9 @@ def test_an_abort_between_chunks_gives_every_pool_back(tiny_model, reference):
     while progress.get(longest.request_id, 0) < 3 * 8:  # the others decode meanwhile
         driver.step()
     assert any(r.state.name == "DECODE" for r in reqs)
-    assert longest.state.name == "PREFILL" and 0 < driver.core.prefill.progress[longest.request_id] < len(plist[-1])
+    assert longest.state.name == "PREFILL" and 0 < driver.core.prefill.progress[longest.request_id] < len(
+        plist[-1]
+    )
     driver.abort(longest.request_id)
     driver.run()
     assert longest.finish_reason == "abort"

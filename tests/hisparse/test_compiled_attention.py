@@ -17,12 +17,11 @@ from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.model.resident import ResidentBackend
 from pipeline.sampling import SamplingParams
 
-pytestmark = pytest.mark.skipif(not hisparse_attend_numba.AVAILABLE, reason="numba not installed")
-
 
 def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled: bool):
-    config = two_page_config(HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-                             num_steps)
+    config = two_page_config(
+        HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None, num_steps
+    )
     calls = {"one": 0, "resident": 0}
     with monkeypatch.context() as patch:
         if not compiled:
@@ -30,8 +29,11 @@ def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled:
             patch.setattr(ResidentBackend, "_compiled_fits", lambda self, inputs, layout: False)
         for name, key in (("attend_views", "one"), ("attend_resident", "resident")):
             inner = getattr(hisparse_attend_numba, name)
-            patch.setattr(hisparse_attend_numba, name,
-                          lambda *a, _inner=inner, _key=key: calls.__setitem__(_key, calls[_key] + 1) or _inner(*a))
+            patch.setattr(
+                hisparse_attend_numba,
+                name,
+                lambda *a, _inner=inner, _key=key: calls.__setitem__(_key, calls[_key] + 1) or _inner(*a),
+            )
         executor = Executor(config, model=model)
         calls.update(one=0, resident=0)  # the start's warm-up aside: what the forwards called
         logits: list[torch.Tensor] = []
@@ -39,10 +41,13 @@ def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled:
         patch.setattr(model, "logits", lambda hidden: logits.append(original(hidden)) or logits[-1])
         try:
             reqs = SyncDriver(executor, check=True).generate(
-                prompts(5, lens=(7, 3 * HOT + 1, 8 * HOT + 9)), SamplingParams(max_new_tokens=16, ignore_eos=True)
+                prompts(5, lens=(7, 3 * HOT + 1, 8 * HOT + 9)),
+                SamplingParams(max_new_tokens=16, ignore_eos=True),
             )
             counters = executor.memory.counters if hisparse else None
-            counts = (list(counters.hits), list(counters.misses), list(counters.h2d_bytes)) if counters else None
+            counts = (
+                (list(counters.hits), list(counters.misses), list(counters.h2d_bytes)) if counters else None
+            )
             return [r.output_ids for r in reqs], logits, counts, calls
         finally:
             executor.close()
@@ -51,10 +56,12 @@ def _run(model, monkeypatch, *, hisparse: bool, num_steps: int | None, compiled:
 @pytest.mark.parametrize("num_steps", [None, 3])
 @pytest.mark.parametrize("hisparse", [True, False])
 def test_one_call_serves_like_the_steps(tiny_model, monkeypatch, hisparse, num_steps):
-    tokens, logits, counts, calls = _run(tiny_model, monkeypatch, hisparse=hisparse, num_steps=num_steps,
-                                         compiled=True)
-    ref_tokens, ref_logits, ref_counts, ref_calls = _run(tiny_model, monkeypatch, hisparse=hisparse,
-                                                         num_steps=num_steps, compiled=False)
+    tokens, logits, counts, calls = _run(
+        tiny_model, monkeypatch, hisparse=hisparse, num_steps=num_steps, compiled=True
+    )
+    ref_tokens, ref_logits, ref_counts, ref_calls = _run(
+        tiny_model, monkeypatch, hisparse=hisparse, num_steps=num_steps, compiled=False
+    )
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert counts == ref_counts

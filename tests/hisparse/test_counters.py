@@ -82,7 +82,9 @@ def test_decode_counters_add_up(tiny_model, tmp_path):
 
 def test_verify_counters_add_up(tiny_model, tmp_path):
     path = tmp_path / "topk.jsonl"
-    executor = Executor(_config(SpeculativeConfig(num_steps=2, max_batch_size=8)), model=tiny_model, trace_path=str(path))
+    executor = Executor(
+        _config(SpeculativeConfig(num_steps=2, max_batch_size=8)), model=tiny_model, trace_path=str(path)
+    )
     _start(executor)
     committed = {rid: len(p) for rid, p in PROMPTS.items()}
     for _ in range(10):

@@ -46,8 +46,11 @@ def two_page_config(hisparse: HiSparseConfig | None, num_steps: int | None) -> E
         max_running_requests=4,
         device_pool_tokens=512,
         hisparse=hisparse,
-        # any batch size may run rounds (on a CPU the default rule keeps them to a request alone)
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None) if num_steps else None,
+        # any batch size may run rounds (on a CPU the default rule keeps them to a request alone); the
+        # rule is not timed, so both runs take the same forwards however busy the machine is
+        speculative=(
+            SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False) if num_steps else None
+        ),
     )
 
 

@@ -1,15 +1,14 @@
 """Stateful property test of plain HiSparse decoding through the executor.
 
-Interleaves admissions (prompts shorter and longer than HOT), transfers landing at arbitrary times,
-staging collection, decode steps, finishes and aborts in every state (staging included), under a
-device pool small enough that admissions and steps are refused for memory; a shadow executor with
-all KV resident runs the same commands (``shadowed_machine``). After every rule the invariants of docs/invariants.md
-items 1-5, 7 and 8 hold and the tokens equal the shadow's; after every rule and every decode step,
-item 6 holds against the shadow's KV without waiting for any copy (so a load from a host copy that
-had not landed, or a column overwritten too early, shows up); whenever no copy is in flight every
-host copy equals the shadow's KV, so a committed token evicted from the hot region is never lost.
-Item 9 is checked per request: ending one frees exactly what it owned, and once none is live every
-pool is back at its initial free count.
+Interleaves admissions (prompts shorter and longer than HOT), transfers landing at arbitrary times, staging
+collection, decode steps, finishes and aborts in every state (staging included), under a device pool small
+enough that admissions and steps are refused for memory; a shadow executor with all KV resident runs the same
+commands (``shadowed_machine``). After every rule the invariants of docs/invariants.md items 1-5, 7 and 8 hold
+and the tokens equal the shadow's; after every rule and every decode step, item 6 holds against the shadow's
+KV without waiting for any copy (so a load from a host copy that had not landed, or a column overwritten too
+early, shows up); whenever no copy is in flight every host copy equals the shadow's KV, so a committed token
+evicted from the hot region is never lost. Item 9 is checked per request: ending one frees exactly what it
+owned, and once none is live every pool is back at its initial free count.
 """
 
 from __future__ import annotations

@@ -25,8 +25,13 @@ def test_two_rows_crossing_a_page_with_one_host_page_free(tiny_model):
     sink = configure_logging(level="warning", stream=io.StringIO())
     try:
         cfg = EngineConfig(
-            dtype="float64", page_size=PAGE, max_context_len=64, max_running_requests=4, device_pool_tokens=256,
-            hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=2), speculative=None,
+            dtype="float64",
+            page_size=PAGE,
+            max_context_len=64,
+            max_running_requests=4,
+            device_pool_tokens=256,
+            hisparse=HiSparseConfig(device_buffer_size=16, host_to_device_ratio=2),
+            speculative=None,
             prefix_cache=False,
         )
         executor = Executor(cfg, model=tiny_model)
@@ -43,8 +48,11 @@ def test_two_rows_crossing_a_page_with_one_host_page_free(tiny_model):
         driver.step()  # position 16 of both: one page for two rows
         states = sorted(r.state.name for r in reqs)
         assert "FAILED" not in states, [r.error for r in reqs]
-        lengths = sorted(executor.memory.length(executor.seqs[r.request_id].row)
-                         for r in reqs if r.request_id in executor.seqs)
+        lengths = sorted(
+            executor.memory.length(executor.seqs[r.request_id].row)
+            for r in reqs
+            if r.request_id in executor.seqs
+        )
         assert lengths[-1] == 2 * PAGE + 1  # one of them decoded past the boundary
         host.free(stolen, owner=99)
         driver.run()

@@ -84,7 +84,9 @@ def test_speculation_and_mixed_steps_give_the_plain_tokens(tiny_model, reference
     beside it still runs; plain steps of the speculative batch (more requests than
     ``max_batch_size``) are mixed, and the MTP layer catches up over them before the next round."""
     spec = attrs.evolve(SPEC, max_batch_size=max_batch_size)
-    reqs, stats, initial, final = serve(tiny_model, config(hisparse=True, chunk=7, spec=True, speculative=spec))
+    reqs, stats, initial, final = serve(
+        tiny_model, config(hisparse=True, chunk=7, spec=True, speculative=spec)
+    )
     assert [r.output_ids for r in reqs] == reference
     assert final == initial
     mixed = stats["prefill"]["mixed_forwards"]
@@ -168,13 +170,16 @@ def test_a_sampled_request_gives_the_same_tokens_mixed_and_not(tiny_model):
     """Seeded sampling: each request's random stream is its own, so sharing a forward changes
     nothing."""
     params = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
-    runs = [serve(tiny_model, config(hisparse=True, chunk=6, mixed_steps=m), params=params) for m in (True, False)]
+    runs = [
+        serve(tiny_model, config(hisparse=True, chunk=6, mixed_steps=m), params=params) for m in (True, False)
+    ]
     assert [r.output_ids for r in runs[0][0]] == [r.output_ids for r in runs[1][0]]
     assert runs[0][1]["prefill"]["mixed_forwards"] > 0
 
 
-
-def test_chunks_failing_as_a_whole_after_a_mixed_forward_leave_the_decode_step(tiny_model, reference, monkeypatch):
+def test_chunks_failing_as_a_whole_after_a_mixed_forward_leave_the_decode_step(
+    tiny_model, reference, monkeypatch
+):
     """Finishing a mixed step's chunks fails outside any one request (injected in staging): their
     Prefill fails, as it would alone; the decode step's tokens stand and the running requests go on."""
     from pipeline.hisparse.coordinator import HiSparseCoordinator

@@ -16,7 +16,8 @@ from pipeline.sampling import SamplingParams
 
 def _run(model, monkeypatch, *, policy: str | None, num_steps: int | None):
     config = two_page_config(
-        HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, policy=policy) if policy else None, num_steps
+        HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, policy=policy) if policy else None,
+        num_steps,
     )
     executor = Executor(config, model=model)
     calls: list[torch.Tensor] = []

@@ -9,10 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.hisparse import prefill_swap
 from pipeline.hisparse.prefill_swap import group_bounds, group_bounds_reference
-
-needs_numba = pytest.mark.skipif(prefill_swap.numba is None, reason="numba is not installed")
 
 
 def _past(seed: int, queries: int, k: int, context: int, dtype: torch.dtype) -> torch.Tensor:
@@ -25,10 +22,15 @@ def _past(seed: int, queries: int, k: int, context: int, dtype: torch.dtype) -> 
     return rows
 
 
-@needs_numba
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 10**6), queries=st.integers(1, 40), k=st.integers(1, 12), context=st.integers(1, 50),
-       hot=st.integers(1, 30), dtype=st.sampled_from([torch.int32, torch.int64]))
+@given(
+    seed=st.integers(0, 10**6),
+    queries=st.integers(1, 40),
+    k=st.integers(1, 12),
+    context=st.integers(1, 50),
+    hot=st.integers(1, 30),
+    dtype=st.sampled_from([torch.int32, torch.int64]),
+)
 def test_compiled_grouping_equals_the_python_loop(seed, queries, k, context, hot, dtype):
     past = _past(seed, queries, k, context, dtype)
     got = group_bounds(past, hot, context)
@@ -37,7 +39,6 @@ def test_compiled_grouping_equals_the_python_loop(seed, queries, k, context, hot
     assert all(a < b == c for (a, b), (c, _) in itertools.pairwise(got))
 
 
-@needs_numba
 def test_compiled_grouping_refuses_a_position_past_the_context():
     with pytest.raises(IndexError, match="past position"):
         group_bounds(torch.tensor([[0, 5]], dtype=torch.int32), 4, 5)

@@ -67,11 +67,6 @@ def _record(
     return misses, retractions
 
 
-@functools.cache
-def _phases(path) -> set[str]:
-    return {r["phase"] for r in read_trace(path)}
-
-
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("num_steps", [None, 1, 3])
 def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, policy, num_steps):
@@ -86,7 +81,9 @@ def test_replay_reproduces_the_engines_misses_per_layer(tiny_model, tmp_path, po
         assert _round_restarts(swap_in_steps(records, HOT)) > 0
     # the near positions are recorded whatever the policy (the default margin while tracing: top_k)
     assert header["near_margin"] == header["top_k"]
-    assert all(len(r["near"]) > 0 for r in records if r["phase"] != "prefill" and r["position"] > header["top_k"])
+    assert all(
+        len(r["near"]) > 0 for r in records if r["phase"] != "prefill" and r["position"] > header["top_k"]
+    )
     result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"])
     assert result.misses[policy] == engine_misses
     assert sum(engine_misses) > 0
@@ -102,7 +99,9 @@ def test_the_default_policy_on_a_cpu_is_adaptive_and_replays_as_such(tiny_model,
     header = read_header(path)
     assert header["policy"] == "adaptive"
     records = read_trace(path)
-    result = replay(records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"], policies=("adaptive", "lru"))
+    result = replay(
+        records, HOT, row_bytes=header["row_bytes"], top_k=header["top_k"], policies=("adaptive", "lru")
+    )
     assert result.misses["adaptive"] == engine_misses
     assert result.misses["lru"] != engine_misses  # the two differ on this workload: the check has teeth
 
@@ -129,8 +128,10 @@ def test_prefill_chunks_are_runs_of_one_request_and_layer():
     # layers 0 and 1 of a request's chunk [0, 20), then of [20, 40) (HOT 4): the other layer's records
     # part the forwards, and the second chunk reads 0 (layer 0) and 2 (layer 1) through the hot region
     def chunk(layer, a, b, picked):
-        return [{"request": "r", "layer": layer, "phase": "prefill", "position": p, "top_k": picked}
-                for p in range(a, b)]
+        return [
+            {"request": "r", "layer": layer, "phase": "prefill", "position": p, "top_k": picked}
+            for p in range(a, b)
+        ]
 
     def decode(layer, position, picked):
         return {"request": "r", "layer": layer, "phase": "decode", "position": position, "top_k": picked}
@@ -203,8 +204,17 @@ def test_verify_steps_see_the_newest_and_draft_columns():
     # Two are accepted; the decode at 22 then writes 22 into the newest column, over 21 (the last
     # accepted, which finalize had put there), so 21 and 20 must come from the hot region
     rec = [{"request": "r", "layer": 0, "phase": "prefill", "position": 0, "top_k": [0]}]
-    rec += [{"request": "r", "layer": 0, "phase": "verify", "step": j, "position": 20 + j,
-             "top_k": [20 + j, 19, 3, 21]} for j in range(3)]
+    rec += [
+        {
+            "request": "r",
+            "layer": 0,
+            "phase": "verify",
+            "step": j,
+            "position": 20 + j,
+            "top_k": [20 + j, 19, 3, 21],
+        }
+        for j in range(3)
+    ]
     rec += [{"request": "r", "layer": 0, "phase": "decode", "position": 22, "top_k": [22, 21, 20, 19]}]
     steps = swap_in_steps(rec, hot=8)[("r", 0)]
     assert [s.want for s in steps] == [(19, 3), (19, 3), (19, 3), (21, 20, 19)]
@@ -252,8 +262,10 @@ streams = st.lists(
 @given(streams, st.integers(3, 4))
 def test_min_is_the_optimum_and_a_floor_on_small_streams(raw, hot):
     # (wanted positions, first step of a call, restart) per step; all steps long
-    steps = [Step(tuple(w), tuple(sorted(w)), True, start or i == 0, reset and i > 0)
-             for i, (w, start, reset) in enumerate(raw)]
+    steps = [
+        Step(tuple(w), tuple(sorted(w)), True, start or i == 0, reset and i > 0)
+        for i, (w, start, reset) in enumerate(raw)
+    ]
     floor = min_misses(steps, hot)
     assert floor == _brute_force(steps, hot)
     for name in ALL_POLICIES:

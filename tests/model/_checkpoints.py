@@ -48,8 +48,9 @@ def read_dir(ckpt: Path) -> dict[str, Tensor]:
 
 
 def quantize_fp8(w: Tensor, block: int = BLOCK) -> tuple[Tensor, Tensor]:
-    """``w [rows, cols]`` -> (float8_e4m3fn weight, float32 ``weight_scale_inv [ceil(rows/b), ceil(cols/b)]``),
-    one scale per block: ``scale_inv = amax(|block|) / 448``, ``w_fp8 = w / scale_inv`` (DeepSeek's recipe)."""
+    """``w [rows, cols]`` -> (float8_e4m3fn weight, float32 ``weight_scale_inv``
+    ``[ceil(rows/b), ceil(cols/b)]``), one scale per block: ``scale_inv = amax(|block|) / 448``,
+    ``w_fp8 = w / scale_inv`` (DeepSeek's recipe)."""
     rows, cols = w.shape
     gr, gc = -(-rows // block), -(-cols // block)
     w32 = w.to(torch.float32)
@@ -97,6 +98,9 @@ def write_fp8_config(raw: dict, out: Path) -> None:
     raw = dict(raw)
     raw["dtype"] = "bfloat16"
     raw["quantization_config"] = {
-        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK],
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [BLOCK, BLOCK],
     }
     (out / "config.json").write_text(json.dumps(raw, indent=2))

@@ -61,7 +61,9 @@ def _interleaved_rope(q, k, cos, sin):
 
 
 @torch.no_grad()
-def _indexer_forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None):
+def _indexer_forward(
+    self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, cache=None
+):
     b, s, _ = hidden_states.shape
     cos, sin = position_embeddings
     r = self.qk_rope_head_dim
@@ -122,13 +124,33 @@ def hf_float64_patches() -> Iterator[None]:
 def tiny_hf_config(**overrides) -> DeepseekV32Config:
     """A tiny V3.2 config: 3 layers (1 dense, 2 MoE), index_topk 8, built offline."""
     kw = dict(
-        vocab_size=96, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
-        index_topk=8, index_n_heads=2, index_head_dim=16, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False,
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        index_topk=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
     )
     kw.update(overrides)
     return DeepseekV32Config(**kw)
@@ -137,13 +159,34 @@ def tiny_hf_config(**overrides) -> DeepseekV32Config:
 def tiny_glm_config(**overrides) -> GlmMoeDsaConfig:
     """A tiny GLM-MoE-DSA config: 4 layers (1 dense, 3 MoE), indexers full, shared, full, shared."""
     kw = dict(
-        vocab_size=96, hidden_size=48, intermediate_size=96, moe_intermediate_size=24,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=1, topk_group=1,
-        routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=512,
-        index_topk=8, index_n_heads=2, index_head_dim=16, bos_token_id=None, eos_token_id=None,
-        pad_token_id=None, tie_word_embeddings=False, indexer_types=["full", "shared", "full", "shared"],
+        vocab_size=96,
+        hidden_size=48,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=24,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        index_topk=8,
+        index_n_heads=2,
+        index_head_dim=16,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+        indexer_types=["full", "shared", "full", "shared"],
     )
     kw.update(overrides)
     return GlmMoeDsaConfig(**kw)
@@ -172,8 +215,3 @@ def ours_from_hf(hf_model, tmp: Path) -> DeepseekV32:
     """hispec's model with the HF model's weights, through a real save / load round trip (float64)."""
     hf_model.save_pretrained(tmp)
     return load_model(tmp, dtype=torch.float64)
-
-
-def indexer_topk_of(hf_model) -> list[torch.Tensor | None]:
-    """Each HF layer's last stable top-k ``[B, S, k]`` (None for a GLM shared layer, which has no indexer)."""
-    return [getattr(layer.self_attn.indexer, "last_topk", None) for layer in hf_model.model.layers]

@@ -20,8 +20,6 @@ from kernels import layer_numba
 from pipeline.model import AttentionInputs, ForwardLayout, ResidentBackend, fused
 from pipeline.model.fused import MAX_HYBRID_TOKENS, fuse_for_inference
 
-pytestmark = pytest.mark.skipif(not layer_numba.AVAILABLE, reason="numba is not installed")
-
 
 def _fused(cfg, dtype=torch.float64, seed=0):
     model = random_model(cfg, seed=seed).to_dtype(dtype)
@@ -47,29 +45,38 @@ def _count_calls(monkeypatch) -> list[tuple[str, int]]:
     tokens) after a hybrid one whose router the loops ran."""
     calls: list[tuple[str, int]] = []
     project, assemble, route = layer_numba.project, layer_numba.assemble, layer_numba.route
-    monkeypatch.setattr(layer_numba, "route", lambda h, *a: calls.append(("route", h.shape[0])) or route(h, *a))
-    monkeypatch.setattr(layer_numba, "project", lambda x, *a: calls.append(("whole", x.shape[0])) or project(x, *a))
-    monkeypatch.setattr(layer_numba, "assemble",
-                        lambda p, *a: calls.append(("hybrid", p.shape[0])) or assemble(p, *a))
+    monkeypatch.setattr(
+        layer_numba, "route", lambda h, *a: calls.append(("route", h.shape[0])) or route(h, *a)
+    )
+    monkeypatch.setattr(
+        layer_numba, "project", lambda x, *a: calls.append(("whole", x.shape[0])) or project(x, *a)
+    )
+    monkeypatch.setattr(
+        layer_numba, "assemble", lambda p, *a: calls.append(("hybrid", p.shape[0])) or assemble(p, *a)
+    )
     return calls
 
 
 _INPUTS = ("q_latent", "q_rope", "kv_rows", "index_q", "index_w", "index_k")
 
 
-def _both_ways(model, monkeypatch, n: int, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, list]:
+def _both_ways(
+    model, monkeypatch, n: int, batch: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, list]:
     """The decode logits with the compiled layer and without it, and the token counts it took;
     what each layer of the decode forward handed its backend is the same both ways, to rounding."""
     calls = _count_calls(monkeypatch)
     seen: list[AttentionInputs] = []
     attend = ResidentBackend.attend
-    monkeypatch.setattr(ResidentBackend, "attend", lambda self, inputs: seen.append(inputs) or attend(self, inputs))
+    monkeypatch.setattr(
+        ResidentBackend, "attend", lambda self, inputs: seen.append(inputs) or attend(self, inputs)
+    )
     compiled = _decode_logits(model, n, batch, seed)
-    compiled_inputs = seen[-model.cfg.num_hidden_layers:]
+    compiled_inputs = seen[-model.cfg.num_hidden_layers :]
     with monkeypatch.context() as off:
         off.setattr(fused, "MAX_HYBRID_TOKENS", 0)
         torch_path = _decode_logits(model, n, batch, seed)
-    for mine, theirs in zip(compiled_inputs, seen[-model.cfg.num_hidden_layers:], strict=True):
+    for mine, theirs in zip(compiled_inputs, seen[-model.cfg.num_hidden_layers :], strict=True):
         assert (mine.layer, mine.top_k, mine.reuse_topk) == (theirs.layer, theirs.top_k, theirs.reuse_topk)
         for name in _INPUTS:
             a, b = getattr(mine, name), getattr(theirs, name)
@@ -91,14 +98,22 @@ def _both_ways(model, monkeypatch, n: int, batch: int, seed: int = 0) -> tuple[t
     scaling=st.sampled_from([1.0, 2.5]),
     seed=st.integers(0, 3),
 )
-def test_compiled_layer_equals_the_torch_path(n, batch, shared_indexer, glm, experts, shared_experts, normalise,
-                                              scaling, seed):
+def test_compiled_layer_equals_the_torch_path(
+    n, batch, shared_indexer, glm, experts, shared_experts, normalise, scaling, seed
+):
     """float64, every layer kind the loops take, a few tokens (the loops do everything) and more
     (BLAS does the matmuls and the MLP): the decode forward's logits and what each layer handed its
     backend to rounding, and every layer of it ran through the loops."""
     e, k = experts
-    over = dict(n_routed_experts=e, num_experts_per_tok=k, n_group=1, topk_group=1, n_shared_experts=shared_experts,
-                norm_topk_prob=normalise, routed_scaling_factor=scaling)
+    over = dict(
+        n_routed_experts=e,
+        num_experts_per_tok=k,
+        n_group=1,
+        topk_group=1,
+        n_shared_experts=shared_experts,
+        norm_topk_prob=normalise,
+        routed_scaling_factor=scaling,
+    )
     if glm:  # the indexer rotates interleaved pairs
         over["model_type"] = "glm_moe_dsa"
     if shared_indexer:  # the second layer reuses the first one's selection
@@ -110,7 +125,7 @@ def test_compiled_layer_equals_the_torch_path(n, batch, shared_indexer, glm, exp
     layers = model.cfg.num_hidden_layers
     # the decode forward's (the target's layers: dense, then MoE, whose router a hybrid layer runs compiled)
     decode = [(how, batch)] * layers + ([("route", batch)] if how == "hybrid" else [])
-    assert calls[-len(decode):] == decode
+    assert calls[-len(decode) :] == decode
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
 
 
@@ -161,8 +176,11 @@ def test_a_changed_weight_is_never_read_stale(how, monkeypatch):
     model = _fused(tiny_config(n_group=1, topk_group=1))
     _decode_logits(model, 10, 2)
     layer = model.model.layers[1]
-    targets = [(layer.post_attention_layernorm, "weight"), (layer.self_attn.kv_b_proj, "weight"),
-               (layer.mlp.experts, "down_proj")]
+    targets = [
+        (layer.post_attention_layernorm, "weight"),
+        (layer.self_attn.kv_b_proj, "weight"),
+        (layer.mlp.experts, "down_proj"),
+    ]
     with torch.no_grad():
         for module, name in targets:
             old = getattr(module, name)

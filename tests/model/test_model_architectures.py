@@ -109,10 +109,22 @@ def test_prefill_logits_and_topk_match_hf(pair):
 
 def _engine_config(num_steps: int | None) -> EngineConfig:
     return EngineConfig(
-        dtype="float64", page_size=PAGE, max_context_len=128, max_running_requests=4, device_pool_tokens=512,
+        dtype="float64",
+        page_size=PAGE,
+        max_context_len=128,
+        max_running_requests=4,
+        device_pool_tokens=512,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2),
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
+        speculative=SpeculativeConfig(
+            num_steps=num_steps,
+            max_batch_size=None,
+            timed=False,
+            min_accept_length=None,
+            plain_tail=False,
+            plain_while_prefilling=False,
+        )
+        if num_steps
+        else None,
     )
 
 
@@ -139,7 +151,9 @@ async def test_engine_greedy_with_hisparse_matches_hf_generate(pair, num_steps):
     prompts = [_ids(n, ours.cfg.vocab_size, 10 + n) for n in PROMPT_LENS]
     with hf_float64_patches(), torch.no_grad():
         expected = [
-            hf_model.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, use_cache=True)[0, len(p) :].tolist()
+            hf_model.generate(p[None], max_new_tokens=MAX_NEW, do_sample=False, use_cache=True)[
+                0, len(p) :
+            ].tolist()
             for p in prompts
         ]
     got, stats = await _engine_tokens(ours, _engine_config(num_steps), [p.tolist() for p in prompts])

@@ -61,7 +61,9 @@ def test_requests_decoding_together_with_a_prefill():
     ids = [a[24], b[17], *c]
     rows = [0, 1] + [2] * len(c)
     positions = [24, 17, *range(len(c))]
-    logits = run(model, backend, ids, positions, rows=rows, locs=[base[r] + p for r, p in zip(rows, positions)])
+    logits = run(
+        model, backend, ids, positions, rows=rows, locs=[base[r] + p for r, p in zip(rows, positions)]
+    )
     assert torch.allclose(logits[0], prefill_logits(model, a)[24], atol=ATOL, rtol=0)
     assert torch.allclose(logits[1], prefill_logits(model, b)[17], atol=ATOL, rtol=0)
     assert torch.allclose(logits[2:], prefill_logits(model, c), atol=ATOL, rtol=0)

@@ -93,7 +93,8 @@ def _hf_mtp_layer(model) -> MtpLayer:
 
 
 def test_mtp_layer_matches_hf_mtp_formula(model64):
-    """hnorm(previous hidden) and enorm(next embedding), embedding first, one V3.2 decoder layer, shared_head.norm."""
+    """hnorm(previous hidden) and enorm(next embedding), embedding first, one V3.2 decoder layer,
+    shared_head.norm."""
     ids = ByteTokenizer().encode(TEXT)[:160]
     n = len(ids) - 1
     hidden = _hidden(model64, ids[:-1])  # [n, D] final-normed target hidden at positions 0..n-1

@@ -47,7 +47,10 @@ def test_config_reads_hf_spellings():
     ("overrides", "message"),
     [
         (dict(model_type="llama"), "model_type"),
-        (dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}), "rope_type 'linear'"),
+        (
+            dict(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}),
+            "rope_type 'linear'",
+        ),
         (dict(q_lora_rank=None), "q_lora_rank"),
         (dict(hidden_act="gelu"), "hidden_act"),
         (dict(mlp_layer_types=["dense"]), "one entry per hidden layer"),
@@ -66,12 +69,20 @@ def test_checkpoint_uses_hf_names_and_the_mtp_layer_index(tmp_path):
         names = set(f.keys())
     n = model.cfg.num_hidden_layers
     for name in (
-        "model.embed_tokens.weight", "lm_head.weight", "model.norm.weight",
-        "model.layers.0.mlp.gate_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
-        "model.layers.1.mlp.gate.e_score_correction_bias", "model.layers.1.self_attn.indexer.k_norm.bias",
-        f"model.layers.{n}.enorm.weight", f"model.layers.{n}.hnorm.weight", f"model.layers.{n}.eh_proj.weight",
-        f"model.layers.{n}.shared_head.norm.weight", f"model.layers.{n}.shared_head.head.weight",
-        f"model.layers.{n}.embed_tokens.weight", f"model.layers.{n}.self_attn.kv_b_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+        "model.layers.1.mlp.gate.e_score_correction_bias",
+        "model.layers.1.self_attn.indexer.k_norm.bias",
+        f"model.layers.{n}.enorm.weight",
+        f"model.layers.{n}.hnorm.weight",
+        f"model.layers.{n}.eh_proj.weight",
+        f"model.layers.{n}.shared_head.norm.weight",
+        f"model.layers.{n}.shared_head.head.weight",
+        f"model.layers.{n}.embed_tokens.weight",
+        f"model.layers.{n}.self_attn.kv_b_proj.weight",
         f"model.layers.{n}.mlp.experts.0.down_proj.weight",
     ):
         assert name in names, name
@@ -100,10 +111,16 @@ def test_fused_expert_tensors_load_too(tmp_path):
     for layer in (1, 2):
         prefix = f"model.layers.{layer}.mlp.experts"
         e = model.cfg.n_routed_experts
-        gate_up = [torch.cat([tensors.pop(f"{prefix}.{i}.gate_proj.weight"),
-                              tensors.pop(f"{prefix}.{i}.up_proj.weight")]) for i in range(e)]
+        gate_up = [
+            torch.cat(
+                [tensors.pop(f"{prefix}.{i}.gate_proj.weight"), tensors.pop(f"{prefix}.{i}.up_proj.weight")]
+            )
+            for i in range(e)
+        ]
         fused[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
-        fused[f"{prefix}.down_proj"] = torch.stack([tensors.pop(f"{prefix}.{i}.down_proj.weight") for i in range(e)])
+        fused[f"{prefix}.down_proj"] = torch.stack(
+            [tensors.pop(f"{prefix}.{i}.down_proj.weight") for i in range(e)]
+        )
     save_file({**tensors, **fused}, str(tmp_path / "model.safetensors"))
     ids = list(range(30))
     assert torch.equal(prefill_logits(load_model(tmp_path), ids), prefill_logits(model, ids))
@@ -144,7 +161,9 @@ YARN_VARIANTS = {
     "mscale-both": dict(factor=40.0, original_max_position_embeddings=64, mscale=1.0, mscale_all_dim=1.0),
     "mscale-differ": dict(factor=4.0, original_max_position_embeddings=32, mscale=0.9, mscale_all_dim=0.7),
     "factor-only": dict(factor=8.0, original_max_position_embeddings=16),
-    "attention-factor": dict(factor=2.0, original_max_position_embeddings=64, attention_factor=1.3, beta_fast=16, beta_slow=2),
+    "attention-factor": dict(
+        factor=2.0, original_max_position_embeddings=64, attention_factor=1.3, beta_fast=16, beta_slow=2
+    ),
     "no-truncate": dict(factor=3.0, original_max_position_embeddings=48, truncate=False, mscale_all_dim=0.5),
 }
 
@@ -168,8 +187,15 @@ def test_yarn_frequencies_and_scales_equal_hfs(variant):
 def test_yarn_in_the_older_rope_scaling_spelling():
     raw = _hf_dict(rope_theta=10000.0, max_position_embeddings=4096)
     del raw["rope_parameters"]
-    raw["rope_scaling"] = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 64,
-                           "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    raw["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 64,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
     cfg = ModelConfig.from_hf_dict(raw)
     assert cfg.rope_yarn is not None and cfg.rope_yarn.factor == 40.0 and cfg.rope_theta == 10000.0
     assert cfg.attn_scale > cfg.qk_head_dim**-0.5  # DeepSeek's mscale correction of the softmax scale
@@ -177,8 +203,13 @@ def test_yarn_in_the_older_rope_scaling_spelling():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(), dict(index_topk_freq=2), dict(index_topk_freq=3, index_skip_topk_offset=1),
-     dict(index_topk_pattern="FSFS"), dict(indexer_types=["full", "full", "shared", "shared"])],
+    [
+        dict(),
+        dict(index_topk_freq=2),
+        dict(index_topk_freq=3, index_skip_topk_offset=1),
+        dict(index_topk_pattern="FSFS"),
+        dict(indexer_types=["full", "full", "shared", "shared"]),
+    ],
     ids=["default", "freq2", "freq3-offset1", "pattern", "explicit"],
 )
 def test_glm_indexer_types_equal_hfs(kwargs):
@@ -198,10 +229,18 @@ def test_glm_indexer_types_equal_hfs(kwargs):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (dict(model_type="deepseek_v3"), r"model_type 'deepseek_v3' is not supported \(supported: deepseek_v32, glm_moe_dsa\)"),
-        (dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
-         r"rope_parameters\.rope_type 'llama3' is not supported \(supported: default, yarn\)"),
-        (dict(model_type="glm_moe_dsa", indexer_types=["shared", "full"]), r"indexer_types\[0\] must be 'full'"),
+        (
+            dict(model_type="deepseek_v3"),
+            r"model_type 'deepseek_v3' is not supported \(supported: deepseek_v32, glm_moe_dsa\)",
+        ),
+        (
+            dict(rope_parameters={"rope_type": "llama3", "rope_theta": 1e4}),
+            r"rope_parameters\.rope_type 'llama3' is not supported \(supported: default, yarn\)",
+        ),
+        (
+            dict(model_type="glm_moe_dsa", indexer_types=["shared", "full"]),
+            r"indexer_types\[0\] must be 'full'",
+        ),
         (dict(model_type="glm_moe_dsa", indexer_types=["full", "sparse"]), "indexer_types entries must be"),
     ],
 )

@@ -90,7 +90,9 @@ def test_greedy_tokens_equal_hf_on_the_dequantized_model(fp8):
         logits = hf_model(ids[None]).logits[0]
         expected = hf_model.generate(ids[None, :12], max_new_tokens=32, do_sample=False)[0, 12:].tolist()
     assert torch.allclose(prefill_logits(ours, ids), logits, atol=1e-9, rtol=0)
-    assert list(ReferenceDecoder(ours).generate(ids[:12].tolist(), 32, stop_at_eos=False).token_ids) == expected
+    assert (
+        list(ReferenceDecoder(ours).generate(ids[:12].tolist(), 32, stop_at_eos=False).token_ids) == expected
+    )
     spec = ReferenceSpecDecoder(ours, 2).generate(ids[:12].tolist(), 32, stop_at_eos=False)
     assert list(spec.token_ids) == expected
     assert len(set(expected)) > 3
@@ -120,14 +122,19 @@ def test_scale_grid_that_does_not_fit_is_named(fp8, tmp_path):
     tensors = {k: v for k, v in stored.items() if weight_map[k] == shard}
     tensors[name] = torch.ones(2, 2)
     save_file(tensors, str(tmp_path / shard))
-    with pytest.raises(CheckpointError, match=r"0\.mlp\.down_proj\.weight_scale_inv has shape \[2, 2\], expected \[2, 3\]"):
+    with pytest.raises(
+        CheckpointError, match=r"0\.mlp\.down_proj\.weight_scale_inv has shape \[2, 2\], expected \[2, 3\]"
+    ):
         load_model(tmp_path, dtype=torch.float64)
 
 
 @pytest.mark.parametrize(
     ("quant", "message"),
     [
-        ({"quant_method": "awq", "bits": 4}, r"quantization_config\.quant_method 'awq' is not supported \(supported: fp8\)"),
+        (
+            {"quant_method": "awq", "bits": 4},
+            r"quantization_config\.quant_method 'awq' is not supported \(supported: fp8\)",
+        ),
         ({"quant_method": "fp8", "fmt": "e5m2"}, r"quantization_config\.fmt 'e5m2'"),
         ({"quant_method": "fp8", "weight_block_size": [128]}, r"weight_block_size must be two positive ints"),
     ],

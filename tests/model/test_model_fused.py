@@ -45,7 +45,9 @@ def _logits(model, n: int, seed: int = 0, batch: int = 1) -> torch.Tensor:
     n=st.integers(1, 40),
     batch=st.integers(1, 5),
     shared=st.booleans(),
-    experts=st.sampled_from([(4, 2), (8, 2), (16, 2)]),  # (routed experts, per token): the last stays per-expert
+    experts=st.sampled_from(
+        [(4, 2), (8, 2), (16, 2)]
+    ),  # (routed experts, per token): the last stays per-expert
     groups=st.sampled_from([(1, 1), (2, 1), (2, 2)]),  # (n_group, topk_group): (2, 1) masks a group
     seed=st.integers(0, 3),
 )
@@ -55,7 +57,9 @@ def test_fused_equals_module_path(n, batch, shared, experts, groups, seed):
     if shared:  # GLM-5: the second layer reuses the first one's selection
         over.update(indexer_types=("full", "shared"))
     module, fused = _pair(tiny_config(**over), seed=seed)
-    torch.testing.assert_close(_logits(fused, n, seed, batch), _logits(module, n, seed, batch), rtol=0, atol=1e-10)
+    torch.testing.assert_close(
+        _logits(fused, n, seed, batch), _logits(module, n, seed, batch), rtol=0, atol=1e-10
+    )
 
 
 def test_large_batches_take_the_grouped_expert_path(monkeypatch):
@@ -67,7 +71,9 @@ def test_large_batches_take_the_grouped_expert_path(monkeypatch):
     n = DENSE_EXPERT_ROWS // cfg.n_routed_experts + 1
     calls = []
     original = _FusedMoE._grouped
-    monkeypatch.setattr(_FusedMoE, "_grouped", lambda self, x, *a: calls.append(x.shape[0]) or original(self, x, *a))
+    monkeypatch.setattr(
+        _FusedMoE, "_grouped", lambda self, x, *a: calls.append(x.shape[0]) or original(self, x, *a)
+    )
     torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
     assert set(calls) == {n}  # the prefill of every MoE layer, not the one-token decode
 
@@ -195,13 +201,20 @@ def test_training_reads_the_module_path(grad):
     seen = []
     layer = fused.model.layers[0]
     original = layer.fused.__call__
-    layer.fused = type("Spy", (), {"current": lambda self: True, "__call__": lambda self, *a: seen.append(1) or original(*a)})()
+    layer.fused = type(
+        "Spy", (), {"current": lambda self: True, "__call__": lambda self, *a: seen.append(1) or original(*a)}
+    )()
     with torch.set_grad_enabled(grad):
         backend = new_backend(fused, num_rows=8, num_requests=1, max_ctx=8)
         from pipeline.model import ForwardLayout
 
-        backend.begin(ForwardLayout(req_rows=torch.zeros(4, dtype=torch.int64), positions=torch.arange(4),
-                                    write_locs=torch.arange(4)))
+        backend.begin(
+            ForwardLayout(
+                req_rows=torch.zeros(4, dtype=torch.int64),
+                positions=torch.arange(4),
+                write_locs=torch.arange(4),
+            )
+        )
         fused(torch.arange(4), torch.arange(4), backend)
     assert bool(seen) is (not grad)
 
@@ -280,16 +293,20 @@ def test_few_tokens_on_a_cpu_skip_the_dense_expert_path(dtype, tol, monkeypatch)
     compiled = moe_numba.moe
     for name in ("_dense", "_dense_with_shared"):  # the dense path, with or without the shared expert in it
         original = getattr(_FusedMoE, name)
-        monkeypatch.setattr(_FusedMoE, name,
-                            lambda self, x, *a, _f=original: dense_tokens.append(x.shape[0]) or _f(self, x, *a))
+        monkeypatch.setattr(
+            _FusedMoE,
+            name,
+            lambda self, x, *a, _f=original: dense_tokens.append(x.shape[0]) or _f(self, x, *a),
+        )
     monkeypatch.setattr(moe_numba, "moe", lambda x, *a: compiled_tokens.append(x.shape[0]) or compiled(x, *a))
     torch.testing.assert_close(_logits(fused, 12).double(), _logits(module, 12).double(), rtol=0, atol=tol)
     assert dense_tokens and set(dense_tokens) == {12}  # the prefill only, not the one-token decode
     assert set(compiled_tokens) == ({1} if dtype == torch.float64 else set())
     dense_tokens.clear()
     compiled_tokens.clear()
-    torch.testing.assert_close(_logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0,
-                               atol=tol)
+    torch.testing.assert_close(
+        _logits(fused, 6, batch=2).double(), _logits(module, 6, batch=2).double(), rtol=0, atol=tol
+    )
     if dtype == torch.float64:
         assert 2 in compiled_tokens and 2 not in dense_tokens
     else:
@@ -364,8 +381,11 @@ def test_the_shared_expert_joins_the_dense_expert_path(change, monkeypatch):
     joined, dense = [], []
     for name, seen in (("_dense_with_shared", joined), ("_dense", dense)):
         original = getattr(_FusedMoE, name)
-        monkeypatch.setattr(_FusedMoE, name,
-                            lambda self, x, *a, _f=original, _seen=seen: _seen.append(x.shape[0]) or _f(self, x, *a))
+        monkeypatch.setattr(
+            _FusedMoE,
+            name,
+            lambda self, x, *a, _f=original, _seen=seen: _seen.append(x.shape[0]) or _f(self, x, *a),
+        )
     n = DENSE_EXPERT_ROWS // cfg.n_routed_experts  # the most tokens of the dense path
     torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
     if change in ("none", "in place"):

@@ -50,7 +50,11 @@ def test_layers_not_served_are_not_read(sharded, monkeypatch):
     _, path = sharded
     read: list[str] = []
     real = CheckpointFiles._read_bytes
-    monkeypatch.setattr(CheckpointFiles, "_read_bytes", lambda self, entry, out: read.append(entry.name) or real(self, entry, out))
+    monkeypatch.setattr(
+        CheckpointFiles,
+        "_read_bytes",
+        lambda self, entry, out: read.append(entry.name) or real(self, entry, out),
+    )
     model = load_model(path, mtp_layers=0)
     assert len(model.mtp) == 0 and model.cfg.num_nextn_predict_layers == 0
     assert read and not any(name.startswith("model.layers.2.") for name in read)  # the MTP layer
@@ -124,7 +128,10 @@ def _breakers():
         (missing_field, "config.json: config.json lacks the field 'hidden_size'"),
         (garbage_shard, r"model-00001-of-\d+\.safetensors is not a readable safetensors file"),
         (truncated_shard, r"does not fit its byte range"),
-        (index_names_missing_shard, r"model\.safetensors\.index\.json names model-00001-of-\d+\.safetensors, which does not exist"),
+        (
+            index_names_missing_shard,
+            r"model\.safetensors\.index\.json names model-00001-of-\d+\.safetensors, which does not exist",
+        ),
         (unknown_tensor, r"1 unexpected \(model\.layers\.0\.self_attn\.extra\.weight\)"),
         (wrong_shape, r"indexer\.k_norm\.bias has shape \[16\], the config implies \[24\]"),
         (model_type, r"model_type 'deepseek_v3' is not supported \(supported: deepseek_v32, glm_moe_dsa\)"),
@@ -153,7 +160,9 @@ def test_missing_directory_is_a_config_error_and_file_not_found(tmp_path):
 def test_a_float8_tensor_without_scales_is_refused(tmp_path):
     model = random_model(seed=9)
     tensors = model_tensors(model, torch.float64)
-    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(torch.float8_e4m3fn)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].to(
+        torch.float8_e4m3fn
+    )
     save_file(tensors, str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps(model.cfg.to_hf_dict()))
     with pytest.raises(CheckpointError, match=r"up_proj\.weight is float8 but has no .*weight_scale_inv"):
@@ -193,15 +202,26 @@ def _measure(path: Path, dtype: str) -> dict:
     # forked from the shell starts from the shell's few MB.
     out = subprocess.run(
         ["/bin/sh", "-c", '"$0" -c "$1" "$2" "$3"; true', sys.executable, _MEASURE, str(path), dtype],
-        cwd=ROOT, capture_output=True, text=True, check=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _big_config(**overrides):
     kw = dict(
-        vocab_size=16384, hidden_size=512, intermediate_size=2048, moe_intermediate_size=512,
-        num_hidden_layers=2, n_routed_experts=4, q_lora_rank=128, kv_lora_rank=64, eos_token_id=None,
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=2048,
+        moe_intermediate_size=512,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        q_lora_rank=128,
+        kv_lora_rank=64,
+        eos_token_id=None,
     )
     kw.update(overrides)
     return tiny_config(**kw)
@@ -232,8 +252,13 @@ def test_peak_memory_while_loading_a_sharded_checkpoint(tmp_path):
 def test_peak_memory_while_loading_a_large_fp8_checkpoint(tmp_path):
     """A few hundred MB of FP8 shards dequantized to bfloat16 at load: the same bound."""
     cfg = _big_config(
-        vocab_size=32768, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=1024,
-        num_hidden_layers=4, n_routed_experts=16, mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
+        vocab_size=32768,
+        hidden_size=1024,
+        intermediate_size=4096,
+        moe_intermediate_size=1024,
+        num_hidden_layers=4,
+        n_routed_experts=16,
+        mlp_layer_types=("dense", "sparse", "sparse", "sparse"),
     )
     model = _uninitialised(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -247,7 +272,9 @@ def test_peak_memory_while_loading_a_large_fp8_checkpoint(tmp_path):
     size = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
     assert size > 300 << 20
     m = _measure(tmp_path, "bfloat16")
-    print(f"fp8 checkpoint {size / 2**20:.0f} MiB -> bf16 model {m['model_bytes'] / 2**20:.0f} MiB: "
-          f"peak {(m['peak'] - m['before']) / 2**20:.0f} MiB over the baseline, {m['seconds']:.2f} s "
-          f"({m['seconds'] / (size / 2**30):.2f} s per GiB of checkpoint)")
+    print(
+        f"fp8 checkpoint {size / 2**20:.0f} MiB -> bf16 model {m['model_bytes'] / 2**20:.0f} MiB: "
+        f"peak {(m['peak'] - m['before']) / 2**20:.0f} MiB over the baseline, {m['seconds']:.2f} s "
+        f"({m['seconds'] / (size / 2**30):.2f} s per GiB of checkpoint)"
+    )
     assert m["peak"] - m["before"] <= m["model_bytes"] + m["largest"] + _SLACK, m

@@ -63,7 +63,10 @@ def _grads(model, ids, **weights):
     model.zero_grad()
     out = train_forward(model, ids, mode=SPARSE, **weights)
     out.loss.backward()
-    return out, {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+    return out, {
+        n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
 
 
 def test_indexer_learns_only_from_its_kl_loss():
@@ -121,7 +124,10 @@ def test_train_defaults_are_the_bundled_recipe():
     plan = phases(args)
     assert plan == BUNDLED_RECIPE
     assert [(p.name, p.steps, p.batch, p.seq_len, p.mtp_steps, p.long_every) for p in plan] == [
-        ("dense", 400, 12, 256, 3, 0), ("sparse", 900, 3, 1024, 3, 0), ("long", 60, 1, 4096, 3, 0)]
+        ("dense", 400, 12, 256, 3, 0),
+        ("sparse", 900, 3, 1024, 3, 0),
+        ("long", 60, 1, 4096, 3, 0),
+    ]
     for p in plan:  # every step of a phase takes the phase's own shape
         assert {p.shape(i, args) for i in range(p.steps)} == {(p.batch, p.seq_len)}
     assert (args.lr, args.warmup, args.mtp_weight, args.kl_weight, args.seed) == (2e-3, 100, 0.3, 1.0, 0)

@@ -16,7 +16,15 @@ def small_config(*, hisparse: bool = True, num_steps: int | None = 3, **override
         max_running_requests=8,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
+        speculative=SpeculativeConfig(
+            num_steps=num_steps,
+            max_batch_size=None,
+            timed=False,
+            min_accept_length=None,
+            plain_tail=False,
+            plain_while_prefilling=False,
+        )
+        if num_steps
+        else None,
     )
     return EngineConfig(**{**fields, **overrides})

@@ -51,7 +51,10 @@ FAST_CASES = [
     (["generate", "abc", "--num-steps", "0"], "speculative.num_steps=0"),
     (["generate", "abc", "--max-context-len", "0"], "max_context_len=0"),
     (["generate", "abc", "--prefill-batch-tokens", "100"], "prefill_batch_tokens=100"),
-    (["generate", "abc", "--chunked-prefill-tokens", "0", "--prefill-batch-tokens", "600"], "with whole prompts"),
+    (
+        ["generate", "abc", "--chunked-prefill-tokens", "0", "--prefill-batch-tokens", "600"],
+        "with whole prompts",
+    ),
     (["generate", "abc", "--model", "{tmp}/missing"], "model="),
     (["generate", "abc", "--model", "{tmp}"], "has no config.json"),
     (["generate", "abc", "--model", "{yarn}"], "yarn"),

@@ -44,7 +44,9 @@ def cells():
             for speculative in (True, False):
                 if not applies(point, hisparse=hisparse, speculative=speculative):
                     continue
-                name = f"{point}-{'hisparse' if hisparse else 'resident'}-{'spec' if speculative else 'plain'}"
+                name = (
+                    f"{point}-{'hisparse' if hisparse else 'resident'}-{'spec' if speculative else 'plain'}"
+                )
                 yield pytest.param(point, hisparse, speculative, id=name)
 
 
@@ -70,8 +72,9 @@ async def test_a_fault_fails_its_culprit_only(tiny_model, point, hisparse, specu
     outcomes: dict[str, object] = {}
     async with Engine(cfg, model=tiny_model, max_prefill_tokens=10_000) as engine:
         after = (AFTER if hisparse else RESIDENT_AFTER)[point]
-        injector = Injector(engine.executor, [Culprit(CULPRIT, point, after)],
-                            copy_mode=COPY_MODES.get(point, "worker"))
+        injector = Injector(
+            engine.executor, [Culprit(CULPRIT, point, after)], copy_mode=COPY_MODES.get(point, "worker")
+        )
 
         async def one(rid, prompt, sp):
             try:

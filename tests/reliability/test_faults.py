@@ -65,7 +65,9 @@ def check_only_culprit_failed(outcomes, expected, culprit: str, reason: str) -> 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("num_steps", [None, 2])
-async def test_a_forward_that_raises_for_one_request_fails_that_request_only(tiny_model, monkeypatch, num_steps):
+async def test_a_forward_that_raises_for_one_request_fails_that_request_only(
+    tiny_model, monkeypatch, num_steps
+):
     """The culprit's prompt holds the poison token, so every batched forward it is in raises: the
     executor bisects the batch, the culprit fails, the others' tokens are the fault-free ones."""
     cfg = small_config(num_steps=num_steps)
@@ -96,7 +98,8 @@ async def test_one_requests_sampling_fault_fails_it_alone(tiny_model, monkeypatc
     prompts = clean_prompts([10, 14, 8, 20], seed=4)
     ids = [f"s{i}" for i in range(len(prompts))]
     params = [
-        SamplingParams(max_new_tokens=9, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(len(ids))
+        SamplingParams(max_new_tokens=9, temperature=0.8, seed=10 + i, ignore_eos=True)
+        for i in range(len(ids))
     ]
     expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
     real = sampling_module.sample
@@ -259,11 +262,14 @@ async def test_one_failed_staging_copy_leaves_nothing_behind(tiny_model, mode):
             left[0] -= 1
             return left[0] == 0
 
-        memory._staging_stream = FaultyStream(memory._staging_stream, fails, mode=mode,
-                                              message="injected staging copy fault")
+        memory._staging_stream = FaultyStream(
+            memory._staging_stream, fails, mode=mode, message="injected staging copy fault"
+        )
         outcomes = await _one_by_one(engine, prompts, params, ids)
         assert engine.executor.pool_counts() == engine.initial_pool_counts
-    assert isinstance(outcomes["t0"], RequestFailed) and "injected staging copy fault" in outcomes["t0"].reason
+    assert (
+        isinstance(outcomes["t0"], RequestFailed) and "injected staging copy fault" in outcomes["t0"].reason
+    )
     for rid in ids[1:]:
         assert not isinstance(outcomes[rid], RequestFailed), f"{rid} failed: {outcomes[rid].reason}"
         assert list(outcomes[rid].token_ids) == expected[rid]
@@ -298,8 +304,9 @@ async def test_a_failed_backup_copy_fails_its_request_not_its_batch(tiny_model, 
             culprit = set(memory.host.req_to_host[seq.row, start:].tolist()) - {-1}
             return bool(culprit & set(dst_idx.tolist()))
 
-        memory._backup_stream = FaultyStream(memory._backup_stream, fails, mode=mode,
-                                             message="injected backup copy fault")
+        memory._backup_stream = FaultyStream(
+            memory._backup_stream, fails, mode=mode, message="injected backup copy fault"
+        )
         installed.append(memory._backup_stream)
 
     outcomes = await serve(cfg, tiny_model, prompts, params, ids, setup=install)

@@ -52,7 +52,9 @@ async def test_nan_mtp_weights_only_spoil_drafts(hisparse):
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("num_steps", [None, 3], ids=["plain", "speculative"])
-@pytest.mark.parametrize("where", ["model.layers.1.mlp.gate", "model.embed_tokens", "model.layers.0.self_attn"])
+@pytest.mark.parametrize(
+    "where", ["model.layers.1.mlp.gate", "model.embed_tokens", "model.layers.0.self_attn"]
+)
 async def test_nan_target_weights_fail_each_request_with_its_reason(where, num_steps):
     results = await serve(poisoned(where), small_config(hisparse=True, num_steps=num_steps))
     assert all(isinstance(r, RequestFailed) and "NaN or infinite" in r.reason for r in results), results

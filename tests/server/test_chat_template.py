@@ -30,6 +30,8 @@ def test_a_checkpoint_template_goes_through_engine_chat_prompt():
         seen.append(conversation)
         return [7, 8, 9]
 
-    engine = SimpleNamespace(tokenizer=SimpleNamespace(chat_template="{{ messages }}"), chat_prompt=chat_prompt)
+    engine = SimpleNamespace(
+        tokenizer=SimpleNamespace(chat_template="{{ messages }}"), chat_prompt=chat_prompt
+    )
     assert render_chat(engine, MESSAGES) == [7, 8, 9]
     assert seen == [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Sort this."}]]

@@ -247,7 +247,8 @@ SURROGATES = [  # (path, body with a lone surrogate written as a JSON escape, th
     ),
     (
         "/v1/chat/completions",
-        '{"model": "tiny-test", "messages": [{"role": "user", "content": [{"type": "text", "text": "\\udc00"}]}]}',
+        '{"model": "tiny-test", "messages": [{"role": "user", "content": '
+        '[{"type": "text", "text": "\\udc00"}]}]}',
         "messages.0.content",
     ),
     ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
@@ -313,7 +314,11 @@ def test_a_long_prompt_is_tokenized_off_the_event_loop(server, monkeypatch, path
     monkeypatch.setattr(prompts, "chars_per_token", lambda tokenizer: None)  # no bound: tokenized in full
     spy = EncodeSpy(monkeypatch, hold=prompts.OFF_LOOP_CHARS)
     long = "z" * (2 * prompts.OFF_LOOP_CHARS)
-    body = {"prompt": long} if path != "/v1/chat/completions" else {"messages": [{"role": "user", "content": long}]}
+    body = (
+        {"prompt": long}
+        if path != "/v1/chat/completions"
+        else {"messages": [{"role": "user", "content": long}]}
+    )
     if path != "/tokenize":
         body = {**body, "model": MODEL_NAME, "max_tokens": 2}
     answers: list[httpx.Response] = []

@@ -135,7 +135,8 @@ def limited(tiny_model):
 def test_request_headers_over_the_limit_are_a_431(limited):
     for end in (b"\r\n\r\n", b""):  # headers that end, and headers that never end
         sock = connect(limited.url)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + b"a" * 2 * MAX_HEADER_BYTES + end)
+        big = b"a" * 2 * MAX_HEADER_BYTES
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + big + end)
         status, headers, body = read_response(sock)
         assert status == 431 and headers["connection"] == "close"
         assert json.loads(body)["error"]["code"] == "request_header_fields_too_large"
@@ -173,7 +174,9 @@ def test_a_body_over_the_limit_is_a_413_without_reading_it(limited):
     # and so is one sent in chunks
     payload = json.dumps(body).encode()
     response = limited.client.post(
-        "/v1/completions", content=iter([payload[:100], payload[100:]]), headers={"content-type": "application/json"}
+        "/v1/completions",
+        content=iter([payload[:100], payload[100:]]),
+        headers={"content-type": "application/json"},
     )
     assert response.status_code == 200, response.text
 

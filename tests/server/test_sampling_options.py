@@ -377,7 +377,10 @@ def test_n_choices_share_one_computation_of_the_prompt(plain_server):
     cache: each choice reports them as cached tokens, and the engine's cache saw them hit."""
     server = plain_server
     page = server.engine.config.page_size
-    prompt = "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    prompt = (
+        "def fibonacci(n):\n    if n < 2:\n        return n\n"
+        "    return fibonacci(n - 1) + fibonacci(n - 2)\n"
+    )
     before = server.stats()["prefix_cache"]
     whole = server.client.post(
         "/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "n": 3, "seed": 3, **SAMPLED}

@@ -1,4 +1,5 @@
-"""The lifecycle module (statemachines/): the state machines are pure Python: no torch, no anyio imports in the package."""
+"""The lifecycle module (statemachines/): the state machines are pure Python: no torch, no anyio imports in
+the package."""
 
 from __future__ import annotations
 

@@ -101,6 +101,8 @@ def test_every_match_ends_with_a_wildcard_that_raises():
             if not isinstance(node, ast.Match):
                 continue
             last = node.cases[-1]
-            wildcard = isinstance(last.pattern, ast.MatchAs) and last.pattern.pattern is None and last.guard is None
+            wildcard = (
+                isinstance(last.pattern, ast.MatchAs) and last.pattern.pattern is None and last.guard is None
+            )
             raises = any(isinstance(n, ast.Raise) for stmt in last.body for n in ast.walk(stmt))
             assert wildcard and raises, f"{name}:{node.lineno}: match without a raising `case _:`"

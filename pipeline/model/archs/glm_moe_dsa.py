@@ -24,7 +24,8 @@ def _indexer_types(raw: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
         if isinstance(pattern, str):
             return tuple({"F": "full", "S": "shared"}.get(c, c) for c in pattern)
         return strings(pattern, "index_topk_pattern")
-    freq = max(integer(raw.get("index_topk_freq", 1), "index_topk_freq", minimum=None), 1)  # as HF: below 1 is 1
+    # as HF: below 1 is 1
+    freq = max(integer(raw.get("index_topk_freq", 1), "index_topk_freq", minimum=None), 1)
     offset = integer(raw.get("index_skip_topk_offset", 2), "index_skip_topk_offset", minimum=None)
     return tuple("full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers))
 
