@@ -15,7 +15,7 @@ scheduling core and ``Executor.prefill`` both plan with this one rule.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 
@@ -58,7 +58,7 @@ class PrefillCounters:
 
     def record(
         self,
-        items: list[tuple[object, int, int]],
+        items: Sequence[tuple[object, int, int]],
         after: tuple[int, int, int],
         before: tuple[int, int, int],
         *,

@@ -14,14 +14,18 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
+from pipeline.chunking import plan_chunks
 from pipeline.executor_interface import CommandExecutor
-from pipeline.messages import Command, Outcome
+from pipeline.messages import Command, NewSequence, Outcome, PrefillResult
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
 from pipeline.scheduler import Handoff, Scheduler, SpecPolicy, end, together
 from statemachines.request import AbortRequested, State
+
+if TYPE_CHECKING:
+    from pipeline.executor import Executor
 
 # what a driven generator returns: one part's hand-off, or (turns side by side) each part's by name
 Done = TypeVar("Done")
@@ -158,3 +162,26 @@ def spec_policy_of(executor: CommandExecutor) -> SpecPolicy:
     """The adaptive-speculation rule of the executor's configuration (inert without speculation)."""
     spec = executor.plan.speculative
     return SpecPolicy.from_config(spec, executor.config.device) if executor.speculative else SpecPolicy()
+
+
+def prefill_whole(executor: Executor, sequences: list[NewSequence]) -> PrefillResult:
+    """``Admit`` then every ``Prefill`` forward their prompts take on a local executor, in chunks of
+    the config's ``chunked_prefill_tokens`` within the plan's ``prefill_budget`` (tests and
+    benchmarks that step an executor by hand): the sequences that do not fit are left out of the
+    result (neither in ``first_tokens`` nor in ``failed``)."""
+    admitted = list(executor.admit(sequences).admitted)
+    first: dict[str, int] = {}
+    failed = {rid: why for rid, why in executor.failed_admissions.items() if rid in admitted}
+    while True:
+        pending = [
+            (rid, executor.seqs[rid].prefilled, len(executor.seqs[rid].token_ids))
+            for rid in admitted
+            if rid not in failed and rid in executor.seqs
+        ]
+        budget, chunk = executor.plan.prefill_budget, executor.config.chunked_prefill_tokens
+        chunks = plan_chunks(pending, budget, chunk)
+        if not chunks:
+            return PrefillResult(first, failed)
+        result = executor.prefill_chunks(chunks)
+        first.update(result.first_tokens)
+        failed.update(result.failed)

@@ -40,7 +40,7 @@ from collections.abc import Sequence as Seq
 import structlog
 import torch
 
-from pipeline.chunking import PrefillCounters, plan_chunks
+from pipeline.chunking import PrefillCounters
 from pipeline.config import EngineConfig
 from pipeline.finish import finish_decode, finish_prefill
 from pipeline.forward import Chunk, DecodeOut, Forwards, PrefillOut
@@ -48,7 +48,7 @@ from pipeline.hisparse.transfer import TransferStream
 from pipeline.isolation import isolate
 from pipeline.isolation import reason as _reason
 from pipeline.memory import OutOfMemory
-from pipeline.memory.interface import Residency, Transfers
+from pipeline.memory.interface import Residency, Transfers, TransferTotals
 from pipeline.messages import (
     NO_FIGURES,
     Admit,
@@ -68,6 +68,7 @@ from pipeline.messages import (
     ReadyResult,
     Release,
     Reserve,
+    Result,
     RoomResult,
     StepFigures,
     StepResult,
@@ -115,7 +116,6 @@ class Executor:
         # the table's maps, under the names the commands read
         self.seqs, self._by_row = self.requests.seqs, self.requests.by_row
         self.failed_admissions = self.requests.failed_admissions
-        self._sampling_state = self.requests.sampling_state
 
     @property
     def speculative(self) -> bool:
@@ -128,28 +128,25 @@ class Executor:
 
     # --- the command protocol -----------------------------------------------------------------------
 
-    @property
-    def lost(self) -> str | None:
-        """Always None: one process has no rank to lose (``CommandExecutor.lost``)."""
-        return None
+    lost: str | None = None  # one process has no rank to lose (``CommandExecutor.lost``)
 
     def run(self, command: Command, *, idle: bool = True) -> Outcome:
         """Run one command. ``idle``: nothing else waits for the device (``CollectReady`` may then
         wait for the copies in flight). Never raises: an error outside any one request comes back in
         ``Outcome.error`` (nothing is known of the command's effect then)."""
         start = time.perf_counter()
-        before = self._swap_totals()
+        before = self.memory.transfer_totals()
         try:
             self.memory.reclaim()  # a release a fault interrupted twice is finished first
             result, changed = self._dispatch(command, idle)
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
             return Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start)
-        after = self._swap_totals()
-        figures = StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES
+        after = self.memory.transfer_totals()
+        figures = _figures(_summed(before), _summed(after))
         return Outcome(result, figures, changed, None, time.perf_counter() - start)
 
-    def _dispatch(self, command: Command, idle: bool) -> tuple[object, bool]:
+    def _dispatch(self, command: Command, idle: bool) -> tuple[Result, bool]:
         match command:
             case Admit(sequences=sequences):
                 result = self.admit(sequences)
@@ -240,17 +237,11 @@ class Executor:
         """One forward over a chunk of each request's prompt (a failing forward is bisected). A
         request whose chunk ends its prompt samples its first token, draft-extends (speculative; the
         MTP rows of earlier chunks are written with their chunk) and starts staging."""
-        items = self._chunk_items(chunks)
-        before = self._prefill_totals()
+        items = self.requests.chunk_items(chunks)
+        before = self.memory.transfer_totals().prefill
         ran, failed = isolate(items, self._prefill_forward, "prefill")
-        self.prefill_counters.record(items, self._prefill_totals(), before)
-        return self._finish_prefill(ran, {**failed, **self._unadmitted(chunks)})
-
-    def _unadmitted(self, chunks: Seq[PrefillChunk]) -> dict[str, str]:
-        return self.requests.unadmitted(chunks)
-
-    def _chunk_items(self, chunks: Seq[PrefillChunk]) -> list[Chunk]:
-        return self.requests.chunk_items(chunks)
+        self.prefill_counters.record(items, self.memory.transfer_totals().prefill, before)
+        return self._finish_prefill(ran, {**failed, **self.requests.unadmitted(chunks)})
 
     def _finish_prefill(self, ran: list[PrefillOut], failed: dict[str, str]) -> PrefillResult:
         mtp, extend = self._ledger(), self._draft_extend
@@ -286,27 +277,6 @@ class Executor:
     def _draft_extend(self, inputs: list[ExtendInput]) -> list[DraftState | None]:
         """The MTP layer's draft extend over ``inputs`` (the ledger's ``extend``)."""
         return draft_extend(self.model, self.memory, inputs)
-
-    def prefill(self, sequences: list[NewSequence]) -> PrefillResult:
-        """``Admit`` then every ``Prefill`` forward their prompts take, in chunks of the config's
-        ``chunked_prefill_tokens`` within its ``prefill_budget`` (tests and benchmarks): the
-        sequences that do not fit are left out of the result (neither in ``first_tokens`` nor in
-        ``failed``)."""
-        admitted = list(self.admit(sequences).admitted)
-        first: dict[str, int] = {}
-        failed = {rid: self.failed_admissions[rid] for rid in admitted if rid in self.failed_admissions}
-        while True:
-            pending = [
-                (rid, self.seqs[rid].prefilled, len(self.seqs[rid].token_ids))
-                for rid in admitted
-                if rid not in failed and rid in self.seqs
-            ]
-            chunks = plan_chunks(pending, self.plan.prefill_budget, self.config.chunked_prefill_tokens)
-            if not chunks:
-                return PrefillResult(first, failed)
-            result = self.prefill_chunks(chunks)
-            first.update(result.first_tokens)
-            failed.update(result.failed)
 
     def collect_ready(self, request_ids: list[str] | None = None) -> list[str]:
         """Requests (of ``request_ids``; all when None) whose prompt KV reached host and that now own
@@ -366,59 +336,44 @@ class Executor:
 
     # --- a mixed step -------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def _mixed_step(self, command: Mixed, idle: bool) -> MixedResult:
-        """A ``Mixed`` command: its ``Decode`` and ``Prefill`` as one forward (``mixed``), each part's
-        outcome carrying the shared forward's seconds and its own swap-in figures. A chunk that does
-        not continue its prompt fails its own command alone: the parts then run one after the other.
-        A forward that fails as a whole raises (both parts fail: ``scheduler.split``)."""
+        """A ``Mixed`` command: a decode step and a prefill forward of chunks in one model forward
+        (``pipeline/memory/mixed.py``), the decode tokens first. A failing forward is bisected over
+        both kinds of request together, so a request that fails, fails alone. Each part's outcome
+        carries the shared forward's seconds, its own swap-in figures and whether the forward really
+        carried both (no decode request may have had room). A chunk that does not continue its
+        prompt fails its own command alone: the parts then run one after the other. The chunks'
+        finishing failing as a whole fails their part only; a forward failing as a whole raises
+        (both parts fail: ``scheduler.split``)."""
         decode, prefill = command.decode, command.prefill
         try:
-            self._chunk_items(prefill.chunks)
+            items = self.requests.chunk_items(prefill.chunks)  # checked before anything is reserved
         except Exception:
             return MixedResult(self.run(decode, idle=idle), self.run(prefill, idle=idle))
-        start = time.perf_counter()
-        before = self._decode_totals(), self._prefill_totals()
-        step, chunks, shared = self.mixed(list(decode.request_ids), prefill.chunks)
-        seconds = time.perf_counter() - start
-        after = self._decode_totals(), self._prefill_totals()
-        figures = [StepFigures(*(a - b for a, b in zip(x, y))) for x, y in zip(after, before)]
-        # the chunks' own finishing failed as a whole (as their Prefill alone would): they fail, the
-        # decode step's result stands
-        error = _reason(chunks) if isinstance(chunks, Exception) else None
-        return MixedResult(
-            Outcome(step, figures[0], True, None, seconds, mixed=shared),
-            Outcome(None if error else chunks, figures[1], True, error, seconds, mixed=shared),
-        )
-
-    @torch.inference_mode()
-    def mixed(
-        self, request_ids: list[str], chunks: Seq[PrefillChunk]
-    ) -> tuple[StepResult, PrefillResult | Exception, bool]:
-        """A decode step of ``request_ids`` and a prefill forward of ``chunks`` in one model forward
-        (``pipeline/memory/mixed.py``): the decode tokens, then the chunks' tokens. A failing forward
-        is bisected over both kinds of request together, so a request that fails, fails alone.
-        Returns both results (the prefill's is the exception when finishing its chunks failed as a
-        whole) and whether the forward really carried both (no decode request may
-        have had room)."""
-        items = self._chunk_items(chunks)  # checked before anything is reserved
-        runnable, refused = self.reserve(request_ids, new_tokens=1, speculative=False)
-        seqs: list = [self.seqs[rid] for rid in runnable]
-        before = self._prefill_totals()
-        ran, failed = self.isolate(seqs + items, self._mixed_forward, "mixed step")
-        decoded = [r for r in ran if isinstance(r[0], Sequence)]
-        prefilled = [r for r in ran if not isinstance(r[0], Sequence)]
-        decode_failed = {rid: why for rid, why in failed.items() if rid in runnable}
-        chunk_failed = {rid: why for rid, why in failed.items() if rid not in runnable} | self._unadmitted(chunks)
+        start, before = time.perf_counter(), self.memory.transfer_totals()
+        runnable, refused = self.reserve(list(decode.request_ids), new_tokens=1, speculative=False)
+        seqs: list[Sequence] = [self.seqs[rid] for rid in runnable]
+        ran, failed = isolate([*seqs, *items], self._mixed_forward, "mixed step")
         shared = bool(seqs) and bool(items)
         if items:
-            self.prefill_counters.record(items, self._prefill_totals(), before, mixed=shared)
-        step = self._finish_decode(decoded, decode_failed, refused) if runnable else StepResult({}, refused)
+            after = self.memory.transfer_totals().prefill
+            self.prefill_counters.record(items, after, before.prefill, mixed=shared)
+        decoded = [r for r in ran if isinstance(r[0], Sequence)]
+        step = self._finish_decode(decoded, {r: w for r, w in failed.items() if r in runnable}, refused)
+        chunk_failed = {r: w for r, w in failed.items() if r not in runnable}
+        chunk_failed |= self.requests.unadmitted(prefill.chunks)
+        error = None
         try:
-            chunk_result: PrefillResult | Exception = self._finish_prefill(prefilled, chunk_failed)
+            chunks = self._finish_prefill([r for r in ran if not isinstance(r[0], Sequence)], chunk_failed)
         except Exception as exc:  # the chunks' commit or staging: their command fails, not the decode step
             log.error("executor.command_failed", command="Prefill", mixed=True, exc_info=True)
-            chunk_result = exc
-        return step, chunk_result, shared
+            chunks, error = None, _reason(exc)
+        seconds, after_all = time.perf_counter() - start, self.memory.transfer_totals()
+        return MixedResult(
+            Outcome(step, _figures(before.swap_in, after_all.swap_in), True, None, seconds, mixed=shared),
+            Outcome(chunks, _figures(before.prefill, after_all.prefill), True, error, seconds, mixed=shared),
+        )
 
     # --- a speculative round ------------------------------------------------------------------------
 
@@ -445,10 +400,6 @@ class Executor:
         for accepted in done.accepted.values():
             self.spec_counters.record(accepted)
         return StepResult(done.tokens, accepted=done.accepted, failed=done.failed, logprobs=done.logprobs)
-
-    # --- fault isolation ----------------------------------------------------------------------------
-
-    isolate = staticmethod(isolate)  # bisecting fault isolation (``pipeline/isolation.py``)
 
     # --- ending ----------------------------------------------------------------------------------------
 
@@ -491,18 +442,16 @@ class Executor:
             self.release(request_id, keep_sampling_state=keep_sampling_state, cache=cache)
         except Exception:
             log.error("executor.release_failed", request_id=request_id, exc_info=True)
-            self.failed_admissions.pop(request_id, None)
             self.mtp.forget(request_id)
-            seq = self.seqs.pop(request_id, None)
+            seq = self.requests.drop(request_id, keep_sampling_state=keep_sampling_state)
             if seq is not None:
-                self._by_row.pop(seq.row, None)
                 self.memory.release(seq.row)
 
     def close(self) -> None:
         for rid in list(self.seqs):
             self.release(rid)
         self.failed_admissions.clear()
-        self._sampling_state.clear()
+        self.requests.sampling_state.clear()
         self.memory.close()
         if self.trace is not None:
             self.trace.close()
@@ -540,17 +489,13 @@ class Executor:
     def _labels(self) -> dict[int, str] | None:
         return dict(self._by_row) if self.trace is not None else None
 
-    def _swap_totals(self) -> Transfers:
-        """A command's figures: the swap-ins of decode and verify, and a prefill's loads."""
-        totals = self.memory.transfer_totals()
-        (hits, misses, moved), (found, loaded, read) = totals.swap_in, totals.prefill
-        return hits + found, misses + loaded, moved + read
 
-    def _decode_totals(self) -> Transfers:
-        """Swap-in totals of decode and verify (hits, misses, bytes); zeros without HiSparse."""
-        return self.memory.transfer_totals().swap_in
+def _summed(totals: TransferTotals) -> Transfers:
+    """A command's transfers of both kinds: swap-ins and a prefill's loads."""
+    (hits, misses, moved), (found, loaded, read) = totals.swap_in, totals.prefill
+    return hits + found, misses + loaded, moved + read
 
-    def _prefill_totals(self) -> Transfers:
-        """A prefill's earlier positions found on the device, loaded from host, and their bytes."""
-        return self.memory.transfer_totals().prefill
 
+def _figures(before: Transfers, after: Transfers) -> StepFigures:
+    """The transfers between two readings."""
+    return StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES

@@ -25,6 +25,7 @@ import torch
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pipeline.config import EngineConfig
+from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
 from pipeline.sampling import SamplingParams
 
@@ -57,11 +58,11 @@ class ShadowedMachine(RuleBasedStateMachine):
         rid = f"r{self.next_id}"
         self.next_id += 1
         prompt = tuple((seed * 7 + i * 13) % 256 for i in range(min(length, self.max_prompt)))
-        result = self.executor.prefill([NewSequence(rid, prompt, GREEDY)])
+        result = prefill_whole(self.executor, [NewSequence(rid, prompt, GREEDY)])
         if rid not in result.first_tokens:  # not admitted: memory is short, nothing changed
             assert not result.failed and not self.executor.can_admit(len(prompt))
             return
-        shadow = self.shadow.prefill([NewSequence(rid, prompt, GREEDY)])
+        shadow = prefill_whole(self.shadow, [NewSequence(rid, prompt, GREEDY)])
         assert shadow.first_tokens == result.first_tokens
         self.phase[rid] = "staging"
 

@@ -27,6 +27,7 @@ from pipeline.benchmarks.common import (
     write_json,
 )
 from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.sampling import SamplingParams
@@ -47,7 +48,7 @@ class DecodeRun:
 def decode_run(executor: Executor, prompts: list[list[int]], new_tokens: int, tag: str) -> DecodeRun:
     """Prefill and stage (untimed), then ``new_tokens`` timed decode steps of the whole batch."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    executor.prefill([NewSequence(rid, tuple(p), GREEDY) for rid, p in zip(ids, prompts)])
+    prefill_whole(executor, [NewSequence(rid, tuple(p), GREEDY) for rid, p in zip(ids, prompts)])
     executor.wait_staging()
     # every request ready (in staging order: a short prompt may finish its prefill before a long one)
     assert sorted(executor.collect_ready()) == sorted(ids)

@@ -25,7 +25,7 @@ from pipeline import cli_config
 from pipeline.benchmarks.common import Timer, add_common_args, held_out_prompts, machine, median, setup, table
 from pipeline.benchmarks.common import write_json as _write_json
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
-from pipeline.driver import SyncDriver
+from pipeline.driver import SyncDriver, prefill_whole
 from pipeline.executor import Executor, NewSequence
 from pipeline.hisparse.replay import ALL_POLICIES, replay
 from pipeline.hisparse.trace import read_header, read_trace
@@ -81,7 +81,7 @@ class EngineRun:
 def engine_run(executor: Executor, prompts: list[list[int]], new_tokens: int, tag: str) -> EngineRun:
     """Prefill and stage (untimed), then ``new_tokens`` timed plain decode steps of the whole batch."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
-    executor.prefill([NewSequence(rid, tuple(p), GREEDY) for rid, p in zip(ids, prompts)])
+    prefill_whole(executor, [NewSequence(rid, tuple(p), GREEDY) for rid, p in zip(ids, prompts)])
     executor.wait_staging()
     # every request ready (in staging order: a short prompt may finish its prefill before a long one)
     assert sorted(executor.collect_ready()) == sorted(ids)

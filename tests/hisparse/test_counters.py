@@ -15,6 +15,7 @@ The prompts are several times longer than HOT, so nearly every step takes the lo
 from __future__ import annotations
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
 from pipeline.hisparse.trace import read_trace
 from pipeline.sampling import SamplingParams
@@ -64,7 +65,7 @@ def _check_counters(executor: Executor, committed: dict[str, int], trace_path, *
 
 
 def _start(executor: Executor) -> None:
-    executor.prefill([NewSequence(rid, prompt, GREEDY) for rid, prompt in PROMPTS.items()])
+    prefill_whole(executor, [NewSequence(rid, prompt, GREEDY) for rid, prompt in PROMPTS.items()])
     executor.wait_staging()
     assert executor.collect_ready() == list(PROMPTS)
 

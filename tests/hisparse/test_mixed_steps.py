@@ -1,11 +1,11 @@
 """Mixed steps: the running requests' decode step and a prefill chunk in one forward.
 
 While requests decode, the synchronous driver sends the decode part's ``Decode`` and the prefill
-part's ``Prefill`` to ``Executor.run_together``, which runs them as one model forward (linear and MoE
-layers over every token, attention per segment). In float64 the tokens are those of unchunked
-prefill and of the all-resident reference, HiSparse on and off, speculation on and off; a request
-that makes the mixed forward fail fails alone; an abort asked for while a mixed forward runs leaves
-every pool at its initial count.
+part's ``Prefill`` as one ``Mixed`` command (``scheduler.together``), which ``Executor.run`` runs as
+one model forward (linear and MoE layers over every token, attention per segment). In float64 the
+tokens are those of unchunked prefill and of the all-resident reference, HiSparse on and off,
+speculation on and off; a request that makes the mixed forward fail fails alone; an abort asked for
+while a mixed forward runs leaves every pool at its initial count.
 """
 
 from __future__ import annotations
@@ -36,13 +36,13 @@ def serve(model, cfg: EngineConfig, *, hook=None, params=PARAMS, plist=PROMPTS):
     initial = executor.pool_counts()
     driver = SyncDriver(executor, check=True)
     if hook is not None:
-        real = executor.mixed
+        real = executor._mixed_step
 
         def hooked(*args):
             hook(driver)
             return real(*args)
 
-        executor.mixed = hooked
+        executor._mixed_step = hooked
     reqs = [driver.submit(p, params, request_id=f"run-{i}") for i, p in enumerate(plist[: len(RUNNING)])]
     while not all(r.state is State.DECODE or r.is_finished for r in reqs):
         driver.step()

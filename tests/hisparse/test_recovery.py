@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from pipeline.config import EngineConfig, HiSparseConfig
+from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
 from pipeline.sampling import SamplingParams
 
@@ -36,7 +37,7 @@ def test_tokens_decoded_while_short_survive_eviction(tiny_model):
     hs, res = Executor(config, model=tiny_model), Executor(shadow_config, model=tiny_model)
     prompt = (3, 1, 4)
     for ex in (hs, res):
-        ex.prefill([NewSequence("r", prompt, GREEDY)])
+        prefill_whole(ex, [NewSequence("r", prompt, GREEDY)])
         ex.wait_staging()
         assert ex.collect_ready() == ["r"]
     for _ in range(90):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.driver import prefill_whole
 from pipeline.executor import Executor
 from pipeline.messages import NewSequence
 from pipeline.sampling import SamplingParams
@@ -65,7 +66,7 @@ def test_a_speculative_admission_holds_the_whole_device_buffer(tiny_model):
     admission on; leaving staging then allocates nothing."""
     ex = executor(tiny_model, device=64, spec=True)
     free = ex.pool_counts()["physical_pages"]
-    ex.prefill(candidates(7))
+    prefill_whole(ex, candidates(7))
     assert free - ex.pool_counts()["physical_pages"] == 3
     ex.wait_staging()
     held = ex.pool_counts()["physical_pages"]

@@ -16,7 +16,7 @@ import torch
 from _spec_util import RandomSwitch, oracle_drafter, quiet_logs
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
-from pipeline.driver import SyncDriver
+from pipeline.driver import SyncDriver, prefill_whole
 from pipeline.executor import Executor
 from pipeline.messages import Mixed
 from pipeline.sampling import SamplingParams
@@ -37,8 +37,9 @@ def config(hisparse: bool, num_steps: int | None) -> EngineConfig:
         max_running_requests=8,
         device_pool_tokens=1024,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False,
+                                       min_accept_length=None, plain_tail=False, plain_while_prefilling=False)
+        if num_steps else None,
     )
 
 
@@ -66,7 +67,10 @@ def plain_with_lengths(model, hisparse: bool, prompts, lengths):
     each one's full token sequence by request id (what the oracle drafter proposes from)."""
     driver = SyncDriver(Executor(config(hisparse, None), model=model), check=True)
     with quiet_logs():
-        plain = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        plain = [
+            driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        ]
         driver.run()
     return plain, {r.request_id: [*p, *r.output_ids] for r, p in zip(plain, prompts)}
 
@@ -163,13 +167,18 @@ def test_long_plain_runs_keep_a_bounded_catch_up_and_rounds_resume_exactly(tiny_
     prompts = make_prompts(2, seed=5)
     lengths = (catch_up_after * 2 + 20, catch_up_after * 2 + 6)
     plain, truth = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
-    cfg = attrs.evolve(config(hisparse, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False))
+    cfg = attrs.evolve(
+        config(hisparse, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1, timed=False)
+    )
     executor = Executor(cfg, model=tiny_model)
     executor.mtp.catch_up_after = catch_up_after
     oracle_drafter(monkeypatch, executor, truth)
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
-        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        reqs = [
+            driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        ]
         most = 0
         while driver.step():
             most = max([most, *(executor.mtp.held(rid) for rid in executor.seqs)])
@@ -236,7 +245,9 @@ def test_a_batch_that_never_speculates_never_runs_the_draft_layer(tiny_model, mo
     monkeypatch.setattr(executor_module, "draft_extend", lambda *a, **k: calls.append(1) or real(*a, **k))
     prompts = make_prompts(3, seed=9)
     plain, _ = generate(tiny_model, config(True, None), prompts)
-    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=2), prefix_cache=False)
+    cfg = attrs.evolve(
+        config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=2), prefix_cache=False
+    )
     reqs, executor = generate(tiny_model, cfg, prompts)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert executor.spec_counters.verify_rounds == 0 and calls == []
@@ -250,7 +261,9 @@ def test_a_request_that_never_speculated_still_leaves_its_pages_to_the_prefix_ca
     """Its pages go to the cache with its MTP rows as hidden states (or, over
     ``MtpLedger.pending_limit``, caught up as it leaves), so the next request with the same prompt
     hits."""
-    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
+    cfg = attrs.evolve(
+        config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True
+    )
     executor = Executor(cfg, model=tiny_model)
     if eager:
         executor.mtp.pending_limit = 0
@@ -295,7 +308,7 @@ def _decode_plainly(executor, ids, prompts, params, steps: int) -> None:
     (no round: every MTP row behind)."""
     from pipeline.executor import NewSequence
 
-    executor.prefill([NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
+    prefill_whole(executor, [NewSequence(rid, tuple(p), params) for rid, p in zip(ids, prompts)])
     executor.wait_staging()
     executor.collect_ready()
     for _ in range(steps):
@@ -312,8 +325,12 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
 
     calls = []
     real = executor_module.draft_extend
-    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: calls.append(inputs) or real(m, mem, inputs))
-    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
+    monkeypatch.setattr(
+        executor_module, "draft_extend", lambda m, mem, inputs: calls.append(inputs) or real(m, mem, inputs)
+    )
+    cfg = attrs.evolve(
+        config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True
+    )
     executor = Executor(cfg, model=tiny_model)
     executor.mtp.pending_limit = 0  # nothing left for later: every row is written on leaving
     prompts = make_prompts(8, seed=17)[3:6]  # 37, 145 and 7 tokens
@@ -330,7 +347,8 @@ def test_requests_leaving_together_catch_up_in_one_extend_that_proposes_nothing(
         assert len(calls) == 2 and not calls[1][0].propose
     for x, prompt in zip([*calls[0], *calls[1]], prompts):  # up to the last full page, none of the rest
         assert x.start + len(x.next_ids) == (len(prompt) + 20) // PAGE * PAGE
-    assert torch.equal(executor._sampling_state[ids[2]].get_state(), states[2])  # its generator untouched
+    # its generator untouched
+    assert torch.equal(executor.requests.sampling_state[ids[2]].get_state(), states[2])
     full = sum((len(p) + 20) // PAGE for p in prompts)
     assert executor.memory.cache_stats()["pages_held"] == full
     executor.close()
@@ -369,7 +387,9 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
     seen = _record_proposals(monkeypatch)
     extends = []
     real = executor_module.draft_extend
-    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: extends.append(inputs) or real(m, mem, inputs))
+    monkeypatch.setattr(
+        executor_module, "draft_extend", lambda m, mem, inputs: extends.append(inputs) or real(m, mem, inputs)
+    )
 
     def run(eager: bool):
         cfg = attrs.evolve(config(hisparse, 3), prefix_cache=True)
@@ -395,7 +415,8 @@ def test_mtp_rows_left_to_the_cache_are_written_by_the_first_request_that_shares
         assert again.metrics.cached_tokens == hit
         if not eager:  # written at the hit's admission, for the pages it shares only
             assert on_leaving == 0 and not any(x.propose for x in extends[0])
-            assert [(x.start, len(x.next_ids)) for x in extends[0]] == [(i, PAGE) for i in range(0, hit, PAGE)]
+            spans = [(x.start, len(x.next_ids)) for x in extends[0]]
+            assert spans == [(i, PAGE) for i in range(0, hit, PAGE)]
             assert cache.pending_positions == full[0] + full[1] - hit
         else:
             assert on_leaving == 1
@@ -418,7 +439,9 @@ def test_rows_left_for_later_stay_within_the_limit(tiny_model):
     catches up as it leaves, so what the cache holds stays bounded."""
     from pipeline.messages import Release
 
-    cfg = attrs.evolve(config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True)
+    cfg = attrs.evolve(
+        config(True, 3), speculative=SpeculativeConfig(num_steps=3, max_batch_size=1), prefix_cache=True
+    )
     executor = Executor(cfg, model=tiny_model)
     prompts = make_prompts(8, seed=29)[3:6]  # 37, 145 and 7 tokens
     executor.mtp.pending_limit = (len(prompts[0]) + 6) // PAGE * PAGE  # room for the first only
@@ -445,8 +468,8 @@ def test_rounds_stop_at_the_context_limit_with_plain_decodings_tokens(tiny_model
     limit = 60  # the long request passes it after 10 tokens, the short one never does
     lengths = (MAX_NEW, 40)
     plain, truth = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
-    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False, plain_tail=False,
-                             plain_while_prefilling=False)
+    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False,
+                             plain_tail=False, plain_while_prefilling=False)
     executor = Executor(attrs.evolve(config(hisparse, None), speculative=spec), model=tiny_model)
     oracle_drafter(monkeypatch, executor, truth)
     held_at_rounds: list[int] = []
@@ -460,7 +483,10 @@ def test_rounds_stop_at_the_context_limit_with_plain_decodings_tokens(tiny_model
     executor.verify = verify
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
-        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        reqs = [
+            driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        ]
         driver.run()
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert held_at_rounds and max(held_at_rounds) <= limit
@@ -486,19 +512,23 @@ def test_no_mtp_row_at_or_past_the_context_limit_is_ever_computed(tiny_model, mo
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (50, 7)]  # past it, and under it
     lengths = (12, 40)  # the short one passes the limit after 33 tokens
     plain, _ = plain_with_lengths(tiny_model, hisparse, prompts, lengths)
-    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False, plain_tail=False,
-                             plain_while_prefilling=False)
+    spec = SpeculativeConfig(num_steps=3, max_batch_size=None, max_context=limit, timed=False,
+                             plain_tail=False, plain_while_prefilling=False)
     cfg = attrs.evolve(config(hisparse, None), speculative=spec, prefix_cache=True, chunked_prefill_tokens=16)
     extends: list = []
     real = executor_module.draft_extend
-    monkeypatch.setattr(executor_module, "draft_extend", lambda m, mem, inputs: extends.extend(inputs) or real(m, mem,
-                                                                                                              inputs))
+    monkeypatch.setattr(
+        executor_module, "draft_extend", lambda m, mem, inputs: extends.extend(inputs) or real(m, mem, inputs)
+    )
     seen = _record_proposals(monkeypatch)
     executor = Executor(cfg, model=tiny_model)
     assert executor.mtp.limit == limit
     driver = SyncDriver(executor, check=True)
     with quiet_logs():
-        reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+        reqs = [
+            driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True))
+            for p, n in zip(prompts, lengths)
+        ]
         driver.run()
     assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
     assert extends and max(x.start + len(x.next_ids) for x in extends) <= limit
@@ -529,7 +559,8 @@ def test_no_mtp_row_at_or_past_the_context_limit_is_ever_computed(tiny_model, mo
     from pipeline.executor import NewSequence
 
     with quiet_logs():  # a draft asked for past the limit (the scheduler never asks): that request fails
-        executor.prefill([NewSequence("past", tuple(reversed(prompts[0])), params)])  # no cache hit: its rows held
+        # no cache hit: its rows held
+        prefill_whole(executor, [NewSequence("past", tuple(reversed(prompts[0])), params)])
         executor.wait_staging()
         executor.collect_ready()
         executor.decode(["past"])
