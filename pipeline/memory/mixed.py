@@ -1,8 +1,9 @@
 """The attention backend of a mixed forward: decode tokens and prefill chunks in one flat batch.
 
-A mixed step (``Executor.run_together``) runs the running requests' decode tokens and one prefill
-forward's chunks through the model once: the linear and MoE layers see every token together, and
-attention, the only part that depends on where a token's request stands, is dispatched per segment.
+A mixed step (a ``Mixed`` command, ``pipeline/messages.py``; its forward built by
+``pipeline/forward.py``) runs the running requests' decode tokens and one prefill forward's chunks
+through the model once: the linear and MoE layers see every token together, and attention, the only
+part that depends on where a token's request stands, is dispatched per segment.
 The flat batch is the decode tokens first, then the chunks' tokens; each layer's
 ``AttentionInputs`` is cut at that boundary, the decode backend (``steps=1``) attends its rows and the
 prefill backend (``chunk_starts``) its own, exactly as each would in a forward of its own, and the
