@@ -116,6 +116,7 @@ class Executor:
         # the table's maps, under the names the commands read
         self.seqs, self._by_row = self.requests.seqs, self.requests.by_row
         self.failed_admissions = self.requests.failed_admissions
+        self.lost: str | None = None  # one process has no rank to lose (``CommandExecutor.lost``)
 
     @property
     def speculative(self) -> bool:
@@ -127,8 +128,6 @@ class Executor:
         return self.plan.draft_tokens
 
     # --- the command protocol -----------------------------------------------------------------------
-
-    lost: str | None = None  # one process has no rank to lose (``CommandExecutor.lost``)
 
     def run(self, command: Command, *, idle: bool = True) -> Outcome:
         """Run one command. ``idle``: nothing else waits for the device (``CollectReady`` may then

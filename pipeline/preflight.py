@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from pipeline.capacity import REQUEST, DevicePlan, device_structures, format_bytes
+from pipeline.capacity import REQUEST, DevicePlan, format_bytes
 from pipeline.config import EngineConfig
 from pipeline.errors import ConfigError
 
@@ -62,9 +62,10 @@ def check_tensor_parallel(config: EngineConfig, model_cfg: Any) -> None:
     if config.device == "cuda":
         import torch
 
-        if size > torch.cuda.device_count():
+        visible = torch.cuda.device_count()
+        if size > visible:
             raise ConfigError(
-                "tensor_parallel_size", size, f"needs a CUDA device per rank; {torch.cuda.device_count()} visible"
+                "tensor_parallel_size", size, f"needs a CUDA device per rank; {visible} visible"
             )
 
 
@@ -189,7 +190,7 @@ def estimate_memory(config: EngineConfig, device_plan: DevicePlan) -> MemoryEsti
     table = rows * max_len * INT64
     out = [
         Allocation(s.name, s.num_bytes, True, ROWS_FIELD if s.unit == REQUEST else POOL_FIELD)
-        for s in device_structures(plan, dims)
+        for s in device_plan.structures
     ]
 
     def add(name: str, num_bytes: int, field: str) -> None:
@@ -209,7 +210,8 @@ def estimate_memory(config: EngineConfig, device_plan: DevicePlan) -> MemoryEsti
         if separate:
             add("token and host tables", 2 * table, ROWS_FIELD)
         add("logical-to-physical map", (logical_pages * p + 1) * INT64, POOL_FIELD)
-        add("page lists", (logical_pages + physical_pages + plan.host_pages) * PAGE_BOOKKEEPING_BYTES, POOL_FIELD)
+        page_lists = logical_pages + physical_pages + plan.host_pages
+        add("page lists", page_lists * PAGE_BOOKKEEPING_BYTES, POOL_FIELD)
     else:
         if separate:
             add("token table", table, ROWS_FIELD)

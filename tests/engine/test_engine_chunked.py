@@ -9,6 +9,7 @@ import pytest
 from _engine_util import Gate, config, driver_outputs, live_request, make_prompts, until
 
 from pipeline import Engine, SamplingParams
+from pipeline.messages import Mixed, PrefillChunk
 from statemachines.request import State
 
 CHUNK = 8
@@ -30,14 +31,24 @@ def continuing(rid: str, *, after: int = 0):
 IDS = ("running", "long")
 
 
+# the executor methods that run prefill chunks: alone (``prefill_chunks(chunks)``) or in the decode
+# step's forward (``_mixed_step(Mixed, idle)``)
+CHUNK_METHODS = ("prefill_chunks", "_mixed_step")
+
+
+def chunks_of(args: tuple) -> tuple[PrefillChunk, ...]:
+    """The chunks of a call to one of ``CHUNK_METHODS``."""
+    return tuple(args[0].prefill.chunks if isinstance(args[0], Mixed) else args[-1])
+
+
 def chunk_sizes(executor, rid: str) -> list[int]:
     """The sizes of ``rid``'s chunks as the executor runs them (alone or in a mixed step), in order."""
     sizes: list[int] = []
-    for method in ("prefill_chunks", "mixed"):
+    for method in CHUNK_METHODS:
         real = getattr(executor, method)
 
         def recorded(*args, real=real):
-            sizes.extend(c.end - c.start for c in args[-1] if c.request_id == rid)
+            sizes.extend(c.end - c.start for c in chunks_of(args) if c.request_id == rid)
             return real(*args)
 
         setattr(executor, method, recorded)
@@ -67,7 +78,7 @@ async def test_running_requests_decode_between_the_chunks_of_a_long_prompt(tiny_
     steps run between the chunks), and every output equals the synchronous driver's."""
     cfg = chunked()
     prompts = make_prompts([6, 120], seed=3)
-    params = [SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (40, 4)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     async with Engine(cfg, model=tiny_model) as engine:
 
@@ -94,8 +105,8 @@ async def test_an_abort_while_a_chunk_runs_releases_everything(tiny_model):
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
     async with Engine(cfg, model=tiny_model) as engine:
-        gate = Gate(lambda *args: continuing("victim", after=3 * CHUNK)(args[-1]))
-        for method in ("prefill_chunks", "mixed"):  # the chunk runs alone or in the decode step's forward
+        gate = Gate(lambda *args: continuing("victim", after=3 * CHUNK)(chunks_of(args)))
+        for method in CHUNK_METHODS:
             gate.install(engine, method)
         results = {}
 
@@ -129,7 +140,7 @@ async def test_paced_chunks_give_the_drivers_tokens(tiny_model):
     and the pools come back."""
     cfg = attrs.evolve(config(), chunked_prefill_tokens=64)
     prompts = make_prompts([6, 200], seed=6)
-    params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 4)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     async with Engine(cfg, model=tiny_model, prefill_pacing=True) as engine:
         chunks = chunk_sizes(engine.executor, "long")
@@ -147,7 +158,7 @@ async def test_the_engine_runs_chunks_in_the_decode_steps_forward(tiny_model, pa
     driver's, and the pools come back."""
     cfg = chunked()
     prompts = make_prompts([6, 120], seed=5)
-    params = [SamplingParams(max_new_tokens=60, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (60, 4)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     async with Engine(cfg, model=tiny_model, prefill_pacing=pacing) as engine:
         tokens = await running_then_long(engine, prompts, params)
@@ -162,7 +173,7 @@ async def test_the_engine_runs_chunks_in_the_decode_steps_forward(tiny_model, pa
 async def test_without_mixed_steps_the_engine_alternates_forwards(tiny_model):
     cfg = attrs.evolve(chunked(), mixed_steps=False)
     prompts = make_prompts([6, 120], seed=5)
-    params = [SamplingParams(max_new_tokens=30, ignore_eos=True), SamplingParams(max_new_tokens=4, ignore_eos=True)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (30, 4)]
     expected = driver_outputs(tiny_model, cfg, prompts, params, list(IDS))
     async with Engine(cfg, model=tiny_model) as engine:
         tokens = await running_then_long(engine, prompts, params)
@@ -181,10 +192,11 @@ async def test_an_abort_in_the_middle_of_a_mixed_step_releases_everything(tiny_m
     expected = driver_outputs(tiny_model, cfg, prompts[:1], [params], ["other"])
     async with Engine(cfg, model=tiny_model) as engine:
 
-        def victims_inside(ids, chunks) -> bool:
-            return "decoder" in ids and continuing("victim", after=2 * CHUNK)(chunks)
+        def victims_inside(command: Mixed, idle: bool) -> bool:
+            inside = "decoder" in command.decode.request_ids
+            return inside and continuing("victim", after=2 * CHUNK)(command.prefill.chunks)
 
-        gate = Gate(victims_inside).install(engine, "mixed")
+        gate = Gate(victims_inside).install(engine, "_mixed_step")
         results = {}
         scopes = {rid: anyio.CancelScope() for rid in ("decoder", "victim")}
 
@@ -196,7 +208,8 @@ async def test_an_abort_in_the_middle_of_a_mixed_step_releases_everything(tiny_m
             tg.start_soon(run, "other", prompts[0])
             tg.start_soon(run, "decoder", prompts[1])
             await until(lambda: all(
-                (r := live_request(engine, rid)) is not None and r.state is State.DECODE for rid in ("other", "decoder")
+                (r := live_request(engine, rid)) is not None and r.state is State.DECODE
+                for rid in ("other", "decoder")
             ))
             tg.start_soon(run, "victim", prompts[2])
             await gate.wait_entered()
@@ -259,7 +272,8 @@ async def test_prompts_arriving_together_share_prefill_forwards_up_to_the_budget
     async with Engine(cfg, model=tiny_model) as engine:
 
         async def one(i):
-            results[ids[i]] = list((await engine.generate_text(prompts[i], params[i], request_id=ids[i])).token_ids)
+            result = await engine.generate_text(prompts[i], params[i], request_id=ids[i])
+            results[ids[i]] = list(result.token_ids)
 
         async with anyio.create_task_group() as tg:
             for i in range(8):
