@@ -101,9 +101,12 @@ class Executor:
         trace_path: str | None = None,
         transfer: Callable[[str, torch.device], TransferStream] | None = None,
         tokenizer: Tokenizer | None = None,
+        check_machine: bool = True,
     ) -> None:
+        """Start-up (``pipeline.startup.start``, which says what each argument does)."""
         self.config = config  # as the user wrote it; what start-up derived from it is ``self.plan``
-        started = start(config, model=model, tokenizer=tokenizer, transfer=transfer, trace_path=trace_path)
+        started = start(config, model=model, tokenizer=tokenizer, transfer=transfer, trace_path=trace_path,
+                        check_machine=check_machine)
         self.device, self.dtype, self.model = started.device, started.dtype, started.model
         self.tokenizer, self.plan = started.tokenizer, started.plan
         self.memory, self.trace = started.memory, started.trace
@@ -483,9 +486,8 @@ class Executor:
         self.memory.reclaim()
         return self.memory.free_counts()
 
-    # --- helpers ----------------------------------------------------------------------------------
-
     def _labels(self) -> dict[int, str] | None:
+        """Each live row's request id, for the top-k trace (None when nothing is traced)."""
         return dict(self._by_row) if self.trace is not None else None
 
 

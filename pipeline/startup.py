@@ -25,15 +25,7 @@ import torch
 
 import kernels
 from kernels.swap_in_policy import DEFAULT_POLICY
-from pipeline.capacity import (
-    DEFAULT_RATIO,
-    DevicePlan,
-    MemoryPlan,
-    ModelDims,
-    device_budget,
-    prefill_chunk,
-    size_pools,
-)
+from pipeline.capacity import DevicePlan, MemoryPlan, ModelDims
 from pipeline.config import (
     DEFAULT_POOL_TOKENS,
     DEFAULT_PREFILL_BATCH,
@@ -56,6 +48,7 @@ from pipeline.model import DeepseekV32, ModelConfig, load_model
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.fused import fuse_for_inference
 from pipeline.model.tokenizer import Tokenizer, tokenizer_for_model
+from pipeline.pool_sizes import DEFAULT_RATIO, device_budget, prefill_chunk, size_pools
 from pipeline.preflight import check_memory, model_config
 
 log = structlog.get_logger("hispec.config")
@@ -105,11 +98,15 @@ def start(
     tokenizer: Tokenizer | None = None,
     transfer: Callable[[str, torch.device], TransferStream] | None = None,
     trace_path: str | None = None,
+    check_machine: bool = True,
 ) -> Started:
     """The engine's first stage; raises ``ConfigError`` naming the field at the first mistake.
 
     ``model`` replaces loading ``config.model``; ``tokenizer`` replaces the checkpoint's;
     ``transfer`` builds HiSparse's transfer streams; ``trace_path`` records every top-k selection.
+    ``check_machine=False``: the plan's memory was checked against the machine already (a tensor-
+    parallel rank: its group checked every rank's share before spawning one, and the ranks' own
+    allocations would make a later check refuse what fits).
     The config, already valid (it checks itself when built), is not changed.
     """
     if config.num_threads is not None:
@@ -119,14 +116,19 @@ def start(
     # a budget that is a fraction of the memory free once the weights are loaded is measured after
     # them; any other plan is made, and checked against the machine, before a weight is read
     measured_after_weights = config.device_memory_fraction is not None
-    plan = None if measured_after_weights else checked_plan(config, model_cfg, log_choices=True)
+    def make_plan(model_cfg: ModelConfig) -> EnginePlan:
+        if check_machine:
+            return checked_plan(config, model_cfg, log_choices=True)
+        return plan_engine(config, model_cfg, log_choices=True)
+
+    plan = None if measured_after_weights else make_plan(model_cfg)
     injected = model is not None
     if model is None:
         model = load_model(config.model, dtype=dtype, device=device)
     if model.dtype != dtype:
         raise ConfigError("dtype", config.dtype, f"the model given is {model.dtype}: they must match")
     if plan is None:
-        plan = checked_plan(config, model.cfg, log_choices=True)
+        plan = make_plan(model.cfg)
     fuse_for_inference(model)  # fewer torch calls per layer, same arithmetic (``fused.py``)
     cfg = model.cfg
     if tokenizer is None:
@@ -196,7 +198,7 @@ def plan_engine(config: EngineConfig, model_cfg: ModelConfig, *, log_choices: bo
       ``model.mtp_missing``) (``speculative_for``);
     * ``hisparse.device_buffer_size=None`` -> HOT: 128, or the model's ``index_topk`` in whole pages
       when that is more (``HiSparseConfig.hot_for``);
-    * the pools (``pipeline.capacity.size_pools``): without a device memory budget, the sizes given
+    * the pools (``pipeline.pool_sizes.size_pools``): without a device memory budget, the sizes given
       or 16384 slots, 16 rows and a ratio of 4, and ``max_context_len=None`` the model's positions as
       far as the pools hold; with one, what the budget pays for, the sizes given kept.
     """

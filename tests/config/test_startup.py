@@ -58,3 +58,19 @@ def test_preflight_hispec_plan_and_the_engine_make_one_plan(capsys):
         assert plan.device_memory_bytes == 64 * 10**6 and executor.config is config
     finally:
         executor.close()
+
+
+def test_a_rank_that_its_group_checked_skips_the_machine_check(tiny_model, monkeypatch):
+    """A tensor-parallel rank starts with ``check_machine=False``: its group checked every rank's
+    memory before spawning one, and the ranks that allocated first would make a later check refuse
+    a plan that fits. Every other start checks the plan against the machine."""
+    import pipeline.startup
+
+    checked: list[int] = []
+    real = pipeline.startup.check_memory
+    monkeypatch.setattr(pipeline.startup, "check_memory", lambda *a, **k: checked.append(1) or real(*a, **k))
+    config = EngineConfig(dtype="float64", speculative=None)
+    for check_machine, calls in ((True, 1), (False, 0)):
+        checked.clear()
+        Executor(config, model=tiny_model, check_machine=check_machine).close()
+        assert len(checked) == calls
