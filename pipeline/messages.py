@@ -20,7 +20,7 @@ request ids and plain values only, so they can be copied to another process unch
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import attrs
 
@@ -30,6 +30,8 @@ from pipeline.sampling import TokenLogprob
 if TYPE_CHECKING:
     from pipeline.request import Request, RequestMetrics
     from pipeline.sampling import SamplingParams
+
+_R = TypeVar("_R")
 
 
 # --- commands ------------------------------------------------------------------------------------
@@ -211,7 +213,8 @@ class MixedResult:
     prefill: Outcome
 
 
-Result = AdmitResult | PrefillResult | ReadyResult | RoomResult | StepResult | MixedResult | None
+# int: the prefix-cache pages a ``FlushCache`` evicted
+Result = AdmitResult | PrefillResult | ReadyResult | RoomResult | StepResult | MixedResult | int | None
 
 
 @attrs.frozen
@@ -226,6 +229,13 @@ class Outcome:
     # a part of a ``Mixed`` command whose forward carried both parts: ``seconds`` is the shared
     # forward's
     mixed: bool = False
+
+    def result_as(self, kind: type[_R]) -> _R:
+        """``result``, checked to be a ``kind``: the result type of the command answered (a command
+        that did not fail answers with its own type, e.g. ``Decode`` with a ``StepResult``)."""
+        if not isinstance(self.result, kind):
+            raise TypeError(f"expected a {kind.__name__} result, got {self.result!r} (error: {self.error})")
+        return self.result
 
 
 # --- between stages (async engine) ----------------------------------------------------------------

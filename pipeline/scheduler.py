@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 
 import attrs
 import structlog
@@ -141,7 +141,7 @@ def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
     }
 
 
-def end(items: list[tuple[Request, Event]], stage: str) -> Turn:
+def end(items: Sequence[tuple[Request, Event]], stage: str) -> Turn:
     """Release (whatever holds memory), then apply each terminal event. A request that crashed
     leaves nothing to the prefix cache (its memory is not trusted); the others may."""
     if not items:
@@ -246,7 +246,7 @@ class AdmissionPart:
             for req in candidates:
                 req.apply(Admitted(), self.name)
             return done.merge((yield from fail(candidates, outcome.error, self.name)))
-        result: AdmitResult = outcome.result
+        result = outcome.result_as(AdmitResult)
         admitted = candidates[: len(result.admitted)]
         assert [r.request_id for r in admitted] == list(result.admitted), "admission must take a prefix"
         self.remove(set(result.admitted))
@@ -255,7 +255,9 @@ class AdmissionPart:
             if req.metrics.scheduled_time is None:
                 req.metrics.scheduled_time = time.monotonic()
             cached = req.metrics.cached_tokens = result.cached.get(req.request_id, 0)
-            req.apply(Admitted(), self.name, batch_size=len(admitted), queued=len(self.queue), cached_tokens=cached)
+            req.apply(
+                Admitted(), self.name, batch_size=len(admitted), queued=len(self.queue), cached_tokens=cached
+            )
         done.onward.extend(admitted)
         return done
 
@@ -360,7 +362,7 @@ class PrefillPart:
             for req in reqs:
                 self.remove(req.request_id)
             return done.merge((yield from fail(reqs, outcome.error, self.name)))
-        result: PrefillResult = outcome.result
+        result = outcome.result_as(PrefillResult)
         ending: list[tuple[Request, Event]] = []
         staged: list[Request] = []
         figures = figures_of(outcome, len(reqs))
@@ -376,8 +378,9 @@ class PrefillPart:
                 ending.append((req, Crashed(result.failed[rid])))
                 continue
             logprob = result.logprobs.get(rid)
+            logprobs = None if logprob is None else (logprob,)
             try:
-                reason = req.append((result.first_tokens[rid],), logprobs=None if logprob is None else (logprob,))
+                reason = req.append((result.first_tokens[rid],), logprobs=logprobs)
             except Exception as exc:  # its detokenizer (or its text's stop rule): this request's fault alone
                 ending.append((req, Crashed(output_fault(exc))))
                 continue
@@ -420,11 +423,13 @@ class StagingPart:
             return done
         outcome = yield CollectReady(tuple(self.owned))
         if outcome.error is not None:
-            doomed, self.owned = list(self.owned.values()), {}
-            return done.merge((yield from fail(doomed, outcome.error, self.name)))
-        result: ReadyResult = outcome.result
+            held, self.owned = list(self.owned.values()), {}
+            return done.merge((yield from fail(held, outcome.error, self.name)))
+        result = outcome.result_as(ReadyResult)
         ready = [self.owned.pop(rid) for rid in result.ready]
-        broken = [(self.owned.pop(rid), Crashed(why)) for rid, why in result.failed.items() if rid in self.owned]
+        broken = [
+            (self.owned.pop(rid), Crashed(why)) for rid, why in result.failed.items() if rid in self.owned
+        ]
         self.waiting_for_memory = not ready and not broken and result.waited
         for req in ready:
             req.apply(StagingDone(), self.name)
@@ -437,6 +442,13 @@ class StagingPart:
 
 # the timed rule's probe interval grows to at most ``probe_every * 2 ** MAX_PROBE_DOUBLINGS`` turns
 MAX_PROBE_DOUBLINGS = 3
+
+
+def rounds_lead(rates: list[float | None]) -> bool | None:
+    """Whether rounds deliver at least plain steps' tokens/s, by ``[rounds, plain steps]`` rates
+    (``SpecPolicy.rates``); None while either mode is not measured."""
+    spec, plain = rates
+    return None if spec is None or plain is None else spec >= plain
 
 
 @attrs.define(eq=False)
@@ -458,11 +470,11 @@ class SpecPolicy:
     ``2 ** MAX_PROBE_DOUBLINGS`` times), and any change of lead resets it, so a mode that keeps
     losing costs ever less to watch (with ``probe_every`` 16, twice in the 100 turns after the
     first comparison instead of 5 times). Each mode's first ``warm_up_turns`` turns at a size are
-    not counted (a fresh engine's
-    first round also pays one-off costs, its first forward of that shape among them, which would
-    make rounds look slower than plain steps; docs/performance-notes.md), so the mode is tried again
-    before the rule compares. A batch of one is timed too when its request is greedy (the same tokens either way); a
-    sampled request served alone always speculates (so a seeded one stays reproducible).
+    not counted (a fresh engine's first round also pays one-off costs, its first forward of that
+    shape among them, which would make rounds look slower than plain steps;
+    docs/performance-notes.md), so the mode is tried again before the rule compares. A batch of one
+    is timed too when its request is greedy (the same tokens either way); a sampled request served
+    alone always speculates (so a seeded one stays reproducible).
 
     ``max_context``: no round while some request of the batch holds more tokens than this (its
     verify's queries and its drafts each scan the whole context; vLLM's speculative_max_model_len).
@@ -509,8 +521,8 @@ class SpecPolicy:
         are greedy (a batch of one is then timed as well)."""
         if self.max_batch_size is not None and batch_size > self.max_batch_size:
             return False
-        low = self.min_accept_length is not None and self.accept_length is not None
-        if low and self.accept_length < self.min_accept_length:
+        floor, measured = self.min_accept_length, self.accept_length
+        if floor is not None and measured is not None and measured < floor:
             return self.plain_steps >= self.probe_every
         if not self._timed(batch_size, greedy):
             return True
@@ -550,14 +562,13 @@ class SpecPolicy:
             warmed[mode] += 1
             return
         rates = self.rates.setdefault(group, [None, None])
-        spec, plain = rates
-        compared = spec is not None and plain is not None
-        ran_winner = compared and (spec >= plain) == speculative
+        lead = rounds_lead(rates)
+        ran_winner = lead is not None and lead == speculative
         self.since_probe[group] = self.since_probe.get(group, 0) + 1 if ran_winner else 0
         rate, old = tokens / seconds, rates[mode]
         rates[mode] = rate if old is None else (1 - self.weight) * old + self.weight * rate
-        if compared:
-            kept = (rates[0] >= rates[1]) == (spec >= plain)
+        if lead is not None:
+            kept = rounds_lead(rates) == lead
             if not kept:  # the lead changed hands: watch the new loser closely again
                 self.doublings[group] = 0
             elif not ran_winner:  # a probe that confirmed the lead: look less often
@@ -635,8 +646,10 @@ class DecodePart:
         start, self._committed = time.perf_counter(), 0
         done.merge((yield from step))
         if self.speculative:
-            self.policy.record_time(len(reqs), self._committed, time.perf_counter() - start, speculative=speculative,
-                                    greedy=greedy)
+            seconds = time.perf_counter() - start
+            self.policy.record_time(
+                len(reqs), self._committed, seconds, speculative=speculative, greedy=greedy
+            )
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
         return done
@@ -645,7 +658,7 @@ class DecodePart:
         outcome = yield Decode(tuple(r.request_id for r in reqs))
         if outcome.error is not None:
             return (yield from fail(self._pop(reqs), outcome.error, self.name))
-        result: StepResult = outcome.result
+        result = outcome.result_as(StepResult)
         done = yield from self._retract(result.refused)
         return done.merge((yield from self._settle(result, outcome, len(result.tokens), verified=False)))
 
@@ -653,7 +666,7 @@ class DecodePart:
         outcome = yield Reserve(tuple(r.request_id for r in reqs), self.draft_tokens)
         if outcome.error is not None:
             return (yield from fail(self._pop(reqs), outcome.error, self.name))
-        room: RoomResult = outcome.result
+        room = outcome.result_as(RoomResult)
         done = yield from self._retract(room.refused)
         drafting = [self.members[rid] for rid in room.runnable]
         if not drafting:
@@ -663,13 +676,13 @@ class DecodePart:
         outcome = yield Draft(tuple(room.runnable))
         if outcome.error is not None:
             return done.merge((yield from fail(self._pop(drafting), outcome.error, self.name)))
-        failed: dict[str, str] = outcome.result.failed
+        failed = outcome.result_as(StepResult).failed
         for req in drafting:
             if req.request_id not in failed:
                 req.apply(DraftDone(num_steps=self.num_steps), self.name, batch_size=len(drafting))
-        doomed = [r for r in drafting if r.request_id in failed]
-        self._pop(doomed)
-        done.merge((yield from end([(r, Crashed(failed[r.request_id])) for r in doomed], self.name)))
+        draft_failed = [r for r in drafting if r.request_id in failed]
+        self._pop(draft_failed)
+        done.merge((yield from end([(r, Crashed(failed[r.request_id])) for r in draft_failed], self.name)))
         # an abort that arrived while drafting takes effect here, between draft and verify
         drafted = [r for r in drafting if r.request_id not in failed]
         aborted = yield from take_aborts(drafted, self.aborts, self.name)
@@ -681,7 +694,8 @@ class DecodePart:
         outcome = yield Verify(tuple(r.request_id for r in drafted))
         if outcome.error is not None:
             return done.merge((yield from fail(self._pop(drafted), outcome.error, self.name)))
-        return done.merge((yield from self._settle(outcome.result, outcome, len(drafted), verified=True)))
+        result = outcome.result_as(StepResult)
+        return done.merge((yield from self._settle(result, outcome, len(drafted), verified=True)))
 
     def _retract(self, refused: tuple[str, ...]) -> Turn:
         reqs = self._pop(self.members[rid] for rid in refused)
@@ -858,7 +872,8 @@ class Scheduler:
             places = where.pop(req.request_id, [])
             if req.request_id in moving and not places:
                 continue
-            assert len(places) == 1, f"request {req.request_id} ({req.state.name}) is held by {places or 'no part'}"
+            held_by = places or "no part"
+            assert len(places) == 1, f"request {req.request_id} ({req.state.name}) is held by {held_by}"
             assert OWNER[req.state] == places[0], (
                 f"request {req.request_id} is {req.state.name} but held by {places[0]}"
             )

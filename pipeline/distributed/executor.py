@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 import torch
@@ -65,7 +65,7 @@ from pipeline.messages import (
 from pipeline.startup import preflight
 
 if TYPE_CHECKING:
-    from pipeline.executor import Sequence
+    from pipeline.executor import Executor, Sequence
     from pipeline.memory.interface import KVMemory
     from pipeline.model import DeepseekV32
     from pipeline.model.tokenizer import Tokenizer
@@ -121,24 +121,31 @@ class DistributedExecutor:
         self._broken: str | None = None
         try:
             self.group = TensorGroup(store, 0, size, timeout_s=timeout_s, device=torch.device(config.device))
+            local: Executor | None = None
+            error: Exception | None = None
+            started: dict[str, object] | str  # every rank sends its statistics, or why it could not start
             try:
-                self.local, error = build_rank_executor(setup, self.group, trace_path), None
+                local = build_rank_executor(setup, self.group, trace_path)
             except Exception as exc:
-                self.local, error = None, exc
-            why = None if error is None else f"{type(error).__name__}: {error}"
-            answers = self.group.all_gather_object((why, None if self.local is None else self._stats()))
+                error, started = exc, f"{type(exc).__name__}: {exc}"
+            else:
+                started = rank_stats(local, self.group)
+            answers = self.group.all_gather_object(started)
         except BaseException:
             self._stop_workers()
             raise
-        if error is not None or any(w is not None for w, _ in answers):
-            if self.local is not None:
-                self.local.close()
+        failures = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
+        if local is None or failures:
+            if local is not None:
+                local.close()
             self._stop_workers()
             if error is not None:
                 raise error
-            rank, why = next((r, w) for r, (w, _) in enumerate(answers) if w is not None)
+            rank, why = failures[0]
             raise EngineError(f"tensor-parallel rank {rank} could not start: {why}")
-        self._rank_stats: list[dict] = [s for _, s in answers]
+        self.local = local
+        # no failures: every rank sent its statistics
+        self._rank_stats: list[dict] = [stats for stats in answers if not isinstance(stats, str)]
         self.config = self.local.config
         self.plan = self.local.plan  # every rank made the same plan from the same config and model
 
@@ -224,12 +231,8 @@ class DistributedExecutor:
         ranks[0] = self._stats()
         out = dict(ranks[0])
         out["hisparse"] = sum_counters([r["hisparse"] for r in ranks])
-        out["tensor_parallel"] = {
-            "size": self.size,
-            "ranks": [
-                {k: r[k] for k in ("pools", "hisparse", "readiness", "collectives", "live_requests")} for r in ranks
-            ],
-        }
+        per_rank = ("pools", "hisparse", "readiness", "collectives", "live_requests")
+        out["tensor_parallel"] = {"size": self.size, "ranks": [{k: r[k] for k in per_rank} for r in ranks]}
         return out
 
     def close(self) -> None:
@@ -274,7 +277,7 @@ class DistributedExecutor:
             if not proc.is_alive():
                 self._lose(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}")
 
-    def _lose(self, why: str) -> None:
+    def _lose(self, why: str) -> NoReturn:
         self._broken = why
         self.group.broken = self.group.broken or why
         log.error("tp.worker_lost", reason=why)
@@ -294,7 +297,9 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
     rank is failed; ``Mixed``: each part merged on its own), swap-in figures are summed, the time is
     rank 0's."""
     first = outcomes[0]
-    figures = StepFigures(*(sum(getattr(o.figures, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes")))
+    figures = StepFigures(
+        *(sum(getattr(o.figures, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes"))
+    )
     changed = any(o.changed for o in outcomes)
     errors = [o.error for o in outcomes]
     if any(errors):
@@ -304,26 +309,23 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
         return Outcome(None, figures, changed, first.error, first.seconds, mixed=first.mixed)
     result = first.result
     if isinstance(command, Mixed):
-        parts = [_mixed_result(o) for o in outcomes]
+        parts = [o.result_as(MixedResult) for o in outcomes]
         decode = merge(command.decode, [p.decode for p in parts])
         result = MixedResult(decode, merge(command.prefill, [p.prefill for p in parts]))
     elif isinstance(command, CollectReady):
-        failed = {rid: why for o in reversed(outcomes) for rid, why in o.result.failed.items()}
-        ready = tuple(rid for rid in first.result.ready if rid not in failed)
-        for rank, o in enumerate(outcomes):
-            if tuple(rid for rid in o.result.ready if rid not in failed) != ready:
+        collected = [o.result_as(ReadyResult) for o in outcomes]
+        failed = {rid: why for c in reversed(collected) for rid, why in c.failed.items()}
+        ready = tuple(rid for rid in collected[0].ready if rid not in failed)
+        for rank, c in enumerate(collected):
+            if tuple(rid for rid in c.ready if rid not in failed) != ready:
                 raise RanksDiverged(f"ranks 0 and {rank} collected different ready sets despite agreeing")
-        result = ReadyResult(ready, first.result.waited, failed)
+        result = ReadyResult(ready, collected[0].waited, failed)
     else:
         for rank, o in enumerate(outcomes[1:], start=1):
             if o.result != result:
-                raise RanksDiverged(f"{type(command).__name__}: rank {rank} answered {o.result!r}, rank 0 {result!r}")
+                name = type(command).__name__
+                raise RanksDiverged(f"{name}: rank {rank} answered {o.result!r}, rank 0 {result!r}")
     return Outcome(result, figures, changed, None, first.seconds, mixed=first.mixed)
-
-
-def _mixed_result(outcome: Outcome) -> MixedResult:
-    assert isinstance(outcome.result, MixedResult), f"a Mixed command answered {outcome.result!r}"
-    return outcome.result
 
 
 def sum_counters(per_rank: list[dict | None]) -> dict | None:
@@ -339,6 +341,7 @@ def sum_counters(per_rank: list[dict | None]) -> dict | None:
             out[key] = sum(c[key] for c in present)
         else:
             out[key] = value
-    if "hits" in out and "misses" in out:
-        out["hit_rate"] = [round(h / (h + m), 4) if h + m else 1.0 for h, m in zip(out["hits"], out["misses"])]
+    hits, misses = out.get("hits"), out.get("misses")
+    if isinstance(hits, list) and isinstance(misses, list):  # per layer
+        out["hit_rate"] = [round(h / (h + m), 4) if h + m else 1.0 for h, m in zip(hits, misses)]
     return out

@@ -15,17 +15,33 @@ from __future__ import annotations
 import datetime
 import pickle
 import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+_T = TypeVar("_T")
+
+class _Collectives(Protocol):
+    """The collectives a process-group backend (``dist.Backend``: gloo, NCCL) binds and this group
+    calls; torch's type stubs leave them out of ``Backend``."""
+
+    def broadcast(self, tensors: list[Tensor], opts: dist.BroadcastOptions) -> dist.Work: ...
+
+    def allreduce(self, tensors: list[Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
+
+    def allgather(self, outputs: list[list[Tensor]], inputs: list[Tensor]) -> dist.Work: ...
 
 
 class TensorGroup:
     """``size`` ranks; this process is ``rank``. ``collective_s`` sums the wall time spent inside
     collectives (waiting for peers included), ``num_collectives`` counts them."""
 
-    def __init__(self, store: dist.Store, rank: int, size: int, *, timeout_s: float, device: torch.device) -> None:
+    def __init__(
+        self, store: dist.Store, rank: int, size: int, *, timeout_s: float, device: torch.device
+    ) -> None:
         self.rank = rank
         self.size = size
         self.device = device
@@ -33,13 +49,16 @@ class TensorGroup:
         timeout = datetime.timedelta(seconds=timeout_s)
         # objects and CPU tensors (commands, outcomes, the ready-set mask) always go over gloo;
         # the model's activations over NCCL when they live on CUDA devices
-        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        # cast: the backends bind these collectives, their stubs do not declare them (_Collectives)
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        self._cpu = cast(_Collectives, gloo)
         self._dev = self._cpu
         if device.type == "cuda":  # pragma: no cover - needs several GPUs
             torch.cuda.set_device(rank)  # rank r drives device r ("cuda" is the current device)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            self._dev = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), rank, size, options)
+            nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), rank, size, options)
+            self._dev = cast(_Collectives, nccl)
         self.collective_s = 0.0
         self.num_collectives = 0
         # set by the first collective that fails: every later one raises at once (a lost peer is
@@ -53,7 +72,9 @@ class TensorGroup:
         if self.size == 1:
             return tensor
         opts = dist.AllreduceOptions()
-        opts.reduceOp = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        opts.reduceOp = dist.ReduceOp(
+            {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+        )
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         self._timed(lambda: self._pg_for(tensor).allreduce([tensor], opts))
         return tensor
@@ -81,21 +102,22 @@ class TensorGroup:
         frame (length + the first ``FRAME_BYTES``), a second only for a longer payload."""
         if self.size == 1:
             return obj
-        root = self.rank == 0
-        payload = _encode(obj) if root else None
-        frame = _frame(payload) if root else torch.empty(_HEADER + FRAME_BYTES, dtype=torch.uint8)
+        payload = _encode(obj) if self.rank == 0 else None  # None: a receiving rank
+        frame = torch.empty(_HEADER + FRAME_BYTES, dtype=torch.uint8) if payload is None else _frame(payload)
         self._broadcast(frame)
         length = _length(frame)
         if length > FRAME_BYTES:
-            rest = payload[FRAME_BYTES:].clone() if root else torch.empty(length - FRAME_BYTES, dtype=torch.uint8)
+            size = length - FRAME_BYTES
+            rest = torch.empty(size, dtype=torch.uint8) if payload is None else payload[FRAME_BYTES:].clone()
             self._broadcast(rest)
         else:
             rest = torch.empty(0, dtype=torch.uint8)
-        return obj if root else _decode(frame, rest, length)
+        return obj if payload is not None else _decode(frame, rest, length)
 
-    def all_gather_object(self, obj: object) -> list[object]:
+    def all_gather_object(self, obj: _T) -> list[_T]:
         """Every rank's ``obj``, in rank order, on every rank: one all-gather of fixed-size frames,
-        a second only when some payload is longer than a frame."""
+        a second only when some payload is longer than a frame. Every rank gathers at the same point
+        of the same code, so the others' objects have the type of this rank's."""
         if self.size == 1:
             return [obj]
         payload = _encode(obj)
@@ -107,7 +129,8 @@ class TensorGroup:
         if any(extra):
             joined = self.all_gather(payload[FRAME_BYTES:], extra, dim=0)
             rests = list(joined.split(extra))
-        return [_decode(f, r, n) for f, r, n in zip(frames, rests, lengths)]
+        # cast: unpickled, each is an object of this rank's type (the same code sent it)
+        return [cast(_T, _decode(f, r, n)) for f, r, n in zip(frames, rests, lengths)]
 
     # --- helpers ------------------------------------------------------------------------------------
 
@@ -117,10 +140,10 @@ class TensorGroup:
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
         self._timed(lambda: self._cpu.broadcast([tensor], opts))
 
-    def _pg_for(self, tensor: Tensor):
+    def _pg_for(self, tensor: Tensor) -> _Collectives:
         return self._dev if tensor.is_cuda else self._cpu
 
-    def _timed(self, issue) -> None:
+    def _timed(self, issue: Callable[[], dist.Work]) -> None:
         if self.broken is not None:
             raise RuntimeError(f"the tensor-parallel group is broken: {self.broken}")
         start = time.perf_counter()

@@ -103,7 +103,8 @@ def build_shard(
                 continue
             src = source.read(name, specs.get(name))
             if tuple(src.shape) != tuple(dest.shape):
-                raise CheckpointError(f"tensor {name} has shape {list(src.shape)}, the shard needs {list(dest.shape)}", name)
+                shapes = f"has shape {list(src.shape)}, the shard needs {list(dest.shape)}"
+                raise CheckpointError(f"tensor {name} {shapes}", name)
             dest.copy_(src)
             checks.append((name, all_finite(dest)))
     finite = torch.stack([ok for _, ok in checks]).tolist() if checks else []  # one device sync
@@ -114,7 +115,9 @@ def build_shard(
     return model.eval()
 
 
-def load_shard(name_or_path: str | Path, dtype: torch.dtype, device: torch.device, group: TensorGroup) -> DeepseekV32:
+def load_shard(
+    name_or_path: str | Path, dtype: torch.dtype, device: torch.device, group: TensorGroup
+) -> DeepseekV32:
     """The rank's shard of the model of an HF-format directory (or a bundled name)."""
     path = resolve_model_dir(name_or_path)
     cfg, quant = read_model_config(path)

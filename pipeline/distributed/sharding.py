@@ -77,7 +77,9 @@ class VocabParallelHead(nn.Module):
 
     def __init__(self, weight: Tensor | nn.Parameter, sizes: list[int], group: TensorGroup) -> None:
         super().__init__()
-        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        if not isinstance(weight, nn.Parameter):
+            weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = weight
         self.sizes = sizes
         self.group = group
 
@@ -130,10 +132,10 @@ class ShardedMoE(nn.Module):
         self.group = group
         self.gate = moe.gate  # replicated: every rank routes every token the same way
         first, stop = shard_range(moe.experts.gate_up_proj.shape[0], group.size, group.rank)
-        self.experts = LocalExperts(
-            _narrow(moe.experts.gate_up_proj, 0, first, stop), _narrow(moe.experts.down_proj, 0, first, stop), first
-        )
-        specs[f"{prefix}experts.gate_up_proj"] = specs[f"{prefix}experts.down_proj"] = ShardSpec(0, first, stop)
+        gate_up = _narrow(moe.experts.gate_up_proj, 0, first, stop)
+        self.experts = LocalExperts(gate_up, _narrow(moe.experts.down_proj, 0, first, stop), first)
+        for part in ("gate_up_proj", "down_proj"):
+            specs[f"{prefix}experts.{part}"] = ShardSpec(0, first, stop)
         self.shared_experts = (
             None
             if moe.shared_experts is None
@@ -161,13 +163,14 @@ def shard_model(model: DeepseekV32, group: TensorGroup) -> dict[str, ShardSpec]:
     specs: dict[str, ShardSpec] = {}
     start, stop = shard_range(cfg.vocab_size, group.size, group.rank)
     embed = VocabParallelEmbedding(_narrow(model.model.embed_tokens.weight, 0, start, stop), start, group)
-    model.model.embed_tokens = embed
+    _swap(model.model, "embed_tokens", embed)
     specs["model.embed_tokens.weight"] = ShardSpec(0, start, stop)
     sizes = shard_sizes(cfg.vocab_size, group.size)
     if cfg.tie_word_embeddings:
-        model.lm_head = VocabParallelHead(embed.weight, sizes, group)
+        _swap(model, "lm_head", VocabParallelHead(embed.weight, sizes, group))
     else:
-        model.lm_head = VocabParallelHead(_narrow(model.lm_head.weight, 0, start, stop), sizes, group)
+        head = _narrow(model.lm_head.weight, 0, start, stop)
+        _swap(model, "lm_head", VocabParallelHead(head, sizes, group))
         specs["lm_head.weight"] = ShardSpec(0, start, stop)
     for name, module in list(model.named_modules()):
         prefix = f"{name}." if name else ""
@@ -175,21 +178,30 @@ def shard_model(model: DeepseekV32, group: TensorGroup) -> dict[str, ShardSpec]:
             _shard_attention(module, group, specs, prefix)
         elif name.endswith(".mlp") and isinstance(module, DenseMLP):
             parent, attr = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), attr, _shard_mlp(module, group, specs, prefix, reduce=True))
+            _swap(model.get_submodule(parent), attr, _shard_mlp(module, group, specs, prefix, reduce=True))
         elif name.endswith(".mlp") and isinstance(module, MoE):
             parent, attr = name.rsplit(".", 1)
-            setattr(model.get_submodule(parent), attr, ShardedMoE(module, group, specs, prefix))
+            _swap(model.get_submodule(parent), attr, ShardedMoE(module, group, specs, prefix))
     return specs
 
 
-def _shard_attention(attn: MlaAttention, group: TensorGroup, specs: dict[str, ShardSpec], prefix: str) -> None:
+def _swap(parent: nn.Module, name: str, shard: nn.Module) -> None:
+    """Put ``shard`` in the place of ``parent``'s child module ``name``: often a class other than the
+    one the model's code names (a ``VocabParallelHead`` where it names an ``nn.Linear``), which
+    stands in for it and is called the same way."""
+    setattr(parent, name, shard)
+
+
+def _shard_attention(
+    attn: MlaAttention, group: TensorGroup, specs: dict[str, ShardSpec], prefix: str
+) -> None:
     cfg = attn.cfg
     h0, h1 = shard_range(cfg.num_attention_heads, group.size, group.rank)
     attn.num_heads = h1 - h0
     qk, kv, v = cfg.qk_head_dim, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.v_head_dim
     attn.q_b_proj = _linear(_narrow(attn.q_b_proj.weight, 0, h0 * qk, h1 * qk))
     attn.kv_b_proj = _linear(_narrow(attn.kv_b_proj.weight, 0, h0 * kv, h1 * kv))
-    attn.o_proj = RowParallelLinear(_narrow(attn.o_proj.weight, 1, h0 * v, h1 * v), group)
+    _swap(attn, "o_proj", RowParallelLinear(_narrow(attn.o_proj.weight, 1, h0 * v, h1 * v), group))
     specs[f"{prefix}q_b_proj.weight"] = ShardSpec(0, h0 * qk, h1 * qk)
     specs[f"{prefix}kv_b_proj.weight"] = ShardSpec(0, h0 * kv, h1 * kv)
     specs[f"{prefix}o_proj.weight"] = ShardSpec(1, h0 * v, h1 * v)
@@ -204,7 +216,8 @@ def _shard_mlp(
         out = DenseMLP(mlp.gate_proj.weight.shape[1], stop - start)
     out.gate_proj = _linear(_narrow(mlp.gate_proj.weight, 0, start, stop))
     out.up_proj = _linear(_narrow(mlp.up_proj.weight, 0, start, stop))
-    out.down_proj = RowParallelLinear(_narrow(mlp.down_proj.weight, 1, start, stop), group if reduce else None)
+    down = RowParallelLinear(_narrow(mlp.down_proj.weight, 1, start, stop), group if reduce else None)
+    _swap(out, "down_proj", down)
     for part, dim in (("gate_proj", 0), ("up_proj", 0), ("down_proj", 1)):
         specs[f"{prefix}{part}.weight"] = ShardSpec(dim, start, stop)
     return out

@@ -7,6 +7,7 @@ with the same function, ``answer``, over their own ``Executor``; a worker loops 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 import structlog
@@ -21,6 +22,9 @@ from pipeline.messages import CollectReady, Command, Outcome
 from pipeline.model.checkpoint import parse_dtype
 from pipeline.model.config import ModelConfig
 
+if TYPE_CHECKING:
+    from pipeline.model.tokenizer import Tokenizer
+
 
 @attrs.frozen
 class RankSetup:
@@ -31,7 +35,7 @@ class RankSetup:
     timeout_s: float
     tensors: dict[str, torch.Tensor] | None  # the full model's tensors (an injected model), or None: load
     model_config: ModelConfig | None  # the injected model's configuration
-    tokenizer: object | None  # an injected tokenizer, or None: the checkpoint's (byte-level for tensors)
+    tokenizer: Tokenizer | None  # an injected tokenizer, or None: the checkpoint's (byte-level for tensors)
     transfer: dict[int, Callable] = attrs.Factory(dict)  # rank -> transfer stream factory (tests)
 
 
@@ -68,15 +72,19 @@ def build_rank_executor(setup: RankSetup, group: TensorGroup, trace_path: str | 
     config = setup.config
     dtype, device = parse_dtype(config.dtype), torch.device(config.device)
     if setup.tensors is not None:
+        assert setup.model_config is not None, "an injected model's tensors come with its configuration"
         model = build_shard(setup.model_config, dtype, device, group, StateDictSource(setup.tensors))
     else:
         model = load_shard(config.model, dtype, device, group)
     tokenizer = setup.tokenizer
     if tokenizer is None:
         path = None if setup.tensors is not None else config.model
-        tokenizer = tokenizer_for_model(path, vocab_size=model.cfg.vocab_size, eos_token_id=model.cfg.eos_token_id)
+        cfg = model.cfg
+        tokenizer = tokenizer_for_model(path, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id)
     streams = {"transfer": setup.transfer[group.rank]} if group.rank in setup.transfer else {}
-    executor = Executor(config, model=model, tokenizer=tokenizer, trace_path=trace_path, **streams)
+    # every rank's memory was checked against the machine before the ranks were spawned
+    executor = Executor(config, model=model, tokenizer=tokenizer, trace_path=trace_path,
+                        check_machine=False, **streams)
     executor.memory = AgreedReadiness(executor.memory, group)
     return executor
 
@@ -120,23 +128,29 @@ def worker_main(rank: int, setup: RankSetup) -> None:
     structlog.contextvars.bind_contextvars(rank=rank)
     torch.set_num_threads(setup.config.num_threads or 1)
     store = open_store(setup.port, setup.config.tensor_parallel_size, host=False, timeout_s=setup.timeout_s)
-    group = TensorGroup(
-        store, rank, setup.config.tensor_parallel_size, timeout_s=setup.timeout_s, device=torch.device(setup.config.device)
-    )
+    size, device = setup.config.tensor_parallel_size, torch.device(setup.config.device)
+    group = TensorGroup(store, rank, size, timeout_s=setup.timeout_s, device=device)
+    executor: Executor | None = None
+    started: dict[str, object] | str  # every rank sends its statistics, or why it could not start
     try:
-        executor, error = build_rank_executor(setup, group), None
+        executor = build_rank_executor(setup, group)
     except Exception as exc:  # reported to rank 0, which raises it
-        executor, error = None, f"{type(exc).__name__}: {exc}"
-    answers = group.all_gather_object((error, None if executor is None else rank_stats(executor, group)))
-    if any(why is not None for why, _ in answers):
+        started = f"{type(exc).__name__}: {exc}"
+    else:
+        started = rank_stats(executor, group)
+    answers = group.all_gather_object(started)
+    if executor is None or any(isinstance(why, str) for why in answers):
         if executor is not None:
             executor.close()
         return
     try:
         while True:
-            message = group.broadcast_object()
-            if isinstance(message, Stop):
-                break
-            group.all_gather_object(answer(executor, group, message))
+            match group.broadcast_object():
+                case Stop():
+                    break
+                case RunCommand() | Inspect() as message:
+                    group.all_gather_object(answer(executor, group, message))
+                case other:
+                    raise TypeError(f"rank 0 sent {other!r}")
     finally:
         executor.close()

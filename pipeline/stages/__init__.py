@@ -8,6 +8,7 @@ hand-offs to the next stage. No stage decides anything itself, and none calls in
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream
@@ -15,8 +16,10 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 from pipeline.scheduler import Handoff, Turn
 from pipeline.stages.executor_actor import ExecutorClient
 
+_M = TypeVar("_M")  # the messages of one inbox
 
-def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
+
+def drain(inbox: MemoryObjectReceiveStream[_M]) -> Iterator[_M]:
     """Every message already waiting in ``inbox``, without blocking."""
     while True:
         try:
@@ -26,8 +29,8 @@ def drain(inbox: MemoryObjectReceiveStream) -> Iterator[object]:
 
 
 async def absorb(
-    inbox: MemoryObjectReceiveStream,
-    accept: Callable[[object], None],
+    inbox: MemoryObjectReceiveStream[_M],
+    accept: Callable[[_M], None],
     has_work: Callable[[], bool],
     before_wait: Callable[[], None] | None = None,
 ) -> bool:

@@ -51,11 +51,12 @@ class AdmissionStage:
                 if handoff.onward:
                     await self._prefill_out.send(PrefillBatch(tuple(handoff.onward)))
                 elif self.part.waiting_for_memory:
-                    self.ctx.bells.want(self.name)
+                    self.ctx.waker.want(self.name)
             # the engine closes its ends only once nothing is live; anything left is aborted
             leftover = list(self.part.queue)
             self.part.remove({r.request_id for r in leftover})
-            self.ctx.settle(await drive(end([(r, AbortRequested()) for r in leftover], self.name), self._client))
+            turn = end([(r, AbortRequested()) for r in leftover], self.name)
+            self.ctx.settle(await drive(turn, self._client))
 
     def _has_work(self) -> bool:
         part = self.part
@@ -70,7 +71,7 @@ class AdmissionStage:
                 self.part.requeue(reqs)
                 self.part.waiting_for_memory = False  # they released memory: look again
             case Wake():
-                self.ctx.bells.heard(self.name)
+                self.ctx.waker.heard(self.name)
                 self.part.waiting_for_memory = False
             case _:
                 raise TypeError(f"admission cannot take {message!r}")

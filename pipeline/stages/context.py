@@ -1,4 +1,4 @@
-"""What the stages share: the registry of live requests, the abort book, and the wake-up bells.
+"""What the stages share: the registry of live requests, the abort book, and the stage waker.
 
 Everything here runs on the event loop only (no locks needed); device work goes through the
 executor actor. Nothing here decides anything: the decisions are the scheduling core's.
@@ -22,11 +22,11 @@ from pipeline.stages.output import OutputBuffer
 
 
 @attrs.define(eq=False)
-class Bells:
-    """Non-blocking ``Wake`` messages into the stages' inboxes.
+class StageWaker:
+    """Sends non-blocking ``Wake`` messages into the stages' inboxes (it holds a send end of each).
 
-    A stage that goes to sleep waiting for memory says so (``want``); a memory change rings only
-    those (``ring_wanted``). At most one Wake per stage is outstanding (``heard`` clears it). A Wake
+    A stage that goes to sleep waiting for memory says so (``want``); a memory change wakes only
+    those (``wake_wanted``). At most one Wake per stage is outstanding (``heard`` clears it). A Wake
     that does not fit in a full inbox is dropped: the stage has messages to read and looks at shared
     state after each. The engine owns these send ends and closes them at shutdown.
     """
@@ -35,7 +35,7 @@ class Bells:
     _pending: set[str] = attrs.field(factory=set)
     _wanted: set[str] = attrs.field(factory=set)
 
-    def ring(self, *stages: str, reason: str) -> None:
+    def wake(self, *stages: str, reason: str) -> None:
         for name in stages:
             if name in self._pending:
                 continue
@@ -45,16 +45,16 @@ class Bells:
                 continue
             self._pending.add(name)
 
-    def ring_all(self, reason: str) -> None:
-        self.ring(*self._ends, reason=reason)
+    def wake_all(self, reason: str) -> None:
+        self.wake(*self._ends, reason=reason)
 
     def want(self, stage: str) -> None:
         """``stage`` sleeps until memory changes."""
         self._wanted.add(stage)
 
-    def ring_wanted(self, reason: str = "memory") -> None:
+    def wake_wanted(self, reason: str = "memory") -> None:
         wanted, self._wanted = self._wanted, set()
-        self.ring(*sorted(wanted), reason=reason)
+        self.wake(*sorted(wanted), reason=reason)
 
     def heard(self, stage: str) -> None:
         self._pending.discard(stage)
@@ -119,7 +119,7 @@ class StageContext:
     """Shared by every stage of one engine."""
 
     registry: Registry
-    bells: Bells
+    waker: StageWaker
     aborts: AbortBook
     max_undelivered_tokens: int | None  # park a request whose consumer is this far behind
 

@@ -62,6 +62,6 @@ class DecodeStage:
             case Ready(requests=reqs):
                 self.part.accept(reqs)
             case Wake():
-                self.ctx.bells.heard(self.name)
+                self.ctx.waker.heard(self.name)
             case _:
                 raise TypeError(f"decode cannot take {message!r}")

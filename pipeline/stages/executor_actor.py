@@ -151,20 +151,25 @@ class CommandThread:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None:
             context, fn, args, loop, future = item
+            error: BaseException | None = None
             try:
-                value, failed = context.run(fn, *args), False
+                value = context.run(fn, *args)
             except BaseException as exc:  # the caller re-raises it
-                value, failed = exc, True
+                value, error = None, exc
+            # drop the command before its caller resumes: it holds the executor, which must not
+            # outlive a closed engine for as long as this thread then waits for the GIL
+            del item, context, fn, args
             with suppress(RuntimeError):  # the loop has closed: nobody waits any more
-                loop.call_soon_threadsafe(_settle, future, value, failed)
-            del item, context, fn, args, future, value  # hold nothing of a command past its end
+                loop.call_soon_threadsafe(_settle, future, value, error)
+            del future, value, error
 
 
-def _settle(future: asyncio.Future, value: object, failed: bool) -> None:
+def _settle(future: asyncio.Future, value: object, error: BaseException | None) -> None:
+    """``error``: what the command raised (None: it returned ``value``)."""
     if future.cancelled():  # the waiting task was cancelled by asyncio itself (not by anyio)
         return
-    if failed:
-        future.set_exception(value)
+    if error is not None:
+        future.set_exception(error)
     else:
         future.set_result(value)
 
@@ -191,13 +196,13 @@ class ExecutorClient:
 
     def busy(self) -> None:
         """The stage is about to send commands back to back (its turn starts)."""
-        if self._pairing is not None:
+        if self._pairing is not None and self.name is not None:
             self._pairing.busy[self.name] = True
 
     def pause(self) -> None:
         """The stage is about to wait for something other than the actor (or to end): an actor
         holding a command for this stage's next one looks again."""
-        if self._pairing is None or not self._pairing.busy[self.name]:
+        if self._pairing is None or self.name is None or not self._pairing.busy[self.name]:
             return
         self._pairing.busy[self.name] = False
         # a full inbox wakes the actor anyway; the flag is what it reads

@@ -63,7 +63,8 @@ class OutputBuffer:
         req = self.request
         if req.state is State.FAILED:
             self.final_sent = True
-            raise RequestFailed(req.request_id, req.error or req.finish_reason or "error", tuple(req.output_ids))
+            why = req.error or req.finish_reason or "error"
+            raise RequestFailed(req.request_id, why, tuple(req.output_ids))
         finished = req.is_finished
         visible = req.text if finished else self._settled_text()
         text = visible[len(self.sent_text) :] if visible.startswith(self.sent_text) else ""
@@ -85,8 +86,9 @@ class OutputBuffer:
         )
 
     def _settled_text(self) -> str:
-        """Text that can no longer change: the request's settled text (its incremental detokenizer's),
-        minus a tail that could still grow into a stop string (that tail is cut if the stop string completes)."""
+        """Text that can no longer change: the request's settled text (its incremental
+        detokenizer's), minus a tail that could still grow into a stop string (that tail is cut if
+        the stop string completes)."""
         text = self.request.text
         stop = self.request.params.stop
         hold = max((len(s) for s in stop), default=1) - 1

@@ -51,7 +51,8 @@ class PrefillStage:
             leftover = list(self.part.owned.values())
             for req in leftover:
                 self.part.remove(req.request_id)
-            self.ctx.settle(await drive(end([(r, AbortRequested()) for r in leftover], self.name), self._client))
+            turn = end([(r, AbortRequested()) for r in leftover], self.name)
+            self.ctx.settle(await drive(turn, self._client))
 
     def _accept(self, message: PrefillBatch) -> None:
         match message:

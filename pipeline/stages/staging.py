@@ -42,7 +42,7 @@ class StagingStage:
                 if handoff.onward:
                     await self._decode_out.send(Ready(tuple(handoff.onward)))
                 if self.part.waiting_for_memory:
-                    self.ctx.bells.want(self.name)
+                    self.ctx.waker.want(self.name)
 
     def _has_work(self) -> bool:
         return bool(self.part.owned) and not self.part.waiting_for_memory
@@ -52,7 +52,7 @@ class StagingStage:
             case Staged(requests=reqs):
                 self.part.accept(reqs)
             case Wake():
-                self.ctx.bells.heard(self.name)
+                self.ctx.waker.heard(self.name)
                 self.part.waiting_for_memory = False
             case _:
                 raise TypeError(f"staging cannot take {message!r}")

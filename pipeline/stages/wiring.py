@@ -2,16 +2,16 @@
 
 Stream ends and their owners (each closes what it owns when it ends)::
 
-    admission inbox  <- engine (submissions, retractions' end, bells)   unbounded buffer, bounded use:
+    admission inbox  <- engine (submissions, retractions' end, waker)   unbounded buffer, bounded use:
                                                                          queue_size submission slots,
                                                                          <= max_running_requests Requeue
     prefill inbox    <- admission                                        buffer 0: one hand-off at a time
-    staging inbox    <- prefill + bells                                  buffer 4
-    decode inbox     <- staging + bells                                  buffer 4
+    staging inbox    <- prefill + waker                                  buffer 4
+    decode inbox     <- staging + waker                                  buffer 4
     executor inbox   <- one client per stage                             buffer 8 (one command out per stage)
 
 The engine owns the submission end, the retraction end (decode sends on it without waiting) and the
-bells; closing them (once nothing is live) is the shutdown signal, and it flows down the pipeline as
+waker's ends; closing them (once nothing is live) is the shutdown signal, and it flows down the pipeline as
 each stage closes its outbound end; the executor actor ends when the last stage has closed its handle.
 """
 
@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import anyio
 import attrs
@@ -32,7 +33,7 @@ from pipeline.messages import PrefillBatch, StageMessage, Submit
 from pipeline.request import Request
 from pipeline.scheduler import Scheduler
 from pipeline.stages.admission import AdmissionStage
-from pipeline.stages.context import Bells, Registry, StageContext
+from pipeline.stages.context import Registry, StageContext, StageWaker
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.executor_actor import Envelope, ExecutorActor, ExecutorClient, Pairing
 from pipeline.stages.prefill import PrefillStage
@@ -57,15 +58,22 @@ class Pipeline:
     closed: bool = False  # the entries are closed: no new submission
 
     @property
-    def bells(self) -> Bells:
-        return self.ctx.bells
+    def waker(self) -> StageWaker:
+        return self.ctx.waker
 
-    def runners(self) -> list[tuple[str, Callable[[], Awaitable[None]]]]:
-        stages = (self.actor, self.admission, self.prefill, self.staging, self.decode)
-        names = ("executor", "admission", "prefill", "staging", "decode")
-        return [(name, self._tracked(name, stage.run)) for name, stage in zip(names, stages)]
+    def runners(self) -> list[tuple[str, Callable[[], Coroutine[Any, Any, None]]]]:
+        runs = {
+            "executor": self.actor.run,
+            "admission": self.admission.run,
+            "prefill": self.prefill.run,
+            "staging": self.staging.run,
+            "decode": self.decode.run,
+        }
+        return [(name, self._tracked(name, run)) for name, run in runs.items()]
 
-    def _tracked(self, name: str, run: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+    def _tracked(
+        self, name: str, run: Callable[[], Awaitable[None]]
+    ) -> Callable[[], Coroutine[Any, Any, None]]:
         async def runner() -> None:
             try:
                 await run()
@@ -99,12 +107,12 @@ class Pipeline:
         self.control.close()
         self.submit_end.close()
         self.requeue_end.close()
-        self.bells.close()
+        self.waker.close()
 
     def on_read(self) -> None:
         """A consumer read its deltas: a parked request may step again."""
         if self.ctx.max_undelivered_tokens is not None:
-            self.bells.ring("decode", reason="consumer")
+            self.waker.wake("decode", reason="consumer")
 
     def check_integrity(self) -> None:
         """Every live request is held by the stage that owns its state, or travels between two."""
@@ -153,7 +161,9 @@ def build_pipeline(
     decode_end, decode_inbox = anyio.create_memory_object_stream[StageMessage](4)
     executor_end, executor_inbox = anyio.create_memory_object_stream[Envelope](8)
 
-    bells = Bells({"admission": admission_end.clone(), "staging": staging_end.clone(), "decode": decode_end.clone()})
+    waker = StageWaker(
+        {"admission": admission_end.clone(), "staging": staging_end.clone(), "decode": decode_end.clone()}
+    )
     core = Scheduler.build(
         max_prefill_tokens=max_prefill_tokens,
         num_steps=executor.num_steps,
@@ -164,10 +174,10 @@ def build_pipeline(
         mixes=executor.config.mixed_steps,
     )
     ctx = StageContext(
-        registry=Registry(), bells=bells, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens
+        registry=Registry(), waker=waker, aborts=core.aborts, max_undelivered_tokens=max_undelivered_tokens
     )
     pairing = Pairing()  # the decode and prefill stages' busy flags: their commands may be mixed
-    actor = ExecutorActor(executor, executor_inbox, on_change=bells.ring_wanted, pairing=pairing)
+    actor = ExecutorActor(executor, executor_inbox, on_change=waker.wake_wanted, pairing=pairing)
 
     def client(name: str | None = None) -> ExecutorClient:
         return ExecutorClient(executor_end.clone(), name, pairing if name is not None else None)
@@ -180,4 +190,6 @@ def build_pipeline(
     decode = DecodeStage(ctx, core.decode, client("decode"), decode_inbox, requeue_end)
     control = client()
     executor_end.close()  # only the stages' clones remain: the actor ends when the last stage does
-    return Pipeline(ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots, control)
+    return Pipeline(
+        ctx, core, actor, admission, prefill, staging, decode, admission_end, requeue_end, slots, control
+    )

@@ -1,4 +1,4 @@
-"""The caller's side of a request (output buffers) and the stages' wake-up bells, with hand-built requests."""
+"""The caller's side of a request (output buffers) and the stage waker, with hand-built requests."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pipeline.messages import Wake
 from pipeline.model.tokenizer import ByteTokenizer
 from pipeline.request import Request
 from pipeline.sampling import SamplingParams
-from pipeline.stages.context import Bells
+from pipeline.stages.context import StageWaker
 from pipeline.stages.output import OutputBuffer
 from statemachines.request import (
     Admitted,
@@ -82,19 +82,19 @@ async def test_output_buffer_wakes_its_reader_and_raises_on_failure():
 
 
 @pytest.mark.asyncio
-async def test_bells_keep_one_wake_outstanding_and_never_block():
+async def test_waker_keeps_one_wake_outstanding_and_never_blocks():
     send, receive = anyio.create_memory_object_stream(1)
-    bells = Bells({"decode": send})
-    bells.ring("decode", reason="memory")
-    bells.ring("decode", reason="memory")  # one outstanding already: not sent again
+    waker = StageWaker({"decode": send})
+    waker.wake("decode", reason="memory")
+    waker.wake("decode", reason="memory")  # one outstanding already: not sent again
     assert receive.statistics().current_buffer_used == 1
     assert isinstance(receive.receive_nowait(), Wake)
-    bells.heard("decode")
+    waker.heard("decode")
     send.send_nowait("other message")  # a full inbox: the Wake is dropped, nothing blocks
-    bells.ring("decode", reason="abort")
+    waker.wake("decode", reason="abort")
     assert receive.receive_nowait() == "other message"
-    bells.close()
-    bells.ring("decode", reason="late")  # closed: ignored
+    waker.close()
+    waker.wake("decode", reason="late")  # closed: ignored
     receive.close()
 
 
