@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import attrs
 import structlog
 
 from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
-from pipeline.capacity import DEFAULT_RATIO, check_pools
 from pipeline.errors import ConfigError
+from pipeline.pool_sizes import DEFAULT_RATIO, check_pools
 
 log = structlog.get_logger("hispec.config")
 
@@ -46,12 +46,13 @@ def _require(ok: bool, field: str, value: object, rule: str) -> None:
         raise ConfigError(field, value, rule)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _require_int(field: str, value: object, minimum: int) -> None:
-    _require(_is_int(value), field, value, "must be an integer")
+    if not _is_int(value):
+        raise ConfigError(field, value, "must be an integer")
     _require(value >= minimum, field, value, f"must be >= {minimum}")
 
 
@@ -116,9 +117,11 @@ class HiSparseConfig:
         _require(self.policy in (*POLICIES, "auto"), "hisparse.policy", self.policy,
                  f"must be one of {(*POLICIES, 'auto')}")
         for name in ("draft_rows_on_host", "draft_keys_on_host"):
-            _require(isinstance(getattr(self, name), bool), f"hisparse.{name}", getattr(self, name), "must be a bool")
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"hisparse.{name}", value, "must be a bool")
         _require(self.draft_rows_on_host or not self.draft_keys_on_host, "hisparse.draft_keys_on_host",
-                 self.draft_keys_on_host, "needs hisparse.draft_rows_on_host (the keys go to the host with the rows)")
+                 self.draft_keys_on_host,
+                 "needs hisparse.draft_rows_on_host (the keys go to the host with the rows)")
         if self.near_margin is not None:
             _require_int("hisparse.near_margin", self.near_margin, 0)
         if self.device_buffer_size is not None:
@@ -189,12 +192,15 @@ class SpeculativeConfig:
                 _require(_is_int(value), f"speculative.{name}", value, 'must be an integer, None or "auto"')
                 _require(value >= 1, f"speculative.{name}", value, "must be >= 1")
         for name in ("timed", "plain_tail", "plain_while_prefilling"):
-            _require(isinstance(getattr(self, name), bool), f"speculative.{name}", getattr(self, name), "must be a bool")
+            value = getattr(self, name)
+            _require(isinstance(value, bool), f"speculative.{name}", value, "must be a bool")
         _require_int("speculative.eagle_topk", self.eagle_topk, 1)
         if self.min_accept_length is not None:
             value = self.min_accept_length
             _require(
-                isinstance(value, (int, float)) and not isinstance(value, bool) and 1 <= value <= self.num_steps + 1,
+                isinstance(value, (int, float))
+                and not isinstance(value, bool)
+                and 1 <= value <= self.num_steps + 1,
                 "speculative.min_accept_length",
                 value,
                 f"must be a number in [1, num_steps + 1 = {self.num_steps + 1}] or None",
@@ -218,7 +224,8 @@ class SpeculativeConfig:
     def for_device(self, device: str) -> SpeculativeConfig:
         """This configuration with its ``"auto"`` limits set for ``device`` (``"cpu"`` or ``"cuda"``)."""
         cpu = device == "cpu"
-        batch = (CPU_SPEC_MAX_BATCH if cpu else CUDA_SPEC_MAX_BATCH) if self.max_batch_size == "auto" else self.max_batch_size
+        auto_batch = CPU_SPEC_MAX_BATCH if cpu else CUDA_SPEC_MAX_BATCH
+        batch = auto_batch if self.max_batch_size == "auto" else self.max_batch_size
         context = (CPU_SPEC_MAX_CONTEXT if cpu else None) if self.max_context == "auto" else self.max_context
         return attrs.evolve(self, max_batch_size=batch, max_context=context)
 
@@ -247,7 +254,7 @@ class EngineConfig:
     device_pool_tokens: int | None = None
     # device memory budget of the memory layer in bytes (KV rows, indexer keys, HiSparse buffers,
     # the draft layer's KV, the tables; not the weights): the pools and rows are derived from it
-    # (``pipeline.capacity``), device_pool_tokens / max_running_requests given stay as overrides
+    # (``pipeline.pool_sizes``), device_pool_tokens / max_running_requests given stay as overrides
     device_memory_bytes: int | None = None
     # CUDA: the budget as this fraction of the device memory free once the weights are loaded
     # (SGLang's mem_fraction_static, vLLM's gpu_memory_utilization, for the KV memory alone)
@@ -331,7 +338,9 @@ class EngineConfig:
         if self.chunked_prefill_tokens is not None:
             _require_int("chunked_prefill_tokens", self.chunked_prefill_tokens, 1)
         self._check_prefill_batch()
-        _require(isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False")
+        _require(
+            isinstance(self.prefix_cache, bool), "prefix_cache", self.prefix_cache, "must be True or False"
+        )
         _require(isinstance(self.mixed_steps, bool), "mixed_steps", self.mixed_steps, "must be True or False")
         if self.num_threads is not None:
             _require_int("num_threads", self.num_threads, 1)
@@ -354,12 +363,19 @@ class EngineConfig:
     def _check_tokenizer_files(self) -> None:
         if self.tokenizer is not None:
             value = self.tokenizer
-            _require(isinstance(value, str) and bool(value), "tokenizer", value, "must be a directory path or None")
-            _require(Path(value).is_dir(), "tokenizer", value, "no such directory (give one holding tokenizer files)")
+            _require(
+                isinstance(value, str) and bool(value), "tokenizer", value, "must be a directory path or None"
+            )
+            _require(Path(value).is_dir(), "tokenizer", value,
+                     "no such directory (give one holding tokenizer files)")
         if self.chat_template is not None:
             value = self.chat_template
-            _require(isinstance(value, str) and bool(value), "chat_template", value, "must be a file path or None")
-            _require(Path(value).is_file(), "chat_template", value, "no such file (give a Jinja template file)")
+            _require(
+                isinstance(value, str) and bool(value), "chat_template", value, "must be a file path or None"
+            )
+            _require(
+                Path(value).is_file(), "chat_template", value, "no such file (give a Jinja template file)"
+            )
             _require(os.access(value, os.R_OK), "chat_template", value, "is not readable")
 
     @property
@@ -372,8 +388,9 @@ class EngineConfig:
             return
         _require(_is_int(batch), "prefill_batch_tokens", batch, "must be an integer, 'auto' or None")
         _require(batch >= 1, "prefill_batch_tokens", batch, "must be >= 1")
-        _require(chunk is not None, "prefill_batch_tokens", batch,
-                 "bounds the chunks of a forward: with whole prompts (chunked_prefill_tokens None) use None")
+        if chunk is None:
+            raise ConfigError("prefill_batch_tokens", batch, "bounds the chunks of a forward: with whole "
+                              "prompts (chunked_prefill_tokens None) use None")
         _require(batch >= chunk, "prefill_batch_tokens", batch,
                  f"must be at least chunked_prefill_tokens ({chunk}): a forward carries one whole chunk")
 
@@ -392,7 +409,8 @@ class EngineConfig:
                 isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1,
                 "device_memory_fraction",
                 value,
-                "must be a number in (0, 1): the fraction of the device memory free once the weights are loaded",
+                "must be a number in (0, 1): the fraction of the device memory free once the weights are "
+                "loaded",
             )
             _require(
                 self.device == "cuda",
@@ -471,12 +489,8 @@ def check_against_model(
     """The rules that need the loaded model; raises ``ConfigError`` naming the field."""
     hs = config.hisparse
     if hs is not None:
-        _require(
-            index_topk is not None,
-            "hisparse",
-            hs,
-            "HiSparse needs a model with a DSA indexer (index_topk)",
-        )
+        if index_topk is None:
+            raise ConfigError("hisparse", hs, "HiSparse needs a model with a DSA indexer (index_topk)")
         if hs.top_k is not None:
             _require(
                 hs.top_k == index_topk,
@@ -527,12 +541,8 @@ def check_engine_options(
         _require_int("max_undelivered_tokens", max_undelivered_tokens, 1)
     _require(isinstance(on_exit, str) and on_exit in ON_EXIT, "on_exit", on_exit, f"must be one of {ON_EXIT}")
     if trace_path is not None:
-        _require(
-            isinstance(trace_path, (str, os.PathLike)) and os.fspath(trace_path) != "",
-            "trace_path",
-            trace_path,
-            "must be a file path or None",
-        )
+        if not (isinstance(trace_path, (str, os.PathLike)) and os.fspath(trace_path) != ""):
+            raise ConfigError("trace_path", trace_path, "must be a file path or None")
         path = Path(trace_path)
         _require(not path.is_dir(), "trace_path", trace_path, "is a directory: name a file to write")
         where = str(path.parent)

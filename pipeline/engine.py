@@ -7,7 +7,7 @@
                                |  +---- requeue (retracted) -+---------------------+-------------------+
                                v                             v                     v                   v
                           [executor actor: the Executor, one command at a time, in a worker thread]
-                                                                                   deltas --> OutputBuffer --> caller
+                                                                        deltas --> OutputBuffer --> caller
 
 Every task lives in one task group owned by the engine (entered in ``__aenter__``, left in
 ``__aexit__``). Streams between stages are bounded; the feedback edges (retraction to the queue,
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from pipeline.request import Request
     from pipeline.sampling import SamplingParams
     from pipeline.stages.context import Registry, StageContext
+    from pipeline.stages.wiring import Pipeline
     from pipeline.startup import EnginePlan
 
 log = structlog.get_logger("hispec.engine")
@@ -81,6 +82,14 @@ def _unfreeze_gc() -> None:
 def _engine_closed() -> None:
     global _closed_since_collect
     _closed_since_collect = True
+
+
+def _close_taken(executors: list[CommandExecutor]) -> None:
+    """Close the one executor in ``executors``, taking it out of the list first. An anyio worker
+    thread holds the function it ran and its arguments until just after the caller has resumed: given
+    ``executor.close`` it would keep the executor and its pools alive past the engine's exit, for as
+    long as a loaded machine leaves that thread waiting for the GIL."""
+    executors.pop().close()
 
 
 class Engine:
@@ -142,7 +151,7 @@ class Engine:
         self.initial_pool_counts: dict[str, int] | None = None  # free counts before the first request
         self.final_pool_counts: dict[str, int] | None = None  # free counts after shutdown, before close
         self._running = False
-        self._pipe = None
+        self._pipe: Pipeline | None = None  # the stages and their streams, built on entering
         self._froze_gc = False
         self._generation_defaults: dict[str, float | int] | None = None  # read at start (or when first asked)
         self._plan: EnginePlan | None = None  # what start-up derived from ``config``, once started
@@ -160,12 +169,12 @@ class Engine:
     async def __aenter__(self) -> Engine:
         from pipeline.stages.wiring import build_pipeline
 
-        self.executor = await anyio.to_thread.run_sync(self._build_executor)
-        self._plan = self.executor.plan
-        self.initial_pool_counts = self.executor.pool_counts()
+        self.executor = executor = await anyio.to_thread.run_sync(self._build_executor)
+        self._plan = executor.plan
+        self.initial_pool_counts = executor.pool_counts()
         try:
-            self._pipe = build_pipeline(
-                self.executor,
+            self._pipe = pipe = build_pipeline(
+                executor,
                 queue_size=self._queue_size,
                 max_prefill_tokens=self._max_prefill_tokens,
                 prefill_pacing=self._prefill_pacing,
@@ -174,10 +183,10 @@ class Engine:
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
         except BaseException:
-            self.executor.close()
+            executor.close()
             _engine_closed()
             raise
-        for name, runner in self._pipe.runners():
+        for name, runner in pipe.runners():
             self._tg.start_soon(runner, name=f"hispec-{name}")
         if self.config.freeze_gc:
             _freeze_gc()
@@ -229,7 +238,7 @@ class Engine:
     async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool | None:
         self._running = False
         cancelled = exc_type is not None and issubclass(exc_type, anyio.get_cancelled_exc_class())
-        stages_ok = self._pipe.all_running and not self._tg.cancel_scope.cancel_called
+        stages_ok = self._started_pipe.all_running and not self._tg.cancel_scope.cancel_called
         suppressed = None
         try:
             if not cancelled and stages_ok:
@@ -237,14 +246,14 @@ class Engine:
                 finish = self._on_exit == "finish" and exc_type is None
                 with anyio.CancelScope(shield=True), anyio.move_on_after(None if finish else _WIND_DOWN_S):
                     await self._wind_down(finish=finish)
-            self._pipe.close_entries()
+            self._started_pipe.close_entries()
             if self._registry.live:
                 self._tg.cancel_scope.cancel()  # the stages did not empty the engine: stop them
             suppressed = await self._tg.__aexit__(exc_type, exc, tb)  # the stages end one by one
         finally:
             with anyio.CancelScope(shield=True):
                 # a stage crashed: what was live fails; the caller cancelled or left: it is aborted
-                lost = self.executor.lost  # a tensor-parallel rank that went away
+                lost = self._started_executor.lost  # a tensor-parallel rank that went away
                 crash = None if stages_ok else f"the engine stopped: {lost or 'a stage raised'}"
                 await self._stop_what_is_live(crash)
                 await self._close_executor()
@@ -267,19 +276,22 @@ class Engine:
     def _release_all(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             try:
-                self.executor.release(rid)
+                self._started_executor.release(rid)
             except Exception:  # shutdown frees what it can; the pools check below tells
                 log.error("engine.release_failed", request_id=rid, exc_info=True)
 
     async def _close_executor(self) -> None:
-        self.final_pool_counts = self.executor.pool_counts()
-        await anyio.to_thread.run_sync(self.executor.close)
+        executor = self._started_executor
+        self.final_pool_counts = executor.pool_counts()
+        await anyio.to_thread.run_sync(_close_taken, [executor])
         _engine_closed()
         if self._froze_gc:
             self._froze_gc = False
             _unfreeze_gc()
         if self.final_pool_counts != self.initial_pool_counts:
-            log.warning("engine.pools_not_restored", initial=self.initial_pool_counts, final=self.final_pool_counts)
+            log.warning(
+                "engine.pools_not_restored", initial=self.initial_pool_counts, final=self.final_pool_counts
+            )
 
     async def _wind_down(self, finish: bool) -> None:
         if not finish:
@@ -291,10 +303,12 @@ class Engine:
         """Evict every prefix-cache page no live request shares (returns how many); with nothing
         live, every pool is back at its initial count afterwards."""
         self._require_running()
-        outcome = await self._pipe.control.call(FlushCache())
+        outcome = await self._started_pipe.control.call(FlushCache())
         if outcome.error is not None:
             raise RuntimeError(f"flushing the prefix cache failed: {outcome.error}")
-        return int(outcome.result)
+        evicted = outcome.result
+        assert isinstance(evicted, int), "FlushCache answers with the number of pages it evicted"
+        return evicted
 
     async def wait_idle(self) -> None:
         """Return once no request is live (every one has ended and released its memory)."""
@@ -309,7 +323,7 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         request_id: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """Stream one request's output as deltas (the last one has ``finished``, ``finish_reason``
         and ``metrics``); ``params`` None samples with ``default_sampling_params()``. Raises
         ``RequestError`` naming the field right here if the request is invalid. The request is
@@ -336,13 +350,15 @@ class Engine:
             async with aclosing(self._stream(req, whole=True)) as deltas:
                 async for _ in deltas:
                     pass
+        # the stream ends only on the delta that finished the request (a failure raises instead)
+        assert req.finish_reason is not None, "a finished request has its finish_reason"
         logprobs = None if req.output_logprobs is None else tuple(req.output_logprobs)
         return GenerateResult(req.request_id, req.text, tuple(req.output_ids), req.finish_reason, req.metrics,
                               logprobs)
 
     def chat(
         self, messages: Messages, params: SamplingParams | None = None, *, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> RequestStream:
         """``generate`` on a conversation (``[{"role": ..., "content": ...}, ...]``) rendered by the
         checkpoint's chat template with the generation prompt added; a checkpoint without a template
         raises ``RequestError`` naming ``messages``."""
@@ -374,7 +390,7 @@ class Engine:
         if req is None or req.is_finished:
             return False
         self._ctx.aborts.add(request_id)
-        self._pipe.bells.ring_all(reason="abort")
+        self._started_pipe.waker.wake_all(reason="abort")
         return True
 
     @property
@@ -386,9 +402,9 @@ class Engine:
         return self._plan
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         self._require_running()
-        return self.executor.tokenizer
+        return self._started_executor.tokenizer
 
     @property
     def generation_defaults(self) -> dict[str, float | int]:
@@ -411,17 +427,29 @@ class Engine:
         """Pools (free and capacity), HiSparse counters, speculative acceptance, request counts and
         throughput, as of the last device command."""
         self._require_running()
-        return self._pipe.stats()
+        return self._started_pipe.stats()
 
     # --- helpers ----------------------------------------------------------------------------------
 
     @property
+    def _started_pipe(self) -> Pipeline:
+        """The pipeline; only for code that runs once ``__aenter__`` has built it."""
+        assert self._pipe is not None, "the engine has not started: __aenter__ builds the pipeline"
+        return self._pipe
+
+    @property
+    def _started_executor(self) -> CommandExecutor:
+        """The executor; only for code that runs once ``__aenter__`` has built it."""
+        assert self.executor is not None, "the engine has not started: __aenter__ builds the executor"
+        return self.executor
+
+    @property
     def _registry(self) -> Registry:
-        return self._pipe.ctx.registry
+        return self._started_pipe.ctx.registry
 
     @property
     def _ctx(self) -> StageContext:
-        return self._pipe.ctx
+        return self._started_pipe.ctx
 
     def _require_running(self) -> None:
         if not self._running:
@@ -434,7 +462,7 @@ class Engine:
         from pipeline.validation import encode_prompt
 
         self._require_running()
-        ex = self.executor
+        ex = self._started_executor
         token_ids = encode_prompt(prompt, ex.tokenizer)  # text or ids, else RequestError naming `prompt`
         params = self.default_sampling_params() if params is None else params
         ex.validate(token_ids, params)  # reads only the config and the model's vocabulary size
@@ -445,14 +473,17 @@ class Engine:
         self._registry.check_new_id(request_id)
         return Request(request_id, tuple(token_ids), params, ex.tokenizer, ex.plan.max_context_len)
 
-    async def _stream(self, req: Request, *, whole: bool = False) -> AsyncIterator[RequestOutput]:
+    async def _stream(self, req: Request, *, whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Submit ``req`` and yield its deltas (``whole``: one delta, at the end)."""
-        buffer = self._registry.add(req, self._pipe.on_read, whole=whole)
-        log.info(SUBMITTED, request_id=req.request_id, state=req.state.value, prompt_tokens=len(req.prompt_ids))
+        pipe = self._started_pipe
+        buffer = self._registry.add(req, pipe.on_read, whole=whole)
+        log.info(
+            SUBMITTED, request_id=req.request_id, state=req.state.value, prompt_tokens=len(req.prompt_ids)
+        )
         try:
-            await self._pipe.submit(req)
+            await pipe.submit(req)
         except BaseException:  # closed, or cancelled while waiting for a slot: it never reached admission
-            self._pipe.drop_unsubmitted(req)
+            pipe.drop_unsubmitted(req)
             raise
         try:
             while True:
@@ -469,7 +500,7 @@ class RequestStream:
     """What ``Engine.generate`` returns: an async iterator of deltas, and an async context manager
     that aborts the request when its block is left (whether or not the stream was read to its end)."""
 
-    def __init__(self, deltas: AsyncIterator[RequestOutput]) -> None:
+    def __init__(self, deltas: AsyncGenerator[RequestOutput, None]) -> None:
         self._deltas = deltas
 
     def __aiter__(self) -> RequestStream:

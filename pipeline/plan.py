@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
@@ -94,14 +94,15 @@ def check_arguments(args: argparse.Namespace, model_cfg: Any) -> None:
         return
     if args.hot < top_k:
         raise ConfigError("--hot", args.hot, f"must be >= the model's index_topk ({top_k}): the hot region "
-                          f"holds a step's whole top-k (leave --hot out for {default_hot(model_cfg, args.page_size)})")
+                          "holds a step's whole top-k "
+                          f"(leave --hot out for {default_hot(model_cfg, args.page_size)})")
     if args.hot % args.page_size:
         raise ConfigError("--hot", args.hot, f"must be a multiple of --page-size ({args.page_size})")
 
 
 def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> EngineConfig:
     if args.no_spec:
-        spec: SpeculativeConfig | str | None = None
+        spec: SpeculativeConfig | Literal["auto"] | None = None
     else:
         spec = "auto" if args.num_steps is None else SpeculativeConfig(num_steps=args.num_steps)
     return EngineConfig(
@@ -135,28 +136,38 @@ def seats_at(config: EngineConfig, model_cfg: Any, context: int) -> int | None:
         return None
 
 
+def at_budget(config: EngineConfig, hisparse: HiSparseConfig, page_size: int) -> EngineConfig:
+    """``config`` with ``hisparse`` and ``page_size``, its pools sized by its budget alone (the
+    token overrides dropped)."""
+    return attrs.evolve(
+        config, hisparse=hisparse, page_size=page_size, device_pool_tokens=None, max_running_requests=None
+    )
+
+
 def trade_offs(
     config: EngineConfig, model_cfg: Any, context: int, ratio: int
 ) -> dict[str, dict[int, int | None]]:
     """HiSparse seats at the same budget as one knob moves (the others as given; ``ratio``: the
     plan's host_to_device_ratio)."""
     hs = config.hisparse
+    if hs is None:
+        raise ValueError("trade_offs: the knobs it moves are HiSparse's; config.hisparse is None")
     page = config.page_size
-    free = dict(device_pool_tokens=None, max_running_requests=None)
+    hot_now = hs.hot_for(model_cfg.index_topk, page)
     out: dict[str, dict[int, int | None]] = {"host_to_device_ratio": {}, "hot": {}, "page_size": {}}
     for r in sorted({1, 2, 4, 8, 16, 32, ratio}):
-        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, host_to_device_ratio=r), **free)
+        cfg = at_budget(config, attrs.evolve(hs, host_to_device_ratio=r), page)
         out["host_to_device_ratio"][r] = seats_at(cfg, model_cfg, context)
-    for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hs.device_buffer_size, 2 * hs.device_buffer_size}):
+    for hot in sorted({page * k for k in (4, 8, 16, 32)} | {hot_now, 2 * hot_now}):
         if hot < (model_cfg.index_topk or 0):
             continue
-        cfg = attrs.evolve(config, hisparse=attrs.evolve(hs, device_buffer_size=hot), **free)
+        cfg = at_budget(config, attrs.evolve(hs, device_buffer_size=hot), page)
         out["hot"][hot] = seats_at(cfg, model_cfg, context)
     for size in sorted({16, 32, 64, page}):
-        if hs.device_buffer_size % size:
+        if hot_now % size:
             continue
         try:
-            cfg = attrs.evolve(config, page_size=size, **free)
+            cfg = at_budget(config, hs, size)
         except ConfigError:  # e.g. the draft zone of a smaller page cannot hold the verify tokens
             continue
         out["page_size"][size] = seats_at(cfg, model_cfg, context)
@@ -172,7 +183,9 @@ def describe(name: str, plan: DevicePlan, context: int) -> list[str]:
              + (f", {p.logical_tokens} logical locations" if p.hisparse else "")
              + f", {p.max_running_requests} request rows; {format_bytes(plan.total_bytes)} in all"
              + (f" of a {format_bytes(plan.budget)} budget" if plan.budget else "")]
-    lines.append(f"  {'structure':<40} {'grows with':<17} {'bytes/unit':>10} {'total':>10} {'one request':>12}")
+    lines.append(
+        f"  {'structure':<40} {'grows with':<17} {'bytes/unit':>10} {'total':>10} {'one request':>12}"
+    )
     for st in plan.structures:
         lines.append(f"  {st.name:<40} {st.unit:<17} {st.unit_bytes:>10} {format_bytes(st.num_bytes):>10} "
                      f"{held[st.name] / one:>11.0%}")
@@ -193,13 +206,16 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     if not configs["hisparse"].has_budget:  # token settings: compare at what the HiSparse pools take
         plans["hisparse"] = device_plan(configs["hisparse"], model_cfg)
         budget = plans["hisparse"].total_bytes
-        configs = {k: attrs.evolve(c, device_memory_bytes=budget, device_pool_tokens=None, max_running_requests=None)
-                   for k, c in configs.items()}
+        configs = {
+            k: attrs.evolve(c, device_memory_bytes=budget, device_pool_tokens=None, max_running_requests=None)
+            for k, c in configs.items()
+        }
     for name, cfg in configs.items():
         plans[name] = device_plan(cfg, model_cfg)
     dims = plans["hisparse"].dims
-    lines = [f"model {args.model}: {dims.num_layers} target layers, MLA rows of {dims.row_dim}, indexer keys of "
-             f"{dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), draft layers kept: {dims.mtp_layers}; "
+    lines = [f"model {args.model}: {dims.num_layers} target layers, MLA rows of {dims.row_dim}, "
+             f"indexer keys of {dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), "
+             f"draft layers kept: {dims.mtp_layers}; "
              f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
     lines += [*describe("all-resident", plans["resident"], context), ""]
     ratio = plans["hisparse"].plan.logical_tokens // plans["hisparse"].plan.device_tokens
@@ -216,7 +232,12 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     for knob, row in trades.items():
         lines.append(f"  {knob:<22} " + "  ".join(f"{k}: {'-' if v is None else v}" for k, v in row.items()))
     lines += notes(plans["hisparse"], context)
-    payload = {"context": context, "hot": args.hot, "plans": {k: p.as_dict(context) for k, p in plans.items()}, "trade_offs": trades}
+    payload = {
+        "context": context,
+        "hot": args.hot,
+        "plans": {k: p.as_dict(context) for k, p in plans.items()},
+        "trade_offs": trades,
+    }
     return "\n".join(lines), payload
 
 
@@ -231,19 +252,21 @@ def notes(plan: DevicePlan, context: int) -> list[str]:
         f"host_to_device_ratio near {balanced:.1f} uses both pools evenly at this context",
     ]
     if s.limit == "logical locations":
-        out.append("  the logical pool stops the seats: raise host_to_device_ratio (the indexer keys of every "
-                   "location stay on the device, so each location costs device memory too)")
+        out.append("  the logical pool stops the seats: raise host_to_device_ratio (the indexer keys of "
+                   "every location stay on the device, so each location costs device memory too)")
     held = plan.request_bytes(context)
     draft = sum(v for k, v in held.items() if k.startswith("draft layer"))
     if draft and not plan.dims.draft_rows_on_host:
-        out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a request's "
-                   "device bytes (--no-spec frees it; --draft-rows-on-host moves its rows to the host)")
+        out.append(f"  the draft layer's all-resident KV takes {draft / sum(held.values()):.0%} of a "
+                   "request's device bytes (--no-spec frees it; --draft-rows-on-host moves its rows to "
+                   "the host)")
     elif draft:
-        out.append(f"  the draft layer's rows are on the host; its indexer keys take {draft / sum(held.values()):.0%} "
-                   "of a request's device bytes (--draft-keys-on-host moves the keys too)")
+        out.append("  the draft layer's rows are on the host; its indexer keys take "
+                   f"{draft / sum(held.values()):.0%} of a request's device bytes "
+                   "(--draft-keys-on-host moves the keys too)")
     elif plan.dims.draft_keys_on_host:
-        out.append("  the draft layer's rows and indexer keys are on the host (it reads the target's token table): "
-                   "speculation holds no device bytes per location beyond plain decoding's")
+        out.append("  the draft layer's rows and indexer keys are on the host (it reads the target's token "
+                   "table): speculation holds no device bytes per location beyond plain decoding's")
     return out
 
 

@@ -3,7 +3,7 @@
 A long-context workload: ``--requests`` requests of ``--prompt-len`` prompt tokens and ``--new-tokens`` output
 tokens (contexts several times HOT), all arriving together, more of them than resident KV can seat at
 ``--device-memory``. Every variant gets the same budget, its pools and request rows derived from it
-(``pipeline.capacity``): ``resident`` (all KV on the device), ``hisparse`` and ``hisparse+spec`` (MTP
+(``pipeline.pool_sizes``): ``resident`` (all KV on the device), ``hisparse`` and ``hisparse+spec`` (MTP
 speculation on; its draft layer's KV is all resident and paid from the same budget); ``resident+spec`` on
 request (``--variants``). Reported per variant: seats (the plan's), output tokens/s, requests/s, peak and mean
 running requests (the engine's counters: requests stepped together), retractions, time to first token and

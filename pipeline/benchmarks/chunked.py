@@ -24,7 +24,7 @@ import argparse
 import itertools
 import statistics
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -32,6 +32,9 @@ from pipeline import cli_config
 from pipeline.benchmarks.common import held_out_prompts, machine, percentile, setup, table, write_json
 from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.hisparse.coordinator import HiSparseCoordinator
+
+if TYPE_CHECKING:
+    from pipeline.messages import Command, Outcome
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -82,9 +85,10 @@ def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, An
     peak, ttft = 0, None
     command = executor.run
 
-    def sampled(cmd, **kw):  # device rows after every command (the first token's included)
+    def sampled(cmd: Command, *, idle: bool = True) -> Outcome:
+        """``executor.run``, then the device rows after it (the first token's command included)."""
         nonlocal peak, ttft
-        outcome = command(cmd, **kw)
+        outcome = command(cmd, idle=idle)
         for seq in executor.seqs.values():
             peak = max(peak, len(pages.pages_of(seq.row)) * cfg.page_size)
         if ttft is None and req.output_ids:
@@ -93,7 +97,7 @@ def long_prompt_run(model, cfg: EngineConfig, prompt: list[int]) -> dict[str, An
 
     try:
         driver = SyncDriver(executor)
-        executor.run = sampled
+        setattr(executor, "run", sampled)  # noqa: B010 (shadows the method: every command is sampled)
         start = time.perf_counter()
         req = driver.submit(prompt, SamplingParams(max_new_tokens=2, ignore_eos=True))
         driver.run()
@@ -152,7 +156,7 @@ def itl_run(
 
             async def decode(i: int) -> None:
                 params = SamplingParams(
-                    max_new_tokens=cfg.max_context_len - len(running[i]) - 1, ignore_eos=True
+                    max_new_tokens=engine.plan.max_context_len - len(running[i]) - 1, ignore_eos=True
                 )
                 async with engine.generate(running[i], params, request_id=f"run-{i}") as stream:
                     async for _ in stream:

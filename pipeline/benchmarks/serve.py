@@ -22,15 +22,17 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import numpy as np
 
 from pipeline.benchmarks.common import machine, table, write_json
 from pipeline.logs import configure_logging
+
+if TYPE_CHECKING:
+    from pipeline.engine import Engine
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,13 +121,11 @@ async def http_request(client, prompt: list[int], max_tokens: int) -> Record:
     return record
 
 
-async def engine_request(engine, prompt: list[int], max_tokens: int) -> Record:
+async def engine_request(engine: Engine, prompt: list[int], max_tokens: int) -> Record:
     from pipeline.sampling import SamplingParams
 
     record = Record()
-    stream: AsyncIterator = engine.generate(
-        prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
-    )
+    stream = engine.generate(prompt, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True))
     async with aclosing(stream) as deltas:
         async for delta in deltas:
             record.chunk(delta.text)

@@ -35,6 +35,7 @@ from pipeline.sampling import SamplingParams
 from pipeline.server.protocol import CompletionRequest, PromptTokensDetails, Usage, _Generation
 
 if TYPE_CHECKING:
+    from pipeline.engine import RequestStream
     from pipeline.messages import RequestOutput
 
 log = structlog.get_logger("hispec.server")
@@ -166,7 +167,7 @@ class Generation:
     request_id: str
     prompt_ids: list[int]
     prompt_field: str  # "prompt" or "messages": the field an error about the prompt names
-    _stream: AsyncIterator[RequestOutput]
+    _stream: RequestStream
     outcome: str = "pending"  # -> finished | disconnected | aborted | failed
     finish_reason: str | None = None
     num_output_tokens: int = 0

@@ -609,12 +609,18 @@ def test_executor_start_up_warms_the_compiled_loops_its_run_calls(monkeypatch):
     from pipeline.executor import Executor
 
     calls = []
-    monkeypatch.setattr(kernels, "warm_up", lambda device, dtype, **kw: calls.append((device.type, dtype, kw)))
+    monkeypatch.setattr(
+        kernels, "warm_up", lambda device, dtype, **kw: calls.append((device.type, dtype, kw))
+    )
     for hisparse in (None, HiSparseConfig(device_buffer_size=8, host_to_device_ratio=2)):
-        Executor(EngineConfig(dtype="float32", page_size=8, max_context_len=64, max_running_requests=2,
-                              device_pool_tokens=256, hisparse=hisparse, speculative=None), model=_stub_model(4))
+        config = EngineConfig(dtype="float32", page_size=8, max_context_len=64, max_running_requests=2,
+                              device_pool_tokens=256, hisparse=hisparse, speculative=None)
+        Executor(config, model=_stub_model(4))
     shape = dict(index_heads=2, index_dim=2, attention=(2, ROW_DIM, 4))
-    assert calls == [("cpu", torch.float32, {**shape, "swap_in": False}), ("cpu", torch.float32, {**shape, "swap_in": True})]
+    assert calls == [
+        ("cpu", torch.float32, {**shape, "swap_in": False}),
+        ("cpu", torch.float32, {**shape, "swap_in": True}),
+    ]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
@@ -814,7 +820,9 @@ def test_a_wrong_typed_engine_config_field_is_a_config_error_naming_it(field, va
     assert info.value.field == field, str(info.value)
 
 
-@pytest.mark.parametrize(("config", "table"), [(HS, HS_WRONG_TYPES), (SP, SP_WRONG_TYPES)], ids=["hisparse", "speculative"])
+@pytest.mark.parametrize(
+    ("config", "table"), [(HS, HS_WRONG_TYPES), (SP, SP_WRONG_TYPES)], ids=["hisparse", "speculative"]
+)
 def test_a_wrong_typed_nested_field_is_a_config_error_naming_it(config, table):
     prefix = "hisparse" if config is HS else "speculative"
     for field, value in _wrong(table):
@@ -827,12 +835,14 @@ def test_a_wrong_typed_nested_field_is_a_config_error_naming_it(config, table):
 
 
 def _model(index_topk: int, *, positions: int = 4096, mtp: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(index_topk=index_topk, num_nextn_predict_layers=mtp, max_position_embeddings=positions,
-                           absent_mtp_layers=0, num_hidden_layers=2, kv_row_dim=80, index_head_dim=32)
+    return SimpleNamespace(index_topk=index_topk, num_nextn_predict_layers=mtp,
+                           max_position_embeddings=positions, absent_mtp_layers=0, num_hidden_layers=2,
+                           kv_row_dim=80, index_head_dim=32)
 
 
 @pytest.mark.parametrize(("index_topk", "page", "hot"), [
-    (8, 16, 128), (128, 16, 128), (129, 16, 144), (2048, 16, 2048), (2048, 64, 2048), (300, 48, 336), (8, 48, 144),
+    (8, 16, 128), (128, 16, 128), (129, 16, 144), (2048, 16, 2048), (2048, 64, 2048), (300, 48, 336),
+    (8, 48, 144),
 ])
 def test_hot_unset_is_the_larger_of_128_and_the_models_top_k_in_whole_pages(index_topk, page, hot):
     from pipeline.config import auto_hot
@@ -897,14 +907,18 @@ def test_the_cli_leaves_hot_to_the_model():
 def test_a_budget_with_an_explicit_pool_is_checked_once_the_ratio_is_chosen():
     """``hispec plan --context 2048 --device-memory 32MB --device-pool-tokens 100000`` ended in a
     TypeError: the pool was checked against a host_to_device_ratio a budget had not chosen yet."""
-    config = EngineConfig(device_memory_bytes=32 << 20, device_pool_tokens=100_000 // 16 * 16, max_context_len=2048)
+    config = EngineConfig(
+        device_memory_bytes=32 << 20, device_pool_tokens=100_000 // 16 * 16, max_context_len=2048
+    )
     assert config.hisparse.host_to_device_ratio is None
 
 
 def test_plan_with_a_budget_and_an_explicit_pool_is_one_line_or_a_plan(capsys):
     import pipeline.cli as cli
 
-    status = cli.main(["plan", "--context", "2048", "--device-memory", "32MB", "--device-pool-tokens", "100000"])
+    status = cli.main(
+        ["plan", "--context", "2048", "--device-memory", "32MB", "--device-pool-tokens", "100000"]
+    )
     captured = capsys.readouterr()
     assert "Traceback" not in captured.err
     if status == 0:

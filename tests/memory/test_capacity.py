@@ -12,10 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Engine, SamplingParams
-from pipeline.capacity import ModelDims, Shape, seats
+from pipeline.capacity import ModelDims, seats
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
+from pipeline.pool_sizes import Shape
 from pipeline.startup import plan_engine
 
 from tiny_models import build_tiny_model
@@ -399,12 +400,13 @@ def test_a_budget_chooses_the_ratio_that_seats_the_most(tiny_model, num_steps):
 def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
     """device_memory_fraction takes that share of what the CUDA device reports free (measured
     where the engine resolves its config, once the weights are loaded)."""
-    from pipeline import capacity
+    from pipeline import pool_sizes
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 * 10**9, 80 * 10**9))
-    assert capacity.device_budget(None, 0.25, "cuda") == 2 * 10**9
+    assert pool_sizes.device_budget(None, 0.25, "cuda") == 2 * 10**9
     assert (
-        capacity.device_budget(123, None, "cuda") == 123 and capacity.device_budget(None, None, "cpu") is None
+        pool_sizes.device_budget(123, None, "cuda") == 123
+        and pool_sizes.device_budget(None, None, "cpu") is None
     )
     cfg = EngineConfig(device="cuda", dtype="bfloat16", device_memory_fraction=0.001, max_context_len=1024)
     from pipeline.preflight import read_model_config
