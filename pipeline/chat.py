@@ -100,7 +100,8 @@ async def session(
     async with BlockingPortal() as portal, Engine(engine_config(args), model=model) as engine:
         params = sampling_params(args, defaults=engine.generation_defaults)  # the checkpoint's fill the gaps
         if engine.tokenizer.chat_template is None:
-            print(f"hispec chat: the model {args.model!r} has no chat template; use hispec generate", file=sys.stderr)
+            message = f"the model {args.model!r} has no chat template; use hispec generate"
+            print(f"hispec chat: {message}", file=sys.stderr)
             return 2
         opening = [{"role": "system", "content": args.system}] if args.system else []
         history = list(opening)
@@ -132,6 +133,9 @@ async def session(
             history.append({"role": "assistant", "content": "".join(answer)})
             if args.message is not None:
                 return 0
+    # reached only when the engine or the portal swallows an exception the loop raised: the session
+    # ends as at the end of input
+    return 0
 
 
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:

@@ -22,25 +22,32 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
     "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
-    "replay": ("pipeline.hisparse.replay", "replay a top-k trace: every replacement policy beside Belady's MIN"),
+    "replay": (
+        "pipeline.hisparse.replay",
+        "replay a top-k trace: every replacement policy beside Belady's MIN",
+    ),
     "plan": ("pipeline.plan", "what a device memory budget holds: bytes per structure, seats, trade-offs"),
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
+# bench target -> (module, help); each target's module is pipeline.benchmarks.<target>
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
-    "engine": ("pipeline.benchmarks.engine", "async engine throughput beside the synchronous driver"),
-    "kernels": ("pipeline.benchmarks.kernels", "time each kernel op beside the machine's copy bandwidth"),
-    "hisparse": ("pipeline.benchmarks.hisparse", "HiSparse decode beside all-resident decode"),
-    "spec": ("pipeline.benchmarks.spec", "speculative decoding (num_steps 1-3) beside plain decoding"),
-    "peer": ("pipeline.benchmarks.peer", "the engine beside HF transformers generate on the same weights"),
-    "profile": ("pipeline.benchmarks.profile", "a cProfile of plain HiSparse decoding (one process, tiny runs)"),
-    "soak": ("pipeline.benchmarks.soak", "a long seeded workload with injected faults: hangs, leaks, wrong outputs"),
-    "chunked": ("pipeline.benchmarks.chunked", "chunked prefill beside whole prompts: a long prompt, device rows, latency"),
-    "prefix": ("pipeline.benchmarks.prefix", "prefix caching on beside off: a shared system prompt, multi-turn chats"),
-    "capacity": ("pipeline.benchmarks.capacity", "one device budget: resident beside HiSparse on long contexts"),
-    "serve": ("pipeline.benchmarks.serve", "streaming clients over HTTP beside the in-process engine"),
-    "policy": ("pipeline.benchmarks.policy", "HiSparse replacement policies on recorded traces, and end to end"),
-    "tp": ("pipeline.benchmarks.tp", "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives"),
+    name: (f"pipeline.benchmarks.{name}", text)
+    for name, text in {
+        "engine": "async engine throughput beside the synchronous driver",
+        "kernels": "time each kernel op beside the machine's copy bandwidth",
+        "hisparse": "HiSparse decode beside all-resident decode",
+        "spec": "speculative decoding (num_steps 1-3) beside plain decoding",
+        "peer": "the engine beside HF transformers generate on the same weights",
+        "profile": "a cProfile of plain HiSparse decoding (one process, tiny runs)",
+        "soak": "a long seeded workload with injected faults: hangs, leaks, wrong outputs",
+        "chunked": "chunked prefill beside whole prompts: a long prompt, device rows, latency",
+        "prefix": "prefix caching on beside off: a shared system prompt, multi-turn chats",
+        "capacity": "one device budget: resident beside HiSparse on long contexts",
+        "serve": "streaming clients over HTTP beside the in-process engine",
+        "policy": "HiSparse replacement policies on recorded traces, and end to end",
+        "tp": "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives",
+    }.items()
 }
 
 
@@ -116,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseException as exc:
         error, others = reportable(exc)
-        if error is not None and any(isinstance(e, BrokenPipeError) for e in _leaves(exc)) and _stdout_closed():
+        broken_pipe = any(isinstance(e, BrokenPipeError) for e in _leaves(exc))
+        if error is not None and broken_pipe and _stdout_closed():
             return CLOSED_STDOUT
         if error is None:
             raise  # a bug, not a mistake: the traceback is the report
@@ -124,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(exc)
         more = f" (and {others} more error{'s' if others > 1 else ''})" if others else ""
         print(f"{_prog(argv)}: {one_line(error)}{more}", file=sys.stderr)
-        failed = isinstance(error, RUN_ERRORS) and not isinstance(error, (ConfigError, RequestError, OptionError))
+        user_error = isinstance(error, (ConfigError, RequestError, OptionError))
+        failed = isinstance(error, RUN_ERRORS) and not user_error
         return 1 if failed else 2
 
 

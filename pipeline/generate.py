@@ -3,10 +3,11 @@
 Several prompts run concurrently; each text is streamed as it is produced (in the order of the
 prompts: a later prompt's text so far appears when the earlier ones end), or printed when its
 request ends with ``--no-stream``. ``-`` as a prompt reads it from stdin; ``--chat`` sends each
-prompt as a user message through the model's chat template. After the texts, one line per request shows the states it went
-through with the time it entered each (seconds since it arrived), then the engine's HiSparse and
-speculative figures. ``--log-json FILE`` also writes every log event as JSON lines, for
-``hispec trace FILE``; ``--topk-trace FILE`` records every top-k selection for ``hispec replay``.
+prompt as a user message through the model's chat template. After the texts, one line per request
+shows the states it went through with the time it entered each (seconds since it arrived), then the
+engine's HiSparse and speculative figures. ``--log-json FILE`` also writes every log event as JSON
+lines, for ``hispec trace FILE``; ``--topk-trace FILE`` records every top-k selection for
+``hispec replay``.
 A sampling flag not given (``--temperature``, ``--top-p``, ``--top-k``, ``--max-new-tokens``) takes
 the checkpoint's default from its ``generation_config.json``, else the built-in one
 (docs/checkpoints.md).
@@ -20,16 +21,24 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import structlog
+from structlog.typing import WrappedLogger
 
 from kernels.swap_in_policy import POLICIES
 from pipeline.cli_config import engine_config
 from pipeline.config import DEFAULT_CHUNK, DEFAULT_PREFILL_BATCH
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
+
+if TYPE_CHECKING:
+    from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+    from pipeline.engine import Engine
+    from pipeline.messages import RequestOutput
+    from pipeline.sampling import SamplingParams
 
 LOOP_STATES = ("decode", "draft", "verify")
 STEP_EVENTS = ("StepDone", "Verified", "Finished")  # each ends one decode step or verify round
@@ -41,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-stream", action="store_true", help="print each text when its request ends")
     p.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")
     p.add_argument(
-        "--topk-trace", metavar="FILE", help="record every top-k selection to FILE for `hispec replay` (docs/topk-trace.md)"
+        "--topk-trace",
+        metavar="FILE",
+        help="record every top-k selection to FILE for `hispec replay` (docs/topk-trace.md)",
     )
     add_engine_arguments(p, max_new_tokens=64)
     return p
@@ -72,7 +83,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     )
     p.add_argument(
         "--near-margin", type=int, default=None, metavar="M",
-        help="positions ranked past the top-k for the near-policies (default: top_k under one, or with a trace)",
+        help="positions ranked past the top-k for the near-policies "
+        "(default: top_k under one, or with a trace)",
     )
     p.add_argument(
         "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
@@ -104,18 +116,26 @@ def add_tokenizer_arguments(p: argparse.ArgumentParser) -> None:
 def add_budget_arguments(p: argparse.ArgumentParser) -> None:
     from pipeline.capacity import parse_bytes
 
-    p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
-                   help="device memory budget of the KV memory layer (e.g. 64MB, 2GiB); sizes the pools")
-    p.add_argument("--device-memory-fraction", type=float, default=None, metavar="F",
-                   help="CUDA: the budget as a fraction of the device memory free once the weights are loaded")
+    p.add_argument(
+        "--device-memory", type=parse_bytes, default=None, metavar="BYTES",
+        help="device memory budget of the KV memory layer (e.g. 64MB, 2GiB); sizes the pools",
+    )
+    p.add_argument(
+        "--device-memory-fraction", type=float, default=None, metavar="F",
+        help="CUDA: the budget as a fraction of the device memory free once the weights are loaded",
+    )
 
 
 def add_chunk_argument(p: argparse.ArgumentParser) -> None:
     """``--chunked-prefill-tokens``, ``--no-mixed-steps`` and ``--no-prefix-cache`` (generate, chat
     and serve)."""
-    p.add_argument("--no-prefix-cache", action="store_true", help="recompute every prompt (no prefix caching)")
     p.add_argument(
-        "--no-mixed-steps", action="store_true", help="run prefill chunks and decode steps as separate forwards"
+        "--no-prefix-cache", action="store_true", help="recompute every prompt (no prefix caching)"
+    )
+    p.add_argument(
+        "--no-mixed-steps",
+        action="store_true",
+        help="run prefill chunks and decode steps as separate forwards",
     )
     p.add_argument(
         "--chunked-prefill-tokens",
@@ -134,14 +154,15 @@ def add_chunk_argument(p: argparse.ArgumentParser) -> None:
     )
 
 
-def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> Any:
+def sampling_params(args: argparse.Namespace, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
     """The ``SamplingParams`` of the sampling flags; a flag not given takes ``defaults`` (the
     checkpoint's: ``Engine.generation_defaults``), else its built-in default."""
     from pipeline.sampling import SamplingParams
 
     builtin = {**BUILTIN_SAMPLING, "max_new_tokens": getattr(args, "builtin_max_new_tokens", 64)}
     given = {name: getattr(args, name) for name in builtin if getattr(args, name) is not None}
-    return SamplingParams(**{**builtin, **(defaults or {}), **given}, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    chosen = {**builtin, **(defaults or {}), **given}
+    return SamplingParams(**chosen, stop=tuple(args.stop), ignore_eos=args.ignore_eos)
 
 
 class Collector:
@@ -150,13 +171,13 @@ class Collector:
     def __init__(self) -> None:
         self.records: list[dict[str, Any]] = []
 
-    def __call__(self, logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+    def __call__(self, _logger: WrappedLogger, _method: str, event: dict[str, Any]) -> dict[str, Any]:
         if is_lifecycle(event) or event.get("event") == SUBMITTED:
             self.records.append(dict(event))
         return event
 
 
-def drop(logger: Any, method: str, event: dict[str, Any]) -> dict[str, Any]:
+def drop(_logger: WrappedLogger, _method: str, event: dict[str, Any]) -> dict[str, Any]:
     raise structlog.DropEvent
 
 
@@ -197,7 +218,9 @@ async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str
     trace = getattr(args, "topk_trace", None)
     async with Engine(engine_config(args), model=model, trace_path=trace) as engine:
         params = sampling_params(args, defaults=engine.generation_defaults)
-        inputs = [engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts]
+        inputs = [
+            engine.chat_prompt([{"role": "user", "content": p}]) if args.chat else p for p in args.prompts
+        ]
         if args.no_stream:
 
             async def one(i: int, prompt: str | list[int]) -> None:
@@ -212,9 +235,17 @@ async def run(args: argparse.Namespace, model: Any) -> tuple[list[Any], dict[str
     return results, stats
 
 
-async def stream(engine: Any, prompts: list[str], inputs: list[Any], params: Any, results: list[Any],
-                 *, chat: bool) -> None:
+async def stream(
+    engine: Engine,
+    prompts: list[str],
+    inputs: list[str | list[int]],
+    params: SamplingParams,
+    results: list[Any],
+    *,
+    chat: bool,
+) -> None:
     """Run every prompt at once; print their texts in order, each delta as soon as it is its turn."""
+    channels: list[tuple[MemoryObjectSendStream[RequestOutput], MemoryObjectReceiveStream[RequestOutput]]]
     channels = [anyio.create_memory_object_stream(math.inf) for _ in inputs]
 
     async def produce(i: int) -> None:
@@ -229,7 +260,9 @@ async def stream(engine: Any, prompts: list[str], inputs: list[Any], params: Any
         for i, (prompt, (_, receive)) in enumerate(zip(prompts, channels)):
             print(f"--- req-{i} ---")
             print("" if chat else prompt, end="", flush=True)
-            text, ids, last = [], [], None
+            text: list[str] = []
+            ids: list[int] = []
+            last: RequestOutput | None = None
             with receive:
                 async for last in receive:
                     print(last.text, end="", flush=True)
@@ -237,11 +270,15 @@ async def stream(engine: Any, prompts: list[str], inputs: list[Any], params: Any
                     ids.extend(last.token_ids)
             if last is None:  # its request was refused: the producer's error ends the task group
                 continue
-            results[i] = SimpleNamespace(text="".join(text), token_ids=tuple(ids), finish_reason=last.finish_reason)
+            results[i] = SimpleNamespace(
+                text="".join(text), token_ids=tuple(ids), finish_reason=last.finish_reason
+            )
             print(f"\n--- req-{i} ({last.finish_reason}, {len(ids)} tokens) ---")
 
 
-def figures_line(stats: dict[str, object]) -> list[str]:
+def figures_line(stats: Mapping[str, Any]) -> list[str]:
+    """The HiSparse, speculative and throughput lines of ``stats`` (``Engine.stats()``: JSON-shaped
+    figures)."""
     lines = []
     hs = stats.get("hisparse")
     if hs:
@@ -261,7 +298,10 @@ def figures_line(stats: dict[str, object]) -> list[str]:
     elif spec:  # on, but its adaptive rule never found a round worth running (batch size, context, speed)
         lines.append("speculative: 0 verify rounds (every step decoded plainly by the adaptive rule)")
     tp = stats["throughput"]
-    lines.append(f"throughput: {tp['tokens_generated']} tokens in {tp['uptime_s']:.2f}s ({tp['tokens_per_s']:.1f} tokens/s)")
+    lines.append(
+        f"throughput: {tp['tokens_generated']} tokens in {tp['uptime_s']:.2f}s "
+        f"({tp['tokens_per_s']:.1f} tokens/s)"
+    )
     return lines
 
 

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 
     import torch
 
+    from pipeline.hisparse.trace import TopKTrace
     from pipeline.memory.prefix_cache import PrefixCache
     from pipeline.memory.targets import VerifyLayout, WriteTargets
-    from pipeline.model.attention_api import AttentionBackend
+    from pipeline.model.attention_api import AttentionBackend, RowStore
 
 
 class Residency(enum.Enum):
@@ -65,11 +66,15 @@ class KVMemory(Protocol):
 
     # --- admission and prefill ------------------------------------------------------------------
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+    def can_admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> bool:
         """Whether ``admit`` would succeed now (changes nothing)."""
         ...
 
-    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
+    def admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> int:
         """A free row holding everything its prompt needs to reach decode: locations for every
         position, its host copy, the device rows of one prefill chunk and (HiSparse) the device
         buffer it decodes through, so that neither a later chunk nor ``collect_ready`` waits for
@@ -150,14 +155,14 @@ class KVMemory(Protocol):
         *,
         steps: int = 0,
         chunk_starts: torch.Tensor | None = None,
-        trace: object = None,
+        trace: TopKTrace | None = None,
         labels: dict[int, str] | None = None,
     ) -> AttentionBackend:
         """The attention backend of one target forward (``steps``: 0 = prefill, whose tokens are
         chunks starting at ``chunk_starts`` [T]; else tokens per row)."""
         ...
 
-    def draft_backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> AttentionBackend:
+    def draft_backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> RowStore:
         """The MTP layer's backend: its own all-resident rows, addressed by logical location. It is
         also a ``RowStore`` (``store_rows``: a draft extend stores rows nobody reads alone)."""
         ...

@@ -82,7 +82,9 @@ class ResidentMemory:
     def _match(self, tokens: Sequence[int] | None) -> list[CachedPage]:
         return self.cache.match(tokens) if self.cache is not None and tokens is not None else []
 
-    def _admission(self, num_tokens: int, tokens: Sequence[int] | None) -> tuple[list[CachedPage], int] | None:
+    def _admission(
+        self, num_tokens: int, tokens: Sequence[int] | None
+    ) -> tuple[list[CachedPage], int] | None:
         """(the cached chain it shares, the pages it needs) when a prompt fits, counting the cached
         pages nobody else shares as free; None when it does not."""
         if not self.rows.can_allocate():
@@ -92,12 +94,16 @@ class ResidentMemory:
         spare = 0 if self.cache is None else self.cache.spare(chain)
         return (chain, need) if self.allocator.num_free_pages + spare >= need else None
 
-    def can_admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> bool:
+    def can_admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> bool:
         """A row and pages for the prompt (``tokens``, when given, may share cached pages, and
         cached pages nobody shares count as free)."""
         return self._admission(num_tokens, tokens) is not None
 
-    def admit(self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None) -> int:
+    def admit(
+        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+    ) -> int:
         """A row and locations for the prompt; the longest cached prefix of ``tokens`` is shared
         (its positions count as computed). All or nothing: when anything on the way raises, what
         the row got goes back (``release``) and the error propagates."""
@@ -333,5 +339,7 @@ class ResidentMemory:
         if self.cache is not None:
             self.cache.check_integrity(self._shared.values())
         # (a row whose release was interrupted is checked by its pools only: it is halfway out)
-        staged = [r for r, phase in self._residency.items() if phase is Residency.STAGING and r not in self._leaving]
+        staged = [
+            r for r, phase in self._residency.items() if phase is Residency.STAGING and r not in self._leaving
+        ]
         assert sorted(staged) == sorted(self._ready), "the ready queue disagrees with the rows' residency"

@@ -62,7 +62,7 @@ class AttentionBackend(Protocol):
         ...
 
 
-class RowStore(Protocol):
+class RowStore(AttentionBackend, Protocol):
     """A backend that also stores tokens' rows without attending (the MTP layer's backends): for
     the tokens of a forward whose outputs nobody reads, only their cache rows matter."""
 

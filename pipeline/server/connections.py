@@ -69,7 +69,7 @@ class ConnectionWatch:
     exception handler, takes the latter over (anything else goes to the handler it replaced, or
     the loop's default)."""
 
-    def __init__(self, previous: Callable[[Any, dict[str, Any]], None] | None = None) -> None:
+    def __init__(self, previous: Callable[[Any, dict[str, Any]], object] | None = None) -> None:
         self.previous = previous
         self.refusing = 0  # connections refused in the current run
         self.failing = 0  # accept calls failed in the current run

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import structlog
@@ -66,7 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1")
     from pipeline.cli_types import port_number  # a bad --port: one line, before the model loads
 
-    p.add_argument("--port", type=port_number, default=8000, help="0 = any free port (printed on the ready line)")
+    p.add_argument(
+        "--port", type=port_number, default=8000, help="0 = any free port (printed on the ready line)"
+    )
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     add_tokenizer_arguments(p)
@@ -92,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
     p.add_argument(
-        "--num-steps", type=int, default=None, help="draft steps per speculative round (default: 3 if the model has MTP)"
+        "--num-steps",
+        type=int,
+        default=None,
+        help="draft steps per speculative round (default: 3 if the model has MTP)",
     )
     p.add_argument("--seed", type=int, default=0, help="engine seed (sampled requests derive theirs from it)")
     p.add_argument(
@@ -110,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         metavar="KEY",
-        help=f"require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize (default: ${API_KEY_ENV})",
+        help="require 'Authorization: Bearer KEY' on /v1, /tokenize and /detokenize "
+        f"(default: ${API_KEY_ENV})",
     )
     p.add_argument(
         "--disable-access-log",
@@ -316,7 +322,7 @@ class HttpServer:
         does not count as being served: the drain never waits on a client."""
 
         def serving() -> bool:
-            return any(connection.busy() for connection in list(self._server.server_state.connections))
+            return any(connection.busy() for connection in self._connections())
 
         requests_end = anyio.current_time() + self.shutdown_timeout
         grace_end: float | None = None  # set once no request is being served (or they were aborted)
@@ -330,7 +336,9 @@ class HttpServer:
             elif grace_end is None:
                 if serving() and now >= requests_end:
                     log.warning(
-                        "server.shutdown_timeout", seconds=self.shutdown_timeout, aborted=len(self.state.in_flight)
+                        "server.shutdown_timeout",
+                        seconds=self.shutdown_timeout,
+                        aborted=len(self.state.in_flight),
                     )
                     self.state.drain(abort=True)
                 if not serving() or now >= requests_end:
@@ -346,10 +354,15 @@ class HttpServer:
             while self._server.server_state.tasks:
                 await anyio.sleep(POLL_S)
 
+    def _connections(self) -> list[HttpProtocol]:
+        """The open connections. uvicorn types them as any of its protocols; this server configures
+        one, ``HttpProtocol`` (and no WebSockets), so each is one of those."""
+        return cast("list[HttpProtocol]", list(self._server.server_state.connections))
+
     def _close_connections(self) -> None:
         """Abort every request in flight and close every connection now; uvicorn stops waiting."""
         self.state.drain(abort=True)
-        connections = list(self._server.server_state.connections)
+        connections = self._connections()
         for connection in connections:
             connection.transport.abort()  # nothing more is sent: its client sees the connection end
         self._server.force_exit = True
@@ -429,10 +442,8 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     level = "info" if args.log_json or args.verbose else "warning"
     sink = configure_logging(json=args.log_json or False, level=level)
-    forced = False
     try:
         status, forced = anyio.run(_serve, args, model)
-        return status
     except FileNotFoundError as exc:
         print(f"hispec serve: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
         return 2
@@ -441,7 +452,8 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         return 2
     finally:
         sink.close()
-        if forced:  # a second signal: the process ends now, without the interpreter's teardown (seconds)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+    if forced:  # a second signal: the process ends now, without the interpreter's teardown (seconds)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status

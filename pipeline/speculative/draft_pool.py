@@ -71,13 +71,16 @@ class HostKeysBackend(HostRowsBackend):
         assert layout is not None
         if layout.req_rows.numel() == 0:
             return super().indexer_positions(inputs, keys)
+        index_q, index_w = inputs.index_q, inputs.index_w
+        if index_q is None or index_w is None:
+            raise ValueError(f"layer {inputs.layer} has no indexer queries (reuse_topk={inputs.reuse_topk})")
         host, table = keys.device, self.store.req_to_token
         rows, local = torch.unique(layout.req_rows, return_inverse=True)  # the same request groups
         seq_lens = layout.positions + 1
         width = int(seq_lens.max())
         return indexer_topk(
-            inputs.index_q.to(host),
-            inputs.index_w.to(host),
+            index_q.to(host),
+            index_w.to(host),
             keys,
             table[rows, :width].to(host),
             local.to(host),

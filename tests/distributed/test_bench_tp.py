@@ -13,7 +13,8 @@ from pipeline.cli import main
 @pytest.mark.slow  # two engines' start-up (spawned ranks): kept out of the default run's budget
 def test_bench_tp_runs_tp1_and_tp2(tmp_path, capsys):
     out = tmp_path / "tp.json"
-    args = ["--dtype", "float64", "--concurrency", "2", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "1"]
+    args = ["--dtype", "float64", "--concurrency", "2", "--prompt-len", "8", "--new-tokens", "3"]
+    args += ["--repeats", "1"]
     assert main(["bench", "tp", *args, "--out", str(out)]) == 0
     assert "| TP |" in capsys.readouterr().out
     one, two = json.loads(out.read_text())["rows"]

@@ -32,7 +32,8 @@ def test_a_shard_read_from_the_checkpoint_is_the_slice_of_the_whole(tmp_path, fp
         path = tmp_path / "fp8"
     whole = load_model(path, dtype=torch.float64)
     for rank in range(2):
-        want = build_shard(whole.cfg, torch.float64, torch.device("cpu"), group(rank), StateDictSource(whole.state_dict()))
+        source = StateDictSource(whole.state_dict())
+        want = build_shard(whole.cfg, torch.float64, torch.device("cpu"), group(rank), source)
         got = load_shard(path, torch.float64, torch.device("cpu"), group(rank)).state_dict()
         assert set(got) == set(want.state_dict())
         for name, tensor in want.state_dict().items():

@@ -168,7 +168,9 @@ async def test_a_killed_worker_fails_every_request_and_stops_the_engine(tiny_mod
             async with anyio.create_task_group() as tg:
                 for prompt in make_prompts([5, 20, 40], seed=13):
                     tg.start_soon(consume, prompt)
-                await until(lambda: len(engine._registry.live) == 3 and engine.stats()["requests"]["decoding"] > 0)
+                await until(
+                    lambda: len(engine._registry.live) == 3 and engine.stats()["requests"]["decoding"] > 0
+                )
                 reqs = list(engine._registry.live.values())
                 os.kill(procs[0].pid, signal.SIGKILL)
     assert info.group_contains(WorkerLost)

@@ -26,6 +26,7 @@ def test_the_memory_check_counts_every_ranks_memory_layer(tiny_model):
 def test_more_ranks_than_heads_or_devices_are_refused_naming_the_field(tiny_model):
     heads = tiny_model.cfg.num_attention_heads
     with pytest.raises(ConfigError, match="attention heads") as info:
-        preflight.check_tensor_parallel(attrs.evolve(config(), tensor_parallel_size=heads + 1), tiny_model.cfg)
+        too_many = attrs.evolve(config(), tensor_parallel_size=heads + 1)
+        preflight.check_tensor_parallel(too_many, tiny_model.cfg)
     assert info.value.field == "tensor_parallel_size"
     preflight.check_tensor_parallel(attrs.evolve(config(), tensor_parallel_size=heads), tiny_model.cfg)

@@ -34,8 +34,9 @@ def config(
         max_running_requests=max_running_requests,
         device_pool_tokens=device_pool_tokens,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=ratio) if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                       plain_tail=False, plain_while_prefilling=False) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False,
+                                       min_accept_length=None, plain_tail=False, plain_while_prefilling=False)
+        if num_steps else None,
     )
 
 

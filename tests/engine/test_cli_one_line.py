@@ -18,6 +18,7 @@ from pipeline.cli import main as cli
 
 ROOT = Path(pipeline.__file__).resolve().parents[1]
 HANG = 120  # seconds: only against a hang, never a measure
+PAST_POSITIONS = "must be <= the model's max_position_embeddings"
 
 # DeepSeek-V3.2's config.json (the fields the loader reads): what plan reads, without any weights
 V32_CONFIG = {
@@ -91,7 +92,8 @@ def test_no_command_and_no_bench_target_print_the_choices_and_exit_2(capsys):
         assert captured.out == "" and captured.err.startswith("usage: hispec") and "plan" in captured.err
     assert cli(["bench"]) == 2
     captured = capsys.readouterr()
-    assert captured.out == "" and captured.err.startswith("usage: hispec bench") and "capacity" in captured.err
+    assert captured.out == ""
+    assert captured.err.startswith("usage: hispec bench") and "capacity" in captured.err
     assert cli(["--help"]) == 0 and "usage: hispec" in capsys.readouterr().out  # asked for: no mistake
 
 
@@ -112,9 +114,9 @@ def test_plan_of_a_v32_config_takes_a_hot_that_holds_its_top_k(v32, tmp_path, ca
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--context", "200000"], "--context=200000: must be <= the model's max_position_embeddings (163840)"),
+        (["--context", "200000"], f"--context=200000: {PAST_POSITIONS} (163840)"),
         (["--context", "0"], "--context=0: must be >= 1"),
-        (["--max-context-len", "163841"], "--max-context-len=163841: must be <= the model's max_position_embeddings"),
+        (["--max-context-len", "163841"], f"--max-context-len=163841: {PAST_POSITIONS}"),
         (["--max-context-len", "4096"], "--max-context-len=4096: must be >= --context (8192)"),
         (["--hot", "128"], "--hot=128: must be >= the model's index_topk (2048)"),
         (["--hot", "2056"], "--hot=2056: must be a multiple of --page-size (16)"),
@@ -123,18 +125,19 @@ def test_plan_of_a_v32_config_takes_a_hot_that_holds_its_top_k(v32, tmp_path, ca
         (["--num-steps", "0"], "speculative.num_steps=0: must be >= 1"),
         (["--chunked-prefill-tokens", "-1"], "chunked_prefill_tokens=-1: must be >= 1"),
         (["--device-memory-fraction", "0.5"], "device_memory_fraction=0.5: give device_memory_bytes or"),
-        (["--device-memory", "1MB"], "device_memory_bytes=1000000: holds no request of max_context_len (8192)"),
+        (["--device-memory", "1MB"],
+         "device_memory_bytes=1000000: holds no request of max_context_len (8192)"),
     ],
 )
 def test_plan_mistakes_are_one_line_naming_the_option(v32, capsys, flags, message):
-    argv = ["plan", "--model", v32, "--dtype", "bfloat16", "--context", "8192", "--device-memory", "8GB", *flags]
-    assert cli(argv) == 2
+    argv = ["plan", "--model", v32, "--dtype", "bfloat16", "--context", "8192", "--device-memory", "8GB"]
+    assert cli([*argv, *flags]) == 2
     assert one_line(capsys).startswith(f"hispec plan: {message}")
 
 
 def test_plan_of_the_bundled_model_refuses_a_context_past_its_positions(capsys):
     assert cli(["plan", "--context", "5000"]) == 2
-    assert one_line(capsys) == "hispec plan: --context=5000: must be <= the model's max_position_embeddings (4096)\n"
+    assert one_line(capsys) == f"hispec plan: --context=5000: {PAST_POSITIONS} (4096)\n"
     assert cli(["plan", "--context", "2048", "--hot", "32"]) == 2
     assert one_line(capsys).startswith("hispec plan: --hot=32: must be >= the model's index_topk (64)")
 

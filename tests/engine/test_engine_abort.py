@@ -83,7 +83,9 @@ async def test_cancelling_the_consumer_aborts_in_every_state(tiny_model, where, 
                 victim_consumer = stream if consumer == "stream" else consume
                 tg.start_soon(_run_in_scope, victim_scope, victim_consumer, "victim", prompts[0])
                 if where == "queued":
-                    await until(lambda: any(r.request_id == "victim" for r in engine._pipe.core.admission.queue))
+                    await until(
+                        lambda: any(r.request_id == "victim" for r in engine._pipe.core.admission.queue)
+                    )
                 elif where == "ready":
                     await until(lambda: victim_is(State.READY))
                 else:
@@ -193,7 +195,9 @@ async def test_a_deadline_aborts_the_request(tiny_model):
         gate = Gate().install(engine, "prefill_chunks")
         try:
             with pytest.raises(TimeoutError):
-                await engine.generate_text([1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05)
+                await engine.generate_text(
+                    [1, 2, 3], SamplingParams(max_new_tokens=5), request_id="late", timeout=0.05
+                )
         finally:
             gate.open()
         await engine.wait_idle()

@@ -76,7 +76,9 @@ def run_one_after_another(model, config_, prompts, params=PARAMS):
 def test_one_after_another_the_cache_gives_the_uncached_tokens(tiny_model, hisparse, spec):
     prompts = family(0)
     want, _, _ = run_one_after_another(tiny_model, cfg(cache=False, hisparse=hisparse, spec=spec), prompts)
-    got, cached, stats = run_one_after_another(tiny_model, cfg(cache=True, hisparse=hisparse, spec=spec), prompts)
+    got, cached, stats = run_one_after_another(
+        tiny_model, cfg(cache=True, hisparse=hisparse, spec=spec), prompts
+    )
     assert got == want
     earlier = [p + out for p, out in zip(prompts, want)]
     assert cached == [expected_hit(p, earlier[:i]) for i, p in enumerate(prompts)]

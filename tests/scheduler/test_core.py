@@ -177,7 +177,8 @@ def test_admission_command_error_fails_the_candidates_and_releases_them():
 
 def test_prefill_sorts_each_request_by_its_first_token():
     aborts = AbortBook()
-    reqs = [in_state(rid, State.PREFILL, max_new_tokens=n) for rid, n in [("ok", 5), ("one", 1), ("gone", 5), ("bad", 5)]]
+    lengths = [("ok", 5), ("one", 1), ("gone", 5), ("bad", 5)]
+    reqs = [in_state(rid, State.PREFILL, max_new_tokens=n) for rid, n in lengths]
     part = PrefillPart(aborts)
     part.accept(reqs)
 
@@ -212,7 +213,8 @@ def test_prefill_aborts_before_the_forward_skip_it():
 def test_a_long_prompt_is_prefilled_in_chunks_within_the_token_budget():
     """Chunks and budget 10: a 25-token prompt takes three forwards (10, 10, 5); a 4-token prompt
     behind it shares the third. Each chunk that does not end its prompt logs ``ChunkDone`` and stays."""
-    long, short = request("long", prompt_len=25, max_new_tokens=5), request("short", prompt_len=4, max_new_tokens=5)
+    long = request("long", prompt_len=25, max_new_tokens=5)
+    short = request("short", prompt_len=4, max_new_tokens=5)
     for req in (long, short):
         req.apply(Admitted())
     part = PrefillPart(AbortBook(), chunk_tokens=10, batch_tokens=10)
@@ -251,7 +253,11 @@ def test_a_forward_budget_above_the_chunk_carries_several_requests_chunks():
 
     while len(part):
         Script(part.turn(), {Prefill: answer}).run()
-    assert seen == [[("long", 0, 10), ("a", 0, 8), ("b", 0, 6)], [("long", 10, 20), ("b", 6, 9)], [("long", 20, 25)]]
+    assert seen == [
+        [("long", 0, 10), ("a", 0, 8), ("b", 0, 6)],
+        [("long", 10, 20), ("b", 6, 9)],
+        [("long", 20, 25)],
+    ]
 
 
 # --- staging -----------------------------------------------------------------------------------------
@@ -338,7 +344,11 @@ def test_speculative_round_order():
 
 def test_round_events_in_order_for_one_request():
     part, _, _ = decode_part(3, "a", ignore_eos=True)
-    answers = {Reserve: RoomResult(("a",), ()), Draft: StepResult({}), Verify: StepResult({"a": (5,)}, accepted={"a": 0})}
+    answers = {
+        Reserve: RoomResult(("a",), ()),
+        Draft: StepResult({}),
+        Verify: StepResult({"a": (5,)}, accepted={"a": 0}),
+    }
     with structlog.testing.capture_logs() as logs:
         Script(part.turn(), answers).run()
     assert [e["event"] for e in logs] == ["DraftStarted", "DraftDone", "Verified"]

@@ -31,8 +31,8 @@ def bundled_config(hisparse: bool, num_steps: int | None, *, draft_rows_on_host:
         hisparse=HiSparseConfig(device_buffer_size=BUNDLED_HOT, host_to_device_ratio=2,
                                 draft_rows_on_host=draft_rows_on_host, draft_keys_on_host=draft_keys_on_host)
         if hisparse else None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                      plain_tail=False, plain_while_prefilling=False)
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False,
+                                      min_accept_length=None, plain_tail=False, plain_while_prefilling=False)
         if num_steps else None,
     )
 

@@ -75,7 +75,10 @@ def test_a_batch_of_proposals_is_each_rows_own_proposal(greedy, vocab, seed):
     from pipeline.speculative.drafting import propose, propose_rows
 
     logits = torch.randint(0, 3, (len(greedy), vocab), generator=torch.Generator().manual_seed(seed)).double()
-    params = [SamplingParams() if g else SamplingParams(temperature=0.8, seed=seed + i) for i, g in enumerate(greedy)]
+    params = [
+        SamplingParams() if g else SamplingParams(temperature=0.8, seed=seed + i)
+        for i, g in enumerate(greedy)
+    ]
 
     def generators():
         return [None if g else torch.Generator().manual_seed(seed + i) for i, g in enumerate(greedy)]

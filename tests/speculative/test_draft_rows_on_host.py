@@ -55,7 +55,8 @@ def test_host_rows_draft_what_device_rows_draft(model):
             assert "draft layer KV rows" not in executor.memory.device_tensors()
         if name == "keys":
             assert executor.memory.draft.keys_on_host
-            assert not {"draft layer KV rows", "draft layer indexer keys"} & set(executor.memory.device_tensors())
+            draft = {"draft layer KV rows", "draft layer indexer keys"}
+            assert not draft & set(executor.memory.device_tensors())
         executor.close()
     assert runs["keys"][0] == runs["host"][0] == runs["device"][0] == runs["plain"][0]
     assert runs["keys"][1] == runs["host"][1] == runs["device"][1]
@@ -63,7 +64,9 @@ def test_host_rows_draft_what_device_rows_draft(model):
 
 
 @settings(max_examples=40, deadline=None)
-@given(tokens=st.integers(1, 9), top_k=st.integers(1, 12), rows=st.integers(1, 40), seed=st.integers(0, 2**16))
+@given(
+    tokens=st.integers(1, 9), top_k=st.integers(1, 12), rows=st.integers(1, 40), seed=st.integers(0, 2**16)
+)
 def test_gathered_rows_attend_exactly_as_the_whole_pool(tokens, top_k, rows, seed):
     """Sparse MLA over the compact block of selected rows equals sparse MLA over the whole pool, bit
     for bit: repeated slots, -1 slots and queries with no slot at all included."""
@@ -128,7 +131,9 @@ def test_host_rows_leave_the_device_plan_and_seat_more(model):
                         max_running_requests=None, max_context_len=2048)
     plans, estimates = {}, {}
     for where in ("device", "rows", "keys"):
-        hs = attrs.evolve(base.hisparse, draft_rows_on_host=where != "device", draft_keys_on_host=where == "keys")
+        hs = attrs.evolve(
+            base.hisparse, draft_rows_on_host=where != "device", draft_keys_on_host=where == "keys"
+        )
         cfg = attrs.evolve(base, hisparse=hs)
         plans[where] = device_plan(cfg, model.cfg)
         estimates[where] = {a.name for a in estimate_memory(cfg, plans[where]).allocations}
@@ -137,7 +142,8 @@ def test_host_rows_leave_the_device_plan_and_seat_more(model):
     assert "draft layer KV rows" in names["device"] and "draft layer KV rows" not in names["rows"]
     assert "draft layer indexer keys" in names["rows"] and "draft layer indexer keys" not in names["keys"]
     assert names["keys"] == {s.name for s in device_structures(plain.plan, plain.dims)}  # plain decoding's
-    assert "draft layer KV rows (host)" in estimates["rows"] and "draft layer KV rows (host)" not in estimates["device"]
+    assert "draft layer KV rows (host)" in estimates["rows"]
+    assert "draft layer KV rows (host)" not in estimates["device"]
     assert "draft layer indexer keys (host)" in estimates["keys"] - estimates["rows"]
     assert all(p.total_bytes <= 24_000_000 for p in plans.values())
     seats = {k: p.seats(2048).running for k, p in plans.items()}

@@ -39,7 +39,11 @@ def test_host_exhaustion_in_finalize_fails_only_that_request(tiny_model, monkeyp
 
     def reserve(self, row, length):
         # the victim's 4th verify round finds the host pool full in finalize
-        if finalizing and executor.seqs.get(victim.request_id) and row == executor.seqs[victim.request_id].row:
+        if (
+            finalizing
+            and executor.seqs.get(victim.request_id)
+            and row == executor.seqs[victim.request_id].row
+        ):
             seen[row] = seen.get(row, 0) + 1
             if seen[row] == 4:
                 raise OutOfMemory("host", 1, 0)

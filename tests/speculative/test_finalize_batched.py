@@ -23,9 +23,9 @@ def _memory(draft_tokens: int):
     """An executor's HiSparse coordinator, built from the config as serving builds it, over a stub
     of what the executor reads of a model (nothing is run)."""
     cfg = SimpleNamespace(
-        index_topk=HOT // 2, num_nextn_predict_layers=1, max_position_embeddings=None, num_hidden_layers=LAYERS,
-        kv_row_dim=ROW_DIM, index_head_dim=2, index_n_heads=2, num_attention_heads=2, eos_token_id=None,
-        vocab_size=257,
+        index_topk=HOT // 2, num_nextn_predict_layers=1, max_position_embeddings=None,
+        num_hidden_layers=LAYERS, kv_row_dim=ROW_DIM, index_head_dim=2, index_n_heads=2,
+        num_attention_heads=2, eos_token_id=None, vocab_size=257,
     )
     config = EngineConfig(
         page_size=PAGE, max_context_len=MAX_CTX, max_running_requests=3, device_pool_tokens=PAGE * 24,
@@ -46,7 +46,8 @@ def _admit(memory, prompts: list[int]) -> list[int]:
     for prompt in prompts:
         row = memory.admit(prompt)
         targets = memory.prefill_targets(row, 0, prompt)
-        memory.device_kv[:, targets.slots.long()] = torch.stack([_stamp(row, p, -1) for p in range(prompt)], dim=1)
+        stamps = torch.stack([_stamp(row, p, -1) for p in range(prompt)], dim=1)
+        memory.device_kv[:, targets.slots.long()] = stamps
         memory.commit_prefill(row, 0, prompt, final=True)
         memory.start_staging(row, prompt)
         rows.append(row)
@@ -165,7 +166,11 @@ def test_a_batched_verify_round_equals_its_requests_one_at_a_time(data):
             newest = memories["together"].buffers.newest
             held = [int(memories["together"].buffers.tokens[0, r, newest]) for r in live]
             together_failed = _round(memories["together"], live, live_accepts, d, round_, victim)
-            alone_failed = [f for r, a in zip(live, live_accepts) for f in _round(memories["alone"], [r], [a], d, round_, victim)]
+            alone_failed = [
+                f
+                for r, a in zip(live, live_accepts)
+                for f in _round(memories["alone"], [r], [a], d, round_, victim)
+            ]
             failed = {"together": together_failed, "alone": alone_failed}
             assert failed["together"] == failed["alone"] == ([victim] if victim in live else [])
             for name, memory in memories.items():

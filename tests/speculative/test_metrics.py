@@ -147,8 +147,9 @@ def run_config(num_steps: int | None) -> EngineConfig:
         max_running_requests=8,
         device_pool_tokens=1024,
         hisparse=None,
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
-                                      plain_tail=False, plain_while_prefilling=False) if num_steps else None,
+        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=None, timed=False,
+                                      min_accept_length=None, plain_tail=False, plain_while_prefilling=False)
+        if num_steps else None,
     )
 
 
