@@ -50,7 +50,7 @@ from pipeline.isolation import reason as _reason
 from pipeline.memory import OutOfMemory
 from pipeline.memory.interface import Residency, Transfers, TransferTotals
 from pipeline.messages import (
-    NO_FIGURES,
+    NO_SWAPS,
     Admit,
     AdmitResult,
     CollectReady,
@@ -70,8 +70,8 @@ from pipeline.messages import (
     Reserve,
     Result,
     RoomResult,
-    StepFigures,
     StepResult,
+    SwapCounts,
     Verify,
 )
 from pipeline.model import DeepseekV32
@@ -143,10 +143,10 @@ class Executor:
             result, changed = self._dispatch(command, idle)
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
-            return Outcome(None, NO_FIGURES, True, _reason(exc), time.perf_counter() - start)
+            return Outcome(None, NO_SWAPS, True, _reason(exc), time.perf_counter() - start)
         after = self.memory.transfer_totals()
-        figures = _figures(_summed(before), _summed(after))
-        return Outcome(result, figures, changed, None, time.perf_counter() - start)
+        swaps = _swaps_between(_summed(before), _summed(after))
+        return Outcome(result, swaps, changed, None, time.perf_counter() - start)
 
     def _dispatch(self, command: Command, idle: bool) -> tuple[Result, bool]:
         match command:
@@ -343,7 +343,7 @@ class Executor:
         """A ``Mixed`` command: a decode step and a prefill forward of chunks in one model forward
         (``pipeline/memory/mixed.py``), the decode tokens first. A failing forward is bisected over
         both kinds of request together, so a request that fails, fails alone. Each part's outcome
-        carries the shared forward's seconds, its own swap-in figures and whether the forward really
+        carries the shared forward's seconds, its own swap-in counts and whether the forward really
         carried both (no decode request may have had room). A chunk that does not continue its
         prompt fails its own command alone: the parts then run one after the other. The chunks'
         finishing failing as a whole fails their part only; a forward failing as a whole raises
@@ -371,10 +371,10 @@ class Executor:
         except Exception as exc:  # the chunks' commit or staging: their command fails, not the decode step
             log.error("executor.command_failed", command="Prefill", mixed=True, exc_info=True)
             chunks, error = None, _reason(exc)
-        seconds, after_all = time.perf_counter() - start, self.memory.transfer_totals()
+        seconds, now = time.perf_counter() - start, self.memory.transfer_totals()
         return MixedResult(
-            Outcome(step, _figures(before.swap_in, after_all.swap_in), True, None, seconds, mixed=shared),
-            Outcome(chunks, _figures(before.prefill, after_all.prefill), True, error, seconds, mixed=shared),
+            Outcome(step, _swaps_between(before.swap_in, now.swap_in), True, None, seconds, mixed=shared),
+            Outcome(chunks, _swaps_between(before.prefill, now.prefill), True, error, seconds, mixed=shared),
         )
 
     # --- a speculative round ------------------------------------------------------------------------
@@ -458,7 +458,7 @@ class Executor:
         if self.trace is not None:
             self.trace.close()
 
-    # --- figures and checks -----------------------------------------------------------------------
+    # --- statistics and checks --------------------------------------------------------------------
 
     def check_integrity(self, *, data: bool = True, states: dict[str, State] | None = None) -> None:
         """The memory's invariants, the executor's rows against the memory's, and (``states``: each
@@ -497,6 +497,6 @@ def _summed(totals: TransferTotals) -> Transfers:
     return hits + found, misses + loaded, moved + read
 
 
-def _figures(before: Transfers, after: Transfers) -> StepFigures:
+def _swaps_between(before: Transfers, after: Transfers) -> SwapCounts:
     """The transfers between two readings."""
-    return StepFigures(*(a - b for a, b in zip(after, before))) if after != before else NO_FIGURES
+    return SwapCounts(*(a - b for a, b in zip(after, before))) if after != before else NO_SWAPS

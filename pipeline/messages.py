@@ -192,7 +192,7 @@ class StepResult:
 
 
 @attrs.frozen
-class StepFigures:
+class SwapCounts:
     """HiSparse swap-in totals of one command, summed over layers (zeros without HiSparse)."""
 
     hits: int  # top-k entries served from the device buffers
@@ -200,12 +200,12 @@ class StepFigures:
     h2d_bytes: int  # bytes those loads moved
 
 
-NO_FIGURES = StepFigures(0, 0, 0)
+NO_SWAPS = SwapCounts(0, 0, 0)
 
 
 @attrs.frozen
 class MixedResult:
-    """Each part of a ``Mixed`` command answered on its own: its result, its own swap-in figures,
+    """Each part of a ``Mixed`` command answered on its own: its result, its own swap-in counts,
     its own error (the chunks' finishing may fail while the decode step stands). Both carry the
     shared forward's ``seconds`` and say ``mixed`` when the forward really carried both parts."""
 
@@ -222,7 +222,7 @@ class Outcome:
     """What one command did."""
 
     result: Result  # the command's answer; None for ``Release`` and when ``error`` is set
-    figures: StepFigures = NO_FIGURES  # swap-in work this command did
+    swaps: SwapCounts = NO_SWAPS  # swap-in work this command did
     changed: bool = False  # memory or request state changed (stages waiting for memory look again)
     error: str | None = None  # the command raised outside any one request: exception type and message
     seconds: float = 0.0  # wall time of the command

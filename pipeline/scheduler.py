@@ -49,7 +49,7 @@ import structlog
 
 from pipeline.chunking import plan_chunks
 from pipeline.messages import (
-    NO_FIGURES,
+    NO_SWAPS,
     Admit,
     AdmitResult,
     CollectReady,
@@ -129,14 +129,14 @@ class AbortBook:
         return [r for r in reqs if r.request_id in self.pending and not r.is_finished]
 
 
-def figures_of(outcome: Outcome, batch_size: int) -> dict[str, float]:
-    """The figures a step's lifecycle events carry: batch size, the step's HiSparse hits and misses
+def step_fields(outcome: Outcome, batch_size: int) -> dict[str, float]:
+    """The fields a step's lifecycle events carry: batch size, the step's HiSparse hits and misses
     (the whole batch's, summed over layers) and the device command's wall time."""
     return {
         "batch_size": batch_size,
-        "step_hits": outcome.figures.hits,
-        "step_misses": outcome.figures.misses,
-        "step_h2d_bytes": outcome.figures.h2d_bytes,
+        "step_hits": outcome.swaps.hits,
+        "step_misses": outcome.swaps.misses,
+        "step_h2d_bytes": outcome.swaps.h2d_bytes,
         "device_ms": round(outcome.seconds * 1e3, 3),
     }
 
@@ -365,13 +365,13 @@ class PrefillPart:
         result = outcome.result_as(PrefillResult)
         ending: list[tuple[Request, Event]] = []
         staged: list[Request] = []
-        figures = figures_of(outcome, len(reqs))
+        fields = step_fields(outcome, len(reqs))
         for chunk, req in zip(chunks, reqs):
             rid = req.request_id
             prompt_len = len(req.known_tokens())
             if rid not in result.failed and chunk.end < prompt_len:
                 self.progress[rid] = chunk.end
-                req.apply(ChunkDone(chunk.start, chunk.end), self.name, **figures)
+                req.apply(ChunkDone(chunk.start, chunk.end), self.name, **fields)
                 continue
             self.remove(rid)
             if rid in result.failed:
@@ -389,7 +389,7 @@ class PrefillPart:
             elif rid in self.aborts.pending:
                 ending.append((req, AbortRequested()))
             else:
-                req.apply(PrefillDone(), self.name, prefill_tokens=prompt_len, **figures)
+                req.apply(PrefillDone(), self.name, prefill_tokens=prompt_len, **fields)
                 staged.append(req)
         done.merge((yield from end(ending, self.name)))
         done.onward.extend(staged)
@@ -704,7 +704,7 @@ class DecodePart:
     def _settle(self, result: StepResult, outcome: Outcome, batch_size: int, *, verified: bool) -> Turn:
         """Append each request's committed tokens and apply ``StepDone`` / ``Verified``; end the ones
         that finished or failed."""
-        figures = figures_of(outcome, batch_size)
+        fields = step_fields(outcome, batch_size)
         if self.pace is not None:
             self.pace.record_decode(outcome)
         if verified:
@@ -725,9 +725,9 @@ class DecodePart:
             if reason is not None:
                 ending.append((req, Finished(reason)))
             elif verified:
-                req.apply(Verified(accepted=len(tokens)), self.name, **figures)
+                req.apply(Verified(accepted=len(tokens)), self.name, **fields)
             else:
-                req.apply(StepDone(), self.name, **figures)
+                req.apply(StepDone(), self.name, **fields)
         for rid, why in result.failed.items():
             ending.append((self.members[rid], Crashed(why)))
         self._pop(r for r, _ in ending)
@@ -753,7 +753,7 @@ def split(outcome: Outcome) -> tuple[Outcome, Outcome]:
     """The outcomes of a ``Mixed`` command's two parts, (decode's, prefill's). A mixed step that
     failed as a whole fails both parts with its error."""
     if outcome.error is not None:
-        failed = Outcome(None, NO_FIGURES, outcome.changed, outcome.error, outcome.seconds, mixed=True)
+        failed = Outcome(None, NO_SWAPS, outcome.changed, outcome.error, outcome.seconds, mixed=True)
         return failed, failed
     result = outcome.result
     assert isinstance(result, MixedResult), f"not a mixed step's outcome: {result!r}"

@@ -60,7 +60,7 @@ from pipeline.messages import (
     Outcome,
     ReadyResult,
     Release,
-    StepFigures,
+    SwapCounts,
 )
 from pipeline.startup import preflight
 
@@ -294,11 +294,11 @@ class DistributedExecutor:
 
 def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
     """One outcome from every rank's: results must agree (``CollectReady``: a request failed on any
-    rank is failed; ``Mixed``: each part merged on its own), swap-in figures are summed, the time is
+    rank is failed; ``Mixed``: each part merged on its own), swap-in counts are summed, the time is
     rank 0's."""
     first = outcomes[0]
-    figures = StepFigures(
-        *(sum(getattr(o.figures, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes"))
+    swaps = SwapCounts(
+        *(sum(getattr(o.swaps, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes"))
     )
     changed = any(o.changed for o in outcomes)
     errors = [o.error for o in outcomes]
@@ -306,7 +306,7 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
         if not all(errors):
             rank = next(r for r, e in enumerate(errors) if e)
             raise RanksDiverged(f"{type(command).__name__} failed on rank {rank} only: {errors[rank]}")
-        return Outcome(None, figures, changed, first.error, first.seconds, mixed=first.mixed)
+        return Outcome(None, swaps, changed, first.error, first.seconds, mixed=first.mixed)
     result = first.result
     if isinstance(command, Mixed):
         parts = [o.result_as(MixedResult) for o in outcomes]
@@ -325,7 +325,7 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
             if o.result != result:
                 name = type(command).__name__
                 raise RanksDiverged(f"{name}: rank {rank} answered {o.result!r}, rank 0 {result!r}")
-    return Outcome(result, figures, changed, None, first.seconds, mixed=first.mixed)
+    return Outcome(result, swaps, changed, None, first.seconds, mixed=first.mixed)
 
 
 def sum_counters(per_rank: list[dict | None]) -> dict | None:

@@ -24,7 +24,7 @@ from pipeline.executor import Executor
 from pipeline.executor_interface import CommandExecutor
 from pipeline.memory.interface import TransferTotals
 from pipeline.messages import (
-    NO_FIGURES,
+    NO_SWAPS,
     CollectReady,
     Decode,
     Mixed,
@@ -34,8 +34,8 @@ from pipeline.messages import (
     PrefillChunk,
     PrefillResult,
     Release,
-    StepFigures,
     StepResult,
+    SwapCounts,
 )
 from pipeline.scheduler import mix, split
 
@@ -89,13 +89,13 @@ def test_no_other_pair_mixes(a, b):
 
 
 def test_each_part_gets_its_own_outcome():
-    step = Outcome(StepResult({"a": (1,), "b": (2,)}), StepFigures(3, 1, 64), True, None, 0.5, mixed=True)
-    chunk = Outcome(PrefillResult({}), NO_FIGURES, True, None, 0.5, mixed=True)
-    assert split(Outcome(MixedResult(step, chunk), StepFigures(3, 1, 64), True, None, 0.5)) == (step, chunk)
+    step = Outcome(StepResult({"a": (1,), "b": (2,)}), SwapCounts(3, 1, 64), True, None, 0.5, mixed=True)
+    chunk = Outcome(PrefillResult({}), NO_SWAPS, True, None, 0.5, mixed=True)
+    assert split(Outcome(MixedResult(step, chunk), SwapCounts(3, 1, 64), True, None, 0.5)) == (step, chunk)
 
 
 def test_a_mixed_step_that_failed_as_a_whole_fails_both_parts():
-    decode, prefill = split(Outcome(None, NO_FIGURES, True, "RuntimeError: boom", 0.25))
+    decode, prefill = split(Outcome(None, NO_SWAPS, True, "RuntimeError: boom", 0.25))
     assert decode == prefill
     assert decode.error == "RuntimeError: boom" and decode.result is None and decode.mixed
 
