@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import anyio
+import attrs
 import pytest
 import structlog
 from _engine_util import Gate, Hold, config, driver_outputs, live_request, make_prompts, until
@@ -342,7 +343,8 @@ async def test_a_stage_that_raises_stops_the_engine_cleanly(tiny_model, monkeypa
             monkeypatch.setattr(DecodePart, "turn", turn)
 
             async def consume(i):
-                await engine.generate_text(make_prompts([9 + i])[0], SamplingParams(max_new_tokens=40 + 6 * i))
+                params = SamplingParams(max_new_tokens=40 + 6 * i)
+                await engine.generate_text(make_prompts([9 + i])[0], params)
 
             async with anyio.create_task_group() as tg:
                 for i in range(3):
@@ -378,12 +380,15 @@ async def test_a_running_engine_keeps_what_was_alive_out_of_the_collector(tiny_m
 
 
 @pytest.mark.asyncio
-async def test_what_a_closed_engine_left_behind_is_not_frozen_by_the_next_one(tiny_model):
+@pytest.mark.parametrize("executor_thread", [False, True], ids=["on-the-loop", "in-a-thread"])
+async def test_what_a_closed_engine_left_behind_is_not_frozen_by_the_next_one(tiny_model, executor_thread):
     """A dropped engine's memory (its pools) is freed at once: the coordinator holds no reference
-    cycle. Cyclic garbage left behind when the next engine freezes the collector (a closed engine's,
-    an application's) is collected first instead of frozen with the rest: frozen, it would stay for
-    that engine's whole run, one more lot for every engine started after another (the soak
-    benchmark's RSS grew by about 1 MiB per round before, 294 -> 874 MiB in 3 minutes)."""
+    cycle, and no worker thread still holds the executor (the one that closed it, the one that ran
+    its commands) while it waits for the GIL after handing its last result back. Cyclic garbage
+    left behind when the next engine freezes the collector (a closed engine's, an application's) is
+    collected first instead of frozen with the rest: frozen, it would stay for that engine's whole
+    run, one more lot for every engine started after another (the soak benchmark's RSS grew by about
+    1 MiB per round before, 294 -> 874 MiB in 3 minutes)."""
     import gc
     import weakref
 
@@ -392,7 +397,8 @@ async def test_what_a_closed_engine_left_behind_is_not_frozen_by_the_next_one(ti
     gc.unfreeze()
     gc.collect()
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    async with Engine(config(num_steps=2), model=tiny_model) as first:
+    cfg = attrs.evolve(config(num_steps=2), executor_thread=executor_thread)
+    async with Engine(cfg, model=tiny_model) as first:
         await first.generate_text("ab", params)
         memory = weakref.ref(first.executor.memory)
     del first

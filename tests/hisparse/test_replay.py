@@ -46,7 +46,11 @@ def _record(
         max_running_requests=4,
         device_pool_tokens=pool,
         hisparse=HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=1, policy=policy),
-        speculative=SpeculativeConfig(num_steps=num_steps, max_batch_size=8) if num_steps else None,
+        # not timed: the same turns are rounds (the same retractions and round restarts) however busy
+        # the machine is
+        speculative=(
+            SpeculativeConfig(num_steps=num_steps, max_batch_size=8, timed=False) if num_steps else None
+        ),
         chunked_prefill_tokens=chunk,
         prefix_cache=prefix_cache,
     )
