@@ -10,7 +10,7 @@ prompt is computed over several forwards and short prompts share one. The head r
 a chunk (the budget is at least 1), so every forward makes progress. Without a chunk (None: whole
 prompts) a prompt joins the head only if the whole of it fits in what is left of the budget; only
 a budget smaller than the head's prompt (the engine's pacing, ``PrefillPace``) splits it. The
-scheduling core and ``Executor.prefill`` both plan with this one rule.
+scheduling core and ``driver.prefill_whole`` both plan with this one rule.
 """
 
 from __future__ import annotations
