@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from kernels.swap_in_policy import DEFAULT_POLICY
+
+if TYPE_CHECKING:
+    from pipeline.model.config import ModelConfig
 
 INT64, INT32 = 8, 4
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
@@ -107,7 +110,7 @@ class ModelDims:
     draft_keys_on_host: bool = False  # and its indexer keys too
 
     @classmethod
-    def of(cls, model_cfg: Any, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False,
+    def of(cls, model_cfg: ModelConfig, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False,
            draft_keys_on_host: bool = False) -> ModelDims:
         """From a ``ModelConfig``; ``speculative``: the run drafts with the MTP layer."""
         return cls(
