@@ -198,19 +198,11 @@ def swap_in(
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    args = (
+        top_k_pos, seq_lens, req_rows, buffer_tokens, buffer_locs, lru, req_to_host, host_kv, device_kv, hot
+    )
     if check:
-        check_swap_in_args(
-            top_k_pos,
-            seq_lens,
-            req_rows,
-            buffer_tokens,
-            buffer_locs,
-            lru,
-            req_to_host,
-            host_kv,
-            device_kv,
-            hot,
-        )
+        check_swap_in_args(*args)
         if near is not None:
             check_tensor(
                 "near",
@@ -230,18 +222,6 @@ def swap_in(
         and top_k_pos.shape[2] <= TRITON_MAX_TOP_K
         and buffer_tokens.shape[1] - hot <= TRITON_MAX_EXTRA
         and (near is None or near.shape[2] <= TRITON_MAX_NEAR)
-    )
-    args = (
-        top_k_pos,
-        seq_lens,
-        req_rows,
-        buffer_tokens,
-        buffer_locs,
-        lru,
-        req_to_host,
-        host_kv,
-        device_kv,
-        hot,
     )
     if impl == "auto" and top_k_pos.device.type == "cpu":
         # (one step of one request costs the per-request loops less than these tensor ops)
