@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import kv_fp8
 from kernels.checks import FLOAT_DTYPES, check_index_range, check_same_device, check_tensor, resolve_impl
 
 # Triton limits: a selection program keeps 2 * next_pow2(top_k) packed keys; the score program one
@@ -332,12 +333,35 @@ def _request_topk(index_q, index_w, index_k, locs, seq_lens, top_k, scale) -> to
     return out
 
 
+def _dequantized_keys(
+    index_k: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: torch.Tensor,
+    dtype: torch.dtype,
+    max_seq_len: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys an FP8 key cache holds for the call's requests, dequantized to ``dtype``, as a key
+    cache of its own: (keys ``[U * W, Di]``, its token table ``[U, W]``, each query's row of that
+    table), ``U`` the distinct requests and ``W`` the most positions a query sees. Positions past
+    a query's length are never read, so what their entries hold does not matter."""
+    rows, local = torch.unique(req_rows, return_inverse=True)
+    width = max(1, int(seq_lens.max()) if max_seq_len is None else max_seq_len)
+    locs = req_to_token[rows, :width].reshape(-1).clamp(min=0).long()
+    keys = kv_fp8.dequantize_keys(index_k.index_select(0, locs), dtype)
+    table = torch.arange(locs.numel(), device=index_k.device).view(rows.numel(), width)
+    return keys, table, local
+
+
 def check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k) -> None:
     """Shapes, dtypes, strides, devices (no synchronisation)."""
     check_tensor("index_q", index_q, ndim=3, dtype=FLOAT_DTYPES, contiguous_last=True)
     t, h, d = index_q.shape
     check_tensor("index_w", index_w, dtype=FLOAT_DTYPES, shape=(t, h), contiguous_last=True)
-    check_tensor("index_k", index_k, dtype=FLOAT_DTYPES, shape=(None, d), contiguous_last=True)
+    if index_k.dtype == kv_fp8.STORAGE:  # an FP8 key cache
+        check_tensor("index_k", index_k, shape=(None, kv_fp8.key_bytes(d)), contiguous_last=True)
+    else:
+        check_tensor("index_k", index_k, dtype=FLOAT_DTYPES, shape=(None, d), contiguous_last=True)
     check_tensor("req_to_token", req_to_token, ndim=2, dtype=(torch.int32, torch.int64), contiguous_last=True)
     check_tensor("req_rows", req_rows, dtype=torch.int64, shape=(t,), contiguous_last=True)
     check_tensor("seq_lens", seq_lens, dtype=torch.int64, shape=(t,), contiguous_last=True)
@@ -385,6 +409,11 @@ def indexer_topk(
     if validate:
         check_index_range("req_rows", req_rows, req_to_token.shape[0])
         check_index_range("seq_lens", seq_lens, req_to_token.shape[1] + 1)
+    if index_k.dtype == kv_fp8.STORAGE:  # an FP8 key cache: the keys the queries see, dequantized
+        keys, table, rows = _dequantized_keys(index_k, req_to_token, req_rows, seq_lens, index_q.dtype,
+                                              max_seq_len)
+        return indexer_topk(index_q, index_w, keys, table, rows, seq_lens, top_k, scale, impl=impl,
+                            max_seq_len=max_seq_len, check=False)
     _, heads, dim = index_q.shape
     fits = (
         index_q.dtype != torch.float64

@@ -13,12 +13,16 @@ the causal window for prefill), so one op serves all three.
 
 Numerics: logits, softmax and the weighted sum are computed in float32 (float64 for float64 inputs)
 and the result is cast back to ``q_latent.dtype``. A query whose slots are all -1 yields zeros.
+
+An FP8 cache (``kv`` of ``uint8``, rows in ``kernels.kv_fp8``'s layout) is read by the torch path:
+each chunk's gathered rows are dequantized there, in the compute dtype, before the two matmuls.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import kv_fp8
 from kernels.checks import FLOAT_DTYPES, check_index_range, check_same_device, check_tensor, resolve_impl
 from kernels.indexer_topk import score_dtype
 
@@ -30,14 +34,15 @@ _GATHER_BUDGET = 1 << 24  # elements of gathered rows per reference chunk (memor
 def sparse_mla_reference(
     q_latent: torch.Tensor,  # [T, H, C] absorbed query
     q_rope: torch.Tensor,  # [T, H, R] rotated rope query
-    kv: torch.Tensor,  # [rows, C + R] cache rows of one layer
+    kv: torch.Tensor,  # [rows, C + R] cache rows of one layer (FP8: uint8 [rows, row bytes])
     slots: torch.Tensor,  # [T, K] rows to attend, -1 = masked
     scale: float,
 ) -> torch.Tensor:  # [T, H, C]
     """Plain torch reference; a query with no valid slot yields zeros.
 
-    The rows are gathered once per chunk; the logits are one batched matmul of ``[q_latent | q_rope]``
-    against the whole rows, the output one against their latent part.
+    The rows are gathered once per chunk (and dequantized, from an FP8 cache); the logits are one
+    batched matmul of ``[q_latent | q_rope]`` against the whole rows, the output one against their
+    latent part.
     """
     c = q_latent.shape[-1]
     dt = score_dtype(q_latent.dtype)
@@ -49,7 +54,11 @@ def sparse_mla_reference(
         chunk_slots = slots[sl]
         valid = chunk_slots >= 0  # [t, K]
         flat = chunk_slots.clamp(min=0).reshape(-1).long()
-        rows = kv.index_select(0, flat).view(chunk_slots.shape[0], k, kv.shape[-1]).to(dt)  # [t, K, C + R]
+        gathered = kv.index_select(0, flat).view(chunk_slots.shape[0], k, kv.shape[-1])
+        if kv.dtype == kv_fp8.STORAGE:
+            rows = kv_fp8.dequantize_rows(gathered, c, dt)  # [t, K, C + R]
+        else:
+            rows = gathered.to(dt)
         q = torch.cat([q_latent[sl], q_rope[sl]], dim=-1).to(dt)  # [t, H, C + R]
         logits = torch.bmm(q, rows.transpose(1, 2))  # [t, H, K]
         logits = (logits * scale).masked_fill_(~valid[:, None, :], float("-inf"))
@@ -63,9 +72,13 @@ def check_sparse_mla_args(q_latent, q_rope, kv, slots) -> None:
     check_tensor("q_latent", q_latent, ndim=3, dtype=FLOAT_DTYPES, contiguous_last=True)
     t, h, c = q_latent.shape
     check_tensor("q_rope", q_rope, ndim=3, dtype=q_latent.dtype, shape=(t, h, None), contiguous_last=True)
-    check_tensor(
-        "kv", kv, ndim=2, dtype=FLOAT_DTYPES, shape=(None, c + q_rope.shape[2]), contiguous_last=True
-    )
+    if kv.dtype == kv_fp8.STORAGE:  # an FP8 cache
+        width = kv_fp8.row_bytes(c, q_rope.shape[2])
+        check_tensor("kv", kv, ndim=2, shape=(None, width), contiguous_last=True)
+    else:
+        check_tensor(
+            "kv", kv, ndim=2, dtype=FLOAT_DTYPES, shape=(None, c + q_rope.shape[2]), contiguous_last=True
+        )
     check_tensor(
         "slots", slots, ndim=2, dtype=(torch.int32, torch.int64), shape=(t, None), contiguous_last=True
     )
@@ -98,6 +111,8 @@ def sparse_mla(
         check_sparse_mla_args(q_latent, q_rope, kv, slots)
     if validate:
         check_index_range("slots", slots, kv.shape[0], allow_negative=True)
+    if kv.dtype == kv_fp8.STORAGE and impl in ("auto", "torch"):  # FP8 rows: dequantized as gathered
+        return sparse_mla_reference(q_latent, q_rope, kv, slots, scale)
     if impl == "numba" or (impl == "auto" and q_latent.device.type == "cpu"):
         from kernels import sparse_mla_numba as compiled
 

@@ -26,7 +26,10 @@ import re
 from typing import TYPE_CHECKING, Any
 
 import attrs
+import torch
 
+from kernels import kv_fp8
+from kernels.kv_fp8 import KVCacheFormat
 from kernels.swap_in_policy import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -99,20 +102,39 @@ class MemoryPlan:
 
 @attrs.frozen
 class ModelDims:
-    """What the memory layer's sizes need of a model (and the run's dtype and speculation)."""
+    """What the memory layer's sizes need of a model (and the run's dtype, KV cache dtype and
+    speculation)."""
 
     num_layers: int  # target layers
-    row_dim: int  # one MLA row: latent + rope key
-    index_dim: int  # one indexer key
-    element_bytes: int  # of the run dtype (KV rows and indexer keys are stored in it)
+    row_dim: int  # one MLA row: latent + rope key (values)
+    index_dim: int  # one indexer key (values)
+    element_bytes: int  # of the run dtype
     mtp_layers: int = 0  # MTP layers whose KV is kept (0 without speculation)
     draft_rows_on_host: bool = False  # HiSparse: the draft layer's KV rows are host memory
     draft_keys_on_host: bool = False  # and its indexer keys too
+    # bytes of one stored MLA row and one stored indexer key (None: the values in the run dtype;
+    # an FP8 cache stores fewer, ``kernels.kv_fp8``)
+    stored_row_bytes: int | None = None
+    stored_key_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one MLA row of one layer, as stored."""
+        stored = self.stored_row_bytes
+        return stored if stored is not None else self.row_dim * self.element_bytes
+
+    @property
+    def key_bytes(self) -> int:
+        """Bytes of one indexer key of one layer, as stored."""
+        stored = self.stored_key_bytes
+        return stored if stored is not None else self.index_dim * self.element_bytes
 
     @classmethod
     def of(cls, model_cfg: ModelConfig, dtype: str, *, speculative: bool, draft_rows_on_host: bool = False,
-           draft_keys_on_host: bool = False) -> ModelDims:
+           draft_keys_on_host: bool = False, kv_cache_dtype: str = "auto") -> ModelDims:
         """From a ``ModelConfig``; ``speculative``: the run drafts with the MTP layer."""
+        quantized = kv_cache_dtype != "auto"
         return cls(
             num_layers=model_cfg.num_hidden_layers,
             row_dim=model_cfg.kv_row_dim,
@@ -121,7 +143,23 @@ class ModelDims:
             mtp_layers=model_cfg.num_nextn_predict_layers if speculative else 0,
             draft_rows_on_host=draft_rows_on_host and speculative,
             draft_keys_on_host=draft_keys_on_host and speculative,
+            stored_row_bytes=(
+                kv_fp8.row_bytes(model_cfg.kv_lora_rank, model_cfg.qk_rope_head_dim) if quantized else None
+            ),
+            stored_key_bytes=kv_fp8.key_bytes(model_cfg.index_head_dim) if quantized else None,
+            kv_cache_dtype=kv_cache_dtype,
         )
+
+
+def kv_format(model_cfg: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> KVCacheFormat:
+    """How a model's MLA rows and indexer keys are stored in a run of ``dtype``."""
+    return KVCacheFormat(
+        latent=model_cfg.kv_lora_rank,
+        rope=model_cfg.qk_rope_head_dim,
+        index_dim=model_cfg.index_head_dim,
+        dtype=dtype,
+        kind=kv_cache_dtype,
+    )
 
 
 @attrs.frozen
@@ -158,7 +196,7 @@ def _structures(
     max_len: int,
     dims: ModelDims,
 ) -> tuple[Structure, ...]:
-    e, layers, row, idx = dims.element_bytes, dims.num_layers, dims.row_dim, dims.index_dim
+    layers, row, idx = dims.num_layers, dims.row_bytes, dims.key_bytes
     table = max_len * INT64
     out: list[Structure] = []
 
@@ -167,13 +205,13 @@ def _structures(
 
     if not hisparse:
         all_layers = layers + dims.mtp_layers
-        add("KV rows (target and draft layers)", SLOT, all_layers * row * e, slots + page)
-        add("indexer keys", SLOT, all_layers * idx * e, slots + page)
+        add("KV rows (target and draft layers)", SLOT, all_layers * row, slots + page)
+        add("indexer keys", SLOT, all_layers * idx, slots + page)
         add("token table", REQUEST, table, rows)
         return tuple(out)
     cols = hot + page
-    add("device KV rows", SLOT, layers * row * e, slots + page)
-    add("indexer keys (every logical location)", LOCATION, layers * idx * e, locations + page)
+    add("device KV rows", SLOT, layers * row, slots + page)
+    add("indexer keys (every logical location)", LOCATION, layers * idx, locations + page)
     add("device buffer slots", REQUEST, cols * INT64, rows)
     add("device buffer positions", REQUEST, layers * cols * INT32, rows)
     add("device buffer LRU", REQUEST, layers * hot * INT32, rows)
@@ -181,9 +219,9 @@ def _structures(
     add("host map", REQUEST, table, rows)
     if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location (the token table's)
         if not dims.draft_rows_on_host:
-            add("draft layer KV rows", LOCATION, row * e, locations + page)
+            add("draft layer KV rows", LOCATION, row, locations + page)
         if not dims.draft_keys_on_host:
-            add("draft layer indexer keys", LOCATION, idx * e, locations + page)
+            add("draft layer indexer keys", LOCATION, idx, locations + page)
     return tuple(out)
 
 

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeGuard
 import attrs
 import structlog
 
+from kernels.kv_fp8 import KV_CACHE_DTYPES
 from kernels.swap_in_policy import DEFAULT_POLICY, POLICIES
 from pipeline.errors import ConfigError
 from pipeline.pool_sizes import DEFAULT_RATIO, check_pools
@@ -243,6 +244,10 @@ class EngineConfig:
     chat_template: str | None = None
     device: str = "cpu"
     dtype: str = "float32"
+    # how KV rows and indexer keys are stored: "auto" in ``dtype``; "fp8_e4m3" ("fp8") in
+    # DeepSeek-V3.2's FP8 layouts (an MLA row of 512 + 64 in 656 bytes, an indexer key of 128 in
+    # 132), quantized as they are written and dequantized inside attention and the indexer
+    kv_cache_dtype: str = "auto"
     page_size: int = 16
     # None: the model's max_position_embeddings, lowered to what the pools hold (at start-up)
     max_context_len: int | None = None
@@ -314,6 +319,8 @@ class EngineConfig:
             self.dtype,
             "float64 is for exactness checks on the CPU only",
         )
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+                 f"must be one of {KV_CACHE_DTYPES}")
         _require_int("page_size", self.page_size, 1)
         _require(
             self.hisparse is None or isinstance(self.hisparse, HiSparseConfig),

@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from kernels.swap_in_policy import DEFAULT_POLICY
-from pipeline.capacity import DevicePlan, MemoryPlan, ModelDims
+from pipeline.capacity import DevicePlan, MemoryPlan, ModelDims, kv_format
 from pipeline.config import (
     DEFAULT_POOL_TOKENS,
     DEFAULT_PREFILL_BATCH,
@@ -173,16 +173,19 @@ def allocate(
     # no draft: no MTP rows
     drafts = model_cfg.num_nextn_predict_layers if plan.speculative is not None else 0
     hs = config.hisparse
+    fmt = kv_format(model_cfg, dtype, config.kv_cache_dtype)
     if hs is None:
         return ResidentMemory(
             plan=plan.memory, num_layers=model_cfg.num_hidden_layers, num_mtp_layers=drafts,
-            row_dim=model_cfg.kv_row_dim, index_dim=model_cfg.index_head_dim, dtype=dtype, device=device,
+            row_dim=fmt.row_width, index_dim=fmt.key_width, dtype=fmt.storage_dtype, device=device,
+            kv_format=fmt,
         )
     streams = {"transfer": transfer} if transfer is not None else {}
     return HiSparseCoordinator(
-        plan=plan.memory, num_layers=model_cfg.num_hidden_layers, row_dim=model_cfg.kv_row_dim,
-        index_dim=model_cfg.index_head_dim, dtype=dtype, device=device, num_draft_layers=drafts,
-        draft_rows_on_host=hs.draft_rows_on_host, draft_keys_on_host=hs.draft_keys_on_host, **streams,
+        plan=plan.memory, num_layers=model_cfg.num_hidden_layers, row_dim=fmt.row_width,
+        index_dim=fmt.key_width, dtype=fmt.storage_dtype, device=device, num_draft_layers=drafts,
+        draft_rows_on_host=hs.draft_rows_on_host, draft_keys_on_host=hs.draft_keys_on_host,
+        kv_format=fmt, **streams,
     )
 
 
@@ -217,7 +220,8 @@ def plan_engine(config: EngineConfig, model_cfg: ModelConfig, *, log_choices: bo
     # the sizes
     dims = ModelDims.of(model_cfg, config.dtype, speculative=spec is not None,
                         draft_rows_on_host=hs is not None and hs.draft_rows_on_host,
-                        draft_keys_on_host=hs is not None and hs.draft_keys_on_host)
+                        draft_keys_on_host=hs is not None and hs.draft_keys_on_host,
+                        kv_cache_dtype=config.kv_cache_dtype)
     budget = device_budget(config.device_memory_bytes, config.device_memory_fraction, config.device)
     tokens = budget is None  # the pools are sized in tokens: the sizes given, or the defaults
     ratio = None if hs is None else hs.host_to_device_ratio

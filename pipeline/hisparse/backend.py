@@ -26,6 +26,7 @@ import torch
 
 from kernels import hisparse_attend_numba
 from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
+from kernels.kv_fp8 import KVCacheFormat, store_keys, store_rows
 from kernels.sparse_mla import sparse_mla
 from kernels.swap_in import SwapInResult
 from kernels.swap_in_policy import policy_code
@@ -43,6 +44,7 @@ class SwapInMemory(Protocol):
 
     device_kv: torch.Tensor  # [L, physical rows, row_dim]
     index_k: torch.Tensor  # [L, logical rows, index_dim]
+    kv_format: KVCacheFormat | None  # how they are stored (None: unquantized)
     alloc: HiSparseAllocator  # ``lookup``: logical location -> physical slot
     # a prefill chunk's grouped swap-in (``prefill_swap.py``) reads these too
     buffers: DeviceBuffers
@@ -119,13 +121,14 @@ class HiSparseBackend:
             return self._attend_compiled(inputs, layer)
         kv = self.coord.device_kv[layer]  # [rows, C + R]
         keys = self.coord.index_k[layer]  # [logical rows, Di]
-        kv[self.write_slots] = inputs.kv_rows.to(kv.dtype)
+        fmt = self.coord.kv_format
+        store_rows(fmt, kv, self.write_slots, inputs.kv_rows)
         if inputs.reuse_topk:
             if self.last_topk is None:
                 raise RuntimeError(f"layer {layer} reuses a top-k, but no full layer ran before it")
             return self._attend_selected(inputs, layer, kv, self.last_topk)
         index_q, index_w, index_k = inputs.indexer_inputs()
-        keys[self.write_locs] = index_k.to(keys.dtype)
+        store_keys(fmt, keys, self.write_locs, index_k)
         top = indexer_topk(
             index_q,
             index_w,

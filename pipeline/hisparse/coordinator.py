@@ -43,6 +43,7 @@ import torch
 
 from kernels import hisparse_attend_numba
 from kernels.kv_copy import copy_rows
+from kernels.kv_fp8 import KVCacheFormat
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_policy import near_margin
 from pipeline.capacity import MemoryPlan
@@ -99,10 +100,11 @@ class HiSparseCoordinator:
 
     plan: MemoryPlan
     num_layers: int
-    row_dim: int  # MLA row: latent + rope key
+    row_dim: int  # MLA row: latent + rope key (elements of ``dtype``)
     index_dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # of the pools (uint8 for an FP8 cache)
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    kv_format: KVCacheFormat | None = None  # how rows and keys are stored (None: in ``dtype``)
     num_draft_layers: int = 0  # MTP layers: each gets its own resident pool (DraftPool)
     draft_rows_on_host: bool = False  # that pool's KV rows in host memory (hisparse.draft_rows_on_host)
     draft_keys_on_host: bool = False  # and its indexer keys (hisparse.draft_keys_on_host)
@@ -175,6 +177,7 @@ class HiSparseCoordinator:
                 self.device,
                 rows_on_host=self.draft_rows_on_host,
                 keys_on_host=self.draft_keys_on_host,
+                kv_format=self.kv_format,
             )
             if self.num_draft_layers
             else None

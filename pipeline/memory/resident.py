@@ -17,6 +17,7 @@ import attrs
 import structlog
 import torch
 
+from kernels.kv_fp8 import KVCacheFormat
 from pipeline.capacity import MemoryPlan
 from pipeline.memory import release as resumable
 from pipeline.memory.interface import Residency, TransferTotals
@@ -37,8 +38,9 @@ class ResidentMemory:
     num_mtp_layers: int  # the MTP layer's rows live in the same store, after the target's
     row_dim: int
     index_dim: int
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # of the pools (uint8 for an FP8 cache)
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
+    kv_format: KVCacheFormat | None = None  # how rows and keys are stored (None: in ``dtype``)
     rows: RequestRows = attrs.field(init=False)
     allocator: PagedAllocator = attrs.field(init=False)
     store: ResidentKV = attrs.field(init=False)
@@ -66,6 +68,7 @@ class ResidentMemory:
             kv=torch.zeros(layers, rows, self.row_dim, dtype=self.dtype, device=self.device),
             index_k=torch.zeros(layers, rows, self.index_dim, dtype=self.dtype, device=self.device),
             req_to_token=self._table.table.to(self.device),
+            format=self.kv_format,
         )
 
     @property

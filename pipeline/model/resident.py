@@ -25,6 +25,7 @@ from torch import Tensor
 
 from kernels import hisparse_attend_numba
 from kernels.indexer_topk import MATMUL_MIN_QUERIES, indexer_topk
+from kernels.kv_fp8 import KVCacheFormat, store_keys, store_rows
 from kernels.sparse_mla import sparse_mla
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.config import ModelConfig
@@ -48,9 +49,10 @@ class ForwardLayout:
 class ResidentKV:
     """Per-layer pools addressed by location, and the request-to-location table."""
 
-    kv: Tensor  # [num_cache_layers, rows, C + R]
+    kv: Tensor  # [num_cache_layers, rows, C + R] (an FP8 cache: uint8 rows, ``kernels.kv_fp8``)
     index_k: Tensor  # [num_cache_layers, rows, Di]
     req_to_token: Tensor  # [N, max_ctx] int64 location, -1 = none
+    format: KVCacheFormat | None = None  # how rows and keys are stored (None: unquantized)
 
     @classmethod
     def allocate(
@@ -156,11 +158,10 @@ class ResidentBackend:
         layout = self.layout
         if layout is None:
             raise RuntimeError("ResidentBackend.store_rows called before begin(layout)")
-        kv = self.store.kv[layer]
-        kv[layout.write_locs.to(kv.device)] = kv_rows.to(kv.device, kv.dtype)
+        store = self.store
+        store_rows(store.format, store.kv[layer], layout.write_locs, kv_rows)
         if index_k is not None:
-            keys = self.store.index_k[layer]
-            keys[layout.write_locs.to(keys.device)] = index_k.to(keys.device, keys.dtype)
+            store_keys(store.format, store.index_k[layer], layout.write_locs, index_k)
 
     def select_slots(self, inputs: AttentionInputs, keys: Tensor) -> Tensor:
         """Indexer top-k positions of every token, resolved to locations (-1 = none)."""

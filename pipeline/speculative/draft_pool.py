@@ -30,6 +30,7 @@ import attrs
 import torch
 
 from kernels.indexer_topk import indexer_topk
+from kernels.kv_fp8 import KVCacheFormat
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
@@ -115,6 +116,7 @@ class DraftPool:
     device: torch.device = attrs.field(factory=lambda: torch.device("cpu"))
     rows_on_host: bool = False  # the KV rows in host memory (HostRowsBackend)
     keys_on_host: bool = False  # the indexer keys too (HostKeysBackend; needs rows_on_host)
+    kv_format: KVCacheFormat | None = None  # how rows and keys are stored (None: in ``dtype``)
     store: ResidentKV = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
@@ -124,6 +126,7 @@ class DraftPool:
             kv=self._zeros(self.row_dim, on_host=self.rows_on_host),
             index_k=self._zeros(self.index_dim, on_host=self.keys_on_host),
             req_to_token=self.token_table(),
+            format=self.kv_format,
         )
 
     def _zeros(self, width: int, *, on_host: bool) -> torch.Tensor:
