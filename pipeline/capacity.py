@@ -341,6 +341,18 @@ class DevicePlan:
     def seats(self, context: int) -> Seats:
         return seats(self.plan, context)
 
+    def kv_cache(self) -> dict[str, object]:
+        """How KV is stored and what it takes: the stored bytes of one MLA row and one indexer key
+        of one layer, the device bytes of the memory layer, and the host pool's (HiSparse)."""
+        dims, plan = self.dims, self.plan
+        return {
+            "dtype": dims.kv_cache_dtype,
+            "row_bytes": dims.row_bytes,
+            "key_bytes": dims.key_bytes,
+            "device_bytes": self.total_bytes,
+            "host_bytes": dims.num_layers * plan.host_tokens * dims.row_bytes,
+        }
+
     def request_bytes(self, context: int) -> dict[str, int]:
         """Device bytes one request of ``context`` tokens holds in each structure (once decoding)."""
         plan = self.plan

@@ -27,6 +27,7 @@ PLAIN_OPTIONS = {
     "chat_template": "chat_template",
     "device": "device",
     "dtype": "dtype",
+    "kv_cache_dtype": "kv_cache_dtype",
     "page_size": "page_size",
     "max_context_len": "max_context_len",
     "max_running_requests": "max_running_requests",

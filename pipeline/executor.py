@@ -475,6 +475,7 @@ class Executor:
             "speculative": None if self.spec_counters is None else self.spec_counters.as_dict(),
             "prefill": self.prefill_counters.as_dict(),
             "prefix_cache": self.memory.cache_stats(),
+            "kv_cache": self.plan.device.kv_cache(),
             "live_requests": len(self.seqs),
             "staging_requests": len(self.memory.staging_rows()),
         }

@@ -27,6 +27,7 @@ import anyio
 import structlog
 from structlog.typing import WrappedLogger
 
+from kernels.kv_fp8 import KV_CACHE_DTYPES
 from kernels.swap_in_policy import POLICIES
 from pipeline.cli_config import engine_config
 from pipeline.config import DEFAULT_CHUNK, DEFAULT_PREFILL_BATCH
@@ -92,6 +93,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     add_tokenizer_arguments(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how KV rows are stored: auto (= --dtype) or fp8_e4m3 (V3.2's FP8 layouts)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--max-context-len", "--max-model-len", type=int, default=None,

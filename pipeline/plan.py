@@ -21,6 +21,7 @@ from typing import Any, Literal
 
 import attrs
 
+from kernels.kv_fp8 import KV_CACHE_DTYPES
 from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
 from pipeline.config import (
     DEFAULT_CHUNK,
@@ -37,6 +38,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The engine options that shape the plan (shared with ``hispec bench capacity``)."""
     p.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how KV rows are stored: auto (= --dtype) or fp8_e4m3 (V3.2's FP8 layouts)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--device-memory", type=parse_bytes, default=None, metavar="BYTES",
                    help="device memory budget of the KV memory layer (e.g. 64MB, 2GiB)")
@@ -109,6 +112,7 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
         model=args.model,
         device=args.device,
         dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
         page_size=args.page_size,
         max_context_len=args.max_context_len or context,
         device_memory_bytes=args.device_memory,
@@ -214,7 +218,8 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
         plans[name] = device_plan(cfg, model_cfg)
     dims = plans["hisparse"].dims
     lines = [f"model {args.model}: {dims.num_layers} target layers, MLA rows of {dims.row_dim}, "
-             f"indexer keys of {dims.index_dim}, {args.dtype} ({dims.element_bytes} bytes), "
+             f"indexer keys of {dims.index_dim}, {args.dtype}, KV cache {args.kv_cache_dtype} "
+             f"({dims.row_bytes} + {dims.key_bytes} bytes a layer a position), "
              f"draft layers kept: {dims.mtp_layers}; "
              f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
     lines += [*describe("all-resident", plans["resident"], context), ""]

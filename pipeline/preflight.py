@@ -200,12 +200,12 @@ def estimate_memory(config: EngineConfig, device_plan: DevicePlan) -> MemoryEsti
     separate = config.device != "cpu"  # on a CPU the device copies of the tables are the tables
     if plan.hisparse:
         logical_pages = plan.logical_tokens // p + 1
-        add("host pool", dims.num_layers * plan.host_tokens * dims.row_dim * dims.element_bytes, POOL_FIELD)
+        add("host pool", dims.num_layers * plan.host_tokens * dims.row_bytes, POOL_FIELD)
         if dims.mtp_layers and dims.draft_rows_on_host:
-            draft_rows = (plan.logical_tokens + p) * dims.row_dim * dims.element_bytes
+            draft_rows = (plan.logical_tokens + p) * dims.row_bytes
             add("draft layer KV rows (host)", draft_rows, POOL_FIELD)
         if dims.mtp_layers and dims.draft_keys_on_host:
-            draft_keys = (plan.logical_tokens + p) * dims.index_dim * dims.element_bytes
+            draft_keys = (plan.logical_tokens + p) * dims.key_bytes
             add("draft layer indexer keys (host)", draft_keys, POOL_FIELD)
         if separate:
             add("token and host tables", 2 * table, ROWS_FIELD)

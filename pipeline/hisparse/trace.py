@@ -25,6 +25,7 @@ from typing import Protocol, TextIO
 import torch
 
 from kernels.swap_in_policy import near_margin
+from pipeline.capacity import kv_format
 from pipeline.config import EngineConfig, SpeculativeConfig
 from pipeline.model.config import ModelConfig
 
@@ -62,7 +63,7 @@ def trace_meta(
         "page_size": config.page_size,
         "top_k": model_cfg.index_topk,
         "layers": model_cfg.num_hidden_layers,
-        "row_bytes": model_cfg.kv_row_dim * torch.empty((), dtype=dtype).element_size(),
+        "row_bytes": kv_format(model_cfg, dtype, config.kv_cache_dtype).row_bytes,  # as stored
         "draft_tokens": spec.draft_tokens if spec is not None else 0,
     }
 

@@ -59,6 +59,8 @@ class EngineCollector(Collector):
             ended.add_metric([reason], count)
         yield ended
         yield from _pools(stats["pools"])
+        if stats.get("kv_cache"):
+            yield from _kv_cache(stats["kv_cache"])
         if stats.get("hisparse"):
             yield from _hisparse(stats["hisparse"])
         if stats.get("speculative"):
@@ -77,6 +79,19 @@ def _prefix_cache(cache: dict[str, float]) -> Iterator[Metric]:
         "prefix_cache_evicted_pages", "Pages evicted from the prefix cache.", cache["evicted_pages"]
     )
     yield _gauge("prefix_cache_pages", "Pages the prefix cache holds.", cache["pages_held"])
+
+
+def _kv_cache(kv: dict[str, Any]) -> Iterator[Metric]:
+    """How KV is stored (vLLM's ``cache_config_info``) and the bytes it takes where."""
+    info = GaugeMetricFamily(PREFIX + "cache_config_info", "KV cache storage (labels).",
+                             labels=["cache_dtype", "row_bytes", "key_bytes"])
+    info.add_metric([str(kv["dtype"]), str(kv["row_bytes"]), str(kv["key_bytes"])], 1)
+    yield info
+    memory = GaugeMetricFamily(PREFIX + "kv_cache_bytes", "Bytes of the KV memory layer, by memory.",
+                               labels=["memory"])
+    memory.add_metric(["device"], kv["device_bytes"])
+    memory.add_metric(["host"], kv["host_bytes"])
+    yield memory
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

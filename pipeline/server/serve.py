@@ -33,6 +33,7 @@ import anyio
 import structlog
 import uvicorn
 
+from kernels.kv_fp8 import KV_CACHE_DTYPES
 from pipeline import cli_config
 from pipeline.config import DEFAULT_POOL_TOKENS, EngineConfig
 from pipeline.generate import add_budget_arguments, add_chunk_argument, add_tokenizer_arguments
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", help="the name clients pass as `model` (default: --model)")
     add_tokenizer_arguments(p)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16", "float64"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how KV rows are stored: auto (= --dtype) or fp8_e4m3 (V3.2's FP8 layouts)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument(
         "--max-context-len", "--max-model-len", type=int, default=4096, help="capped at the model's positions"

@@ -185,3 +185,23 @@ def test_a_broken_pipe_in_a_command_is_no_error_line(monkeypatch, capsys):
     monkeypatch.setattr("pipeline.plan.main", closed)
     assert cli(["plan"]) == CLOSED_STDOUT
     assert capsys.readouterr().err == ""
+
+
+def test_plan_of_a_v32_config_with_an_fp8_kv_cache_counts_656_and_132_bytes(v32, tmp_path, capsys):
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--model", v32, "--dtype", "bfloat16", "--context", "131072", "--device-memory", "40GB",
+            "--hot", "4096"]
+    assert cli([*argv, "--kv-cache-dtype", "fp8_e4m3", "--json", str(out_json)]) == 0
+    assert "KV cache fp8_e4m3 (656 + 132 bytes a layer a position)" in capsys.readouterr().out
+    fp8 = json.loads(out_json.read_text())["plans"]
+    layers = V32_CONFIG["num_hidden_layers"] + V32_CONFIG["num_nextn_predict_layers"]  # (resident keeps MTP)
+    unit = {s["name"]: s["unit_bytes"] for s in fp8["resident"]["structures"]}
+    assert unit["KV rows (target and draft layers)"] == layers * 656
+    assert unit["indexer keys"] == layers * 132
+    unit = {s["name"]: s["unit_bytes"] for s in fp8["hisparse"]["structures"]}
+    assert unit["device KV rows"] == 61 * 656 and unit["draft layer KV rows"] == 656
+    assert cli([*argv, "--json", str(out_json)]) == 0  # the same budget, bfloat16 rows and keys
+    assert "KV cache auto (1152 + 256 bytes a layer a position)" in capsys.readouterr().out
+    plain = json.loads(out_json.read_text())["plans"]
+    for name in ("resident", "hisparse"):
+        assert fp8[name]["seats"] > plain[name]["seats"]

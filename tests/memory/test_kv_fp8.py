@@ -140,7 +140,7 @@ def test_indexer_reads_fp8_keys_as_their_dequantized_values(impl):
     assert torch.equal(got, indexer_topk(q, w, plain, table, rows, lens, top_k, 0.3, impl=impl))
 
 
-def test_the_plan_counts_the_stored_bytes(tiny_model=None):
+def test_the_plan_counts_the_stored_bytes():
     model = build_tiny_model(dtype=torch.float64, seed=2)
     cfg = model.cfg
     plain = ModelDims.of(cfg, "bfloat16", speculative=False)
@@ -201,4 +201,8 @@ def test_fp8_pools_hold_bytes_and_count_them():
     assert memory.host.kv.shape[-1] == width and memory.index_k.shape[-1] == cfg.index_head_dim + 4
     assert memory.draft is not None and memory.draft.store.kv.shape[-1] == width
     assert executor.plan.device.structures[0].unit_bytes == cfg.num_hidden_layers * width
+    kv = executor.stats()["kv_cache"]  # what /metrics reports
+    assert (kv["dtype"], kv["row_bytes"], kv["key_bytes"]) == ("fp8_e4m3", width, cfg.index_head_dim + 4)
+    assert kv["host_bytes"] == memory.host.kv.numel()
+    assert kv["device_bytes"] == executor.plan.device.total_bytes
     executor.close()

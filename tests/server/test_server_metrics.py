@@ -53,6 +53,11 @@ def test_metrics_match_engine_stats(server):
     for pool, figures in stats["pools"].items():
         assert value("hispec:pool_free", pool=pool) == figures["free"] == figures["capacity"]
         assert value("hispec:pool_capacity", pool=pool) == figures["capacity"]
+    kv = stats["kv_cache"]
+    assert value("hispec:cache_config_info", cache_dtype=kv["dtype"], row_bytes=str(kv["row_bytes"]),
+                 key_bytes=str(kv["key_bytes"])) == 1
+    assert value("hispec:kv_cache_bytes", memory="device") == kv["device_bytes"] > 0
+    assert value("hispec:kv_cache_bytes", memory="host") == kv["host_bytes"] > 0
     hs = stats["hisparse"]
     assert sum(hs["hits"]) > 0 and len(hs["hits"]) == server.engine.executor.model.cfg.num_hidden_layers
     for key in ("hits", "misses", "h2d_bytes", "d2h_bytes"):
