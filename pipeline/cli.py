@@ -30,9 +30,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("pipeline.model.train", "train the bundled tiny model (never part of the tests)"),
     "serve": ("pipeline.server.serve", "the OpenAI-compatible HTTP server (needs the `server` extra)"),
 }
-# bench target -> (module, help); each target's module is pipeline.benchmarks.<target>
+# bench target -> (module, help); each target's module is pipeline.benchmarks.<target> ("-" as "_")
 BENCH_TARGETS: dict[str, tuple[str, str]] = {
-    name: (f"pipeline.benchmarks.{name}", text)
+    name: (f"pipeline.benchmarks.{name.replace('-', '_')}", text)
     for name, text in {
         "engine": "async engine throughput beside the synchronous driver",
         "kernels": "time each kernel op beside the machine's copy bandwidth",
@@ -47,6 +47,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
         "serve": "streaming clients over HTTP beside the in-process engine",
         "policy": "HiSparse replacement policies on recorded traces, and end to end",
         "tp": "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives",
+        "kv-cache": "FP8 KV beside bfloat16 KV: token agreement and logit error on held-out prompts",
     }.items()
 }
 

@@ -5,6 +5,7 @@ way), with speculation and the prefix cache, every pool restored."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -206,3 +207,18 @@ def test_fp8_pools_hold_bytes_and_count_them():
     assert kv["host_bytes"] == memory.host.kv.numel()
     assert kv["device_bytes"] == executor.plan.device.total_bytes
     executor.close()
+
+
+def test_the_kv_cache_benchmark_reports_agreement(tmp_path, capsys):
+    from pipeline.benchmarks import kv_cache
+
+    out = tmp_path / "kv.json"
+    argv = ["--prompts", "2", "--prompt-len", "48", "--new-tokens", "4", "--out", str(out)]
+    assert kv_cache.main(argv) == 0
+    assert "top1_agreement" in capsys.readouterr().out
+    payload = json.loads(out.read_text())
+    forced, gen = payload["teacher_forced"], payload["generated"]
+    assert forced["positions"] == 96 and 0 <= forced["top1_agreement"] <= 1
+    assert forced["logit_abs_error_max"] >= forced["logit_abs_error_mean"] > 0  # FP8 does change them
+    assert forced["kl_bf16_to_fp8_mean"] >= 0 and gen["continuations"] == 2
+    assert 0 <= gen["tokens_before_first_difference"] <= 1
