@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -16,6 +17,7 @@ from kernels import kv_fp8
 from kernels.indexer_topk import indexer_topk
 from kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from pipeline.capacity import ModelDims, kv_format
+from pipeline.config import HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
@@ -90,7 +92,8 @@ def test_the_same_bytes_always_read_back_the_same():
     x = rows_of(8, 32, 16, seed=5)
     a, b = kv_fp8.quantize_rows(x, 32), kv_fp8.quantize_rows(x.float(), 32)
     assert torch.equal(a, b)
-    assert torch.equal(kv_fp8.dequantize_rows(a, 32, torch.float32), kv_fp8.dequantize_rows(b, 32, torch.float32))
+    read = [kv_fp8.dequantize_rows(stored, 32, torch.float32) for stored in (a, b)]
+    assert torch.equal(*read)
 
 
 def test_a_pool_that_does_not_match_its_format_is_refused():
@@ -118,7 +121,8 @@ def test_sparse_mla_reads_fp8_rows_as_their_dequantized_values():
     slots[0, 3:] = -1
     slots[1] = -1
     got = sparse_mla(q_latent, q_rope, stored, slots, 0.1)
-    want = sparse_mla_reference(q_latent, q_rope, kv_fp8.dequantize_rows(stored, c, torch.float32), slots, 0.1)
+    rows_read = kv_fp8.dequantize_rows(stored, c, torch.float32)
+    want = sparse_mla_reference(q_latent, q_rope, rows_read, slots, 0.1)
     assert torch.equal(got, want)
     assert bool((got[1] == 0).all())
     with pytest.raises(ValueError, match="kv"):
@@ -190,6 +194,17 @@ def test_hisparse_equals_resident_over_fp8_pools(dtype, num_steps):
     resident = run(model, small_config(hisparse=False, num_steps=num_steps, **fp8), batch)
     hisparse = run(model, small_config(hisparse=True, num_steps=num_steps, **fp8), batch)
     assert hisparse == resident
+
+
+@pytest.mark.parametrize("policy", ["lru", "near-adaptive"])
+def test_fp8_chunked_prefill_draft_rows_on_the_host_and_policies_read_the_same_rows(policy):
+    model = build_tiny_model(dtype=torch.float32, seed=2)
+    batch = prompts()
+    fp8 = {"dtype": "float32", "kv_cache_dtype": "fp8_e4m3", "chunked_prefill_tokens": 16}
+    resident = run(model, small_config(hisparse=False, **fp8), batch)
+    hs = HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=2, policy=policy,
+                        draft_rows_on_host=True, draft_keys_on_host=True)
+    assert run(model, attrs.evolve(small_config(**fp8), hisparse=hs), batch) == resident
 
 
 def test_fp8_pools_hold_bytes_and_count_them():
