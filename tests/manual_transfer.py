@@ -25,6 +25,9 @@ class _Handle:
     def wait(self) -> None:
         self._stream.run_until(self._seq + 1)
 
+    def order_after(self) -> None:
+        self.wait()  # the work that follows runs here and now: the copy must have run
+
 
 class ManualTransferStream:
     """Copies queue up in order; ``run_until``/``wait``/``synchronize`` execute them."""

@@ -303,6 +303,9 @@ class _BrokenCopy:
     def wait(self) -> None:
         raise OSError("injected staging copy fault")
 
+    def order_after(self) -> None:
+        raise OSError("injected staging copy fault")
+
 
 async def serve(engine, items: list[Item]) -> dict[str, list[int]]:
     tokens: dict[str, list[int]] = {}

@@ -126,6 +126,9 @@ class HiSparseCoordinator:
     # backups not known to have landed, in issue order (``back_up``, ``settle_backups``)
     _backups: collections.deque[Backup] = attrs.field(init=False, factory=collections.deque)
     _backup_number: int = attrs.field(init=False, default=0)
+    # the backups numbered up to this have had device work ordered after them (``order_backups``):
+    # their source rows may be overwritten, so one found failed later cannot be redone
+    _ordered: int = attrs.field(init=False, default=0)
     _backup_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # not yet reported
     _lost: set[int] = attrs.field(init=False, factory=set)  # rows whose KV lacks a host copy (doomed)
     _leaving: set[int] = attrs.field(init=False, factory=set)  # rows whose release a fault interrupted
@@ -332,7 +335,9 @@ class HiSparseCoordinator:
         the forward reads it through swap-in, as decode does."""
         mem = self._mem[row]
         assert mem.residency is Residency.PREFILL and start == mem.length, (row, start, mem.length)
-        mem.staging.wait()  # raises if that copy failed: this row's forward fails alone
+        # a CPU wait: the chunk's swap-in gathers the host rows that copy writes on the CPU
+        # (docs/cuda.md); raises if that copy failed: this row's forward fails alone
+        mem.staging.wait()
         locs = self.req_to_token[row, :end]
         self.alloc.clear(locs[:start])
         positions = torch.arange(start, end)
@@ -540,7 +545,7 @@ class HiSparseCoordinator:
             pos = mem.length
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:
-                self.settle_backups(mem.backup)  # the previous newest token's copy reads this column
+                self.order_backups(mem.backup)  # the previous newest token's copy reads this column
                 long_rows.append(row)
                 long_positions.append(pos)
             positions.append(pos)
@@ -607,14 +612,34 @@ class HiSparseCoordinator:
             self._mem[row].backup = backup.number
 
     def settle_backups(self, upto: int | None = None) -> None:
-        """Wait for the backups numbered up to ``upto`` (every one when None), in issue order; a
-        failed one is redone row by row. Raises nothing."""
+        """Wait on the CPU for the backups numbered up to ``upto`` (every one when None), in issue
+        order; a failed one is redone row by row (lost, when device work was ordered after it).
+        For the CPU's own decisions (slots freed, host rows compared); before device work that
+        overwrites a backup's source, ``order_backups``. Raises nothing."""
         while self._backups and (upto is None or self._backups[0].number <= upto):
             backup = self._backups.popleft()
             try:
                 backup.handle.wait()
             except Exception as exc:
+                self._backup_failed(backup, exc)
+
+    def order_backups(self, upto: int) -> None:
+        """Order the device work queued next after the backups numbered up to ``upto``: it overwrites
+        their source rows (a newest column, a draft zone). No CPU wait on CUDA
+        (``TransferHandle.order_after``); on CPU it waits as ``settle_backups`` does. A backup known
+        to have failed now is redone row by row first; one found failed later loses its rows (their
+        source rows may have been overwritten by then). Raises nothing."""
+        for backup in list(self._backups):
+            if backup.number > upto:
+                break
+            if backup.number <= self._ordered:
+                continue  # ordered already
+            try:
+                backup.handle.order_after()
+            except Exception as exc:
+                self._backups.remove(backup)
                 self._redo_backup(backup, exc)
+        self._ordered = max(self._ordered, upto)
 
     def _settle_landed(self) -> None:
         """Forget the backups at the head of the queue that have landed (never blocks); a failed
@@ -626,9 +651,21 @@ class HiSparseCoordinator:
                     return
             except Exception as exc:
                 self._backups.popleft()
-                self._redo_backup(backup, exc)
+                self._backup_failed(backup, exc)
                 continue
             self._backups.popleft()
+
+    def _backup_failed(self, backup: Backup, error: BaseException) -> None:
+        """A backup found failed: redone while its source rows are intact, else its rows are lost."""
+        if backup.number > self._ordered:
+            self._redo_backup(backup, error)
+            return
+        why = _copy_failure("backup", error)
+        for row in backup.rows:
+            if row in self._mem and row not in self._lost:
+                log.error("hisparse.backup_failed", row=row, error=why)
+                self._lost.add(row)
+                self._backup_failures[row] = why
 
     def _redo_backup(self, backup: Backup, error: BaseException) -> None:
         """A backup failed: copy each row's part again, on its own, and wait for it (its source rows

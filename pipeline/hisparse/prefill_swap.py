@@ -31,6 +31,8 @@ import numba
 import numpy as np
 import torch
 
+from pipeline.memory.host_pool import to_device
+
 
 def group_bounds(past: torch.Tensor, hot: int, context: int) -> list[tuple[int, int]]:
     """``[a, b)`` query ranges of ``past [S, K]`` (positions below ``context``, -1 = none; a query's
@@ -153,7 +155,7 @@ def prefill_swap_rounds(
             src = host_map[missed]
             if bool((src < 0).any()):
                 raise RuntimeError(f"row {row} layer {layer}: an earlier prompt position has no host copy")
-            device_kv[locs[victims]] = host_kv[src.to(host_kv.device)].to(device_kv.device, non_blocking=True)
+            device_kv[locs[victims]] = to_device(host_kv, src, device_kv.device)  # (a pinned block on CUDA)
             held[victims] = missed
             col_of[missed] = victims
         order = torch.cat([free[missed.numel() :], order[wanted[order]], victims])

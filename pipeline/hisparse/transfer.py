@@ -4,17 +4,30 @@
 layers) and returns a handle at once; ``handle.query()`` never blocks, ``handle.wait()`` does.
 Copies issued on one stream complete in issue order.
 
+Two ways to wait for a copy, for two kinds of reader:
+
+* ``wait()`` blocks the CPU: for a decision the CPU makes on the copy's completion (its slots freed
+  and handed to another request, its error read);
+* ``order_after()`` orders the work queued next on the current stream after the copy: for a reader
+  (or an overwriter) that is device work. On CUDA it does not block the CPU (the current stream
+  waits for the copy's event); where the device cannot order it (the CPU worker thread) it blocks as
+  ``wait`` does. A failure it cannot see yet shows at a later ``query`` or ``wait`` of the same
+  handle, so it still reaches the request the copy was for.
+
 * On CUDA, a side stream: the copy waits for the work already queued on the current stream, runs on
   the side stream, and records an event that ``query`` polls.
 * On CPU, one worker thread runs the copies in order; ``query`` asks the future.
+
+``docs/cuda.md`` lists every point of the decode path that still waits on the CPU, and why.
 
 The index tensors come from the allocators and are checked by the coordinator's integrity checks, so
 the copies skip the kernel wrapper's per-call index validation; on CPU its shape and dtype checks
 too (the coordinator builds every argument; at batch 1 the checks cost as much as the copy).
 
-Ordering rules the coordinator relies on: a request leaves staging only after its copy is done;
-before the newest column of a request is overwritten, the backup that reads it is waited for; before
-a request's slots are freed, every copy touching them is waited for.
+Ordering rules the coordinator relies on: a request leaves staging only after its copy is known to
+be done (``query``); before the newest column of a request is overwritten, the overwrite is ordered
+after the backup that reads it (``order_after``); before a request's slots are freed, every copy
+touching them is waited for (``wait``).
 
 A failed copy is reported by its own handle only (``query`` and ``wait`` raise its error), never by
 the stream: ``synchronize`` waits and raises nothing, so one failure never surfaces again in a
@@ -41,6 +54,12 @@ class TransferHandle(Protocol):
         """Block until the copy has completed; re-raises its error, if any."""
         ...
 
+    def order_after(self) -> None:
+        """Order the work queued next on the current stream after the copy, blocking the CPU only
+        where the device cannot (see the module docstring); raises the copy's error when it is
+        known already (a copy that failed as it was issued, or a CPU copy)."""
+        ...
+
 
 class TransferStream(Protocol):
     def copy_rows(
@@ -64,6 +83,9 @@ class DoneHandle:
     def wait(self) -> None:
         return None
 
+    def order_after(self) -> None:
+        return None
+
 
 class FailedHandle:
     """A copy that failed as it was issued: reports ``error`` to whoever asks."""
@@ -75,6 +97,9 @@ class FailedHandle:
         raise self.error
 
     def wait(self) -> None:
+        raise self.error
+
+    def order_after(self) -> None:
         raise self.error
 
 
@@ -90,6 +115,9 @@ class _FutureHandle:
 
     def wait(self) -> None:
         self._future.result()
+
+    def order_after(self) -> None:
+        self._future.result()  # the "device" is this process: nothing to order but by waiting
 
 
 class ThreadTransferStream:
@@ -130,15 +158,20 @@ class ThreadTransferStream:
         self._pool.shutdown(wait=True)
 
 
-class _EventHandle:
-    def __init__(self, event: torch.cuda.Event) -> None:
+class _EventHandle:  # pragma: no cover - needs a GPU
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
         self._event = event
+        self._device = device
 
     def query(self) -> bool:
         return bool(self._event.query())
 
     def wait(self) -> None:
         self._event.synchronize()
+
+    def order_after(self) -> None:
+        # queued on the device: the CPU goes on at once (a failed copy shows at ``query``/``wait``)
+        torch.cuda.current_stream(self._device).wait_event(self._event)
 
 
 class CudaTransferStream:  # pragma: no cover - needs a GPU
@@ -153,7 +186,8 @@ class CudaTransferStream:  # pragma: no cover - needs a GPU
     ) -> TransferHandle:
         if src_idx.numel() == 0:
             return DoneHandle()
-        current = torch.cuda.current_stream(src.device if src.is_cuda else dst.device)
+        device = src.device if src.is_cuda else dst.device
+        current = torch.cuda.current_stream(device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):
             copy_rows(dst, dst_idx, src, src_idx, validate=False)
@@ -162,7 +196,7 @@ class CudaTransferStream:  # pragma: no cover - needs a GPU
         for t in (src_idx, dst_idx):
             if t.is_cuda:
                 t.record_stream(self._stream)
-        return _EventHandle(done)
+        return _EventHandle(done, device)
 
     def synchronize(self) -> None:
         self._stream.synchronize()

@@ -63,7 +63,7 @@ class VerifyTables(Protocol):
         self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor
     ) -> None: ...
 
-    def settle_backups(self, upto: int | None = None) -> None: ...
+    def order_backups(self, upto: int) -> None: ...
 
     def take_backup_failures(self, rows: list[int]) -> dict[int, str]: ...
 
@@ -86,7 +86,7 @@ class VerifyBuffers:
         for row in rows:
             coord.ensure_capacity(row, new_tokens=d, speculative=True)
             mem = coord._mem[row]
-            coord.settle_backups(mem.backup)  # last round's backup reads the draft zone this round overwrites
+            coord.order_backups(mem.backup)  # last round's backup reads the draft zone this round overwrites
             lengths.append(mem.length)
         row_t = torch.tensor(rows, dtype=torch.int64)
         step = torch.arange(d)
@@ -127,7 +127,7 @@ class VerifyBuffers:
                 failed.append(row)
                 self._failures[row] = FinalizeError(row, f"{type(exc).__name__}: {exc}")
                 continue
-            coord.settle_backups(mem.backup)  # the newest column's last backup, before step 4 overwrites it
+            coord.order_backups(mem.backup)  # the newest column's last backup, before step 4 overwrites it
             committed.append(row)
             starts.append(mem.length)
             counts.append(count)

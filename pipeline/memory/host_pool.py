@@ -6,6 +6,12 @@ has been issued, so "recorded" means "a copy is there (or landing)".
 
 On a CUDA machine the pool is pinned host memory; on a CPU machine it is an ordinary tensor and the
 "device" pool beside it is another one, so every transfer is still a real, counted copy.
+
+Every host tensor a copy to or from a CUDA device reads or writes is pinned (page-locked), so that
+the copy is asynchronous and a side stream can run it: the host pool, the draft pool's rows kept on
+host, and the staging blocks rows are gathered into on their way to the device (``to_device``).
+The prefix cache keeps its pages in the host pool. ``pins_for`` is the one decision, ``host_zeros``
+and ``host_empty`` the allocations that follow it.
 """
 
 from __future__ import annotations
@@ -14,6 +20,34 @@ import attrs
 import torch
 
 from pipeline.memory.paged import PagedAllocator, PagedTable
+
+
+def pins_for(device: torch.device) -> bool:
+    """Whether host tensors that copies to and from ``device`` read or write are pinned: on CUDA."""
+    return device.type == "cuda"
+
+
+def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """Zeros in host memory, page-locked when ``pinned``."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """An uninitialised host tensor, page-locked when ``pinned`` (torch caches pinned blocks, and
+    keeps one that an asynchronous copy reads until that copy has run)."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinned)
+
+
+def to_device(host: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host[index]`` (rows of a host tensor, along its first dim) on ``device``. Towards CUDA the
+    rows are gathered into a pinned staging block first, so that the copy to the device is
+    asynchronous (from pageable memory the CPU would wait for it)."""
+    index = index.to(host.device)
+    if not pins_for(device):
+        return host.index_select(0, index).to(device)
+    block = host_empty((index.numel(), *host.shape[1:]), host.dtype, pinned=True)
+    torch.index_select(host, 0, index, out=block)
+    return block.to(device, non_blocking=True)
 
 
 @attrs.define(eq=False)
@@ -27,7 +61,7 @@ class HostPool:
     num_rows: int  # request rows
     max_len: int  # positions per request
     dtype: torch.dtype = torch.float32
-    pin_memory: bool = False
+    pin_memory: bool = False  # ``pins_for(device)`` of the device the pool's copies go to and from
     allocator: PagedAllocator = attrs.field(init=False)
     map: PagedTable = attrs.field(init=False)
     kv: torch.Tensor = attrs.field(init=False)  # [num_layers, host_tokens, row_dim]
@@ -37,9 +71,8 @@ class HostPool:
         self.map = PagedTable(
             "req_to_host", self.allocator, self.num_rows, self.max_len, empty=-1, fill_on_cover=False
         )
-        self.kv = torch.zeros(
-            self.num_layers, self.host_tokens, self.row_dim, dtype=self.dtype, pin_memory=self.pin_memory
-        )
+        shape = (self.num_layers, self.host_tokens, self.row_dim)
+        self.kv = host_zeros(shape, self.dtype, pinned=self.pin_memory)
 
     @property
     def req_to_host(self) -> torch.Tensor:

@@ -31,6 +31,7 @@ import torch
 
 from kernels.indexer_topk import indexer_topk
 from kernels.kv_fp8 import KVCacheFormat
+from pipeline.memory.host_pool import host_zeros, pins_for, to_device
 from pipeline.model.attention_api import AttentionInputs
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
@@ -96,8 +97,7 @@ def gather_rows(kv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, to
     """The rows of host ``kv`` that ``slots`` ([T, K], -1 = none) names, on ``slots``' device as one
     ``[T * K, row]`` block, and the slots into that block (-1 kept)."""
     flat = slots.reshape(-1).to(kv.device).clamp(min=0).long()
-    rows = kv.index_select(0, flat)
-    rows = rows.to(slots.device)
+    rows = to_device(kv, flat, slots.device)  # (through a pinned block towards CUDA)
     local = torch.arange(flat.numel(), device=slots.device, dtype=slots.dtype).view(slots.shape)
     return rows, torch.where(slots >= 0, local, torch.full_like(local, -1))
 
@@ -131,8 +131,7 @@ class DraftPool:
 
     def _zeros(self, width: int, *, on_host: bool) -> torch.Tensor:
         if on_host:  # pinned on CUDA, for the copies to and from the device
-            pinned = self.device.type == "cuda"
-            return torch.zeros(1, self.num_locations, width, dtype=self.dtype, pin_memory=pinned)
+            return host_zeros((1, self.num_locations, width), self.dtype, pinned=pins_for(self.device))
         return torch.zeros(1, self.num_locations, width, dtype=self.dtype, device=self.device)
 
     def backend(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor) -> ShiftedBackend:

@@ -84,6 +84,9 @@ class _SlowHandle:
         self.inner.wait()
         self.waited = True
 
+    def order_after(self) -> None:
+        self.inner.order_after()
+
 
 class _SlowStream:
     def __init__(self, inner, polls: int) -> None:
