@@ -61,6 +61,7 @@ from pipeline.hisparse.transfer import (
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory import release as resumable
+from pipeline.memory.host_pool import pins_for
 from pipeline.memory.interface import Residency, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
@@ -158,7 +159,7 @@ class HiSparseCoordinator:
             num_rows=n_rows,
             max_len=plan.max_request_len,
             dtype=self.dtype,
-            pin_memory=self.device.type == "cuda",
+            pin_memory=pins_for(self.device),
         )
         self.buffers = DeviceBuffers(self.num_layers, n_rows, plan.hot, plan.page_size, device=self.device)
         self.device_kv = torch.zeros(
