@@ -398,7 +398,8 @@ def indexer_topk(
     ``req_rows`` are rows of ``req_to_token`` and ``seq_lens`` lie in ``[0, max_ctx]``; beyond them the kernel
     would read the next row's entries silently. ``check=False`` skips the shape/dtype/device checks of the
     arguments: for callers that built them themselves (the engine's attention backends), where the checks are
-    per-call overhead only.
+    per-call overhead only. An FP8 ``index_k`` (uint8) goes to ``kernels.indexer_fp8_triton`` where Triton
+    runs (``auto`` on CUDA, ``triton``); elsewhere the keys the queries see are dequantized first.
     """
     if check:
         check_indexer_args(index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k)
@@ -409,11 +410,6 @@ def indexer_topk(
     if validate:
         check_index_range("req_rows", req_rows, req_to_token.shape[0])
         check_index_range("seq_lens", seq_lens, req_to_token.shape[1] + 1)
-    if index_k.dtype == kv_fp8.STORAGE:  # an FP8 key cache: the keys the queries see, dequantized
-        keys, table, rows = _dequantized_keys(index_k, req_to_token, req_rows, seq_lens, index_q.dtype,
-                                              max_seq_len)
-        return indexer_topk(index_q, index_w, keys, table, rows, seq_lens, top_k, scale, impl=impl,
-                            max_seq_len=max_seq_len, check=False)
     _, heads, dim = index_q.shape
     fits = (
         index_q.dtype != torch.float64
@@ -422,6 +418,15 @@ def indexer_topk(
         and heads <= TRITON_MAX_HEADS
         and dim <= TRITON_MAX_DIM
     )
+    fp8 = index_k.dtype == kv_fp8.STORAGE  # an FP8 key cache
+    if fp8 and not (
+        impl in ("auto", "triton")
+        and resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "triton"
+    ):  # not for the FP8 Triton kernel: the keys the queries see, dequantized, for the paths below
+        keys, table, rows = _dequantized_keys(index_k, req_to_token, req_rows, seq_lens, index_q.dtype,
+                                              max_seq_len)
+        return indexer_topk(index_q, index_w, keys, table, rows, seq_lens, top_k, scale, impl=impl,
+                            max_seq_len=max_seq_len, check=False)
     args = (index_q, index_w, index_k, req_to_token, req_rows, seq_lens, top_k, scale)
     if impl == "numba":
         from kernels import indexer_topk_numba as compiled
@@ -437,7 +442,10 @@ def indexer_topk(
             return indexer_topk_reference(*args, few=compiled.indexer_topk_numba, few_context=context)
     if resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "torch":
         return indexer_topk_reference(*args)
-    from kernels.indexer_topk_triton import indexer_topk_triton
+    if fp8:  # the keys dequantized in the scores kernel's registers
+        from kernels.indexer_fp8_triton import indexer_topk_fp8_triton as indexer_topk_triton
+    else:
+        from kernels.indexer_topk_triton import indexer_topk_triton
 
     if index_q.shape[0] == 0:
         return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)

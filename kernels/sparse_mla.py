@@ -14,8 +14,10 @@ the causal window for prefill), so one op serves all three.
 Numerics: logits, softmax and the weighted sum are computed in float32 (float64 for float64 inputs)
 and the result is cast back to ``q_latent.dtype``. A query whose slots are all -1 yields zeros.
 
-An FP8 cache (``kv`` of ``uint8``, rows in ``kernels.kv_fp8``'s layout) is read by the torch path:
-each chunk's gathered rows are dequantized there, in the compute dtype, before the two matmuls.
+An FP8 cache (``kv`` of ``uint8``, rows in ``kernels.kv_fp8``'s layout) is read by
+``kernels.sparse_mla_fp8_triton`` on CUDA (and for ``impl="triton"``), which dequantizes the rows in
+registers, and by the torch path otherwise (``auto`` on a CPU): each chunk's gathered rows are
+dequantized there, in the compute dtype, before the two matmuls.
 """
 
 from __future__ import annotations
@@ -23,7 +25,14 @@ from __future__ import annotations
 import torch
 
 from kernels import kv_fp8
-from kernels.checks import FLOAT_DTYPES, check_index_range, check_same_device, check_tensor, resolve_impl
+from kernels.checks import (
+    FLOAT_DTYPES,
+    check_index_range,
+    check_same_device,
+    check_tensor,
+    resolve_impl,
+    triton_available,
+)
 from kernels.indexer_topk import score_dtype
 
 TRITON_MAX_LATENT = 1024  # C: one [16, C] float32 accumulator per program
@@ -85,6 +94,16 @@ def check_sparse_mla_args(q_latent, q_rope, kv, slots) -> None:
     check_same_device(("q_latent", "q_rope", "kv", "slots"), (q_latent, q_rope, kv, slots))
 
 
+def _fp8_triton_fits(q_latent: torch.Tensor, q_rope: torch.Tensor, impl: str) -> bool:
+    """Whether ``kernels.sparse_mla_fp8_triton`` takes these queries; imported only where it may
+    run (``impl="triton"``, or CUDA queries under ``auto``)."""
+    if not (impl == "triton" or (impl == "auto" and q_latent.is_cuda)) or not triton_available():
+        return False
+    from kernels.sparse_mla_fp8_triton import fits
+
+    return fits(q_latent, q_rope)
+
+
 def sparse_mla(
     q_latent: torch.Tensor,  # [T, H, C]
     q_rope: torch.Tensor,  # [T, H, R]
@@ -101,7 +120,9 @@ def sparse_mla(
     ``auto`` runs Triton when the tensors are on CUDA, not float64, and within ``TRITON_MAX_*``. On a
     CPU with numba, float32/64 tensors of one dtype and a small query (``kernels.sparse_mla_numba``'s
     ``MAX_QUERY_ELEMENTS``), none of them requiring a gradient, it runs the compiled loop; the torch
-    path otherwise. ``numba`` runs the compiled loop whatever the shapes (no gradient flows).
+    path otherwise. ``numba`` runs the compiled loop whatever the shapes (no gradient flows). An FP8
+    ``kv`` (uint8) goes to ``kernels.sparse_mla_fp8_triton`` where ``auto`` would run Triton, to the
+    torch path otherwise (``numba`` refuses it).
     ``validate=True`` checks that every slot is -1 or a row of ``kv`` (synchronises on CUDA); the
     kernel itself cannot notice an out-of-range slot.
     ``check=False`` skips the shape/dtype/device checks of the arguments: for callers that built them
@@ -111,8 +132,13 @@ def sparse_mla(
         check_sparse_mla_args(q_latent, q_rope, kv, slots)
     if validate:
         check_index_range("slots", slots, kv.shape[0], allow_negative=True)
-    if kv.dtype == kv_fp8.STORAGE and impl in ("auto", "torch"):  # FP8 rows: dequantized as gathered
-        return sparse_mla_reference(q_latent, q_rope, kv, slots, scale)
+    if kv.dtype == kv_fp8.STORAGE and impl != "numba":  # FP8 rows: dequantized in the Triton kernel
+        fp8_fits = _fp8_triton_fits(q_latent, q_rope, impl)  # (or by the torch path as gathered)
+        if resolve_impl(impl, (q_latent, kv, slots), triton_fits=fp8_fits) == "torch":
+            return sparse_mla_reference(q_latent, q_rope, kv, slots, scale)
+        from kernels.sparse_mla_fp8_triton import sparse_mla_fp8_triton
+
+        return sparse_mla_fp8_triton(q_latent, q_rope, kv, slots, scale)
     if impl == "numba" or (impl == "auto" and q_latent.device.type == "cpu"):
         from kernels import sparse_mla_numba as compiled
 
