@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The demo prompt (printf escapes): the bundled byte-level model continues code best mid-file.
 PROMPT := class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):
 
-.PHONY: run test test-all lint venv clean
+.PHONY: run test test-all gpu-check gpu-wheels lint venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,24 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
+
+# the prepared device check: the tests marked cuda, then a benchmark at V3.2's attention shapes
+# (docs/benchmarks.md, "Device check"); without CUDA the same at CPU sizes, in .venv. A GPU machine
+# whose python3 has a CUDA build of torch (and no package index) runs it from the tree with that
+# python3, installing first the wheels `make gpu-wheels` saved in .whl/ (what its image lacks).
+GPU_SITE := /tmp/hispec-gpu-site
+gpu-check:
+	@if $(PY) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		if [ -d .whl ]; then $(PY) -m pip install -q --no-index --no-deps --no-compile --upgrade \
+			--target $(GPU_SITE) .whl/*.whl || exit 1; fi; \
+		PYTHONPATH=$(CURDIR):$(GPU_SITE) $(PY) -m pipeline.cli bench gpu-check --out bench-gpu-check.json; \
+	else \
+		$(MAKE) --no-print-directory venv && $(BIN)/hispec bench gpu-check --out bench-gpu-check.json; \
+	fi
+
+# the pure-Python wheels a GPU image lacks, for `make gpu-check` there (where pip reaches an index)
+gpu-wheels:
+	$(PY) -m pip download -q --no-deps --only-binary=:all: -d .whl structlog==26.1.0
 
 # ruff over the code and the tests, then mypy over the code ([tool.mypy] in pyproject.toml)
 lint: $(STAMP)

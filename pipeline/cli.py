@@ -48,6 +48,7 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
         "policy": "HiSparse replacement policies on recorded traces, and end to end",
         "tp": "tensor parallelism at TP 1 and 2: tokens/s, step time, time in collectives",
         "kv-cache": "FP8 KV beside bfloat16 KV: token agreement and logit error on held-out prompts",
+        "gpu-check": "the prepared device check: the cuda tests, then V3.2 attention shapes at 32K",
     }.items()
 }
 
