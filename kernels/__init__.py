@@ -22,6 +22,7 @@ from kernels.indexer_topk import (
     topk_positions,
 )
 from kernels.kv_copy import backup_rows, copy_rows, copy_rows_reference, load_rows, move_rows, scatter_rows
+from kernels.selection import AttentionShapes, KernelChoice, log_selected, select_kernels
 from kernels.sparse_mla import sparse_mla, sparse_mla_reference
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_oracle import swap_in_oracle
@@ -69,6 +70,8 @@ def warm_up(
 
 
 __all__ = [
+    "AttentionShapes",
+    "KernelChoice",
     "SwapInResult",
     "backup_rows",
     "copy_rows",
@@ -77,9 +80,11 @@ __all__ = [
     "indexer_topk_oracle",
     "indexer_topk_reference",
     "load_rows",
+    "log_selected",
     "move_rows",
     "scatter_rows",
     "score_dtype",
+    "select_kernels",
     "sparse_mla",
     "sparse_mla_reference",
     "stable_topk_positions",

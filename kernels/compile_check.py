@@ -26,7 +26,8 @@ _SWAP_IN = dict(
     loc_ptr="*i64",
     lru_ptr="*i32",
     host_ptr="*i64",
-    prot_ptr="*i32",
+    s32_ptr="*i32",
+    s64_ptr="*i64",
     slot_ptr="*i32",
     src_ptr="*i64",
     dst_ptr="*i64",
@@ -104,9 +105,9 @@ def _copy(dt: str) -> dict:
     )
 
 
-def _swap_in(block_k: int, block_hot: int, block_x: int, block_m: int, *, policy: int, warps: int) -> tuple:
+def _swap_in(tile_k: int, tile_h: int, tile_x: int, tile_m: int, *, policy: int, warps: int) -> tuple:
     """A swap-in launch: top-k, hot, newest/draft and near tiles, the policy's code."""
-    consts = dict(BLOCK_K=block_k, BLOCK_HOT=block_hot, BLOCK_X=block_x, BLOCK_M=block_m, POLICY=policy)
+    consts = dict(TK=tile_k, TH=tile_h, TX=tile_x, TM=tile_m, POLICY=policy)
     return ("swap_in_triton", "_swap_in_kernel", _SWAP_IN, consts, warps)
 
 
@@ -143,9 +144,10 @@ def configs(quick: bool) -> list[tuple[str, str, dict, dict, int]]:
         return small
     return [
         *small,
-        _swap_in(128, 1024, 64, 1, policy=0, warps=16),
-        _swap_in(128, 1024, 64, 1, policy=2, warps=16),
-        _swap_in(128, 1024, 64, 128, policy=5, warps=16),
+        # the tiles of every size from top-k 64 / HOT 128 up (``swap_in_triton.TILE_*``)
+        _swap_in(64, 128, 64, 1, policy=0, warps=8),
+        _swap_in(64, 128, 64, 1, policy=2, warps=8),
+        _swap_in(64, 128, 64, 64, policy=5, warps=8),
         ("indexer_topk_triton", "_select_kernel", _SELECT, dict(NONE_KEY=-(2**31), BLOCK_K=2048), 4),
         (
             "indexer_topk_triton",

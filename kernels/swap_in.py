@@ -63,11 +63,14 @@ from kernels.checks import check_index_range, check_same_device, check_tensor, c
 from kernels.swap_in_policy import NEAR_POLICIES, POLICIES
 from kernels.swap_in_result import SwapInResult
 
-# Triton kernel size limits: one program per request holds [HOT, K] and [K, K] compare tiles.
-TRITON_MAX_HOT = 1024
-TRITON_MAX_TOP_K = 128
-TRITON_MAX_EXTRA = 128  # newest + draft columns (P)
-TRITON_MAX_NEAR = 128  # near positions per step
+# Triton kernel size limits. One program per request walks the top-k row, the hot columns, the
+# newest/draft columns and the near row in fixed tiles (``kernels.swap_in_triton``), so its registers
+# do not grow with the sizes; its work does (compares of a top-k tile with every other tile), and
+# these bound it at sizes the tests have run.
+TRITON_MAX_HOT = 8192
+TRITON_MAX_TOP_K = 4096
+TRITON_MAX_EXTRA = 1024  # newest + draft columns (P)
+TRITON_MAX_NEAR = 4096  # near positions per step (the near-policies' default margin is top_k)
 
 
 def check_swap_in_args(
