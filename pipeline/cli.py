@@ -21,7 +21,7 @@ from pipeline.errors import ConfigError, HispecError, RequestError
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pipeline.generate", "generate text for prompts; print it with a lifecycle trace"),
     "chat": ("pipeline.chat", "talk to a model through its chat template, answers streamed"),
-    "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline (PNG and HTML)"),
+    "trace": ("pipeline.timeline", "draw a JSON-lines log as a request timeline; Perfetto, OTLP"),
     "replay": (
         "pipeline.hisparse.replay",
         "replay a top-k trace: every replacement policy beside Belady's MIN",

@@ -115,6 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
     p.add_argument(
+        "--otlp-traces-endpoint", metavar="URL",
+        help="send each request's lifecycle as OpenTelemetry spans when it ends (OTLP over HTTP, e.g. "
+        "http://localhost:4318/v1/traces; the `otel` extra)",
+    )
+    p.add_argument(
         "--api-key",
         default=None,
         metavar="KEY",
@@ -443,8 +448,18 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     # The event loop (HTTP, SSE) and the executor's worker thread share the GIL; a shorter switch
     # interval than the default 5 ms lets the loop answer while the executor runs Python code.
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    level = "info" if args.log_json or args.verbose else "warning"
-    sink = configure_logging(json=args.log_json or False, level=level)
+    logged = bool(args.log_json or args.verbose)
+    spans = None
+    if args.otlp_traces_endpoint:  # reads the lifecycle events, then drops what logging would not write
+        from pipeline.trace_export import LiveSpans, OtelMissing
+
+        try:
+            spans = LiveSpans(args.otlp_traces_endpoint, drop_below=None if logged else "warning")
+        except (OtelMissing, ValueError) as exc:
+            print(f"hispec serve: --otlp-traces-endpoint: {exc}", file=sys.stderr)
+            return 2
+    level = "info" if logged or spans is not None else "warning"
+    sink = configure_logging(json=args.log_json or False, level=level, processors=[spans] if spans else ())
     try:
         status, forced = anyio.run(_serve, args, model)
     except FileNotFoundError as exc:
@@ -455,6 +470,8 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
         return 2
     finally:
         sink.close()
+        if spans is not None:
+            spans.close()  # sends the spans not sent yet
     if forced:  # a second signal: the process ends now, without the interpreter's teardown (seconds)
         sys.stdout.flush()
         sys.stderr.flush()
