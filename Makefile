@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The demo prompt (printf escapes): the bundled byte-level model continues code best mid-file.
 PROMPT := class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):
 
-.PHONY: run test test-all gpu-check gpu-wheels lint venv clean
+.PHONY: run test test-all proptest gpu-check gpu-wheels lint venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m ''
+
+# every state machine (the tests marked proptest) with the thorough hypothesis profile: many more
+# and longer runs than `make test` (tests/conftest.py; README, "Property tests")
+proptest: $(STAMP)
+	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q -p no:cacheprovider -m proptest
 
 # the prepared device check: the tests marked cuda, then a benchmark at V3.2's attention shapes
 # (docs/benchmarks.md, "Device check"); without CUDA the same at CPU sizes, in .venv. A GPU machine

@@ -25,6 +25,17 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+from hypothesis import settings
+
+# Hypothesis profiles, chosen by HYPOTHESIS_PROFILE: ``ci`` (the default, what `make test` runs) and
+# ``thorough`` (`make proptest`: every state machine with many more and longer runs). The state
+# machines scale their own example and step counts by the loaded profile (``shadow_model``).
+# A failure prints the ``@reproduce_failure`` decorator that replays it (README, "Property tests").
+settings.register_profile("ci", deadline=None, print_blob=True)
+settings.register_profile(
+    "thorough", deadline=None, print_blob=True, max_examples=1500, stateful_step_count=100
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,6 +13,11 @@ resident (docs/invariants.md):
 * whenever no copy is in flight, every committed position's host copy equals the shadow's KV;
 * after every rule, the device mirrors of ``req_to_token`` and ``req_to_host`` (kept as distinct
   tensors here, updated row by row as the tables change) equal a fresh copy of the tables;
+* after every rule (and every decode step, verify binding and finalize of the subclasses), the
+  token table, the host map, the logical-to-physical map and the newest and draft-zone columns equal
+  the shadow model (``shadow_model``) of where every position of every request must be, updated by
+  each rule from what it did: a prompt's last chunk mapped to its columns and chunk rows, nothing
+  mapped once staging is collected, a decoded position in its column, finalize's accepted positions;
 * item 9 per request: ending a request raises every pool's free count by exactly what that request
   owned (its row, and its logical, physical and host pages, plus the prefix-cache pages it was the
   last to share), and once no request is live every pool is back at its initial free count.
@@ -23,10 +28,12 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from shadow_model import PositionModel, check_buffers, check_tables, last_chunk_start, prefilled
 
 from pipeline.config import EngineConfig
 from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
+from pipeline.memory import page_slots
 from pipeline.sampling import SamplingParams
 
 from manual_transfer import ManualStreams
@@ -51,6 +58,7 @@ class ShadowedMachine(RuleBasedStateMachine):
         self.shadow = Executor(self.shadow_config, model=self.model)
         self.initial = self.executor.pool_counts()
         self.phase: dict[str, str] = {}  # request id -> phase, in admission order
+        self.models: dict[str, PositionModel] = {}  # request id -> where its positions must be
         self.next_id = 0
 
     @rule(length=st.integers(1, 40), seed=st.integers(0, 255))
@@ -65,6 +73,18 @@ class ShadowedMachine(RuleBasedStateMachine):
         shadow = prefill_whole(self.shadow, [NewSequence(rid, prompt, GREEDY)])
         assert shadow.first_tokens == result.first_tokens
         self.phase[rid] = "staging"
+        coord, row = self.executor.memory, self.executor.seqs[rid].row
+        start = last_chunk_start(
+            len(prompt), self.executor.plan.prefill_budget, self.config.chunked_prefill_tokens
+        )
+        area = torch.cat(
+            [
+                coord.buffers.locs[row, coord.hot :].cpu(),
+                page_slots(coord._mem[row].chunk_pages, coord.plan.page_size),
+            ]
+        )
+        self.models[rid] = model = PositionModel(row)
+        prefilled(model, len(prompt), start, coord.hot, area, self.columns(rid))
 
     @rule(stream=st.sampled_from(["staging", "backup"]), count=st.integers(0, 3))
     def land(self, stream: str, count: int) -> None:
@@ -78,6 +98,7 @@ class ShadowedMachine(RuleBasedStateMachine):
         assert ready == staged[: len(ready)], "collect_ready must pop in FIFO order"
         for rid in ready:
             self.phase[rid] = "decode"
+            self.models[rid].device = {}  # decode reads through the buffer
         self.shadow.collect_ready()
 
     @precondition(lambda self: bool(self.phase))
@@ -103,6 +124,18 @@ class ShadowedMachine(RuleBasedStateMachine):
         self.check_device_kv()
         if all(s.done == s.issued for s in self.streams.streams.values()):
             self.check_host_kv()
+        self.check_model()
+
+    def check_model(self, what: str = "") -> None:
+        """The tables and the buffers' newest and draft columns equal the shadow model."""
+        coord = self.executor.memory
+        assert set(self.models) == set(self.phase)
+        check_tables(self.models, coord.alloc, coord.host.map, what=what)
+        check_buffers(self.models, coord.buffers, what=what)
+
+    def columns(self, rid: str) -> list[int]:
+        """The device slot of each column of ``rid``'s buffer (-1 past its capacity)."""
+        return self.executor.memory.buffers.locs[self.executor.seqs[rid].row].tolist()
 
     @invariant()
     def mirrors_match_tables(self) -> None:
@@ -171,6 +204,7 @@ class ShadowedMachine(RuleBasedStateMachine):
         self.executor.release(rid)
         self.shadow.release(rid)
         del self.phase[rid]
+        del self.models[rid]
         after = self.executor.pool_counts()
         freed = {pool: after[pool] - before[pool] for pool in after}
         assert freed == owned, f"{rid}: ending it freed {freed}, it owned {owned}"

@@ -13,9 +13,11 @@ same prompt gets alone from the all-resident engine with whole-prompt prefill.
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 import torch
-from hypothesis import event, settings
+from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+from shadow_model import machine_settings
 
 from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.driver import SyncDriver
@@ -120,5 +122,5 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         self.executor.close()
 
 
-TestChunkedSchedulerMachine = ChunkedSchedulerMachine.TestCase
-TestChunkedSchedulerMachine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+TestChunkedSchedulerMachine = pytest.mark.proptest(ChunkedSchedulerMachine.TestCase)
+TestChunkedSchedulerMachine.settings = machine_settings(examples=25, steps=30)

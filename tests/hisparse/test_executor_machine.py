@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import attrs
 import hypothesis.strategies as st
-from hypothesis import settings
+import pytest
 from hypothesis.stateful import precondition, rule
+from shadow_model import decoded, machine_settings
 
 from pipeline.config import EngineConfig, HiSparseConfig
 
@@ -57,12 +58,16 @@ class ExecutorMachine(ShadowedMachine):
                 self.end_request(rid)
             shadow = self.shadow.decode(list(result.tokens))
             assert shadow.tokens == result.tokens, "HiSparse changed the answer"
+            for rid, new in result.tokens.items():
+                assert len(new) == 1, (rid, new)
+                decoded(self.models[rid], self.executor.memory.hot, self.columns(rid))
             self.check_device_kv()
             self.mirrors_match_tables()
+            self.check_model("after a decode step: ")
 
 
-TestExecutorMachine = ExecutorMachine.TestCase
-TestExecutorMachine.settings = settings(max_examples=50, stateful_step_count=50, deadline=None)
+TestExecutorMachine = pytest.mark.proptest(ExecutorMachine.TestCase)
+TestExecutorMachine.settings = machine_settings(examples=50, steps=50)
 
 
 class ChunkedExecutorMachine(ExecutorMachine):
@@ -74,5 +79,5 @@ class ChunkedExecutorMachine(ExecutorMachine):
     shadow_config = attrs.evolve(ExecutorMachine.shadow_config, chunked_prefill_tokens=6)
 
 
-TestChunkedExecutorMachine = ChunkedExecutorMachine.TestCase
-TestChunkedExecutorMachine.settings = settings(max_examples=30, stateful_step_count=40, deadline=None)
+TestChunkedExecutorMachine = pytest.mark.proptest(ChunkedExecutorMachine.TestCase)
+TestChunkedExecutorMachine.settings = machine_settings(examples=30, steps=40)

@@ -3,10 +3,11 @@
 A hypothesis ``RuleBasedStateMachine`` interleaves prefill allocations, staging copies, device-buffer
 allocations, decode allocations (with buffer growth), finishes, aborts (in every phase), bad frees
 and over-capacity requests across many requests. After every rule every ``check_integrity()`` runs,
-the test's own model of who owns what must agree with the allocators, and the mirrors of
-``req_to_token`` and ``req_to_host`` (distinct tensors here) equal the tables: every change, a
-rolled-back transaction included, reached them. When every request has
-ended, every pool is back at its initial free count.
+the test's own model of who owns what must agree with the allocators, the token table, the host map
+and the logical-to-physical map equal its shadow model entry for entry (``shadow_model``), and the
+mirrors of ``req_to_token`` and ``req_to_host`` (distinct tensors here) equal the tables: every
+change, a rolled-back transaction included, reached them. When every request has ended, every pool
+is back at its initial free count.
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ import attrs
 import hypothesis.strategies as st
 import pytest
 import torch
-from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from shadow_model import PositionModel, check_tables, machine_settings
 
-from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, OwnershipError, RequestRows, round_up
+from pipeline.memory import (
+    HiSparseAllocator,
+    HostPool,
+    OutOfMemory,
+    OwnershipError,
+    RequestRows,
+    page_slots,
+    round_up,
+)
 
 PAGE = 4
 HOT = 8  # hot columns; the buffer of a long request has HOT + PAGE columns
@@ -34,6 +43,7 @@ class Req:
     prefill_pages: list[int]
     prefill_locs: torch.Tensor
     buffer_pages: list[int] = attrs.Factory(list)
+    mapped: dict[int, int] = attrs.Factory(dict)  # the shadow model: position -> the slot it maps to
 
     @property
     def physical_pages(self) -> list[int]:
@@ -93,7 +103,10 @@ class MemoryMachine(RuleBasedStateMachine):
         assert torch.equal(self.alloc.req_to_token.table[row, :length], got.locs)
         self.host.reserve(row, length)
         self.host.record(row, torch.arange(length))
-        self.reqs[row] = Req(row, length, "prefill", got.physical_pages, got.locs)
+        slots = page_slots(got.physical_pages, PAGE)[:length].tolist()  # bound 1:1, in page order
+        self.reqs[row] = Req(
+            row, length, "prefill", got.physical_pages, got.locs, mapped=dict(enumerate(slots))
+        )
 
     @precondition(lambda self: any(r.phase == "prefill" for r in self.reqs.values()))
     @rule(data=st.data())
@@ -117,7 +130,7 @@ class MemoryMachine(RuleBasedStateMachine):
         pages = self.alloc.alloc_device_buffer(req.row, req.prefill_pages, req.prefill_locs, need)
         assert pages[: len(req.prefill_pages)] == req.prefill_pages[: len(pages)]
         assert int(self.alloc.lookup(req.prefill_locs).abs().sum()) == 0
-        req.phase, req.buffer_pages = "decode", pages
+        req.phase, req.buffer_pages, req.mapped = "decode", pages, {}
 
     @precondition(lambda self: any(r.phase == "decode" for r in self.reqs.values()))
     @rule(data=st.data(), steps=st.integers(1, 6))
@@ -150,6 +163,7 @@ class MemoryMachine(RuleBasedStateMachine):
             slot = req.buffer_pages[min(req.length, HOT) // PAGE] * PAGE + min(req.length, HOT) % PAGE
             self.alloc.clear(self.alloc.req_to_token.table[req.row, : req.length])  # the old newest
             self.alloc.bind(loc.reshape(1), torch.tensor([slot]))
+            req.mapped = {req.length: slot}
             req.length = new_len
 
     @precondition(lambda self: bool(self.reqs))
@@ -160,7 +174,7 @@ class MemoryMachine(RuleBasedStateMachine):
 
     def _release(self, row: int) -> None:
         req = self.reqs.pop(row)
-        self.alloc.clear(self.alloc.req_to_token.table[row, : self.alloc.req_to_token.covered_len(row)])
+        # (the coordinator clears the map first; here ``release_locations`` must clear it itself)
         self.alloc.free_physical(row, req.physical_pages)
         self.alloc.release_locations(row)
         self.host.release(row)
@@ -235,6 +249,12 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self.alloc.physical.owners() == sorted(r for r, q in self.reqs.items() if q.physical_pages)
 
     @invariant()
+    def tables_match_the_model(self) -> None:
+        """The token table, the host map and the map equal the shadow model, entry for entry."""
+        models = {f"row {r}": PositionModel(r, q.length, q.mapped) for r, q in self.reqs.items()}
+        check_tables(models, self.alloc, self.host.map)
+
+    @invariant()
     def mirrors_match_tables(self) -> None:
         for name, mirror in self.mirrors.items():
             assert mirror.tensor is not mirror.host, f"{name}: the mirror should be a distinct tensor"
@@ -247,5 +267,5 @@ class MemoryMachine(RuleBasedStateMachine):
         assert self._free_counts() == self.initial, "a pool did not return to its initial free count"
 
 
-TestMemoryMachine = MemoryMachine.TestCase
-TestMemoryMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestMemoryMachine = pytest.mark.proptest(MemoryMachine.TestCase)
+TestMemoryMachine.settings = machine_settings(examples=60, steps=40)

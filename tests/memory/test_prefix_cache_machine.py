@@ -9,8 +9,10 @@ sharers, and a match is exactly the longest chain of page prefixes the oracle st
 from __future__ import annotations
 
 import hypothesis.strategies as st
-from hypothesis import event, settings
+import pytest
+from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from shadow_model import machine_settings
 
 from pipeline.memory.paged import PagedAllocator
 from pipeline.memory.prefix_cache import PrefixCache
@@ -113,8 +115,8 @@ class CacheMachine(RuleBasedStateMachine):
         assert all(p.num_free_pages == p.capacity_pages for p in self.pools), "flush left pages held"
 
 
-TestCacheMachine = CacheMachine.TestCase
-TestCacheMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestCacheMachine = pytest.mark.proptest(CacheMachine.TestCase)
+TestCacheMachine.settings = machine_settings(examples=60, steps=40)
 
 
 def test_a_match_needs_the_token_after_the_page_and_leaves_the_last_token():
