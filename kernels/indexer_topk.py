@@ -419,6 +419,8 @@ def indexer_topk(
         and dim <= TRITON_MAX_DIM
     )
     fp8 = index_k.dtype == kv_fp8.STORAGE  # an FP8 key cache
+    if fp8 and index_q.shape[0] == 0:
+        return torch.empty(0, top_k, dtype=torch.int32, device=index_q.device)
     if fp8 and not (
         impl in ("auto", "triton")
         and resolve_impl(impl, (index_q, index_k, req_to_token), triton_fits=fits) == "triton"

@@ -25,7 +25,7 @@ import torch
 
 import kernels
 from kernels import kv_fp8
-from kernels.swap_in_policy import DEFAULT_POLICY
+from kernels.swap_in_policy import DEFAULT_POLICY, near_margin
 from pipeline.capacity import DevicePlan, MemoryPlan, ModelDims, kv_format
 from pipeline.config import (
     DEFAULT_POOL_TOKENS,
@@ -142,10 +142,13 @@ def start(
     kernels.warm_up(device, dtype, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
                     swap_in=config.hisparse is not None,
                     attention=(cfg.num_attention_heads, cfg.kv_row_dim, cfg.index_topk))
+    hs = config.hisparse
+    near = 0 if hs is None else near_margin(hs.near_margin, plan.memory.policy, cfg.index_topk or 0,
+                                            tracing=trace_path is not None)
     kernels.log_selected(device, dtype, kernels.AttentionShapes(  # which implementation each op runs
         heads=cfg.num_attention_heads, latent=cfg.kv_lora_rank, rope=cfg.qk_rope_head_dim,
         index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim, top_k=cfg.index_topk, hot=plan.hot,
-        extra=config.page_size if plan.hot else 0),
+        extra=plan.memory.buffer_columns - plan.hot if plan.hot else 0, near=near),
         kv_dtype=kv_fp8.STORAGE if config.kv_cache_dtype != "auto" else None)
     if config.hisparse is not None and device.type == "cpu":
         prefill_swap.warm_up()  # a chunk's grouping of its earlier positions

@@ -18,7 +18,7 @@
 
 One table is printed and every figure written as JSON (``--out``). Without a CUDA device the same
 script runs at CPU sizes (the tests' bodies on the CPU, contexts of a few hundred tokens), after
-saying so. The run keeps to a time budget (``--budget-s``; on CUDA within 8 minutes on one H100): a
+saying so. The run keeps to a time budget (``--budget-s``; on CUDA the device check's allowance): a
 part that would not fit in what is left is skipped with a line saying so. Exit status 0 only if the
 tests passed and no part of the benchmark failed.
 """

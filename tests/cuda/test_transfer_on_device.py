@@ -55,8 +55,10 @@ class RecordedStream:
 
 
 def test_an_overwrite_ordered_after_a_copy_does_not_reach_it(device):
-    """The source is overwritten on the current stream right after ``order_after``: the copy still
-    reads the old rows."""
+    """The source is overwritten on the current stream right after ``order_after``: the host holds
+    the rows as they were when the copy was issued. (While the device-to-host copy is torch's
+    blocking one, docs/cuda.md item 6, it has landed before ``copy_rows`` returns, so this checks the
+    result, not yet the ordering; it will once the copy runs on the side stream.)"""
     stream = make_transfer_stream("t", device)
     src = torch.randn(2, 4096, 64, device=device)
     before = src.to("cpu", copy=True)

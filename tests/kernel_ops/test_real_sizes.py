@@ -181,7 +181,7 @@ def test_triton_swap_in_stops_across_tile_edges_like_the_oracle(small_tiles):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("policy", ["adaptive", "near-adaptive"])
+@pytest.mark.parametrize("policy", ["adaptive", pytest.param("near-adaptive", marks=pytest.mark.slow)])
 def test_triton_adaptive_policies_see_every_recent_column_across_tiles(small_tiles, policy):
     # top_k == hot: the K most recently used columns are all of them, in several tiles, for the
     # entries of every top-k tile (seed 2 tells a kernel that skips some of them)

@@ -145,6 +145,14 @@ def test_indexer_reads_fp8_keys_as_their_dequantized_values(impl):
     assert torch.equal(got, indexer_topk(q, w, plain, table, rows, lens, top_k, 0.3, impl=impl))
 
 
+def test_an_fp8_indexer_call_without_queries_selects_nothing():
+    stored = kv_fp8.quantize_keys(torch.randn(8, 16))
+    table = torch.arange(8).view(1, 8)
+    none = torch.empty(0, dtype=torch.int64)
+    got = indexer_topk(torch.empty(0, 2, 16), torch.empty(0, 2), stored, table, none, none, 4, 0.5)
+    assert got.shape == (0, 4) and got.dtype == torch.int32
+
+
 def test_the_plan_counts_the_stored_bytes():
     model = build_tiny_model(dtype=torch.float64, seed=2)
     cfg = model.cfg

@@ -24,6 +24,7 @@ def collector(monkeypatch):
     c.close()
 
 
+@pytest.mark.slow  # a server subprocess; the live exporter itself runs in CI in test_trace_scale.py
 def test_serve_sends_each_request_as_spans(collector, tmp_path):
     log = tmp_path / "serve.jsonl"
     proc, url = start_cli_server(log, extra=["--otlp-traces-endpoint", collector.url],
