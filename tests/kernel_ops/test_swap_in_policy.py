@@ -86,6 +86,9 @@ def test_cpu_implementations_equal_the_oracle_under_every_policy(world, policy):
         _equal_to_oracle(world, impl, policy)
 
 
+# slow: in CI, test_real_sizes.py runs the Triton kernel under every policy and near row with tiles
+# shrunk so that every world crosses them (a harder case than these default-tile worlds)
+@pytest.mark.slow
 @pytest.mark.interpreter
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(world=worlds(max_reqs=3, max_steps=3), policy=st.sampled_from(OTHER_POLICIES))
@@ -206,6 +209,7 @@ def test_cpu_implementations_equal_the_oracle_under_the_near_policies(world, pol
         _equal_to_oracle(world, impl, policy, near)
 
 
+@pytest.mark.slow  # (see test_triton_equals_the_oracle_under_every_policy)
 @pytest.mark.interpreter
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
