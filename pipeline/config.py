@@ -38,6 +38,7 @@ CPU_SPEC_MAX_BATCH, CUDA_SPEC_MAX_BATCH = 1, 8
 CPU_SPEC_MAX_CONTEXT = 1024
 CPU_DEFAULT_POLICY = "adaptive"  # HiSparseConfig.policy="auto" on a CPU
 DEFAULT_HOT = 128  # HiSparseConfig.device_buffer_size=None: at least this many hot columns (auto_hot)
+RESIDENCIES = ("always", "dynamic")  # HiSparseConfig.residency
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 DEVICES = ("cpu", "cuda")
 
@@ -100,6 +101,12 @@ class HiSparseConfig:
     # rest of the draft layer's device bytes per logical location, so speculation seats what plain
     # decoding seats. Output unchanged.
     draft_keys_on_host: bool = False
+    # where a decoding request's KV lives. "always": every request decodes through its hot buffer
+    # over the host copy. "dynamic": a request keeps its whole context on the device while the
+    # device pool holds it (no swap-in), and is demoted to the hot buffer only under memory pressure
+    # (a request that cannot be admitted or cannot grow), promoted back when memory returns
+    # (docs/residency.md)
+    residency: str = "always"
 
     def hot_for(self, index_topk: int | None, page_size: int) -> int:
         """HOT for a model whose indexer selects ``index_topk`` positions: ``device_buffer_size``,
@@ -117,6 +124,8 @@ class HiSparseConfig:
     def __attrs_post_init__(self) -> None:
         _require(self.policy in (*POLICIES, "auto"), "hisparse.policy", self.policy,
                  f"must be one of {(*POLICIES, 'auto')}")
+        _require(self.residency in RESIDENCIES, "hisparse.residency", self.residency,
+                 f"must be one of {RESIDENCIES}")
         for name in ("draft_rows_on_host", "draft_keys_on_host"):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"hisparse.{name}", value, "must be a bool")
