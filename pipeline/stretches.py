@@ -3,7 +3,10 @@
 
 A stretch is time spent in one live state without a break: the lifecycle events that keep a request
 in its state (a decode step, a further prompt chunk) extend it, and the wait between submission
-(``request.submitted``) and the first event is the first stretch.
+(``request.submitted``) and the first event is the first stretch. A demotion or a promotion (dynamic
+residency: the request's KV outside its hot buffer left the device, or came back) keeps the state
+too, so it extends the stretch as well; each is also a mark at its moment, for the timeline's
+markers and the exports' instant events.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ from pipeline.logs import SUBMITTED, arrivals, by_request, record_time
 
 LIVE_STATES = ("queued", "prefill", "staging", "ready", "decode", "draft", "verify")
 TERMINAL_STATES = ("finished", "aborted", "failed")
+# lifecycle events drawn as marks: event -> (the mark's kind, the event's field with its bytes)
+MARK_EVENTS = {"Demoted": ("demoted", "freed_bytes"), "Promoted": ("promoted", "copied_bytes")}
+MARK_KINDS = tuple(kind for kind, _ in MARK_EVENTS.values())
 
 
 @attrs.frozen
@@ -33,6 +39,22 @@ class Span:
 
 
 @attrs.frozen
+class Mark:
+    """A moment that left the request in its state: a demotion (its KV outside the hot buffer left
+    the device) or a promotion (its whole context back on the device)."""
+
+    kind: str  # one of MARK_KINDS
+    at: float  # seconds since the epoch
+    state: str  # the state it happened in
+    num_bytes: int  # device bytes freed (demoted), bytes copied host -> device (promoted)
+
+    @property
+    def bytes_field(self) -> str:
+        """The lifecycle event's name for ``num_bytes`` (``freed_bytes``, ``copied_bytes``)."""
+        return next(field for kind, field in MARK_EVENTS.values() if kind == self.kind)
+
+
+@attrs.frozen
 class Row:
     request_id: str
     bands: tuple[Span, ...]  # live states
@@ -40,6 +62,7 @@ class Row:
     final: str  # the last state logged
     reason: str  # finish reason, or "" while live
     output_tokens: int | None
+    marks: tuple[Mark, ...] = ()  # demotions and promotions, in log order
 
     @property
     def start(self) -> float | None:
@@ -52,6 +75,10 @@ class Row:
 
     def visited(self) -> set[str]:
         return {b.state for b in self.bands} | {self.final}
+
+    def count(self, kind: str) -> int:
+        """How many marks of ``kind`` (``demoted``, ``promoted``) it has."""
+        return sum(1 for m in self.marks if m.kind == kind)
 
 
 def _spans(
@@ -78,6 +105,15 @@ def _spans(
     return spans, terminal
 
 
+def _marks(events: list[dict[str, Any]]) -> tuple[Mark, ...]:
+    found = []
+    for record in events:
+        if record["event"] in MARK_EVENTS and (t := record_time(record)) is not None:
+            kind, field = MARK_EVENTS[record["event"]]
+            found.append(Mark(kind, t, str(record["state"]), int(record.get(field) or 0)))
+    return tuple(found)
+
+
 def build_rows(records: list[dict]) -> list[Row]:
     """One row per request of the log, in order of first appearance."""
     arrived = arrivals(records)
@@ -93,20 +129,29 @@ def build_rows(records: list[dict]) -> list[Row]:
                 final=last["state"],
                 reason=str(last.get("reason", "")) if terminal else "",
                 output_tokens=last.get("output_tokens"),
+                marks=_marks(events),
             )
         )
     return rows
 
 
-def select(rows: Iterable[Row], request_ids: Sequence[str] = (), states: Sequence[str] = ()) -> list[Row]:
-    """The rows whose id matches one of ``request_ids`` (exact or a shell pattern: ``chatcmpl-1*``)
-    and that were in one of ``states`` at some point (a terminal state: ended in it); no filter keeps
-    every row."""
+def select(
+    rows: Iterable[Row],
+    request_ids: Sequence[str] = (),
+    states: Sequence[str] = (),
+    marks: Sequence[str] = (),
+) -> list[Row]:
+    """The rows whose id matches one of ``request_ids`` (exact or a shell pattern: ``chatcmpl-1*``),
+    that were in one of ``states`` at some point (a terminal state: ended in it) and that have a mark
+    of one of the kinds in ``marks`` (``demoted``, ``promoted``); each filter given must hold, no
+    filter keeps every row."""
     kept = []
     for row in rows:
         if request_ids and not any(fnmatch.fnmatchcase(row.request_id, p) for p in request_ids):
             continue
         if states and not row.visited() & set(states):
+            continue
+        if marks and not {m.kind for m in row.marks} & set(marks):
             continue
         kept.append(row)
     return kept

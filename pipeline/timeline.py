@@ -1,13 +1,15 @@
 """``hispec trace FILE``: draw every request of a JSON-lines log as a timeline, and export it.
 
 One row per request, one coloured band per stretch of time in one state (from the lifecycle events
-written by ``Request.apply``), a marker where it ended. Written as a self-contained HTML page (inline
-SVG, a tooltip on every band, a zoomable time axis, per-state duration percentiles, a table of
-requests) and, where matplotlib is installed, a PNG (Agg backend). Idle stretches (no request live)
-longer than ``--idle-gap`` are drawn narrow, so a long server log stays readable; ``--request`` and
-``--state`` keep some requests only. ``--perfetto FILE`` writes the same lifecycles (and the
-executor's commands) as Chrome/Perfetto trace-event JSON, ``--otlp-traces-endpoint URL`` sends each
-request as an OpenTelemetry span with one child span per state (the ``otel`` extra).
+written by ``Request.apply``), a marker where it ended, and a triangle on its band where it was
+demoted (down) or promoted (up) under dynamic residency. Written as a self-contained HTML page
+(inline SVG, a tooltip on every band and marker, a zoomable time axis, per-state duration
+percentiles, a table of requests) and, where matplotlib is installed, a PNG (Agg backend). Idle
+stretches (no request live) longer than ``--idle-gap`` are drawn narrow, so a long server log stays
+readable; ``--request``, ``--state`` and ``--mark`` keep some requests only. ``--perfetto FILE``
+writes the same lifecycles (and the executor's commands) as Chrome/Perfetto trace-event JSON,
+``--otlp-traces-endpoint URL`` sends each request as an OpenTelemetry span with one child span per
+state (the ``otel`` extra); the marks become instant events and span events.
 """
 
 from __future__ import annotations
@@ -20,11 +22,12 @@ import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 
 from pipeline.logs import read_json_lines
-from pipeline.stretches import LIVE_STATES, TERMINAL_STATES, Row, build_rows, select
+from pipeline.stretches import LIVE_STATES, MARK_KINDS, TERMINAL_STATES, Mark, Row, build_rows, select
 
 # state -> colour (terminal states colour the end marker)
 COLOURS = {
@@ -39,6 +42,8 @@ COLOURS = {
     "aborted": "#d62728",
     "failed": "#000000",
 }
+# mark kind -> (colour, SVG glyph, matplotlib marker): a demotion points down, a promotion up
+MARK_STYLES = {"demoted": ("#e15759", "\u25bc", "v"), "promoted": ("#59a14f", "\u25b2", "^")}
 IDLE_GAP_S = 1.0  # default: idle stretches longer than this are drawn narrow
 IDLE_SHARE = 0.015  # the width of a narrowed idle stretch, as a share of the busy time drawn
 PERCENTILES = (50, 90, 99)
@@ -97,6 +102,31 @@ def state_durations(rows: Sequence[Row]) -> list[StateDurations]:
                 )
             )
     return out
+
+
+def marks_summary(rows: Sequence[Row]) -> str:
+    """One line per kind of mark the rows have: how many, of how many requests, the bytes moved
+    ("" when none has a mark)."""
+    lines = []
+    for kind in MARK_KINDS:
+        marks = [(row.request_id, m) for row in rows for m in row.marks if m.kind == kind]
+        if marks:
+            moved = "freed on the device" if kind == "demoted" else "copied host -> device"
+            requests = len({rid for rid, _ in marks})
+            lines.append(
+                f"{kind}: {_count(len(marks), 'time')}, {_count(requests, 'request')}, "
+                f"{sum(m.num_bytes for _, m in marks)} bytes {moved}"
+            )
+    return "\n".join(lines)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def _mark_tip(label: str, mark: Mark, t0: float) -> str:
+    moved = f"{mark.bytes_field} {mark.num_bytes}"
+    return f"{label}: {mark.kind} in {mark.state} at {mark.at - t0:.4f}s ({moved})"
 
 
 def _ms(seconds: float) -> str:
@@ -252,6 +282,7 @@ def write_png(rows: list[Row], path: Path, title: str, axis: TimeAxis | None = N
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
     axis = axis or time_axis(rows, None)
@@ -270,6 +301,11 @@ def write_png(rows: list[Row], path: Path, title: str, axis: TimeAxis | None = N
             spans = [(axis(b.start), axis(b.end) - axis(b.start)) for b in row.bands if b.state == state]
             if spans:
                 ax.broken_barh(spans, (y - 0.38, 0.76), facecolors=COLOURS[state], linewidth=0)
+        for kind, (colour, _, marker) in MARK_STYLES.items():
+            at = [axis(m.at) for m in row.marks if m.kind == kind]
+            if at:
+                ax.plot(at, [y] * len(at), linestyle="none", marker=marker, markersize=6, color=colour,
+                        markeredgecolor="white", markeredgewidth=0.5)
         if row.end is not None:
             x = axis(row.end)
             ax.plot([x], [y], marker="D", markersize=5, color=COLOURS.get(row.final, "black"))
@@ -284,8 +320,13 @@ def write_png(rows: list[Row], path: Path, title: str, axis: TimeAxis | None = N
     ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
     ax.set_title(title, fontsize=10, pad=14 if axis.idle else 6)
-    legend = [Patch(color=COLOURS[s], label=s) for s in LIVE_STATES]
+    legend: list[Any] = [Patch(color=COLOURS[s], label=s) for s in LIVE_STATES]
     legend += [Patch(color=COLOURS[s], label=f"{s} (end)") for s in TERMINAL_STATES]
+    legend += [
+        Line2D([], [], linestyle="none", marker=marker, color=colour, label=kind)
+        for kind, (colour, _, marker) in MARK_STYLES.items()
+        if any(row.count(kind) for row in rows)
+    ]
     fig.legend(handles=legend, ncol=len(legend), fontsize=7, loc="lower center", frameon=False)
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1))
     fig.savefig(path)
@@ -343,6 +384,13 @@ def svg(rows: list[Row], width: int = 1100, axis: TimeAxis | None = None) -> str
                 f'<rect data-a="{axis(b.start)!r}" data-b="{axis(b.end)!r}" x="{x(b.start):.2f}" '
                 f'y="{y + 3}" width="{w:.2f}" height="{ROW_H - 6}" fill="{COLOURS[b.state]}">'
                 f"<title>{tip}</title></rect>"
+            )
+        for mark in row.marks:
+            colour, glyph, _ = MARK_STYLES[mark.kind]
+            out.append(
+                f'<text class="mark" data-a="{axis(mark.at)!r}" x="{x(mark.at):.2f}" y="{y + ROW_H / 2 + 4}" '
+                f'font-size="11" text-anchor="middle" fill="{colour}" stroke="white" stroke-width="0.5">'
+                f"{glyph}<title>{_mark_tip(label, mark, t0)}</title></text>"
             )
         if row.end is not None:
             cx = x(row.end)
@@ -476,12 +524,22 @@ def write_html(
         f'height:12px;background:{c};vertical-align:middle"></span> {s}</span>'
         for s, c in COLOURS.items()
     )
+    kinds = [kind for kind in MARK_KINDS if any(r.count(kind) for r in rows)]  # columns for those seen
+    legend += "".join(
+        f' <span style="margin-right:12px"><span style="color:{MARK_STYLES[k][0]}">'
+        f"{MARK_STYLES[k][1]}</span> {k}</span>"
+        for k in kinds
+    )
     table = "".join(
         f"<tr><td>{html.escape(r.request_id)}</td><td>{r.final}</td><td>{html.escape(r.reason)}</td>"
         f"<td>{'' if r.output_tokens is None else r.output_tokens}</td>"
-        f"<td>{'' if r.end is None or r.start is None else f'{r.end - r.start:.4f}'}</td></tr>"
+        f"<td>{'' if r.end is None or r.start is None else f'{r.end - r.start:.4f}'}</td>"
+        + "".join(f"<td>{r.count(k)}</td>" for k in kinds)
+        + "</tr>"
         for r in rows
     )
+    mark_heads = "".join(f"<th>{k}</th>" for k in kinds)
+    summary = "".join(f"<p>{html.escape(line)}</p>" for line in marks_summary(rows).splitlines())
     percentile_head = "".join(f"<th>p{q} ms</th>" for q in PERCENTILES)
     percentiles = "".join(
         f"<tr><td>{s.state}</td><td>{s.stretches}</td><td>{s.requests}</td>"
@@ -512,9 +570,9 @@ table{{border-collapse:collapse}} tr:nth-child(even){{background:#f4f4f4}}
 <p style="font-size:90%">A stretch: time spent in one state without a break (a run of decode steps is one
 stretch); <i>{WHOLE}</i>: from arrival (or the first event) to the end, requests that ended.</p>
 <table class="num"><tr><th>state</th><th>stretches</th><th>requests</th>{percentile_head}<th>max ms</th>
-<th>total s</th></tr>{percentiles}</table>
+<th>total s</th></tr>{percentiles}</table>{summary}
 <h3>Requests</h3><table><tr><th>request</th><th>final state</th><th>reason</th><th>output tokens</th>
-<th>seconds from arrival to end</th></tr>{table}</table></body></html>
+<th>seconds from arrival to end</th>{mark_heads}</tr>{table}</table></body></html>
 """
     path.write_text(page, encoding="utf-8")
 
@@ -544,6 +602,11 @@ def build_parser() -> argparse.ArgumentParser:
         f"repeatable): {', '.join([*LIVE_STATES, *TERMINAL_STATES])}",
     )
     parser.add_argument(
+        "--mark", action="append", default=[], metavar="KIND", choices=MARK_KINDS,
+        help="only the requests with a KIND mark (dynamic residency; repeatable): "
+        f"{', '.join(MARK_KINDS)}",
+    )
+    parser.add_argument(
         "--idle-gap", type=_idle_gap, default=IDLE_GAP_S, metavar="SECONDS",
         help=f"draw narrow every stretch longer than this with no request live (default {IDLE_GAP_S:g})",
     )
@@ -569,17 +632,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not every:
         print(f"hispec trace: no lifecycle events in {log_path}")
         return 1
-    rows = select(every, args.request, args.state)
+    rows = select(every, args.request, args.state, args.mark)
     if not rows:
         print(f"hispec trace: none of the {len(every)} requests in {log_path} matches the filters")
         return 1
     shown = f"{len(rows)} of {len(every)} requests" if len(rows) < len(every) else f"{len(rows)} requests"
     title = f"hispec request timeline: {shown} ({log_path.name})"
     filters = [f"--request {p}" for p in args.request] + [f"--state {s}" for s in args.state]
+    filters += [f"--mark {k}" for k in args.mark]
     note = f"filters: {' '.join(filters)}" if filters else ""
     axis = time_axis(rows, None if args.keep_idle else args.idle_gap)
     stats = state_durations(rows)
     print(durations_table(stats))
+    if summary := marks_summary(rows):
+        print(summary)
     png = Path(args.out_png) if args.out_png else log_path.with_suffix(".png")
     page = Path(args.out_html) if args.out_html else log_path.with_suffix(".html")
     write_html(rows, page, title, axis, stats, note)  # needs nothing beyond the standard library

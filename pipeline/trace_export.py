@@ -4,13 +4,14 @@ and OpenTelemetry spans (OTLP over HTTP).
 * ``write_perfetto``: the JSON object format of the Chrome trace-event format, which Perfetto's UI
   (ui.perfetto.dev), its trace processor and ``chrome://tracing`` open. Process "requests": one
   thread (a track) per request, one complete slice (``ph: "X"``) per stretch in one state, an
-  instant event where it ended. Process "executor": the device commands the log's step figures
-  describe (one slice per command, on one track), ending when their events were logged and lasting
-  their ``device_ms``.
+  instant event where it ended and one where it was demoted or promoted (dynamic residency).
+  Process "executor": the device commands the log's step figures describe (one slice per command,
+  on one track), ending when their events were logged and lasting their ``device_ms``.
 * ``export_otlp``: each request as a span (``hispec.request``) with one child span per stretch in
-  one state and an event where it ended, sent to an OTLP/HTTP collector; ``LiveSpans`` does the same
-  while a server runs, as a structlog processor (``hispec serve --otlp-traces-endpoint``). Needs the
-  ``otel`` extra (``opentelemetry-sdk``, ``opentelemetry-exporter-otlp-proto-http``).
+  one state, an event where it was demoted or promoted and one where it ended, sent to an OTLP/HTTP
+  collector; ``LiveSpans`` does the same while a server runs, as a structlog processor (``hispec
+  serve --otlp-traces-endpoint``). Needs the ``otel`` extra (``opentelemetry-sdk``,
+  ``opentelemetry-exporter-otlp-proto-http``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import attrs
 import structlog
 
 from pipeline.logs import SUBMITTED, is_lifecycle, record_time
-from pipeline.stretches import TERMINAL_STATES, Row, build_rows
+from pipeline.stretches import TERMINAL_STATES, Mark, Row, build_rows
 
 # --- the executor's commands ---------------------------------------------------------------------------
 
@@ -118,6 +119,10 @@ def _times(start: float, end: float, t0: float) -> dict[str, float]:
     return {"ts": ts, "dur": round(_us(end, t0) - ts, 3)}
 
 
+def _mark_args(row: Row, mark: Mark) -> dict[str, Any]:
+    return {"request_id": row.request_id, "state": mark.state, mark.bytes_field: mark.num_bytes}
+
+
 def _metadata(kind: str, pid: int, tid: int, **args: Any) -> dict[str, Any]:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
 
@@ -139,6 +144,13 @@ def perfetto_trace(rows: Sequence[Row], commands: Sequence[ExecutorCommand] = ()
                 {
                     "ph": "X", "name": band.state, "cat": "lifecycle", "pid": REQUESTS_PID, "tid": tid,
                     **_times(band.start, band.end, t0), "args": args,
+                }
+            )
+        for mark in row.marks:
+            events.append(
+                {
+                    "ph": "i", "s": "t", "name": mark.kind, "cat": "residency", "pid": REQUESTS_PID,
+                    "tid": tid, "ts": _us(mark.at, t0), "args": _mark_args(row, mark),
                 }
             )
         if row.end is not None:
@@ -247,6 +259,12 @@ def emit_request(sdk: Any, tracer: Any, row: Row) -> int:
                         "hispec.entered_by": band.entered_by},
         )
         child.end(end_time=_ns(band.end))
+    for mark in row.marks:
+        root.add_event(
+            mark.kind,
+            {"hispec.state": mark.state, f"hispec.{mark.bytes_field}": mark.num_bytes},
+            timestamp=_ns(mark.at),
+        )
     if row.end is not None:
         root.add_event(row.final, {"hispec.finish_reason": row.reason}, timestamp=_ns(row.end))
         if row.final == "failed":

@@ -7,7 +7,10 @@ copy lands it is READY (it owns a device buffer) and joins the running batch in 
 DECODE -> DECODE one token per step; speculative decoding loops DECODE -> DRAFT -> VERIFY -> DECODE, several
 tokens per round. It ends in exactly one terminal state: FINISHED (EOS, stop string, length), ABORTED (the
 caller gave up) or FAILED (something broke). Abort and failure are legal from every live state; memory
-pressure may retract a request from PREFILL, READY or DECODE back to QUEUED, releasing its memory.
+pressure may retract a request from PREFILL, READY or DECODE back to QUEUED, releasing its memory. With
+dynamic residency a READY or DECODE request may be Demoted (its whole context on the device -> its hot
+buffer over the host copy) under memory pressure and Promoted back when memory returns, at step
+boundaries; both leave the state as it was.
 
 ``advance(state, event)`` is the only way to change a state. It is pure: an illegal pair raises
 ``IllegalTransition`` and the caller's state stays what it was. Entering a terminal state is the
@@ -108,6 +111,22 @@ class StepDone(Event):
 
 
 @attrs.frozen
+class Demoted(Event):
+    """Memory pressure (dynamic residency): the request's KV outside its hot buffer left the device
+    (its host copy is complete); it decodes through the hot buffer from now on."""
+
+    freed_bytes: int = 0  # device bytes given back
+
+
+@attrs.frozen
+class Promoted(Event):
+    """Memory returned (dynamic residency): the request's whole context is on the device again; it
+    decodes without swap-in from now on."""
+
+    copied_bytes: int = 0  # bytes copied host -> device
+
+
+@attrs.frozen
 class Finished(Event):
     """EOS, a stop string or the length limit among the newly committed tokens."""
 
@@ -152,12 +171,16 @@ TRANSITIONS: dict[tuple[State, type[Event]], State] = {
     (S.STAGING, Crashed): S.FAILED,
     (S.READY, JoinedBatch): S.DECODE,
     (S.READY, Retracted): S.QUEUED,
+    (S.READY, Demoted): S.READY,
+    (S.READY, Promoted): S.READY,
     (S.READY, AbortRequested): S.ABORTED,
     (S.READY, Crashed): S.FAILED,
     (S.DECODE, StepDone): S.DECODE,
     (S.DECODE, Finished): S.FINISHED,
     (S.DECODE, DraftStarted): S.DRAFT,
     (S.DECODE, Retracted): S.QUEUED,
+    (S.DECODE, Demoted): S.DECODE,
+    (S.DECODE, Promoted): S.DECODE,
     (S.DECODE, AbortRequested): S.ABORTED,
     (S.DECODE, Crashed): S.FAILED,
     (S.DRAFT, DraftDone): S.VERIFY,
@@ -180,6 +203,8 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     DraftDone,
     Verified,
     StepDone,
+    Demoted,
+    Promoted,
     Finished,
     AbortRequested,
     Crashed,

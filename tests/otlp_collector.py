@@ -7,6 +7,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from pipeline.logs import is_lifecycle
+from pipeline.stretches import TERMINAL_STATES
 
 
 def state_changes(records: list[dict]) -> int:
@@ -79,6 +80,6 @@ def check_request_spans(spans, records) -> dict:
         children[rid].append(span.name)
     assert len({r.trace_id for r in roots.values()}) == len(roots)  # a trace per request
     submitted = sum(1 for r in records if r["event"] == "request.submitted")
-    ended = sum(1 for r in roots.values() if r.events)
+    ended = sum(1 for r in roots.values() if any(e.name in TERMINAL_STATES for e in r.events))
     assert sum(map(len, children.values())) + ended == state_changes(records) + submitted
     return children

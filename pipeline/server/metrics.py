@@ -4,7 +4,8 @@ Two sources:
 
 * what the engine counts (``engine.stats()``), read at every scrape by ``EngineCollector``: running
   and waiting requests, generated tokens, ended requests by reason, pool occupancy, HiSparse
-  counters per layer, speculative counters;
+  counters per layer, dynamic residency (requests resident and demoted, demotions, promotions and
+  the bytes each moved), speculative counters;
 * what the server observes per request (``ServerMetrics``): prompt tokens accepted, latency
   histograms from each request's final metrics (time to first token, end-to-end, queue time, time
   per output token), inter-token latency as the server receives the deltas (a delta of k tokens
@@ -63,6 +64,8 @@ class EngineCollector(Collector):
             yield from _kv_cache(stats["kv_cache"])
         if stats.get("hisparse"):
             yield from _hisparse(stats["hisparse"])
+        if stats.get("residency"):
+            yield from _residency(stats["residency"])
         if stats.get("speculative"):
             yield from _speculative(stats["speculative"])
         if stats.get("prefix_cache"):
@@ -133,6 +136,23 @@ def _hisparse(hs: dict[str, list[int]]) -> Iterator[Metric]:
         for layer, value in enumerate(hs[key]):
             family.add_metric([str(layer)], value)
         yield family
+
+
+def _residency(res: dict[str, Any]) -> Iterator[Metric]:
+    """Dynamic residency (HiSparse only): where the decode rows' KV lives now, and the moves so far."""
+    info = GaugeMetricFamily(PREFIX + "residency_config_info", "Residency mode (label).", labels=["mode"])
+    info.add_metric([str(res["mode"])], 1)
+    yield info
+    yield _gauge("num_requests_resident", "Requests whose whole context is on the device.", res["resident"])
+    yield _gauge(
+        "num_requests_demoted", "Requests decoding through the hot buffer over the host copy.", res["demoted"]
+    )
+    yield _counter("residency_demotions", "Requests demoted (device -> hot buffer).", res["demotions"])
+    yield _counter("residency_promotions", "Requests promoted (hot buffer -> device).", res["promotions"])
+    yield _counter("residency_demoted_bytes", "Device bytes freed by demotions.", res["demoted_bytes"])
+    yield _counter(
+        "residency_promoted_bytes", "Bytes copied host -> device by promotions.", res["promoted_bytes"]
+    )
 
 
 def _speculative(spec: dict[str, Any]) -> Iterator[Metric]:

@@ -477,3 +477,168 @@ def test_spans_the_collector_refuses_are_an_error(collector, log_path, tmp_path,
     assert cli(["trace", str(log_path), "--otlp-traces-endpoint", "localhost:4318",
                 "--out-html", str(tmp_path / "t.html")]) == 2
     assert "not an http(s) URL" in capsys.readouterr().err
+
+
+# --- dynamic residency: demotions and promotions ------------------------------------------------------
+
+
+def residency_log() -> LogWriter:
+    """f is demoted while READY, promoted in decode, demoted again and finishes; g is never moved; h is
+    demoted in decode and still live when the log ends."""
+    log = LogWriter()
+    for rid, t in (("f", 0.0), ("g", 0.0), ("h", 0.01)):
+        log.submit(rid, t)
+    for rid in "fgh":
+        log.apply(rid, 0.02, "Admitted", "prefill", "admission", batch_size=3, queued=0, cached_tokens=0)
+    for rid in "fgh":
+        log.apply(rid, 0.10, "PrefillDone", "staging", "prefill", prefill_tokens=7, **step(70, 3))
+        log.apply(rid, 0.11, "StagingDone", "ready", "staging")
+    log.apply("f", 0.115, "Demoted", "ready", "admission", freed_bytes=4096)
+    for rid in "fgh":
+        log.apply(rid, 0.12, "JoinedBatch", "decode", batch_size=3)
+    log.apply("f", 0.17, "StepDone", "decode", **step(40, 3))
+    log.apply("g", 0.17, "StepDone", "decode", **step(40, 3))
+    log.apply("h", 0.17, "StepDone", "decode", **step(40, 3))
+    log.apply("f", 0.18, "Promoted", "decode", copied_bytes=8192)
+    log.apply("h", 0.19, "Demoted", "decode", freed_bytes=2048)
+    log.apply("f", 0.22, "StepDone", "decode", **step(40, 3))
+    log.apply("g", 0.22, "StepDone", "decode", **step(40, 3))
+    log.apply("f", 0.23, "Demoted", "decode", freed_bytes=6144)
+    log.apply("g", 0.25, "Finished", "finished", reason="length", output_tokens=3)
+    log.apply("f", 0.30, "Finished", "finished", reason="stop", output_tokens=3)
+    log.apply("h", 0.31, "StepDone", "decode", **step(40, 1))
+    return log
+
+
+def test_demotions_and_promotions_replay_and_keep_the_stretch():
+    records = residency_log().records
+    final = {k: v.value for k, v in replay(records).items()}
+    assert final == {"f": "finished", "g": "finished", "h": "decode"}
+    rows = {r.request_id: r for r in build_rows(records)}
+    f = rows["f"]
+    assert [b.state for b in f.bands] == ["queued", "prefill", "staging", "ready", "decode"]
+    ready, decode = f.bands[3], f.bands[4]
+    assert ready.events == 2 and ready.end == pytest.approx(T0 + 0.12)  # staged, then demoted
+    assert decode.events == 5 and decode.entered_by == "JoinedBatch"  # joined, 2 steps, 2 moves
+    assert [(m.kind, m.state, m.num_bytes, m.bytes_field) for m in f.marks] == [
+        ("demoted", "ready", 4096, "freed_bytes"),
+        ("promoted", "decode", 8192, "copied_bytes"),
+        ("demoted", "decode", 6144, "freed_bytes"),
+    ]
+    assert [m.at - T0 for m in f.marks] == pytest.approx([0.115, 0.18, 0.23])
+    assert (f.count("demoted"), f.count("promoted")) == (2, 1)
+    assert rows["g"].marks == ()
+    h = rows["h"]  # live at the end of the log: the mark is kept though its stretch has no end yet
+    assert [(m.kind, m.state) for m in h.marks] == [("demoted", "decode")] and h.end is None
+    # the state filter still sees every state a moved request went through; the mark filter finds them
+    ids = lambda kept: [r.request_id for r in kept]  # noqa: E731
+    assert ids(select(rows.values(), states=["ready"])) == ["f", "g", "h"]
+    assert ids(select(rows.values(), states=["finished"])) == ["f", "g"]
+    assert ids(select(rows.values(), marks=["demoted"])) == ["f", "h"]
+    assert ids(select(rows.values(), marks=["promoted"])) == ["f"]
+    assert ids(select(rows.values(), states=["finished"], marks=["demoted"])) == ["f"]
+    stats = {s.state: s for s in state_durations(list(rows.values()))}
+    assert stats["ready"].stretches == stats["decode"].stretches == 3  # a move starts no stretch
+    # generate's one-line trace: a move is no new entry either
+    from pipeline.generate import compact_trace
+    from pipeline.logs import by_request
+
+    line = compact_trace(by_request(records)["f"], T0)
+    assert "> ready +0.110s > decode +0.120s (3 steps) > finished" in line
+
+
+def test_the_timeline_draws_a_marker_per_move(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "residency.jsonl"
+    residency_log().write(path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    assert cli(["trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "demoted: 3 times, 2 requests, 12288 bytes freed on the device" in out
+    assert "promoted: 1 time, 1 request, 8192 bytes copied host -> device" in out
+    page = path.with_suffix(".html").read_text()
+    marks = page.count('<text class="mark"')
+    assert marks == 4 and page.count("\u25bc<title>") == 3 and page.count("\u25b2<title>") == 1
+    assert "f: promoted in decode at 0.1800s (copied_bytes 8192)" in page
+    assert "f: demoted in ready at 0.1150s (freed_bytes 4096)" in page
+    assert "<th>demoted</th><th>promoted</th>" in page
+    html = tmp_path / "promoted.html"
+    assert cli(["trace", str(path), "--mark", "promoted", "--out-html", str(html)]) == 0
+    page = html.read_text()
+    assert "1 of 3 requests" in page and "--mark promoted" in page and ">f</text>" in page
+    assert ">h</text>" not in page
+    assert cli(["trace", str(path), "--state", "finished", "--mark", "demoted", "--out-html", str(html)]) == 0
+    assert "1 of 3 requests" in html.read_text()
+    # a log without moves: no marker, no column, no summary
+    plain = tmp_path / "plain.jsonl"
+    server_log().write(plain)
+    capsys.readouterr()
+    assert cli(["trace", str(plain)]) == 0
+    assert "demoted" not in capsys.readouterr().out
+    page = plain.with_suffix(".html").read_text()
+    assert 'class="mark"' not in page and "<th>demoted</th>" not in page
+
+
+def test_the_png_draws_the_moves(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "residency.jsonl"
+    residency_log().write(path)
+    png = tmp_path / "t.png"
+    assert cli(["trace", str(path), "--out-png", str(png), "--out-html", str(tmp_path / "t.html")]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_perfetto_instant_events_on_the_request_track(tmp_path):
+    records = residency_log().records
+    doc = perfetto_trace(build_rows(records), executor_commands(records))
+    slices = check_trace_events(doc)
+    threads = {e["args"]["name"]: e["tid"] for e in doc["traceEvents"] if e["name"] == "thread_name"
+               and e["pid"] == 1}
+    moves = [e for e in doc["traceEvents"] if e.get("cat") == "residency"]
+    assert [(e["name"], e["tid"], e["args"]) for e in moves] == [
+        ("demoted", threads["f"], {"request_id": "f", "state": "ready", "freed_bytes": 4096}),
+        ("promoted", threads["f"], {"request_id": "f", "state": "decode", "copied_bytes": 8192}),
+        ("demoted", threads["f"], {"request_id": "f", "state": "decode", "freed_bytes": 6144}),
+        ("demoted", threads["h"], {"request_id": "h", "state": "decode", "freed_bytes": 2048}),
+    ]
+    assert all(e["ph"] == "i" and e["s"] == "t" and e["pid"] == 1 for e in moves)
+    # microseconds since the first event (the first submission, at T0)
+    assert [e["ts"] for e in moves] == pytest.approx([0.115e6, 0.18e6, 0.23e6, 0.19e6])
+    lifecycle = [s for s in slices if s["cat"] == "lifecycle"]
+    ended = [e for e in doc["traceEvents"] if e["ph"] == "i" and e["cat"] == "lifecycle"]
+    submitted = sum(1 for r in records if r["event"] == "request.submitted")
+    # the moves are no state change: a slice per state entered, as without them
+    assert len(lifecycle) + len(ended) == state_changes(records) + submitted
+    f_decode = next(s for s in lifecycle if s["tid"] == threads["f"] and s["name"] == "decode")
+    assert f_decode["args"]["events"] == 5 and f_decode["dur"] == pytest.approx(0.18e6)
+
+
+def test_otlp_span_events_on_the_request_span(collector, tmp_path, capsys):
+    path = tmp_path / "residency.jsonl"
+    residency_log().write(path)
+    assert cli(["trace", str(path), "--otlp-traces-endpoint", collector.url,
+                "--out-html", str(tmp_path / "t.html")]) == 0
+    records = read_json_lines(path)
+    children = check_request_spans(collector.spans, records)
+    assert children["f"] == ["queued", "prefill", "staging", "ready", "decode"]
+    roots = {
+        next(a.value.string_value for a in s.attributes if a.key == "hispec.request_id"): s
+        for s in collector.spans if s.name == "hispec.request"
+    }
+
+    def events(rid: str) -> list[tuple]:
+        return [
+            (ev.name, {a.key: (a.value.string_value or a.value.int_value) for a in ev.attributes},
+             ev.time_unix_nano)
+            for ev in roots[rid].events
+        ]
+
+    f = events("f")
+    assert [(name, attributes) for name, attributes, _ in f] == [
+        ("demoted", {"hispec.state": "ready", "hispec.freed_bytes": 4096}),
+        ("promoted", {"hispec.state": "decode", "hispec.copied_bytes": 8192}),
+        ("demoted", {"hispec.state": "decode", "hispec.freed_bytes": 6144}),
+        ("finished", {"hispec.finish_reason": "stop"}),
+    ]
+    assert abs(f[1][2] - round((T0 + 0.18) * 1e9)) < 10_000
+    assert [name for name, _, _ in events("g")] == ["finished"]
+    assert [name for name, _, _ in events("h")] == ["demoted"]  # live: no end event

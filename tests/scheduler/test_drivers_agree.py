@@ -27,7 +27,8 @@ from pipeline.executor import Executor
 
 LIFECYCLE = {
     "Admitted", "PrefillDone", "FinishedAtPrefill", "StagingDone", "JoinedBatch", "DraftStarted",
-    "DraftDone", "Verified", "StepDone", "Finished", "AbortRequested", "Crashed", "Retracted",
+    "DraftDone", "Verified", "StepDone", "Demoted", "Promoted", "Finished", "AbortRequested", "Crashed",
+    "Retracted",
 }
 
 workloads = st.lists(

@@ -3,12 +3,13 @@
 A shadow model written from statemachines/request.py's theory of operation says what may happen to
 a request in which state, and where it leads: admission, prompt chunks, the end of prefill (or a
 first token that ends it), staging, joining the batch, plain steps, draft and verify rounds,
-retraction under memory pressure, finishes, and aborts and crashes in any live state. Several
-requests live at once; a rule picks one of the model's edges and a live request, walks the request
-there along the model's shortest way, and takes the edge, each happening through ``advance``,
-which must reach the model's state; another rule tries an event the model says cannot happen, which
-must raise and change nothing (terminal states absorb nothing). So every edge of the table is walked,
-and an edge missing from it, or one too many, fails a rule.
+retraction under memory pressure, demotion and promotion (dynamic residency: a READY or DECODE
+request's KV leaves the device or comes back, its state unchanged), finishes, and aborts and crashes
+in any live state. Several requests live at once; a rule picks one of the model's edges and a live
+request, walks the request there along the model's shortest way, and takes the edge, each happening
+through ``advance``, which must reach the model's state; another rule tries an event the model says
+cannot happen, which must raise and change nothing (terminal states absorb nothing). So every edge
+of the table is walked, and an edge missing from it, or one too many, fails a rule.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from statemachines.request import (
     Admitted,
     ChunkDone,
     Crashed,
+    Demoted,
     DraftDone,
     DraftStarted,
     Event,
@@ -33,6 +35,7 @@ from statemachines.request import (
     IllegalTransition,
     JoinedBatch,
     PrefillDone,
+    Promoted,
     Retracted,
     StagingDone,
     State,
@@ -44,7 +47,8 @@ from statemachines.request import (
 S = State
 LIVE = frozenset(S) - TERMINAL
 # the model, written from the theory of operation: what may happen in which state, and where it leads
-HAPPENINGS: dict[type[Event], tuple[frozenset[State], State]] = {
+# (None: the state stays as it was, as a demotion or a promotion leaves it)
+HAPPENINGS: dict[type[Event], tuple[frozenset[State], State | None]] = {
     Admitted: (frozenset({S.QUEUED}), S.PREFILL),
     ChunkDone: (frozenset({S.PREFILL}), S.PREFILL),
     PrefillDone: (frozenset({S.PREFILL}), S.STAGING),
@@ -57,6 +61,8 @@ HAPPENINGS: dict[type[Event], tuple[frozenset[State], State]] = {
     Verified: (frozenset({S.VERIFY}), S.DECODE),
     Finished: (frozenset({S.DECODE, S.VERIFY}), S.FINISHED),
     Retracted: (frozenset({S.PREFILL, S.READY, S.DECODE}), S.QUEUED),
+    Demoted: (frozenset({S.READY, S.DECODE}), None),
+    Promoted: (frozenset({S.READY, S.DECODE}), None),
     AbortRequested: (LIVE, S.ABORTED),
     Crashed: (LIVE, S.FAILED),
 }
@@ -74,7 +80,7 @@ def path(start: State, goal: State) -> list[type[Event]]:
         if state is goal:
             return seen[state]
         for event, (sources, target) in HAPPENINGS.items():
-            if state in sources and target not in TERMINAL and target not in seen:
+            if state in sources and target is not None and target not in TERMINAL and target not in seen:
                 seen[target] = [*seen[state], event]
                 frontier.append(target)
     raise AssertionError(f"the model has no way from {start} to {goal}")
@@ -93,9 +99,10 @@ class LifecycleMachine(RuleBasedStateMachine):
 
     def _apply(self, i: int, event: type[Event]) -> None:
         """``event`` happens to request ``i``: the state becomes the one the model says."""
-        sources, target = HAPPENINGS[event]
+        sources, leads_to = HAPPENINGS[event]
         before = self.model[i]
         assert before in sources
+        target = before if leads_to is None else leads_to
         self.states[i] = advance(self.states[i], event())
         self.model[i] = target
         assert self.states[i] is target, f"{event.__name__} in {before.name} must lead to {target.name}"

@@ -15,6 +15,7 @@ from statemachines.request import (
     Admitted,
     ChunkDone,
     Crashed,
+    Demoted,
     DraftDone,
     DraftStarted,
     Finished,
@@ -22,6 +23,7 @@ from statemachines.request import (
     IllegalTransition,
     JoinedBatch,
     PrefillDone,
+    Promoted,
     Retracted,
     StagingDone,
     State,
@@ -49,6 +51,10 @@ EXPECTED_EDGES = (
         (S.PREFILL, Retracted, S.QUEUED),
         (S.READY, Retracted, S.QUEUED),
         (S.DECODE, Retracted, S.QUEUED),
+        (S.READY, Demoted, S.READY),
+        (S.READY, Promoted, S.READY),
+        (S.DECODE, Demoted, S.DECODE),
+        (S.DECODE, Promoted, S.DECODE),
     }
     | {(s, AbortRequested, S.ABORTED) for s in S if s not in TERMINAL}
     | {(s, Crashed, S.FAILED) for s in S if s not in TERMINAL}
