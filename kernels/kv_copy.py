@@ -17,18 +17,30 @@ device -> device   ``move_rows(kv, dst_slots, src_slots)``    last accepted toke
 Destinations must be distinct (otherwise the result would depend on the copy order), and when source
 and destination are the same tensor the two index sets must be disjoint for the same reason. The
 wrapper checks both and the index ranges (``validate=True``, the default; it synchronises on CUDA).
-The Triton kernel runs when every tensor is on CUDA; a copy between host and device memory goes
-through torch (a Triton kernel cannot address host memory); a copy in CPU memory between pools of
-one element type runs a compiled loop over the rows' bits (``kernels.kv_copy_numba``).
+The Triton kernel runs when every tensor is on CUDA, and for a copy between a CUDA pool and host
+memory the device addresses (``host_addressable``: page-locked memory is mapped into the device's
+address space, at the same address, under unified addressing): the kernel then reads or writes the
+host rows itself, on the current stream, and the call returns before the copy has run. A copy with
+pageable host memory goes through torch, which waits for the stream (a blocking copy and a gather
+or scatter on the CPU), as does every such copy once a launch addressing host memory has failed
+(logged once). A copy in CPU memory between pools of one element type runs a compiled loop over
+the rows' bits (``kernels.kv_copy_numba``).
 """
 
 from __future__ import annotations
 
+import structlog
 import torch
 
-from kernels.checks import check_index_range, check_tensor, check_unique, resolve_impl
+from kernels.checks import check_index_range, check_tensor, check_unique, resolve_impl, triton_available
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+log = structlog.get_logger("hispec.kernels")
+
+# The first failure of a launch that addresses host memory, if any: from then on every copy with
+# host memory goes through torch (one warning, not one per copy).
+_host_launch_failure: str | None = None
 
 
 def copy_rows_reference(
@@ -39,6 +51,10 @@ def copy_rows_reference(
     ``index_select`` / ``index_copy_`` on one layer's ``[rows, dim]``: on a CPU they beat advanced
     indexing and the same calls along dim 1 of ``[L, rows, dim]`` (docs/performance-notes.md).
     """
+    if src.device.type == "cpu" and dst.is_cuda:
+        # host rows gathered on the CPU: first the device work queued before this copy, which may
+        # include a copy writing them that the caller ordered on the stream (``order_after``)
+        torch.cuda.current_stream(dst.device).synchronize()
     si, di = src_idx.to(src.device).long(), dst_idx.to(dst.device).long()
     # Non-blocking only towards a device: the host-side index_copy_ below would read a non-blocking
     # device->host copy before it has landed (torch returns at once into pinned memory).
@@ -93,7 +109,8 @@ def copy_rows_unchecked(
 ) -> None:
     """``copy_rows`` without the argument checks: for callers that built every argument themselves
     (a swap-in's misses), where the checks are per-call overhead only. ``impl="auto"`` on CPU
-    tensors of one element type runs the compiled loop (``kernels.kv_copy_numba``)."""
+    tensors of one element type runs the compiled loop (``kernels.kv_copy_numba``), and between a
+    CUDA pool and pinned host memory the kernel addressing the host rows (``mapped_copy``)."""
     if dst_idx.numel() == 0:
         return
     if impl == "auto":
@@ -102,12 +119,75 @@ def copy_rows_unchecked(
         if kv_copy_numba.fits(dst, dst_idx, src, src_idx):
             kv_copy_numba.copy_rows_numba(dst, dst_idx, src, src_idx)
             return
+        if mapped_copy(dst, src) and copy_rows_mapped(dst, dst_idx, src, src_idx):
+            return
     if resolve_impl(impl, (dst, dst_idx, src, src_idx)) == "triton":
         from kernels.kv_copy_triton import copy_rows_triton
 
         copy_rows_triton(dst, dst_idx, src, src_idx)
     else:
         copy_rows_reference(dst, dst_idx, src, src_idx)
+
+
+def host_addressable(t: torch.Tensor) -> bool:
+    """Whether ``t`` is host memory that a kernel on the CUDA device can address: page-locked
+    memory of a CUDA build (torch's pinned allocations are mapped into the device's address space
+    at the same address under unified addressing, so Triton's launcher accepts their pointers)."""
+    return t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
+
+
+def mapped_copy(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``impl="auto"`` runs a copy between ``dst`` and ``src`` as the Triton kernel
+    addressing the host side directly: one side on CUDA, the other ``host_addressable``, Triton
+    installed, and no launch addressing host memory has failed in this process."""
+    crosses = (dst.is_cuda and host_addressable(src)) or (src.is_cuda and host_addressable(dst))
+    return crosses and _host_launch_failure is None and triton_available()
+
+
+def host_launch_failure() -> str | None:
+    """Why copies with host memory go through torch, when a launch addressing it has failed."""
+    return _host_launch_failure
+
+
+def _index_on(idx: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``idx`` on ``device``. From host memory through a pinned block of its own: the copy is then
+    asynchronous (from pageable memory the CPU would wait for the stream), the caller may reuse
+    ``idx`` at once, and torch keeps the block until the copy has run."""
+    if idx.device == device:
+        return idx.contiguous()
+    block = torch.empty(idx.shape, dtype=idx.dtype, pin_memory=True)
+    block.copy_(idx)
+    return block.to(device, non_blocking=True)
+
+
+def copy_rows_mapped(
+    dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
+) -> bool:
+    """The Triton copy between device memory and ``host_addressable`` host memory, queued on the
+    current stream (the CPU does not wait); index pairs with a negative index are skipped. False,
+    with no row copied, when it cannot be launched (no Triton, or the launch failed: the first
+    failure is logged and turns this path off for the process); the caller then copies by torch.
+
+    Until the stream has run the copy, the host rows it writes are not there yet and the ones it
+    reads must not change: a CPU reader or writer of those rows waits for the stream first."""
+    global _host_launch_failure
+    if _host_launch_failure is not None or not triton_available():
+        return False
+    device = dst.device if dst.is_cuda else src.device
+    try:
+        from kernels.kv_copy_triton import copy_rows_triton
+
+        copy_rows_triton(dst, _index_on(dst_idx, device), src, _index_on(src_idx, device))
+    except Exception as exc:  # a launch error must not fail the copy: torch can still make it
+        _host_launch_failure = f"{type(exc).__name__}: {exc}"
+        log.warning(
+            "kernels.kv_copy_host_fallback",
+            error=_host_launch_failure,
+            dst=f"{dst.device} {dst.dtype}",
+            src=f"{src.device} {src.dtype}",
+        )
+        return False
+    return True
 
 
 def scatter_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, **kw) -> None:

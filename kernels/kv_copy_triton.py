@@ -3,7 +3,9 @@
 Grid ``(cdiv(n, BLOCK_R), L)``: a program copies ``BLOCK_R`` rows of one layer, ``BLOCK_D`` columns
 at a time. Pairs with a negative index are skipped, which lets swap-in hand over its copy plan
 (``-1`` where an entry loads nothing) without compacting it first; the public wrapper never passes
-negative indices.
+negative indices. Either pool may be pinned host memory (``kernels.kv_copy.copy_rows_mapped``
+decides): the kernel then loads or stores its rows through the device address the driver maps
+them at, and the index tensors must be on the device.
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ Two launches:
 1. ``_swap_in_kernel``, one program per request, walks the steps in order and updates that request's
    ``buffer_tokens`` / ``lru`` rows in place; it writes the slots, the counters and a *copy plan*
    (host slot -> device slot per entry, -1 where the entry loads nothing).
-2. the row-copy kernel of ``kernels.kv_copy_triton`` runs the plan (or torch, when ``host_kv`` is host
-   memory that a kernel cannot address).
+2. the row-copy kernel of ``kernels.kv_copy_triton`` runs the plan, reading ``host_kv`` where it is:
+   device memory, or pinned host memory through its device address (torch runs it instead for
+   pageable host memory, or once a launch addressing host memory has failed).
 
 No tile spans a whole row: a step walks the top-k row and the newest/draft columns ``TILE_K`` at a
 time, the hot columns ``TILE_H`` at a time, so the registers do not grow with ``top_k`` or ``hot``
@@ -39,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
+from kernels.kv_copy import copy_rows_mapped, mapped_copy
 from kernels.swap_in_policy import FAR as _FAR
 from kernels.swap_in_policy import KEY_SHIFT as _KEY_SHIFT
 from kernels.swap_in_policy import policy_code
@@ -477,14 +479,26 @@ def _swap_in_kernel(
 
 
 def _run_plan(host_kv, device_kv, src, dst) -> None:
-    """Execute the copy plan ``device_kv[dst] = host_kv[src]`` where ``dst >= 0``."""
+    """Execute the copy plan ``device_kv[dst] = host_kv[src]`` where ``dst >= 0``: the row-copy
+    kernel, driven by the plan where the swap-in kernel wrote it, reading ``host_kv`` directly when
+    it is on the device or in pinned host memory (device work on the current stream: a backup
+    ordered before the swap-in has written its host rows by then); torch otherwise."""
     if host_kv.device == device_kv.device:
         from kernels.kv_copy_triton import copy_rows_triton
 
         copy_rows_triton(device_kv, dst, host_kv, src)
-        return
-    keep = dst >= 0  # host memory: a kernel cannot read it, so torch gathers and copies
-    device_kv[dst[keep]] = host_kv[src[keep].to(host_kv.device)].to(device_kv.device, non_blocking=True)
+    elif not (mapped_copy(device_kv, host_kv) and copy_rows_mapped(device_kv, dst, host_kv, src)):
+        _run_plan_through_host(host_kv, device_kv, src, dst)
+
+
+def _run_plan_through_host(host_kv, device_kv, src, dst) -> None:
+    """The plan by torch, for pageable host memory (or after a failed launch): reading the plan back
+    waits for the current stream, and with it for every backup ordered before the swap-in
+    (``order_after``), so the gather on the CPU reads no host row a backup is still writing."""
+    keep = dst >= 0
+    host_src = src[keep].to(host_kv.device)
+    rows = host_kv[host_src].to(device_kv.device, non_blocking=True)
+    device_kv[dst[keep]] = rows
 
 
 def swap_in_triton(

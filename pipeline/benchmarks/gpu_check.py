@@ -9,8 +9,10 @@
    contexts:
 
    * swap-in GB/s: ``swap_in`` calls whose every top-k position misses (host rows in pinned memory,
-     as the engine keeps them), timed around each call, beside the same rows' gathered copy alone
-     and a plain pinned host->device copy of the same bytes: the link's limit on this machine;
+     as the engine keeps them, which the row-copy kernel reads directly), timed around each call,
+     beside the same rows' gathered copy alone and a plain pinned host->device copy of the same
+     bytes: the link's limit on this machine; and what made the host copies (the kernel, or torch
+     after a failed launch, with the error);
    * decode tokens/s of one request, HiSparse beside all-resident, alternating run by run (the
      order reversed every other repeat): the ratio's median and range, paired repeat by repeat;
    * one device memory budget (about two resident requests of the context): the seats each mode's
@@ -215,7 +217,7 @@ def swap_in_bandwidth(p: Profile, model_cfg, device: torch.device) -> dict[str, 
     """Each request's top-k positions all miss (every call takes the next block of K positions past
     the ones its hot region holds): GB/s of the ``swap_in`` call, of its rows' gathered copy alone,
     and of one contiguous copy of as many bytes (pinned host -> device on CUDA: the link's limit)."""
-    from kernels.kv_copy import load_rows
+    from kernels.kv_copy import host_launch_failure, load_rows
     from kernels.swap_in import SwapInResult, swap_in
 
     r, hot, k, ctx, extra = p.swap_requests, p.hot, p.top_k, p.context, p.page
@@ -287,7 +289,18 @@ def swap_in_bandwidth(p: Profile, model_cfg, device: torch.device) -> dict[str, 
         "limit": "pinned host->device copy of one contiguous block of the same bytes" if pinned
         else "a contiguous copy of the same bytes in CPU memory (no link: host and device share it)",
         "swap_in_call_ms": 1e3 * median(swap_s),
+        "host_copies": host_copies(pinned, host_launch_failure()),
     }  # fmt: skip
+
+
+def host_copies(pinned: bool, failure: str | None) -> str:
+    """What made the copies with the pinned host rows: the row-copy kernel, or torch after a failed
+    launch (``kernels.kv_copy.host_launch_failure``)."""
+    if not pinned:
+        return "torch or the compiled loop: host and device share the CPU's memory"
+    if failure is not None:
+        return f"torch: a launch addressing host memory failed ({failure})"
+    return "the row-copy kernel, through the pinned rows' device address"
 
 
 # --- 2b. decode of one request: HiSparse beside resident ------------------------------------------
@@ -538,6 +551,7 @@ def main(argv: list[str]) -> int:
         print(f"{budget.outcomes[part]}: {part}: {why}")
     if parts["swap_in"] is not None:
         print(f"swap-in limit: {parts['swap_in']['limit']}")
+        print(f"host copies: {parts['swap_in']['host_copies']}")
     choices = kernel_choices(profile, device)
     if choices is not None:
         said = "; ".join(f"{c['op']} {c['impl']} ({c['reason']})" for c in choices)

@@ -155,7 +155,9 @@ def prefill_swap_rounds(
             src = host_map[missed]
             if bool((src < 0).any()):
                 raise RuntimeError(f"row {row} layer {layer}: an earlier prompt position has no host copy")
-            device_kv[locs[victims]] = to_device(host_kv, src, device_kv.device)  # (a pinned block on CUDA)
+            # a CPU gather (through a pinned block on CUDA): ``prefill_targets`` waited for the copies
+            # that wrote these rows (the previous chunks'; a shared prefix's landed before it was cached)
+            device_kv[locs[victims]] = to_device(host_kv, src, device_kv.device)
             held[victims] = missed
             col_of[missed] = victims
         order = torch.cat([free[missed.numel() :], order[wanted[order]], victims])

@@ -15,7 +15,12 @@ Two ways to wait for a copy, for two kinds of reader:
   handle, so it still reaches the request the copy was for.
 
 * On CUDA, a side stream: the copy waits for the work already queued on the current stream, runs on
-  the side stream, and records an event that ``query`` polls.
+  the side stream, and records an event that ``query`` polls. Between a device pool and pinned host
+  memory the copy is the row-copy kernel addressing the host rows directly (``kernels.kv_copy``), so
+  ``copy_rows`` returns before the copy has run, and the host rows it writes are there only once
+  its event has completed: a CPU reader of them waits first (``wait``), a device reader is ordered
+  after it (``order_after``). With pageable host memory, or once such a launch has failed, torch
+  makes the copy and the CPU waits for it inside ``copy_rows``.
 * On CPU, one worker thread runs the copies in order; ``query`` asks the future.
 
 ``docs/cuda.md`` lists every point of the decode path that still waits on the CPU, and why.
@@ -175,7 +180,9 @@ class _EventHandle:  # pragma: no cover - needs a GPU
 
 
 class CudaTransferStream:  # pragma: no cover - needs a GPU
-    """GPU transfers on a side stream, ordered after the work queued when they were issued."""
+    """GPU transfers on a side stream, ordered after the work queued when they were issued. A copy
+    to or from the pinned host pool is device work on the side stream: nothing in ``copy_rows``
+    waits for the device (the host slots go to the device through a pinned block of their own)."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name

@@ -11,7 +11,10 @@ Every host tensor a copy to or from a CUDA device reads or writes is pinned (pag
 the copy is asynchronous and a side stream can run it: the host pool, the draft pool's rows kept on
 host, and the staging blocks rows are gathered into on their way to the device (``to_device``).
 The prefix cache keeps its pages in the host pool. ``pins_for`` is the one decision, ``host_zeros``
-and ``host_empty`` the allocations that follow it.
+and ``host_empty`` the allocations that follow it. Pinned, the host pool is also addressed by the
+row-copy kernel directly (``kernels.kv_copy.host_addressable``): the backups and staging copies
+write it, and the swap-in reads it, as device work. So a CPU read of the pool (``to_device``, the
+integrity checks) must come after a wait for the copies that write the rows it reads.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> t
 def to_device(host: torch.Tensor, index: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``host[index]`` (rows of a host tensor, along its first dim) on ``device``. Towards CUDA the
     rows are gathered into a pinned staging block first, so that the copy to the device is
-    asynchronous (from pageable memory the CPU would wait for it)."""
+    asynchronous (from pageable memory the CPU would wait for it).
+
+    The gather reads ``host`` on the CPU at once: every device copy writing those rows must have
+    been waited for (a prefill chunk's host rows: ``prefill_targets`` waits for the previous
+    chunk's copy; the draft pool's host rows are written on the CPU, by blocking copies)."""
     index = index.to(host.device)
     if not pins_for(device):
         return host.index_select(0, index).to(device)

@@ -41,6 +41,7 @@ def test_the_benchmark_at_tiny_sizes(capsys):
     swap, decode, seats = parts["swap_in"], parts["decode"], parts["budget"]
     assert swap is not None and decode is not None and seats is not None
     assert swap["all_missed"]
+    assert swap["host_copies"] == gpu_check.host_copies(False, None)  # (no pinned memory on a CPU)
     assert swap["bytes_per_call"] == TINY.swap_requests * TINY.top_k * swap["row_bytes"]
     assert decode["repeats"] == TINY.repeats and decode["misses_per_token"] > 0
     assert seats["seats"]["hisparse"] > seats["seats"]["resident"] >= 2

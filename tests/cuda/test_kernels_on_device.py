@@ -7,8 +7,9 @@ swap-in (against the reference on the CPU) and the row copies exactly (results, 
 table, canaries), the indexer's selection exactly on inputs whose scores are exact (small
 integers), sparse MLA to the dtype's rounding against the reference in float64 on the device.
 On CUDA the host KV pool of the swap-in and of the copies lives in pinned host memory, as the
-engine keeps it, or on the device. Sparse MLA and the indexer also read FP8 caches (``uint8``
-rows in ``kernels.kv_fp8``'s layout), and the copies move such rows.
+engine keeps it (the row-copy kernel then addresses it directly), or on the device. Sparse MLA and
+the indexer also read FP8 caches (``uint8`` rows in ``kernels.kv_fp8``'s layout), and the copies
+move such rows.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 from _device_sizes import KernelCase, Sizes
 
-from kernels import kv_fp8
+from kernels import kv_copy, kv_fp8
 from kernels.indexer_topk import indexer_topk
 from kernels.kv_copy import backup_rows, copy_rows, load_rows
 from kernels.sparse_mla import sparse_mla, sparse_mla_reference
@@ -68,12 +69,22 @@ def _on(world: World, device: torch.device, host: str) -> World:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_swap_in_equals_reference(device, sizes, swap_case, dtype, host):
-    """(``swap_case`` and ``host`` are parametrized by the conftest, from the sizes and the device.)"""
+def test_swap_in_equals_reference(device, sizes, swap_case, dtype, host, monkeypatch):
+    """(``swap_case`` and ``host`` are parametrized by the conftest, from the sizes and the device.)
+    From pinned host memory the row-copy kernel loads the rows, driven by the plan on the device:
+    the CPU path of the plan must not run."""
     case = swap_case
     ref_world = _loading_world(case, sizes.row_dim, dtype)
     world = _on(ref_world, device, host)
     before = world.clone()
+    if host == "pinned":
+        from kernels import swap_in_triton
+
+        def refused(*args) -> None:
+            why = kv_copy.host_launch_failure()
+            raise AssertionError(f"the swap-in's host loads went through the CPU ({why})")
+
+        monkeypatch.setattr(swap_in_triton, "_run_plan_through_host", refused)
     got = swap_in(*world.args(), impl="auto", policy=DEFAULT_POLICY, validate=True)
     want = swap_in(*ref_world.args(), impl="torch", policy=DEFAULT_POLICY, validate=True)
     assert_same(world, got, ref_world, want, f"{case.id} {dtype} host on {host}")

@@ -1,5 +1,6 @@
-"""The transfer layer on the device: stream-ordered waits, pinned host memory, and a decode step of
-the coordinator that waits on the CPU for no copy (``docs/cuda.md``).
+"""The transfer layer on the device: stream-ordered waits, pinned host memory, the row copies that
+address it (equal to the reference, and issued without a CPU wait), and a decode step of the
+coordinator that waits on the CPU for no copy (``docs/cuda.md``).
 
 On CUDA the copies run on side streams and ``order_after`` only makes the current stream wait; on
 a CPU (``HISPEC_TEST_DEVICE=cpu``) the same bodies run over the worker-thread stream, where it
@@ -11,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import kv_copy
+from kernels.kv_copy import copy_rows, copy_rows_reference, load_rows
 from pipeline.capacity import MemoryPlan
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.transfer import TransferHandle, TransferStream, make_transfer_stream
@@ -19,6 +22,12 @@ from pipeline.memory.host_pool import host_zeros, pins_for, to_device
 pytestmark = pytest.mark.cuda
 
 HOT, PAGE = 16, 8
+SLEEP_CYCLES = 1 << 31  # device work the copies under test are queued behind
+
+
+def _cuda_only(device: torch.device) -> None:
+    if device.type != "cuda":
+        pytest.skip("pinned host memory and stream order are CUDA's")
 
 
 class Recorded:
@@ -56,9 +65,8 @@ class RecordedStream:
 
 def test_an_overwrite_ordered_after_a_copy_does_not_reach_it(device):
     """The source is overwritten on the current stream right after ``order_after``: the host holds
-    the rows as they were when the copy was issued. (While the device-to-host copy is torch's
-    blocking one, docs/cuda.md item 6, it has landed before ``copy_rows`` returns, so this checks the
-    result, not yet the ordering; it will once the copy runs on the side stream.)"""
+    the rows as they were when the copy was issued. (On CUDA the copy to the pinned host pool is the
+    row-copy kernel on the side stream, so only the ordering keeps the overwrite out of it.)"""
     stream = make_transfer_stream("t", device)
     src = torch.randn(2, 4096, 64, device=device)
     before = src.to("cpu", copy=True)
@@ -123,3 +131,91 @@ def test_a_decode_step_waits_on_the_cpu_for_no_copy(device):
     for row in rows:
         coord.release(row)
     coord.close()
+
+
+def test_pinned_host_memory_is_addressed_by_the_kernel(device):
+    _cuda_only(device)
+    assert kv_copy.host_addressable(torch.zeros(4).pin_memory())
+    assert not kv_copy.host_addressable(torch.zeros(4))
+    assert not kv_copy.host_addressable(torch.zeros(4, device=device))
+    assert kv_copy.mapped_copy(torch.zeros(4, 2, device=device), torch.zeros(4, 2).pin_memory())
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("layered", [False, True], ids=["one-layer", "all-layers"])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32], ids=str)
+def test_copies_with_the_host_pool_equal_the_reference(device, dtype, layered, index_dtype):
+    """A backup (device -> host pool) and a load (host pool -> device) as the engine issues them:
+    the host pool pinned on CUDA, host slots on the CPU, device slots on the device; the backup on a
+    transfer stream, the load on the current stream. Against ``copy_rows_reference`` on the CPU; on
+    CUDA the kernel made both (no launch fell back to torch)."""
+    g = torch.Generator().manual_seed(7)
+    rows, n, dim = 3000, 1000, 656  # (an FP8 V3.2 row's bytes)
+    shape = (3, rows, dim) if layered else (rows, dim)
+
+    def random_rows() -> torch.Tensor:
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=g, dtype=dtype)
+        return torch.randn(shape, generator=g).to(dtype)
+
+    host_rows, dev_rows = random_rows(), random_rows()
+    h_slots = torch.randperm(rows, generator=g)[:n].to(index_dtype)
+    d_slots = torch.randperm(rows, generator=g)[:n].to(index_dtype)
+    host = host_zeros(shape, dtype, pinned=pins_for(device))
+    host.copy_(host_rows)
+    on_device = dev_rows.to(device)
+
+    want_host = host_rows.clone()
+    copy_rows_reference(want_host, h_slots, dev_rows, d_slots)
+    stream = make_transfer_stream("backup", device)
+    stream.copy_rows(host, h_slots, on_device, d_slots.to(device)).wait()
+    assert torch.equal(host, want_host)
+    stream.close()
+
+    want_device = dev_rows.clone()
+    copy_rows_reference(want_device, d_slots, want_host, h_slots)
+    load_rows(on_device, d_slots.to(device), host, h_slots, validate=False)
+    assert torch.equal(on_device.cpu(), want_device)
+    assert kv_copy.host_launch_failure() is None
+
+
+def test_a_copy_to_the_pinned_pool_does_not_block_the_cpu(device):
+    """Issued behind a long device sleep, a backup's ``copy_rows`` returns while its copy cannot
+    have run yet (its event is not complete); it lands after the sleep, with the right rows."""
+    _cuda_only(device)
+    stream = make_transfer_stream("backup", device)
+    src = torch.randn(2, 1024, 64, device=device)
+    host = host_zeros((2, 1024, 64), torch.float32, pinned=True)
+    h_slots, d_slots = torch.randperm(1024), torch.randperm(1024, device=device)
+    stream.copy_rows(host, h_slots, src, d_slots).wait()  # the kernel compiled, the blocks cached
+    src.mul_(2.0)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    handle = stream.copy_rows(host, h_slots, src, d_slots)
+    assert not handle.query(), "copy_rows waited for the device"
+    handle.wait()
+    want = torch.zeros(2, 1024, 64)
+    want[:, h_slots] = src[:, d_slots].cpu()
+    assert torch.equal(host, want)
+    assert kv_copy.host_launch_failure() is None
+    stream.close()
+
+
+def test_a_load_from_the_pinned_pool_does_not_block_the_cpu(device):
+    """A load from the pinned host pool (a prefix hit's identity load) is device work on the current
+    stream: issued behind a long sleep, an event recorded right after it is not complete yet."""
+    _cuda_only(device)
+    host = torch.randn(1024, 64).pin_memory()
+    dst = torch.zeros(1024, 64, device=device)
+    h_slots, d_slots = torch.randperm(1024), torch.randperm(1024, device=device)
+    load_rows(dst, d_slots, host, h_slots, validate=False)  # compiled, blocks cached
+    dst.zero_()
+    torch.cuda._sleep(SLEEP_CYCLES)
+    copy_rows(dst, d_slots, host, h_slots, validate=False)
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query(), "the load waited for the device"
+    after.synchronize()
+    want = torch.zeros(1024, 64)
+    want[d_slots.cpu()] = host[h_slots]
+    assert torch.equal(dst.cpu(), want)
+    assert kv_copy.host_launch_failure() is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import kv_copy
 from kernels.kv_copy import backup_rows, copy_rows, load_rows, move_rows, scatter_rows
 
 C = 2  # canary rows on each side
@@ -147,3 +148,129 @@ def test_an_index_out_of_range_raises_unvalidated(impl, dst_idx, src_idx):
         copy_rows(dst, torch.tensor(dst_idx), src, torch.tensor(src_idx), impl=impl, validate=False)
     if impl == "auto":
         assert not dst.any()
+
+
+# --- copies addressing pinned host memory (docs/cuda.md, items 6 and 7) ------------------------------
+# On a CPU the kernel runs in the interpreter, CPU tensors standing for both the device pool and the
+# pinned host pool; which path a call takes is decided by ``host_addressable`` and ``mapped_copy``.
+
+
+class _Stand:
+    """What the dispatch reads of a tensor: where it lives, and whether it is pinned."""
+
+    def __init__(self, where: str, pinned: bool = False) -> None:
+        self.device, self.is_cuda, self._pinned = torch.device(where), where == "cuda", pinned
+
+    def is_pinned(self) -> bool:
+        return self._pinned
+
+
+@pytest.mark.parametrize("cuda_build", [True, False])
+def test_host_addressable_is_pinned_host_memory_of_a_cuda_build(monkeypatch, cuda_build):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_build)
+    monkeypatch.setattr(kv_copy, "_host_launch_failure", None)
+    pinned, pageable, device = _Stand("cpu", pinned=True), _Stand("cpu"), _Stand("cuda")
+    assert kv_copy.host_addressable(pinned) is cuda_build
+    assert not kv_copy.host_addressable(pageable) and not kv_copy.host_addressable(device)
+    assert not kv_copy.host_addressable(torch.zeros(2))  # (nothing is pinned without a device)
+    # the kernel takes a copy between the device and pinned host memory, either way round
+    assert kv_copy.mapped_copy(device, pinned) is cuda_build
+    assert kv_copy.mapped_copy(pinned, device) is cuda_build
+    for dst, src in ((device, pageable), (pageable, device), (pinned, pinned), (device, device)):
+        assert not kv_copy.mapped_copy(dst, src)
+    monkeypatch.setattr(kv_copy, "_host_launch_failure", "ValueError: no")  # after a failed launch
+    assert not kv_copy.mapped_copy(device, pinned)
+
+
+def _any_pool(layers: int | None, rows: int, dim: int, dtype, seed: int) -> torch.Tensor:
+    """Random rows: floats, or an FP8 pool's bytes (``uint8``)."""
+    if dtype != torch.uint8:
+        return _pool(layers, rows - 2 * C, dim, dtype, seed)
+    shape = (rows, dim) if layers is None else (layers, rows, dim)
+    return torch.randint(0, 256, shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+def _mapped_case(layers, rows_dst, rows_src, dim, dtype, index_dtype, n, seed):
+    """(dst, dst_idx, src, src_idx): distinct destinations, sources that may repeat."""
+    g = torch.Generator().manual_seed(seed)
+    dst_idx = torch.randperm(rows_dst, generator=g)[:n].to(index_dtype)
+    src_idx = torch.randint(0, rows_src, (n,), generator=g).to(index_dtype)
+    dst = _any_pool(layers, rows_dst, dim, dtype, seed)
+    return dst, dst_idx, _any_pool(layers, rows_src, dim, dtype, seed + 1), src_idx
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("layers", [None, 3])
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.bfloat16, torch.float16])
+def test_the_mapped_copy_equals_the_reference(monkeypatch, dtype, layers, index_dtype):
+    """Both directions (a backup writing the host pool, a load reading it), every row width a pool
+    has here (an FP8 pool's bytes included), one layer or all."""
+    monkeypatch.setattr(kv_copy, "_host_launch_failure", None)
+    for seed, (rows_dst, rows_src, dim) in enumerate([(24, 16, 40), (16, 40, 7)]):
+        case = _mapped_case(layers, rows_dst, rows_src, dim, dtype, index_dtype, 9, seed)
+        dst, dst_idx, src, src_idx = case
+        want = dst.clone()
+        kv_copy.copy_rows_reference(want, dst_idx, src, src_idx)
+        src_before = src.clone()
+        assert kv_copy.copy_rows_mapped(dst, dst_idx, src, src_idx)
+        assert torch.equal(dst, want) and torch.equal(src, src_before)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("layers", [None, 2])
+def test_the_mapped_copy_runs_a_swap_in_plan(monkeypatch, layers):
+    """The plan as the swap-in kernel writes it: int64 host and device slots, -1 where an entry loads
+    nothing; ``_run_plan`` hands it over as it is. The torch path gives the same rows."""
+    from kernels.swap_in_triton import _run_plan_through_host
+
+    monkeypatch.setattr(kv_copy, "_host_launch_failure", None)
+    device, _, host, _ = _mapped_case(layers, 20, 30, 12, torch.float32, torch.int64, 1, 4)
+    src = torch.tensor([7, -1, 29, -1, 0, 3])
+    dst = torch.tensor([19, -1, 2, -1, 5, 0])
+    keep = dst >= 0
+    want = device.clone()
+    kv_copy.copy_rows_reference(want, dst[keep], host, src[keep])
+    got = device.clone()
+    assert kv_copy.copy_rows_mapped(got, dst, host, src)
+    assert torch.equal(got, want)
+    if layers is None:  # (the swap-in's plan is one layer's)
+        by_torch = device.clone()
+        _run_plan_through_host(host, by_torch, src, dst)
+        assert torch.equal(by_torch, want)
+
+
+@pytest.mark.interpreter
+def test_auto_takes_the_mapped_copy_and_falls_back_to_torch_once(monkeypatch):
+    """``impl="auto"`` on a copy ``mapped_copy`` accepts runs the kernel; a launch that fails is
+    logged once, the copy made by torch, and every later one goes to torch at once."""
+    from structlog.testing import capture_logs
+
+    from kernels import kv_copy_numba, kv_copy_triton
+
+    monkeypatch.setattr(kv_copy, "_host_launch_failure", None)
+    monkeypatch.setattr(kv_copy, "mapped_copy", lambda dst, src: kv_copy._host_launch_failure is None)
+    monkeypatch.setattr(kv_copy_numba, "fits", lambda *a: False)  # (it takes CPU tensors first)
+    launched = []
+    kernel = kv_copy_triton.copy_rows_triton
+    monkeypatch.setattr(kv_copy_triton, "copy_rows_triton", lambda *a: launched.append(1) or kernel(*a))
+    dst, dst_idx, src, src_idx = _mapped_case(3, 16, 12, 5, torch.float32, torch.int64, 6, 5)
+    want = dst.clone()
+    kv_copy.copy_rows_reference(want, dst_idx, src, src_idx)
+    got = dst.clone()
+    copy_rows(got, dst_idx, src, src_idx)
+    assert launched == [1] and torch.equal(got, want)
+
+    def broken(*args):
+        raise ValueError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+    monkeypatch.setattr(kv_copy_triton, "copy_rows_triton", broken)
+    with capture_logs() as logs:
+        for _ in range(2):
+            got = dst.clone()
+            copy_rows(got, dst_idx, src, src_idx)
+            assert torch.equal(got, want)
+    assert [e["event"] for e in logs] == ["kernels.kv_copy_host_fallback"]
+    assert "cannot be accessed" in logs[0]["error"]
+    assert kv_copy.host_launch_failure() == logs[0]["error"]
+    assert not kv_copy.copy_rows_mapped(dst.clone(), dst_idx, src, src_idx)  # (off for the process)
