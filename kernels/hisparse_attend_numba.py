@@ -196,6 +196,56 @@ def _attend_resident(  # pragma: no cover - compiled
     _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
 
 
+@_jit()
+def _attend_paged(  # pragma: no cover - compiled
+    kv_all,
+    keys_all,
+    layer,
+    write_slots,
+    write_locs,
+    kv_rows,
+    index_k,
+    index_q,
+    index_w,
+    req_to_token,
+    token_rows,
+    lens,
+    index_scale,
+    top_k,
+    page_table,
+    page_size,
+    q_latent,
+    q_rope,
+    attn_scale,
+    top,
+    slots,
+    out,
+):
+    kv = kv_all[layer]
+    _write_and_select(
+        kv,
+        keys_all[layer],
+        write_slots,
+        write_locs,
+        kv_rows,
+        index_k,
+        index_q,
+        index_w,
+        req_to_token,
+        token_rows,
+        lens,
+        index_scale,
+        top_k,
+        top,
+    )
+    for t in range(top.shape[0]):  # positions -> slots through the row's pages
+        row = token_rows[t]
+        for k in range(top_k):
+            p = top[t, k]
+            slots[t, k] = page_table[row, p // page_size] * page_size + p % page_size if p >= 0 else -1
+    _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
+
+
 def fits(
     q_latent: torch.Tensor,
     kv: torch.Tensor,
@@ -417,6 +467,57 @@ def attend_resident(
     return out, torch.from_numpy(top)
 
 
+def attend_paged(
+    pools: Pools,
+    views: ForwardViews,
+    layer: int,
+    kv_rows: torch.Tensor,  # [T, C + R]
+    index_k: torch.Tensor,  # [T, Di]
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    index_scale: float,
+    top_k: int,
+    page_table: np.ndarray,  # [N, pages] int64 each row's device pages in position order
+    page_size: int,
+    q_latent: torch.Tensor,  # [T, H, C]
+    q_rope: torch.Tensor,  # [T, H, R]
+    attn_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer of rows whose every position has a device slot (dynamic residency's FULL rows) in one
+    call: the new rows and keys written, the indexer's top-k positions, their slots through
+    ``page_table``, sparse MLA. Returns ``(out [T, H, C], top [T, K] int32 positions)``."""
+    num_tokens = q_latent.shape[0]
+    wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
+    top = np.empty((num_tokens, top_k), dtype=np.int32)
+    slots = np.empty((num_tokens, top_k), dtype=np.int64)
+    out = torch.empty(q_latent.shape, dtype=q_latent.dtype)
+    _attend_paged(
+        pools.kv,
+        pools.keys,
+        layer,
+        views.write_slots,
+        views.write_locs,
+        kv_rows.contiguous().numpy(),
+        index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(),
+        index_w.contiguous().numpy(),
+        pools.req_to_token,
+        views.token_rows,
+        views.seq_lens_np,
+        wide(index_scale),
+        top_k,
+        page_table,
+        page_size,
+        q_latent.contiguous().numpy(),
+        q_rope.contiguous().numpy(),
+        wide(attn_scale),
+        top,
+        slots,
+        out.numpy(),
+    )
+    return out, torch.from_numpy(top)
+
+
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) the call for ``dtype``, with the argument types a
     run gives it (int64 token tables, contiguous inputs)."""
@@ -450,6 +551,23 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         1,
         1,
         "lru",
+        torch.zeros(1, 1, dim - 1, dtype=dtype),
+        torch.zeros(1, 1, 1, dtype=dtype),
+        1.0,
+    )
+    views = ForwardViews(one + 3, one + 2, one, one + 1, 1)
+    attend_paged(
+        pools,
+        views,
+        0,
+        torch.zeros(1, dim, dtype=dtype),
+        torch.zeros(1, idim, dtype=dtype),
+        torch.zeros(1, 1, idim, dtype=dtype),
+        torch.zeros(1, 1, dtype=dtype),
+        1.0,
+        1,
+        np.zeros((1, 2), dtype=np.int64),
+        2,
         torch.zeros(1, 1, dim - 1, dtype=dtype),
         torch.zeros(1, 1, 1, dtype=dtype),
         1.0,

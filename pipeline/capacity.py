@@ -79,6 +79,9 @@ class MemoryPlan:
     prefix_cache: bool = False  # finished requests' pages stay, found again by their tokens
     policy: str = DEFAULT_POLICY  # the hot region's replacement policy
     near_margin: int | None = None  # HiSparseConfig.near_margin (None: resolved per forward)
+    # HiSparseConfig.residency: "always" (every decoding row HOT) or "dynamic" (a row FULL while the
+    # device pool holds its whole context); "always" without HiSparse
+    residency: str = "always"
 
     def chunk_area(self, num_tokens: int) -> int:
         """HiSparse: device rows a prompt of ``num_tokens`` holds besides its buffer while it is
@@ -294,6 +297,48 @@ def seats(plan: MemoryPlan, context: int) -> Seats:
     return Seats(context, by_pool[limit], by_pool, limit, plan.max_running_requests)
 
 
+@attrs.frozen
+class LoadStep:
+    """A dynamic engine holding ``requests`` requests of one context at once: how many are FULL."""
+
+    requests: int
+    full: int  # FULL rows: every position in a device slot (no hot buffer)
+    hot: int  # HOT rows: the hot buffer over the host copy
+    device_slots: int  # device slots the requests hold (FULL contexts, HOT buffers)
+
+
+def full_rows(plan: MemoryPlan, context: int, requests: int) -> int:
+    """FULL rows among ``requests`` requests of ``context`` tokens held at once (dynamic residency):
+    the most the device pool holds beside the others' hot buffers, and, while any request is HOT,
+    one prefill chunk's rows (as ``seats`` counts them). 0 in ``residency="always"``."""
+    if not plan.hisparse or plan.residency != "dynamic":
+        return 0
+    page = plan.page_size
+    need = round_up(context + plan.draft_tokens, page)
+    chunk = chunk_rows(hot=plan.hot, page_size=page, chunk=plan.prefill_chunk, num_tokens=context)
+    if requests * need <= plan.device_tokens:
+        return requests
+    extra = need - plan.buffer_columns  # what a FULL row holds beyond a HOT one
+    room = plan.device_tokens - chunk - requests * plan.buffer_columns
+    return max(0, min(requests - 1, room // extra)) if extra > 0 else requests
+
+
+def load_steps(plan: MemoryPlan, context: int) -> list[LoadStep]:
+    """How a dynamic engine moves from all-FULL to all-HOT as requests of ``context`` tokens arrive,
+    from one request to the seats: one request, the most that are all FULL and one more, each load
+    where the FULL count falls, the first that is all HOT, and the seats."""
+    page = plan.page_size
+    need = round_up(context + plan.draft_tokens, page)
+    last = seats(plan, context).running
+    full = {k: full_rows(plan, context, k) for k in range(last + 1)}
+    all_full = max(k for k in full if full[k] == k)
+    all_hot = min((k for k in full if k and full[k] == 0), default=last)
+    drops = {k for k in range(1, last + 1) if full[k] < full[k - 1]}
+    shown = sorted(k for k in {1, all_full, all_full + 1, all_hot, last} | drops if 1 <= k <= last)
+    return [LoadStep(k, full[k], k - full[k], full[k] * need + (k - full[k]) * plan.buffer_columns)
+            for k in shown]
+
+
 def check_allocations(structures: tuple[Structure, ...], tensors: dict[str, Any]) -> None:
     """Start-up check: the memory layer allocated exactly the device tensors the plan lists."""
     planned = {s.name: s.num_bytes for s in structures}
@@ -361,6 +406,27 @@ class DevicePlan:
         units = {SLOT: slots, LOCATION: locations, REQUEST: 1}
         return {s.name: s.unit_bytes * units[s.unit] for s in self.structures}
 
+    def full_seats(self, context: int) -> int:
+        """Dynamic residency: requests of ``context`` tokens that are all FULL at once (0 in
+        ``residency="always"``)."""
+        if self.plan.residency != "dynamic":
+            return 0
+        need = round_up(context + self.plan.draft_tokens, self.plan.page_size)
+        return min(self.plan.device_tokens // need, self.seats(context).running)
+
+    def load_table(self, context: int) -> list[dict[str, int]]:
+        """Dynamic residency: ``load_steps`` with the device bytes the requests hold at each load (the
+        FULL rows and HOT buffers, the indexer keys of every location, the rows' bookkeeping)."""
+        plan = self.plan
+        costs = _costs(self.structures, plan.page_size)
+        locations = round_up(context + plan.draft_tokens, plan.page_size)
+        return [
+            {**attrs.asdict(step),
+             "device_bytes": costs.total(slots=step.device_slots, locations=step.requests * locations,
+                                         rows=step.requests) - costs.fixed}
+            for step in load_steps(plan, context)
+        ]
+
     def largest(self, context: int) -> tuple[str, float]:
         """The structure that takes most of a request's device bytes, and its share."""
         held = self.request_bytes(context)
@@ -384,6 +450,8 @@ class DevicePlan:
             "seat_limit": s.limit,
             "largest_structure": name,
             "largest_share": share,
+            "residency": self.plan.residency,
+            **({"load_steps": self.load_table(context)} if self.plan.residency == "dynamic" else {}),
         }
 
 

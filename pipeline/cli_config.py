@@ -60,12 +60,13 @@ def speculative_of(args: argparse.Namespace) -> SpeculativeConfig | str | None:
 
 
 def hisparse_of(args: argparse.Namespace) -> HiSparseConfig | None:
-    """``--no-hisparse``, ``--hot``, ``--policy`` and ``--near-margin`` (those missing: their default)."""
+    """``--no-hisparse``, ``--hot``, ``--policy``, ``--near-margin`` and ``--residency`` (those missing:
+    their default)."""
     if getattr(args, "no_hisparse", False):
         return None
     return HiSparseConfig(
         device_buffer_size=getattr(args, "hot", None), policy=getattr(args, "policy", "auto"),
-        near_margin=getattr(args, "near_margin", None),
+        near_margin=getattr(args, "near_margin", None), residency=getattr(args, "residency", "always"),
     )
 
 

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 
+import attrs
 import structlog
 import torch
 
@@ -85,7 +86,7 @@ from pipeline.speculative.ledger import MtpLedger
 from pipeline.speculative.metrics import SpecCounters
 from pipeline.startup import start
 from pipeline.validation import validate_request
-from statemachines.request import State
+from statemachines.request import Demoted, Promoted, State
 
 log = structlog.get_logger(__name__)
 
@@ -120,6 +121,9 @@ class Executor:
         self.seqs, self._by_row = self.requests.seqs, self.requests.by_row
         self.failed_admissions = self.requests.failed_admissions
         self.lost: str | None = None  # one process has no rank to lose (``CommandExecutor.lost``)
+        # dynamic residency: each layout change as its request's lifecycle event, in order, until
+        # taken (``take_residency_events``)
+        self.residency_events: list[tuple[str, Demoted | Promoted]] = []
 
     @property
     def speculative(self) -> bool:
@@ -141,12 +145,45 @@ class Executor:
         try:
             self.memory.reclaim()  # a release a fault interrupted twice is finished first
             result, changed = self._dispatch(command, idle)
+            if changed:  # a step boundary after memory changed: a demoted request may come back
+                self.memory.rebalance()
+            self._take_residency_changes()
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
             return Outcome(None, NO_SWAPS, True, _reason(exc), time.perf_counter() - start)
         after = self.memory.transfer_totals()
         swaps = _swaps_between(_summed(before), _summed(after))
-        return Outcome(result, swaps, changed, None, time.perf_counter() - start)
+        outcome = Outcome(result, swaps, changed, None, time.perf_counter() - start)
+        return self._with_residency(command, outcome)
+
+    def _with_residency(self, command: Command, outcome: Outcome) -> Outcome:
+        """A decode command's outcome carries the residency events so far (the decode part owns the
+        requests they are about); any other command's leaves them waiting."""
+        if not self.residency_events or not isinstance(command, (Decode, Reserve, Draft, Verify, Mixed)):
+            return outcome
+        if isinstance(command, Mixed):
+            if not isinstance(outcome.result, MixedResult):  # (failed whole: they wait for the next)
+                return outcome
+            decode = attrs.evolve(outcome.result.decode, residency=tuple(self.take_residency_events()))
+            return attrs.evolve(outcome, result=attrs.evolve(outcome.result, decode=decode))
+        return attrs.evolve(outcome, residency=tuple(self.take_residency_events()))
+
+    def _take_residency_changes(self) -> None:
+        """The memory's layout changes as their requests' ``Demoted`` / ``Promoted`` events (logged)."""
+        for change in self.memory.take_residency_changes():
+            rid = self._by_row.get(change.row)
+            if rid is None:
+                continue
+            event = Demoted(change.num_bytes) if change.kind == "demoted" else Promoted(change.num_bytes)
+            log.info("executor.residency_changed", request_id=rid, change=change.kind,
+                     num_bytes=change.num_bytes)
+            self.residency_events.append((rid, event))
+
+    def take_residency_events(self) -> list[tuple[str, Demoted | Promoted]]:
+        """(request id, ``Demoted`` / ``Promoted``) of the layout changes since the last call, in
+        order, each once: the owner of each request's lifecycle applies them."""
+        events, self.residency_events = self.residency_events, []
+        return events
 
     def _dispatch(self, command: Command, idle: bool) -> tuple[Result, bool]:
         match command:
@@ -469,7 +506,7 @@ class Executor:
 
     def stats(self) -> dict[str, object]:
         """Every pool's free count and capacity, HiSparse transfer counters, speculative counters."""
-        return {
+        out: dict[str, object] = {
             "pools": self.memory.pools(),
             "hisparse": self.memory.counters_dict(),
             "speculative": None if self.spec_counters is None else self.spec_counters.as_dict(),
@@ -479,6 +516,10 @@ class Executor:
             "live_requests": len(self.seqs),
             "staging_requests": len(self.memory.staging_rows()),
         }
+        residency = self.memory.residency_stats()
+        if residency is not None:  # HiSparse: rows by layout, demotions and promotions
+            out["residency"] = residency
+        return out
 
     def pool_counts(self) -> dict[str, int]:
         """Free counts of every pool (equal to their initial values when nothing is live). A release

@@ -30,7 +30,7 @@ from structlog.typing import WrappedLogger
 from kernels.kv_fp8 import KV_CACHE_DTYPES
 from kernels.swap_in_policy import POLICIES
 from pipeline.cli_config import engine_config
-from pipeline.config import DEFAULT_CHUNK, DEFAULT_PREFILL_BATCH
+from pipeline.config import DEFAULT_CHUNK, DEFAULT_PREFILL_BATCH, RESIDENCIES
 from pipeline.errors import HispecError
 from pipeline.logs import SUBMITTED, by_request, configure_logging, is_lifecycle, record_time
 
@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 
 LOOP_STATES = ("decode", "draft", "verify")
 STEP_EVENTS = ("StepDone", "Verified", "Finished")  # each ends one decode step or verify round
+MOVE_EVENTS = ("Demoted", "Promoted")  # dynamic residency: each leaves the request in its state
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +87,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
         "--near-margin", type=int, default=None, metavar="M",
         help="positions ranked past the top-k for the near-policies "
         "(default: top_k under one, or with a trace)",
+    )
+    p.add_argument(
+        "--residency", default="always", choices=RESIDENCIES,
+        help="HiSparse: where a decoding request's KV lives (docs/residency.md): always the hot buffer, "
+        "or dynamic: all on the device while memory lasts",
     )
     p.add_argument(
         "--num-steps", type=int, default=None, help="draft steps per round (default: 3 if the model has MTP)"
@@ -197,6 +203,8 @@ def compact_trace(events: list[dict[str, Any]], arrival: float | None) -> str:
     for record in events:
         if record["event"] == "ChunkDone" and entries and entries[-1][0] == "prefill":
             entries[-1][2] += 1
+            continue
+        if record["event"] in MOVE_EVENTS:  # a demotion or a promotion: the state goes on
             continue
         in_loop = bool(entries) and entries[-1][0] in LOOP_STATES
         if in_loop and record["event"] in STEP_EVENTS:

@@ -30,6 +30,7 @@ from pipeline.sampling import TokenLogprob
 if TYPE_CHECKING:
     from pipeline.request import Request, RequestMetrics
     from pipeline.sampling import SamplingParams
+    from statemachines.request import Demoted, Promoted
 
 _R = TypeVar("_R")
 
@@ -229,6 +230,9 @@ class Outcome:
     # a part of a ``Mixed`` command whose forward carried both parts: ``seconds`` is the shared
     # forward's
     mixed: bool = False
+    # dynamic residency: (request id, ``Demoted`` / ``Promoted``) of the layout changes since the last
+    # decode command's outcome, in order, for the decode part to apply (on its commands' outcomes only)
+    residency: tuple[tuple[str, Demoted | Promoted], ...] = ()
 
     def result_as(self, kind: type[_R]) -> _R:
         """``result``, checked to be a ``kind``: the result type of the command answered (a command

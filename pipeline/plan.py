@@ -1,12 +1,17 @@
-"""``hispec plan``: what a device budget holds, all-resident beside HiSparse.
+"""``hispec plan``: what a device budget holds, all-resident beside HiSparse and dynamic residency.
 
 Prints the memory plan for requests of ``--context`` tokens: every device structure with its bytes
 per unit (device slot, logical location, request row) and in total, how many such requests each
-layout seats at once and which pool or structure stops them, and what ``host_to_device_ratio``, HOT
-and the page size trade at the same budget. Nothing is loaded but the model's ``config.json``.
+layout seats at once and which pool or structure stops them, how an engine of dynamic residency
+moves from all FULL (whole contexts on the device) to all HOT (hot buffers) as requests arrive, and
+what ``host_to_device_ratio``, HOT and the page size trade at the same budget. Nothing is loaded but
+the model's ``config.json``. ``--residency`` is the HiSparse engine's (``hisparse.residency``): the
+HiSparse section describes that engine; the seats of both residencies and the dynamic residency
+section are printed either way.
 
     hispec plan --device-memory 64MB --context 2048
     hispec plan --device-memory 64MB --context 2048 --ratio 16 --no-spec --json plan.json
+    hispec plan --device-memory 32MB --context 2048 --no-spec --residency dynamic
 
 Without ``--hot`` the plan takes the engine's default HOT, raised to the model's ``index_topk``
 (rounded up to whole pages) when the indexer selects more: the hot region holds a step's whole
@@ -26,6 +31,7 @@ from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
 from pipeline.config import (
     DEFAULT_CHUNK,
     DEFAULT_HOT,
+    RESIDENCIES,
     EngineConfig,
     HiSparseConfig,
     SpeculativeConfig,
@@ -67,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, required=True, help="tokens of one request (prompt and output)")
     add_plan_arguments(p)
     p.set_defaults(hot=None)
+    p.add_argument("--residency", default="always", choices=list(RESIDENCIES),
+                   help="the HiSparse engine's hisparse.residency (the dynamic residency figures are "
+                        "printed either way)")
     p.add_argument("--json", metavar="FILE", help="also write the plans as JSON")
     return p
 
@@ -103,7 +112,11 @@ def check_arguments(args: argparse.Namespace, model_cfg: Any) -> None:
         raise ConfigError("--hot", args.hot, f"must be a multiple of --page-size ({args.page_size})")
 
 
-def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> EngineConfig:
+def plan_config(
+    args: argparse.Namespace, *, hisparse: bool, context: int, residency: str | None = None
+) -> EngineConfig:
+    """The ``EngineConfig`` the options describe, HiSparse on or off; ``residency`` over
+    ``--residency`` (which a parser may lack: then "always")."""
     if args.no_spec:
         spec: SpeculativeConfig | Literal["auto"] | None = None
     else:
@@ -122,7 +135,9 @@ def plan_config(args: argparse.Namespace, *, hisparse: bool, context: int) -> En
         chunked_prefill_tokens=args.chunked_prefill_tokens or None,
         hisparse=HiSparseConfig(device_buffer_size=args.hot, host_to_device_ratio=args.ratio,
                                 draft_rows_on_host=args.draft_rows_on_host,
-                                draft_keys_on_host=args.draft_keys_on_host) if hisparse else None,
+                                draft_keys_on_host=args.draft_keys_on_host,
+                                residency=residency or str(getattr(args, "residency", "always")))
+        if hisparse else None,
         speculative=spec,
     )
 
@@ -178,6 +193,26 @@ def trade_offs(
     return out
 
 
+def full_trade_offs(
+    config: EngineConfig, model_cfg: Any, context: int, ratios: list[int]
+) -> dict[int, tuple[int, int] | None]:
+    """Dynamic residency at the same budget for each ratio: (seats, requests FULL at once); a
+    smaller ratio seats fewer and leaves a larger device pool (None: the budget holds no request)."""
+    hs = config.hisparse
+    assert hs is not None  # (the HiSparse config)
+    out: dict[int, tuple[int, int] | None] = {}
+    for r in ratios:
+        dynamic = attrs.evolve(hs, host_to_device_ratio=r, residency="dynamic")
+        cfg = at_budget(config, dynamic, config.page_size)
+        try:
+            plan = device_plan(cfg, model_cfg)
+        except ConfigError:
+            out[r] = None
+            continue
+        out[r] = (plan.seats(context).running, plan.full_seats(context))
+    return out
+
+
 def describe(name: str, plan: DevicePlan, context: int) -> list[str]:
     p = plan.plan
     s = plan.seats(context)
@@ -202,11 +237,33 @@ def describe(name: str, plan: DevicePlan, context: int) -> list[str]:
     return lines
 
 
+def describe_dynamic(plan: DevicePlan, context: int, *, pools: bool) -> list[str]:
+    """How an engine of dynamic residency holds requests of ``context`` tokens as more arrive (its
+    pools too when ``pools``: they are not printed above)."""
+    p = plan.plan
+    title = "dynamic residency (hisparse.residency=\"dynamic\")"
+    if pools:
+        title += (f": device pool {p.device_tokens} slots, {p.logical_tokens} logical locations, "
+                  f"{p.max_running_requests} request rows; {format_bytes(plan.total_bytes)} in all")
+    lines = [title if pools else f"{title}, as load grows:"]
+    lines.append("  a request is admitted FULL (its whole context in device slots, no swap-in) while the "
+                 "device pool holds it, HOT (its hot buffer) otherwise; under pressure FULL requests are "
+                 "demoted, largest first, and promoted back when memory returns (docs/residency.md)")
+    lines.append(f"  {'requests':>10} {'FULL':>6} {'HOT':>6} {'device slots':>13} {'device bytes held':>18}")
+    for step in plan.load_table(context):
+        lines.append(f"  {step['requests']:>10} {step['full']:>6} {step['hot']:>6} "
+                     f"{step['device_slots']:>13} {format_bytes(step['device_bytes']):>18}")
+    return lines
+
+
 def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, object]]:
     context = args.context
     plans: dict[str, DevicePlan] = {}
     configs = {"resident": plan_config(args, hisparse=False, context=context),
                "hisparse": plan_config(args, hisparse=True, context=context)}
+    dynamic_engine = getattr(args, "residency", "always") == "dynamic"
+    other = "always" if dynamic_engine else "dynamic"  # the other residency's figures, beside the engine's
+    configs[other] = plan_config(args, hisparse=True, context=context, residency=other)
     if not configs["hisparse"].has_budget:  # token settings: compare at what the HiSparse pools take
         plans["hisparse"] = device_plan(configs["hisparse"], model_cfg)
         budget = plans["hisparse"].total_bytes
@@ -223,25 +280,37 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
              f"draft layers kept: {dims.mtp_layers}; "
              f"budget {format_bytes(plans['hisparse'].budget or 0)}; requests of {context} tokens", ""]
     lines += [*describe("all-resident", plans["resident"], context), ""]
-    ratio = plans["hisparse"].plan.logical_tokens // plans["hisparse"].plan.device_tokens
+    ratio = plan_engine(configs["hisparse"], model_cfg, log_choices=False).host_to_device_ratio
     chosen = "" if args.ratio else ", chosen for the budget"
-    title = f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {ratio}{chosen})"
+    residency = ", residency dynamic" if dynamic_engine else ""
+    title = (f"HiSparse (HOT {args.hot}, page {args.page_size}, host_to_device_ratio {ratio}{chosen}"
+             f"{residency})")
     if getattr(args, "hot_chosen", False) and args.hot > DEFAULT_HOT:
         lines.append(f"--hot unset: HOT {args.hot} holds the model's index_topk of {model_cfg.index_topk} "
                      f"(the default {DEFAULT_HOT} cannot)")
     lines += [*describe(title, plans["hisparse"], context), ""]
-    r, h = plans["resident"].seats(context).running, plans["hisparse"].seats(context).running
+    dynamic, always = plans.get("dynamic", plans["hisparse"]), plans.get("always", plans["hisparse"])
+    lines += [*describe_dynamic(dynamic, context, pools=not dynamic_engine), ""]
+    r, h = plans["resident"].seats(context).running, always.seats(context).running
     lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
-    trades = trade_offs(configs["hisparse"], model_cfg, context, ratio)
+    full = dynamic.full_seats(context)
+    lines.append(f"dynamic residency seats {dynamic.seats(context).running}, of which up to {full} "
+                 f"FULL at once (all-resident: {r})")
+    trades = trade_offs(configs.get("always", configs["hisparse"]), model_cfg, context, ratio)
     lines.append("what the knobs trade (HiSparse seats at this budget, the other knobs as given):")
     for knob, row in trades.items():
         lines.append(f"  {knob:<22} " + "  ".join(f"{k}: {'-' if v is None else v}" for k, v in row.items()))
+    ratios = list(trades["host_to_device_ratio"])
+    dynamic_trades = full_trade_offs(configs["hisparse"], model_cfg, context, ratios)
+    lines.append("  dynamic residency, host_to_device_ratio -> seats / FULL at once: " + "  ".join(
+        f"{k}: {'-' if v is None else f'{v[0]}/{v[1]}'}" for k, v in dynamic_trades.items()))
     lines += notes(plans["hisparse"], context)
     payload = {
         "context": context,
         "hot": args.hot,
         "plans": {k: p.as_dict(context) for k, p in plans.items()},
         "trade_offs": trades,
+        "dynamic_trade_offs": dynamic_trades,
     }
     return "\n".join(lines), payload
 

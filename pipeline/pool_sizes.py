@@ -7,6 +7,13 @@ derived. With a budget in bytes, ``size_for_budget`` solves for the device pool 
 request rows, spending the budget on as many requests of ``max_context_len`` as fit and the rest
 on slots, at the byte costs ``pipeline.capacity`` gives each pool's unit.
 
+Dynamic residency (``HiSparseConfig.residency="dynamic"``, docs/residency.md) splits the same budget
+differently (``dynamic_split``): it keeps the request rows and the seats HiSparse's sizing gives, sizes
+the logical pool to the least that holds those seats, and gives every byte left to the device pool,
+where a FULL request keeps its whole context. So at high load it seats what HiSparse seats, and at low
+load as many requests as the device pool holds run without a hot buffer. The ratio is the knob between
+the two: a smaller ``host_to_device_ratio`` seats fewer requests and leaves a larger device pool.
+
 The budget covers the KV memory layer only: the weights and a forward's activations are outside
 it (on CUDA, ``device_memory_fraction`` takes a fraction of the memory free once the weights are
 loaded).
@@ -236,7 +243,12 @@ class PoolSizes:
     max_context_len: int  # tokens one request holds at most, prompt and output
     device_pool_tokens: int  # usable device slots (the sink page is extra)
     max_running_requests: int  # request rows
-    host_to_device_ratio: int  # logical (and host) locations per device slot; 1 without HiSparse
+    # logical (and host) locations per device slot; 1 without HiSparse. With dynamic residency and a
+    # budget: the ratio the seats were sized at (the logical pool is ``logical_pool_tokens``)
+    host_to_device_ratio: int
+    # usable logical (and host) locations: device_pool_tokens * ratio, but with dynamic residency at a
+    # budget the seats times one request's locations (``dynamic_split``)
+    logical_pool_tokens: int
     # the longest context the pools (without a budget) or the budget hold, where max_context_len was
     # left to them (None: it was given)
     context_capacity: int | None
@@ -256,6 +268,7 @@ def size_pools(
     device_pool_tokens: int | None,
     max_running_requests: int | None,
     host_to_device_ratio: int | None,
+    residency: str = "always",
     log_choices: bool = False,
 ) -> PoolSizes:
     """The sizes of the pools, the ones given kept, then checked against each other (``check_pools``).
@@ -264,8 +277,9 @@ def size_pools(
     out is the model's ``positions``, lowered to what the pools hold. With one, a max_context_len
     left out is the longest context of which the budget holds one request (at most ``positions``),
     a ratio left out the one that seats the most requests of it (the smallest of equals), and the
-    device pool and rows left out what the budget pays for (``size_for_budget``). Each size
-    chosen is logged (``log_choices``).
+    device pool and rows left out what the budget pays for (``size_for_budget``); with
+    ``residency="dynamic"`` and the device pool left out, the budget is then split again
+    (``dynamic_split``). Each size chosen is logged (``log_choices``).
     """
 
     def shape(context: int, ratio: int) -> Shape:
@@ -275,6 +289,7 @@ def size_pools(
 
     context, capacity, ratio = max_context_len, None, host_to_device_ratio if hisparse else 1
     slots, rows = device_pool_tokens, max_running_requests
+    dynamic, logical = hisparse and residency == "dynamic", None  # logical None: slots * ratio
     if budget is None:
         assert slots is not None and rows is not None and ratio is not None  # given without a budget
         if context is None:  # the rules of ``check_pools``, solved for the context
@@ -298,15 +313,39 @@ def size_pools(
         if ratio is None:
             ratio = best_ratio(budget, [shape(context, r) for r in range(1, MAX_RATIO + 1)], dims,
                                slots=slots, rows=rows)
+        given_slots = slots
         slots, rows = size_for_budget(budget, shape(context, ratio), dims, slots=slots, rows=rows)
+        if dynamic and given_slots is None:
+            slots, logical = dynamic_split(budget, shape(context, ratio), dims, slots=slots, rows=rows)
         if log_choices:
             log.info("config.device_budget", device_memory_bytes=budget, device_pool_tokens=slots,
                      max_running_requests=rows, max_context_len=context,
-                     host_to_device_ratio=ratio if hisparse else None)
+                     host_to_device_ratio=ratio if hisparse else None,
+                     logical_pool_tokens=logical or slots * ratio, residency=residency if hisparse else None)
+    logical = slots * ratio if logical is None else logical
     check_pools(hisparse=hisparse, page_size=page_size, hot=hot, draft_tokens=draft_tokens,
-                device_pool_tokens=slots, max_context_len=context, host_to_device_ratio=ratio,
+                device_pool_tokens=slots, max_context_len=context,
+                host_to_device_ratio=ratio if logical == slots * ratio else None,
                 chunked_prefill_tokens=chunked_prefill_tokens)
-    return PoolSizes(context, slots, rows, ratio, capacity)
+    return PoolSizes(max_context_len=context, device_pool_tokens=slots, max_running_requests=rows,
+                     host_to_device_ratio=ratio, logical_pool_tokens=logical, context_capacity=capacity)
+
+
+def dynamic_split(budget: int, shape: Shape, dims: ModelDims, *, slots: int, rows: int) -> tuple[int, int]:
+    """(device_pool_tokens, logical_pool_tokens) of dynamic residency at ``budget``, from HiSparse's
+    sizes of ``shape`` (``slots``, ``rows``; the rows are kept).
+
+    The logical pool is the least that holds the requests of max_context_len HiSparse's pools seat,
+    and the device pool every whole page the budget has left once the rows and the logical pool are
+    paid (never fewer slots than HiSparse's). A location's indexer keys stay on the device whatever
+    the layout, so each seat costs its context's keys: ``seats * need * per_location + slots *
+    per_slot`` is fixed, and a smaller ratio (fewer seats) buys a larger device pool.
+    """
+    need = round_up(shape.max_len, shape.page)
+    costs = shape.costs(dims)
+    logical = max(1, min(rows, held_requests(shape, slots))) * need
+    room = budget - costs.fixed - rows * costs.per_request - logical * costs.per_location
+    return max(slots, room // costs.per_slot // shape.page * shape.page), logical
 
 
 def best_ratio(

@@ -596,6 +596,10 @@ class DecodePart:
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
     _committed: int = 0  # tokens the current turn committed (the timed speculation rule reads it)
+    # dynamic residency: ``Demoted`` / ``Promoted`` events its commands' outcomes brought, applied
+    # once their requests are in READY or DECODE (at once, at a turn's end, or on joining); each is
+    # kept for one more turn when its request is not (yet) a member, then dropped (it ended first)
+    _moves: list[tuple[str, Event, bool]] = attrs.field(factory=list)
 
     @property
     def speculative(self) -> bool:
@@ -612,9 +616,31 @@ class DecodePart:
     def accept(self, reqs: Iterable[Request]) -> None:
         for req in reqs:
             self.members[req.request_id] = req
+            self._apply_moves(req.request_id)
             req.apply(JoinedBatch(), self.name, batch_size=len(self.members))
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
+
+    def _note(self, outcome: Outcome) -> Outcome:
+        """The residency events an outcome carries: applied at once to requests in READY or DECODE,
+        kept for the others (in a round's DRAFT or VERIFY)."""
+        if outcome.residency:
+            self._moves.extend((rid, event, False) for rid, event in outcome.residency)
+            for rid in {rid for rid, _ in outcome.residency}:
+                self._apply_moves(rid)
+        return outcome
+
+    def _apply_moves(self, only: str | None = None) -> None:
+        """Apply the kept residency events of members in READY or DECODE (of ``only``, when given);
+        at a turn's end, one that waited a turn for its request is dropped."""
+        kept = []
+        for rid, event, waited in self._moves:
+            req = self.members.get(rid)
+            if (only is None or rid == only) and req is not None and req.state in (State.READY, State.DECODE):
+                req.apply(event, self.name)
+            elif only is not None or not waited:
+                kept.append((rid, event, waited or only is None))
+        self._moves = kept
 
     def _pop(self, reqs: Iterable[Request]) -> list[Request]:
         return [self.members.pop(r.request_id) for r in reqs if r.request_id in self.members]
@@ -652,10 +678,11 @@ class DecodePart:
             )
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
+        self._apply_moves()
         return done
 
     def _step(self, reqs: list[Request]) -> Turn:
-        outcome = yield Decode(tuple(r.request_id for r in reqs))
+        outcome = self._note((yield Decode(tuple(r.request_id for r in reqs))))
         if outcome.error is not None:
             return (yield from fail(self._pop(reqs), outcome.error, self.name))
         result = outcome.result_as(StepResult)
@@ -663,7 +690,7 @@ class DecodePart:
         return done.merge((yield from self._settle(result, outcome, len(result.tokens), verified=False)))
 
     def _round(self, reqs: list[Request]) -> Turn:
-        outcome = yield Reserve(tuple(r.request_id for r in reqs), self.draft_tokens)
+        outcome = self._note((yield Reserve(tuple(r.request_id for r in reqs), self.draft_tokens)))
         if outcome.error is not None:
             return (yield from fail(self._pop(reqs), outcome.error, self.name))
         room = outcome.result_as(RoomResult)
@@ -673,7 +700,7 @@ class DecodePart:
             return done
         for req in drafting:
             req.apply(DraftStarted(), self.name, batch_size=len(drafting))
-        outcome = yield Draft(tuple(room.runnable))
+        outcome = self._note((yield Draft(tuple(room.runnable))))
         if outcome.error is not None:
             return done.merge((yield from fail(self._pop(drafting), outcome.error, self.name)))
         failed = outcome.result_as(StepResult).failed
@@ -691,7 +718,7 @@ class DecodePart:
         drafted = [r for r in drafted if not r.is_finished]
         if not drafted:
             return done
-        outcome = yield Verify(tuple(r.request_id for r in drafted))
+        outcome = self._note((yield Verify(tuple(r.request_id for r in drafted))))
         if outcome.error is not None:
             return done.merge((yield from fail(self._pop(drafted), outcome.error, self.name)))
         result = outcome.result_as(StepResult)

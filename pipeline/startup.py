@@ -243,16 +243,17 @@ def plan_engine(config: EngineConfig, model_cfg: ModelConfig, *, log_choices: bo
         max_running_requests=DEFAULT_ROWS if tokens and config.max_running_requests is None
         else config.max_running_requests,
         host_to_device_ratio=DEFAULT_RATIO if tokens and ratio is None else ratio,
-        log_choices=log_choices,
+        residency="always" if hs is None else hs.residency, log_choices=log_choices,
     )
     slots, ratio = sizes.device_pool_tokens, sizes.host_to_device_ratio
     memory = MemoryPlan(
         page_size=config.page_size, hot=hot, buffer_columns=hot + config.page_size if hs is not None else 0,
-        top_k=model_cfg.index_topk or 0, device_tokens=slots, logical_tokens=slots * ratio,
-        host_tokens=slots * ratio if hs is not None else 0, max_context_len=sizes.max_context_len,
+        top_k=model_cfg.index_topk or 0, device_tokens=slots, logical_tokens=sizes.logical_pool_tokens,
+        host_tokens=sizes.logical_pool_tokens if hs is not None else 0, max_context_len=sizes.max_context_len,
         max_running_requests=sizes.max_running_requests, draft_tokens=draft, hisparse=hs is not None,
         prefill_chunk=prefill_chunk(config.chunked_prefill_tokens, sizes.max_context_len),
         prefix_cache=config.prefix_cache, policy=policy, near_margin=None if hs is None else hs.near_margin,
+        residency="always" if hs is None else hs.residency,
     )
     return EnginePlan(
         speculative=spec, max_context_len=sizes.max_context_len,

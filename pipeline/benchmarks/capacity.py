@@ -1,20 +1,26 @@
-"""``hispec bench capacity``: one device memory budget, all-resident KV beside HiSparse.
+"""``hispec bench capacity``: one device memory budget, all-resident KV beside HiSparse and dynamic residency.
 
 A long-context workload: ``--requests`` requests of ``--prompt-len`` prompt tokens and ``--new-tokens`` output
 tokens (contexts several times HOT), all arriving together, more of them than resident KV can seat at
 ``--device-memory``. Every variant gets the same budget, its pools and request rows derived from it
-(``pipeline.pool_sizes``): ``resident`` (all KV on the device), ``hisparse`` and ``hisparse+spec`` (MTP
-speculation on; its draft layer's KV is all resident and paid from the same budget); ``resident+spec`` on
-request (``--variants``). Reported per variant: seats (the plan's), output tokens/s, requests/s, peak and mean
-running requests (the engine's counters: requests stepped together), retractions, time to first token and
-inter-token latency p50/p99, HiSparse misses per decode step.
+(``pipeline.pool_sizes``): ``resident`` (all KV on the device), ``hisparse`` (``residency="always"``),
+``dynamic`` (HiSparse with ``residency="dynamic"``: whole contexts on the device while the pool holds them,
+hot buffers under pressure) and ``hisparse+spec`` (MTP speculation on; its draft layer's KV is all resident
+and paid from the same budget); ``resident+spec`` and ``dynamic+spec`` on request (``--variants``). Reported
+per variant: seats (the plan's), output tokens/s, requests/s, peak and mean running requests (the engine's
+counters: requests stepped together), retractions, time to first token and inter-token latency p50/p99,
+HiSparse misses per decode step, and dynamic residency's demotions and promotions
+(``engine.stats()["residency"]``).
 
 ``--repeats N`` runs the variants N times, alternating their order repeat by repeat; the table shows
-each variant's median run (by tokens/s), and the tokens/s ratios that matter (HiSparse against
-resident, speculation on against off) are paired repeat by repeat and given as median and range.
+each variant's median run (by tokens/s), and the tokens/s ratios that matter (HiSparse and dynamic
+against resident, dynamic against HiSparse and against the better of resident and HiSparse, speculation
+on against off) are paired repeat by repeat and given as median and range.
 
-``--sweep N,N,...`` repeats the run for each number of requests at the same budget and plots output
-tokens/s against the mean running requests for each variant (``--plot``, matplotlib).
+``--sweep N,N,...`` repeats the run for each number of requests at the same budget, prints the ratios
+at each load with whether resident seats it (and whether HiSparse does), and plots output tokens/s
+against the requests offered and against the mean running requests for each variant (``--plot``,
+matplotlib).
 
     hispec bench capacity --device-memory 32MB --prompt-len 1536 --new-tokens 512 --requests 32
 """
@@ -33,8 +39,8 @@ from pipeline.capacity import format_bytes
 from pipeline.config import EngineConfig
 from pipeline.plan import add_plan_arguments, plan_config
 
-VARIANTS = ("resident", "hisparse", "hisparse+spec", "resident+spec")
-DEFAULT_VARIANTS = VARIANTS[:3]
+VARIANTS = ("resident", "hisparse", "dynamic", "hisparse+spec", "resident+spec", "dynamic+spec")
+DEFAULT_VARIANTS = VARIANTS[:4]
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +58,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep", default="", metavar="N,N,...", help="also run these request counts")
     parser.add_argument("--plot", default="bench-capacity.png", help="the sweep's plot (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false",
+                        help="measure from the first run (default: one short unmeasured run of each variant)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-capacity.json")
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
@@ -59,7 +67,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 def variant_config(args: argparse.Namespace, variant: str) -> EngineConfig:
     context = args.prompt_len + args.new_tokens
-    cfg = plan_config(args, hisparse=variant.startswith("hisparse"), context=context)
+    base = variant.removesuffix("+spec")
+    residency = "dynamic" if base == "dynamic" else "always"
+    cfg = plan_config(args, hisparse=base != "resident", context=context, residency=residency)
     if variant.endswith("+spec"):
         from pipeline.config import SpeculativeConfig
 
@@ -83,11 +93,11 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
         async def one(i: int) -> None:
             results[i] = await engine.generate_text(prompts[i], params, request_id=f"r{i}")
 
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
-        seconds = time.perf_counter() - start
+        seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
         stats: dict[str, Any] = engine.stats()  # JSON-shaped figures
         executor = engine.executor
         assert executor is not None  # (the engine is running)
@@ -98,6 +108,7 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
     itl = [m.inter_token_latency for m in metrics if m.inter_token_latency is not None]
     running = stats["running"]
     misses = sum(stats["hisparse"]["misses"]) if stats.get("hisparse") else 0
+    residency = stats.get("residency") or {}
     context = len(prompts[0]) + new_tokens
     return {
         "seats": plan.seats(context).running,
@@ -107,6 +118,9 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
         "all_tokens": all(len(r.token_ids) == new_tokens for r in results.values()),
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
+        # per second of this process's CPU time (every thread): what a machine shared with other
+        # work changes least
+        "tokens_per_cpu_s": tokens / max(cpu_seconds, 1e-9),
         "requests_per_s": len(results) / seconds,
         "peak_running": running["peak_running"],
         "mean_running": running["mean_running"],
@@ -116,6 +130,10 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
         "itl_p50": percentile(itl, 0.5),
         "itl_p99": percentile(itl, 0.99),
         "misses_per_step": misses / max(1, running["steps"]),
+        "demotions": residency.get("demotions", 0),
+        "promotions": residency.get("promotions", 0),
+        "demoted_bytes": residency.get("demoted_bytes", 0),
+        "promoted_bytes": residency.get("promoted_bytes", 0),
         "outputs": {i: list(r.token_ids) for i, r in results.items()},
     }
 
@@ -131,21 +149,45 @@ def run_all(args: argparse.Namespace, variants: list[str], count: int) -> dict[s
     return runs
 
 
+def warm_up(args: argparse.Namespace, variants: list[str]) -> None:
+    """One short unmeasured run of every variant (two requests, a few tokens): what the process pays
+    once (compiled loops loaded, first allocations) lands on none of the measured runs."""
+    prompts = held_out_prompts(2, args.prompt_len, args.seed)
+    for variant in variants:
+        anyio.run(run_once, variant_config(args, variant), prompts, min(8, args.new_tokens))
+
+
 def median_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each variant's median run by output tokens/s."""
     return {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in runs.items()}
 
 
-# (numerator, denominator) variants whose tokens/s ratio is reported, paired repeat by repeat
-RATIOS = (("hisparse", "resident"), ("hisparse+spec", "hisparse"), ("resident+spec", "resident"))
+# (numerator, denominator) variants whose tokens/s ratio is reported, paired repeat by repeat;
+# BEST is the better of resident and hisparse in that repeat
+BEST = "best of resident, hisparse"
+RATIOS = (
+    ("hisparse", "resident"),
+    ("dynamic", "resident"),
+    ("dynamic", "hisparse"),
+    ("dynamic", BEST),
+    ("hisparse+spec", "hisparse"),
+    ("resident+spec", "resident"),
+    ("dynamic+spec", "dynamic"),
+)
 
 
-def paired_ratios(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """``"a / b"`` -> median, low and high of the per-repeat tokens/s ratios, for the pairs present."""
+def paired_ratios(
+    runs: dict[str, list[dict[str, Any]]], measure: str = "tokens_per_s"
+) -> dict[str, dict[str, float]]:
+    """``"a / b"`` -> median, low and high of the per-repeat ratios of ``measure`` (tokens/s, or
+    tokens per CPU second), for the pairs present."""
+    speeds = {v: [r[measure] for r in rs] for v, rs in runs.items()}
+    if "resident" in speeds and "hisparse" in speeds:
+        speeds[BEST] = [max(a, b) for a, b in zip(speeds["resident"], speeds["hisparse"])]
     out = {}
     for a, b in RATIOS:
-        if a in runs and b in runs:
-            values = sorted(x["tokens_per_s"] / y["tokens_per_s"] for x, y in zip(runs[a], runs[b]))
+        if a in speeds and b in speeds:
+            values = sorted(x / y for x, y in zip(speeds[a], speeds[b]))
             out[f"{a} / {b}"] = {"median": values[len(values) // 2], "low": values[0], "high": values[-1]}
     return out
 
@@ -163,6 +205,8 @@ HEADERS = [
     "ITL p50",
     "ITL p99",
     "miss/step",
+    "demote",
+    "promote",
 ]
 
 
@@ -181,29 +225,79 @@ def rows_of(results: dict[str, dict[str, Any]]) -> list[list[object]]:
             r["itl_p50"],
             r["itl_p99"],
             r["misses_per_step"],
+            r.get("demotions", 0),
+            r.get("promotions", 0),
         ]
         for name, r in results.items()
     ]
 
 
+def load_regime(count: int, results: dict[str, dict[str, Any]]) -> str:
+    """Which layouts seat ``count`` requests at once: "resident" (all-resident does), "hisparse"
+    (only HiSparse does), "neither" (more than HiSparse seats; "?" without both variants)."""
+    if "resident" not in results or "hisparse" not in results:
+        return "?"
+    if count <= results["resident"]["seats"]:
+        return "resident"
+    return "hisparse" if count <= results["hisparse"]["seats"] else "neither"
+
+
+SWEEP_RATIOS = ("dynamic / resident", "dynamic / hisparse", f"dynamic / {BEST}")
+
+
+def sweep_rows(
+    sweep: dict[int, dict[str, Any]], variants: list[str], measure: str = "tokens_per_s"
+) -> tuple[list[str], list[list[object]]]:
+    """The sweep's summary: per load, who seats it, each variant's ``measure`` (its median run by
+    tokens/s), dynamic's demotions and promotions, and the dynamic ratios of ``measure`` (median and
+    range)."""
+    key = "ratios" if measure == "tokens_per_s" else "cpu_ratios"
+    ratio_names = [n for n in SWEEP_RATIOS if any(n in point[key] for point in sweep.values())]
+    unit = "tok/s" if measure == "tokens_per_s" else "tok/CPU s"
+    headers = ["requests", "seated by", *(f"{v} {unit}" for v in variants)]
+    if "dynamic" in variants:
+        headers += ["dyn demote / promote"]
+    headers += ratio_names
+    rows = []
+    for count, point in sorted(sweep.items()):
+        results, ratios = point["results"], point[key]
+        speeds = [results[v][measure] for v in variants]
+        row: list[object] = [count, load_regime(count, results), *speeds]
+        if "dynamic" in variants:
+            row.append(f"{results['dynamic']['demotions']} / {results['dynamic']['promotions']}")
+        for name in ratio_names:
+            r = ratios.get(name)
+            row.append("-" if r is None else f"{r['median']:.2f} ({r['low']:.2f}-{r['high']:.2f})")
+        rows.append(row)
+    return headers, rows
+
+
 def plot(sweep: dict[int, dict[str, dict[str, Any]]], path: str, title: str) -> None:
+    """Output tokens/s of each variant against the requests offered (left) and against the mean
+    running requests (right; labels: the requests offered)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    fig, (by_load, by_running) = plt.subplots(1, 2, figsize=(11, 4.2))
     variants = next(iter(sweep.values())).keys()
     for variant in variants:
+        offered = sorted((n, r[variant]["tokens_per_s"]) for n, r in sweep.items())
+        by_load.plot([p[0] for p in offered], [p[1] for p in offered], marker="o", label=variant)
         points = sorted((r[variant]["mean_running"], r[variant]["tokens_per_s"], n) for n, r in sweep.items())
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
+        by_running.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=variant)
         for x, y, n in points:
-            ax.annotate(str(n), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
-    ax.set_xlabel("mean running requests (labels: requests offered)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(title, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend()
+            by_running.annotate(str(n), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7)
+    by_load.set_xscale("log", base=2)
+    by_load.set_xticks(sorted(sweep), [str(n) for n in sorted(sweep)])
+    by_load.set_xlabel("requests offered (arriving together)")
+    by_running.set_xlabel("mean running requests (labels: requests offered)")
+    for ax in (by_load, by_running):
+        ax.set_ylabel("output tokens/s")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -224,19 +318,23 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}, {budget} device budget, {args.prompt_len}+{args.new_tokens} tokens, HOT {args.hot}, "
         f"ratio {ratio}"
     )
+    if args.warmup:
+        warm_up(args, variants)
     runs = run_all(args, variants, args.requests)
     results = median_runs(runs)
     repeats = f", median of {args.repeats} alternating runs" if args.repeats > 1 else ""
     print(f"{title}, {args.requests} requests arriving together ({threads} threads{repeats})")
     print(table(HEADERS, rows_of(results)))
-    ratios = paired_ratios(runs)
-    for name, r in ratios.items():
-        print(f"tokens/s {name}: {r['median']:.2f} (range {r['low']:.2f}-{r['high']:.2f})")
+    ratios, cpu_ratios = paired_ratios(runs), paired_ratios(runs, "tokens_per_cpu_s")
+    for what, found in (("tokens/s", ratios), ("tokens per CPU second", cpu_ratios)):
+        for name, r in found.items():
+            print(f"{what} {name}: {r['median']:.2f} (range {r['low']:.2f}-{r['high']:.2f})")
     payload: dict[str, Any] = {
         "machine": machine(),
         "args": vars(args),
         "results": strip(results),
         "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
         "runs": {v: [{f: x for f, x in r.items() if f != "outputs"} for r in rs] for v, rs in runs.items()},
     }
     first = runs[variants[0]][0]["outputs"]
@@ -246,14 +344,28 @@ def main(argv: list[str] | None = None) -> int:
         payload["outputs_equal"] = same
     sweep_counts = [int(n) for n in args.sweep.split(",") if n]
     if sweep_counts:
-        sweep = {n: median_runs(run_all(args, variants, n)) for n in sweep_counts}
-        sweep[args.requests] = results
+        sweep: dict[int, dict[str, Any]] = {
+            args.requests: {"results": results, "ratios": ratios, "cpu_ratios": cpu_ratios}
+        }
+        for n in sweep_counts:
+            if n not in sweep:
+                point_runs = run_all(args, variants, n)
+                sweep[n] = {"results": median_runs(point_runs), "ratios": paired_ratios(point_runs),
+                            "cpu_ratios": paired_ratios(point_runs, "tokens_per_cpu_s")}
         for n in sorted(sweep):
             print(f"\n{n} requests")
-            print(table(HEADERS, rows_of(sweep[n])))
-        plot(sweep, args.plot, title)
+            print(table(HEADERS, rows_of(sweep[n]["results"])))
+        for measure in ("tokens_per_s", "tokens_per_cpu_s"):
+            headers, rows = sweep_rows(sweep, variants, measure)
+            print(f"\nsweep, {measure} ({args.repeats} alternating runs a point; ratios: median (range))")
+            print(table(headers, rows))
+        plot({n: point["results"] for n, point in sweep.items()}, args.plot, title)
         print(f"plot: {args.plot}")
-        payload["sweep"] = {n: strip(r) for n, r in sorted(sweep.items())}
+        payload["sweep"] = {
+            n: {"results": strip(point["results"]), "ratios": point["ratios"],
+                "cpu_ratios": point["cpu_ratios"], "seated_by": load_regime(n, point["results"])}
+            for n, point in sorted(sweep.items())
+        }
     write_json(args.out, payload)
     return 0
 

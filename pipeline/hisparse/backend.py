@@ -13,6 +13,12 @@ attends over the selected rows:
   loading misses from host. A verify whose steps do not all fit the hot region in one call is
   resolved in rounds: attention runs for the steps resolved so far before the next round may evict
   their columns.
+
+Dynamic residency: a FULL row's positions all have device slots (``full_page_table``, its pages in
+position order), so its tokens, prefill chunks included, attend through them without swap-in; a
+batch of both layouts runs the HOT rows' swap-in and then one ``sparse_mla`` over every token. On a
+CPU a decode or verify of HOT rows only runs ``hisparse_attend_numba.attend_views``, one of FULL
+rows only ``attend_paged`` (the resident memory's single call, through the page table).
 """
 
 from __future__ import annotations
@@ -81,6 +87,15 @@ class SwapInMemory(Protocol):
 
     def compiled_pools(self) -> hisparse_attend_numba.Pools | None: ...
 
+    # dynamic residency: a FULL row's positions all have device slots, through its pages
+
+    @property
+    def plan(self) -> Any: ...  # MemoryPlan (its page size)
+
+    def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None: ...
+
+    def full_page_table(self) -> torch.Tensor: ...
+
 
 @attrs.define(eq=False)
 class HiSparseBackend:
@@ -114,6 +129,11 @@ class HiSparseBackend:
     # policy's code, taken at its first layer
     _views: Any = attrs.field(default=None, init=False)
     _policy: int = attrs.field(default=0, init=False)
+    # [T] bool: the token's request row is FULL (dynamic residency), None when no row is; found at
+    # the first layer (``_full``)
+    _full_mask: Any = attrs.field(default=False, init=False)
+    _pages: torch.Tensor | None = attrs.field(default=None, init=False)  # FULL rows' pages (once a forward)
+    _paged: Any = attrs.field(default=None, init=False)  # the compiled call's page table (FULL rows only)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
@@ -165,8 +185,36 @@ class HiSparseBackend:
                 inputs.top_k,
             ):
                 pools = None
+            full = self._full()
+            if pools is not None and full is not None:  # FULL rows only: through their pages; a mix: steps
+                if bool(full.all()):
+                    self._paged = self._page_table().numpy()
+                else:
+                    pools = None
             self._pools = pools if pools is not None else False
         return self._pools is not False
+
+    def _full(self) -> torch.Tensor | None:
+        """``[T]`` bool: the tokens whose request row is FULL; None when none is (once per forward)."""
+        if self._full_mask is False:
+            self._full_mask = self.coord.full_tokens(self.req_rows)
+        return self._full_mask
+
+    def _paged_slots(self, top: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """``[n, K]`` int64 device slots of the top-k positions ``top [n, K]`` of FULL rows' tokens
+        (``tokens``: their indices in the batch; None: every token), -1 for padding."""
+        rows = self.req_rows if tokens is None else self.req_rows[tokens]
+        page = self.coord.plan.page_size
+        pos = top.long().clamp(min=0)
+        table = self._page_table()
+        slots = table[rows[:, None].to(table.device), (pos // page).clamp(max=table.shape[1] - 1)]
+        return torch.where(top >= 0, slots * page + pos % page, -1)
+
+    def _page_table(self) -> torch.Tensor:
+        """``[rows, pages]`` the FULL rows' device pages (``full_page_table``), once per forward."""
+        if self._pages is None:
+            self._pages = self.coord.full_page_table()
+        return self._pages
 
     def _attend_compiled(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
         coord, steps, views = self.coord, self.steps, self._views
@@ -176,6 +224,13 @@ class HiSparseBackend:
             )
             self._policy = policy_code(coord.policy)
         index_q, index_w, index_k = inputs.indexer_inputs()
+        if self._paged is not None:  # every row FULL: no swap-in
+            paged, self.last_topk = hisparse_attend_numba.attend_paged(
+                self._pools, views, layer, inputs.kv_rows, index_k, index_q, index_w, inputs.index_scale,
+                inputs.top_k, self._paged, coord.plan.page_size, inputs.q_latent, inputs.q_rope,
+                inputs.attn_scale,
+            )
+            return paged
         out, top, result = hisparse_attend_numba.attend_views(
             self._pools,
             views,
@@ -225,7 +280,14 @@ class HiSparseBackend:
             return sparse_mla(inputs.q_latent, inputs.q_rope, kv, dense, inputs.attn_scale, check=False)
         out = torch.empty_like(inputs.q_latent)
         own = (top < 0) | (top.long() >= starts[:, None])  # -1 padding or a position of the chunk
+        full = self._full()
         for a, b, start, scratch in self._prefill_chunks(starts):
+            if full is not None and bool(full[a]):  # every position has its slot
+                slots = self._paged_slots(top[a:b], torch.arange(a, b, device=top.device))
+                out[a:b] = sparse_mla(
+                    inputs.q_latent[a:b], inputs.q_rope[a:b], kv, slots, inputs.attn_scale, check=False
+                )
+                continue
             if start == 0:
                 out[a:b] = sparse_mla(
                     inputs.q_latent[a:b], inputs.q_rope[a:b], kv, dense[a:b], inputs.attn_scale, check=False
@@ -245,10 +307,12 @@ class HiSparseBackend:
         """The batch's chunks: token range, start, and the chunk rows the chunk leaves unused."""
         if self._chunks is None:
             self._chunks = []
+            full = self._full()
             for a, b in _groups(self.req_rows):
                 start = int(starts[a])
                 row = int(self.req_rows[a])
-                spare = self.coord.spare_chunk_rows(row, start, start + (b - a)) if start else None
+                lends = start and (full is None or not bool(full[a]))  # (a FULL row swaps nothing in)
+                spare = self.coord.spare_chunk_rows(row, start, start + (b - a)) if lends else None
                 self._chunks.append((a, b, start, spare))
         return self._chunks
 
@@ -260,22 +324,63 @@ class HiSparseBackend:
         top: torch.Tensor,
         first: SwapInResult | None = None,
     ) -> torch.Tensor:
+        full = self._full()
+        if full is None:
+            return self._attend_hot(inputs, layer, kv, top, None, first)
+        paged = self._paged_slots(top)  # [T, K] (what FULL rows read; HOT rows' are replaced)
+        hot = torch.nonzero(~full.to(top.device)).reshape(-1)
+        if hot.numel() == 0:
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, paged, inputs.attn_scale, check=False)
+        return self._attend_hot(inputs, layer, kv, top, (hot, paged), first)
+
+    def _attend_hot(
+        self,
+        inputs: AttentionInputs,
+        layer: int,
+        kv: torch.Tensor,
+        top: torch.Tensor,
+        mixed: tuple[torch.Tensor, torch.Tensor] | None,
+        first: SwapInResult | None = None,
+    ) -> torch.Tensor:
+        """Attention of the HOT rows' tokens through swap-in; ``mixed``: (the HOT tokens' indices, every
+        token's slots, FULL rows' already found) when the batch also holds FULL rows, which then
+        attend in the same call as the HOT rows when one swap-in call resolves them all."""
         steps = self.steps
-        batch = top.shape[0] // steps
-        rows = self.req_rows.reshape(batch, steps)[:, 0].contiguous()
-        top3 = top.reshape(batch, steps, -1)  # [B, S, K]
-        seq_lens = (self.positions + 1).reshape(batch, steps)  # [B, S]
-        near3 = None if self.last_near is None else self.last_near.reshape(batch, steps, -1)
+        sub = slice(None) if mixed is None else mixed[0]
+        hot_top = top[sub]
+        batch = hot_top.shape[0] // steps
+        rows = self.req_rows[sub].reshape(batch, steps)[:, 0].contiguous()
+        top3 = hot_top.reshape(batch, steps, -1)  # [B, S, K]
+        seq_lens = (self.positions[sub] + 1).reshape(batch, steps)  # [B, S]
+        near3 = None if self.last_near is None else self.last_near[sub].reshape(batch, steps, -1)
         out: torch.Tensor | None = None
         for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows, near3, first):
-            if out is None and idx.numel() == top.shape[0]:  # the common case: one call resolved all
+            if out is None and idx.numel() == hot_top.shape[0]:  # the common case: one call resolved all
+                if mixed is not None:
+                    slots = mixed[1].index_copy(0, mixed[0], slots.to(mixed[1].dtype))
                 return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
             if out is None:
-                out = torch.zeros_like(inputs.q_latent)  # [T, H, C]
-            out[idx] = sparse_mla(
-                inputs.q_latent[idx], inputs.q_rope[idx], kv, slots, inputs.attn_scale, check=False
+                out = self._attend_full_part(inputs, kv, mixed)
+            at = idx if mixed is None else mixed[0][idx]
+            out[at] = sparse_mla(
+                inputs.q_latent[at], inputs.q_rope[at], kv, slots, inputs.attn_scale, check=False
             )
         assert out is not None
+        return out
+
+    def _attend_full_part(
+        self, inputs: AttentionInputs, kv: torch.Tensor, mixed: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """``[T, H, C]``: the FULL rows' tokens attended (zeros elsewhere, for the HOT rounds)."""
+        out = torch.zeros_like(inputs.q_latent)
+        if mixed is None:
+            return out
+        full = torch.ones(out.shape[0], dtype=torch.bool, device=out.device)
+        full[mixed[0]] = False
+        at = torch.nonzero(full).reshape(-1)
+        out[at] = sparse_mla(
+            inputs.q_latent[at], inputs.q_rope[at], kv, mixed[1][at], inputs.attn_scale, check=False
+        )
         return out
 
     def _swap_rounds(

@@ -28,6 +28,13 @@ the request it was for, never another: a staging copy through its row's handle
 by row before anything overwrites its source, and a row whose own copy fails again has KV without
 a host copy, so it cannot go on (``take_backup_failures``).
 
+Layouts (``HiSparseConfig.residency``). In "always" every row is HOT: what is described above. In
+"dynamic" a row is admitted FULL while the device pool holds its whole context: every position has
+a device slot of its own (its pages in ``full_pages``, position order), so prefill chunks, decode
+and verify read it without swap-in; it stages and backs up to host all the same. Under memory
+pressure FULL rows are demoted to HOT at step boundaries, and promoted back by ``rebalance``
+(``pipeline/hisparse/residency.py`` holds the rules and both moves).
+
 Speculative verify binding and finalize (``pipeline/speculative``) use the same tables.
 """
 
@@ -50,6 +57,7 @@ from pipeline.capacity import MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
+from pipeline.hisparse.residency import DynamicResidency, full_slots
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import (
     DoneHandle,
@@ -62,7 +70,7 @@ from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory import release as resumable
 from pipeline.memory.host_pool import pins_for
-from pipeline.memory.interface import Residency, TransferTotals
+from pipeline.memory.interface import Layout, Residency, ResidencyChange, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
@@ -76,6 +84,12 @@ class RowMemory:
 
     length: int  # committed positions (their KV exists)
     residency: Residency
+    # FULL: ``full_pages`` holds every position (the buffer and chunk rows are empty); HOT: the
+    # buffer and chunk rows, ``full_pages`` empty (``pipeline/hisparse/residency.py``)
+    layout: Layout = Layout.HOT
+    full_pages: list[int] = attrs.Factory(list)  # FULL: device pages in position order
+    speculative: bool = False  # admitted for speculative rounds (its buffer has the draft zone)
+    demoted_at: int | None = None  # the ``rebalance`` count at its last demotion
     chunk_pages: list[int] = attrs.Factory(list)  # device rows of a chunk's positions past HOT (prefill)
     staging: TransferHandle = attrs.Factory(DoneHandle)  # the newest copy of prompt positions to host
     shared: list[CachedPage] = attrs.Factory(list)  # prefix-cache entries it shares (its first pages)
@@ -123,6 +137,7 @@ class HiSparseCoordinator:
     # staging FIFO; a row is here <=> its residency is STAGING
     _staging: collections.deque[int] = attrs.field(init=False, factory=collections.deque)
     verify: VerifyBuffers = attrs.field(init=False)  # verify binding and finalize (speculative rounds)
+    layouts: DynamicResidency = attrs.field(init=False)  # the FULL / HOT rules and moves
     _staging_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # row -> why its copy failed
     # backups not known to have landed, in issue order (``back_up``, ``settle_backups``)
     _backups: collections.deque[Backup] = attrs.field(init=False, factory=collections.deque)
@@ -197,6 +212,7 @@ class HiSparseCoordinator:
         # a proxy: the coordinator and its verify half hold no reference cycle, so that a dropped
         # coordinator's pools are freed at once, not by the cyclic collector (which an engine freezes)
         self.verify = VerifyBuffers(weakref.proxy(self))
+        self.layouts = DynamicResidency(weakref.proxy(self), plan.residency)
 
     def mirror_tables(self, *, separate: bool = False) -> None:
         """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row
@@ -253,20 +269,25 @@ class HiSparseCoordinator:
 
     def _admission(
         self, num_tokens: int, speculative: bool, tokens: Sequence[int] | None
-    ) -> tuple[list[CachedPage], tuple[int, int, int]] | None:
-        """(the cached chain it shares, its (physical, logical, host) page needs) when a prompt
-        fits, counting the cached pages nobody else shares as free; None when it does not."""
+    ) -> tuple[list[CachedPage], tuple[int, int, int], Layout] | None:
+        """(the cached chain it shares, its (physical, logical, host) page needs, its layout) when a
+        prompt fits, counting the cached pages nobody else shares as free and, for a HOT admission,
+        the pages demotions would free; None when it does not."""
         if not self.rows.can_allocate():
             return None
         chain = self._match(tokens)
         needs = physical, logical, host = self._needs(num_tokens, speculative, len(chain))
         spare = 0 if self.cache is None else self.cache.spare(chain)
-        fits = (
-            self.alloc.physical.can_allocate(physical)
-            and self.alloc.logical.num_free_pages + spare >= logical
+        if not (
+            self.alloc.logical.num_free_pages + spare >= logical
             and self.host.allocator.num_free_pages + spare >= host
-        )
-        return (chain, needs) if fits else None
+        ):
+            return None
+        if self.layouts.dynamic:  # FULL while the pool holds the whole context
+            full = self.layouts.full_pages(num_tokens)
+            if self.alloc.physical.can_allocate(full):
+                return chain, (full, logical, host), Layout.FULL
+        return (chain, needs, Layout.HOT) if self.layouts.can_free(physical) else None
 
     def can_admit(
         self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
@@ -290,7 +311,9 @@ class HiSparseCoordinator:
         admission = self._admission(num_tokens, speculative, tokens)
         if admission is None:
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
-        chain, (_, logical, host) = admission
+        chain, (physical, logical, host), layout = admission
+        if not self.layouts.relieve(lambda: self.alloc.physical.can_allocate(physical)):
+            raise OutOfMemory("hisparse admission", physical, self.alloc.physical.num_free_pages)
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
             self.cache.share(chain, (logical, host), num_tokens if tokens is not None else 0)
         try:
@@ -300,24 +323,48 @@ class HiSparseCoordinator:
                 self.cache.unlock(chain)
             raise
         # from here on the row owns what it gets, and ``release`` gives back whatever that is
-        mem = self._mem[row] = RowMemory(length=0, residency=Residency.PREFILL, shared=chain)
+        mem = self._mem[row] = RowMemory(
+            length=0, residency=Residency.PREFILL, shared=chain, speculative=speculative
+        )
         try:
-            buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
             if chain:
                 self.alloc.req_to_token.share(row, [e.pages[0] for e in chain])
                 self.host.map.share(row, [e.pages[1] for e in chain])
             self.alloc.extend(row, num_tokens)
             self.host.reserve(row, num_tokens)
-            self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
-            if chunk_pages:
-                mem.chunk_pages = self.alloc.alloc_physical(row, chunk_pages)
             mem.length = len(chain) * self.plan.page_size
-            if mem.length:
-                self._load_identity(row, min(mem.length, self.hot))
+            if layout is Layout.FULL:
+                self._admit_full(row, physical)
+            else:
+                self._admit_hot(row, num_tokens, speculative)
         except BaseException:
             self.release(row)
             raise
         return row
+
+    def _admit_hot(self, row: int, num_tokens: int, speculative: bool) -> None:
+        """A HOT row's device pages: its buffer and one chunk's rows; cached positions below HOT
+        loaded into their identity columns."""
+        mem = self._mem[row]
+        buffer_pages, chunk_pages = self._admission_pages(num_tokens, speculative)
+        self.buffers.assign(row, self.alloc.alloc_physical(row, buffer_pages))
+        if chunk_pages:
+            mem.chunk_pages = self.alloc.alloc_physical(row, chunk_pages)
+        if mem.length:
+            self._load_identity(row, min(mem.length, self.hot))
+
+    def _admit_full(self, row: int, num_pages: int) -> None:
+        """A FULL row's device pages, in position order; the positions shared with the prefix cache
+        loaded from host (their locations are the cache's: they map to no slot)."""
+        mem = self._mem[row]
+        self.set_full(row, self.alloc.alloc_physical(row, num_pages))
+        if not mem.length:
+            return
+        slots = full_slots(mem.full_pages, self.plan.page_size, 0, mem.length)
+        host_slots = self.host.req_to_host[row, : mem.length]
+        copy_rows(self.device_kv, slots.to(self.device), self.host.kv, host_slots, validate=False)
+        for layer in range(self.num_layers):
+            self.counters.add_prefill_loads(layer, 0, mem.length, mem.length * self.host.row_bytes)
 
     def _load_identity(self, row: int, count: int) -> None:
         """Copy positions ``[0, count)`` (below HOT, with host copies) into their identity columns."""
@@ -333,13 +380,18 @@ class HiSparseCoordinator:
         ``commit_prefill``): a position below HOT to its identity column, one past HOT to the chunk
         rows. Waits for the previous chunk's copy to host (it reads the chunk rows this chunk
         overwrites, and this chunk's swap-in reads it); an earlier position keeps no device mapping:
-        the forward reads it through swap-in, as decode does."""
+        the forward reads it through swap-in, as decode does. A FULL row's positions each go to
+        their own slot, and the earlier ones stay mapped (no swap-in)."""
         mem = self._mem[row]
         assert mem.residency is Residency.PREFILL and start == mem.length, (row, start, mem.length)
         # a CPU wait: the chunk's swap-in gathers the host rows that copy writes on the CPU
         # (docs/cuda.md); raises if that copy failed: this row's forward fails alone
         mem.staging.wait()
         locs = self.req_to_token[row, :end]
+        if mem.layout is Layout.FULL:  # every position at its own slot, the earlier ones stay mapped
+            slots = full_slots(mem.full_pages, self.plan.page_size, start, end)
+            self.alloc.bind(locs[start:], slots)
+            return WriteTargets(locs[start:].to(self.device), slots.to(self.device))
         self.alloc.clear(locs[:start])
         positions = torch.arange(start, end)
         hot = self.hot
@@ -434,7 +486,8 @@ class HiSparseCoordinator:
 
     def collect_ready(self, rows: list[int] | None = None, *, speculative: bool = False) -> list[int]:
         """Pop staged rows (of ``rows``; all when None) whose copy has landed, in FIFO order: each
-        gives back its chunk rows and decodes through the buffer it holds since admission.
+        gives back its chunk rows and decodes through the buffer it holds since admission (a FULL
+        row keeps its pages and mappings).
 
         Stops at the first row whose copy is still in flight (copies land in issue order). A row
         whose copy failed is skipped and reported by ``take_staging_failures`` (the caller releases
@@ -453,7 +506,8 @@ class HiSparseCoordinator:
                 continue
             if not landed:
                 break
-            self.alloc.clear(self.req_to_token[row, : mem.length])  # decode reads through the buffer
+            if mem.layout is Layout.HOT:
+                self.alloc.clear(self.req_to_token[row, : mem.length])  # decode reads through the buffer
             if mem.chunk_pages:
                 self.alloc.free_physical(row, mem.chunk_pages)
             self._staging.remove(row)
@@ -463,6 +517,57 @@ class HiSparseCoordinator:
 
     def residency(self, row: int) -> Residency:
         return self._mem[row].residency
+
+    # --- dynamic residency (``pipeline/hisparse/residency.py``) ----------------------------------
+
+    def layout(self, row: int) -> Layout:
+        """``row``'s layout (from its admission on; HOT for every row unless residency is dynamic)."""
+        return self._mem[row].layout
+
+    def set_full(self, row: int, pages: list[int] | None) -> None:
+        """Record ``row``'s layout: FULL over ``pages`` (position order), or HOT (None)."""
+        mem = self._mem[row]
+        mem.layout = Layout.HOT if pages is None else Layout.FULL
+        mem.full_pages = [] if pages is None else list(pages)
+        self.layouts.forget_table()
+
+    def full_rows(self) -> list[int]:
+        """The rows whose layout is FULL (live or being released), in row order."""
+        return sorted(row for row, mem in self._mem.items() if mem.layout is Layout.FULL)
+
+    def shared_len(self, row: int) -> int:
+        """Positions of ``row`` in pages it shares with the prefix cache (they map to no slot)."""
+        return len(self._mem[row].shared) * self.plan.page_size
+
+    def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """``[T]`` bool (CPU): whether each of ``rows`` (request rows) is FULL; None when no row is."""
+        full = self.full_rows()
+        if not full:
+            return None
+        return torch.tensor([row in full for row in rows.tolist()], dtype=torch.bool)
+
+    def full_page_table(self) -> torch.Tensor:
+        """``[rows, pages]`` int64 each FULL row's device pages in position order, -1 beyond them and
+        for HOT rows: a forward's way from a position to its slot (built for each forward that has
+        FULL rows; a prefix shared with the cache has locations that map to no slot)."""
+        return self.layouts.page_table(self.full_rows())
+
+    def demote(self, row: int) -> int:
+        """FULL -> HOT for a decoding row at a step boundary; returns the device bytes freed."""
+        return self.layouts.demote(row)
+
+    def promote(self, row: int) -> int:
+        """HOT -> FULL for a decoding row at a step boundary; returns the bytes copied to device."""
+        return self.layouts.promote(row)
+
+    def rebalance(self) -> None:
+        self.layouts.rebalance()
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        return self.layouts.take_changes()
+
+    def residency_stats(self) -> dict[str, object]:
+        return self.layouts.stats()
 
     def take_staging_failures(self) -> dict[int, str]:
         """Rows whose staging copy failed since the last call, with the reason (once each)."""
@@ -478,10 +583,12 @@ class HiSparseCoordinator:
         mem = self._mem[row]
         end = mem.length + new_tokens
         logical = self.alloc.req_to_token.pages_needed(row, end)
-        cap = self.buffers.capacity(row)
-        physical = (
-            max(0, self.buffers.capacity_for(end, speculative=speculative) - cap) // self.plan.page_size
-        )
+        page = self.plan.page_size
+        if mem.layout is Layout.FULL:  # a page per P positions, whatever the round
+            physical = max(0, -(-end // page) - len(mem.full_pages))
+        else:
+            cap = self.buffers.capacity(row)
+            physical = max(0, self.buffers.capacity_for(end, speculative=speculative) - cap) // page
         host = self.host.pages_needed(row, end)
         return logical, physical, host
 
@@ -490,12 +597,10 @@ class HiSparseCoordinator:
         end = self._mem[row].length + new_tokens
         if end > self.plan.max_request_len:
             return None
-        buffers = self.buffers
-        cap = buffers.capacity(row)
         if (  # the usual step: the row already has the room (``decode_needs`` all 0, found cheaply)
             end <= self.alloc.req_to_token.covered_len(row)
             and end <= self.host.map.covered_len(row)
-            and buffers.capacity_for(end, speculative=speculative) - cap < self.plan.page_size
+            and self._device_room(row, end, speculative)
         ):
             return (0, 0, 0)
         needs = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
@@ -511,8 +616,34 @@ class HiSparseCoordinator:
         )
         return needs if fits else None
 
+    def _device_room(self, row: int, end: int, speculative: bool) -> bool:
+        """Whether ``row``'s device pages hold positions up to ``end`` already."""
+        mem = self._mem[row]
+        if mem.layout is Layout.FULL:
+            return end <= len(mem.full_pages) * self.plan.page_size
+        cap = self.buffers.capacity(row)
+        return self.buffers.capacity_for(end, speculative=speculative) - cap < self.plan.page_size
+
+    def _short_of_device(self, row: int, new_tokens: int, speculative: bool) -> int:
+        """The device pages ``row`` lacks for ``new_tokens`` more positions when device pages are
+        all it lacks (what demotions can give), else 0."""
+        end = self._mem[row].length + new_tokens
+        if end > self.plan.max_request_len:
+            return 0
+        logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+        spare = 0 if self.cache is None else self.cache.evictable()
+        others = (
+            self.alloc.logical.num_free_pages + spare >= logical
+            and self.host.allocator.num_free_pages + spare >= host
+        )
+        return physical if others and not self.alloc.physical.can_allocate(physical) else 0
+
     def can_decode(self, row: int, *, new_tokens: int = 1, speculative: bool = False) -> bool:
-        return self._room(row, new_tokens, speculative) is not None
+        """Room for ``new_tokens`` more positions, now or once demotions have freed device pages."""
+        if self._room(row, new_tokens, speculative) is not None:
+            return True
+        short = self._short_of_device(row, new_tokens, speculative) if self.layouts.dynamic else 0
+        return bool(short) and self.layouts.can_free(short)
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
         """Locations for the next ``new_tokens`` positions, a buffer wide enough for them, and host
@@ -520,15 +651,23 @@ class HiSparseCoordinator:
 
         Raises ``OutOfMemory`` before changing anything when a pool is short. Computes the needs
         once; a row that already has the room (a second call in the same step) changes nothing.
+        In dynamic residency, a row short of device pages alone first demotes FULL rows, the
+        largest context first (this row too), until it has them.
         """
         needs = self._room(row, new_tokens, speculative)
+        if needs is None and self.layouts.dynamic and self._short_of_device(row, new_tokens, speculative):
+            self.layouts.relieve(lambda: self._room(row, new_tokens, speculative) is not None)
+            needs = self._room(row, new_tokens, speculative)
         if needs is None:
             raise OutOfMemory("hisparse decode", new_tokens, self.free_pages())
         logical, physical, host = needs
-        end = self._mem[row].length + new_tokens
+        mem = self._mem[row]
+        end = mem.length + new_tokens
         if logical:
             self.alloc.extend(row, end)
-        if physical:
+        if physical and mem.layout is Layout.FULL:
+            self.set_full(row, mem.full_pages + self.alloc.alloc_physical(row, physical))
+        elif physical:
             self.buffers.grow(row, self.alloc.alloc_physical(row, physical))
         if host:  # taken now, so that rows checked one after another cannot count the same pages
             self.host.reserve(row, end)
@@ -539,9 +678,34 @@ class HiSparseCoordinator:
         While short the token goes to its identity column; once long it replaces the newest column,
         after the backup that reads the previous newest token has completed.
         """
+        for row in rows:  # (all first: a row's room may demote another row of the batch)
+            self.ensure_capacity(row, new_tokens=1, speculative=False)
+        if self.layouts.dynamic and any(self._mem[row].layout is Layout.FULL for row in rows):
+            return self._prepare_mixed(rows)
+        return self._prepare_hot(rows)
+
+    def _prepare_mixed(self, rows: list[int]) -> WriteTargets:
+        """``prepare_decode`` of a batch holding FULL rows: those write at their own slot."""
+        full = [i for i, row in enumerate(rows) if self._mem[row].layout is Layout.FULL]
+        hot = [i for i in range(len(rows)) if i not in set(full)]
+        locs = torch.empty(len(rows), dtype=torch.int64)
+        slots = torch.empty(len(rows), dtype=torch.int64)
+        if hot:
+            part = self._prepare_hot([rows[i] for i in hot])
+            locs[hot], slots[hot] = part.locs.cpu(), part.slots.cpu()
+        page = self.plan.page_size
+        full_rows = [rows[i] for i in full]
+        positions = [self._mem[row].length for row in full_rows]
+        locs[full] = self.req_to_token[torch.tensor(full_rows), torch.tensor(positions)]
+        pages = [self._mem[row].full_pages[pos // page] for row, pos in zip(full_rows, positions)]
+        slots[full] = torch.tensor([p * page + pos % page for p, pos in zip(pages, positions)])
+        self.alloc.bind(locs[full], slots[full])
+        return WriteTargets(locs.to(self.device), slots.to(self.device))
+
+    def _prepare_hot(self, rows: list[int]) -> WriteTargets:
+        """``prepare_decode`` of HOT rows (their room taken)."""
         positions, cols, long_rows, long_positions = [], [], [], []
         for row in rows:
-            self.ensure_capacity(row, new_tokens=1, speculative=False)
             mem = self._mem[row]
             pos = mem.length
             col = self.buffers.column_of(pos)
@@ -875,6 +1039,7 @@ class HiSparseCoordinator:
         # its buffer, its chunk rows and any rows lent to a forward: every device page it owns
         self._lent.pop(row, None)
         mem.chunk_pages = []
+        self.set_full(row, None)
         self.buffers.reset(row)
         owned = self.alloc.physical.pages_of(row)
         if owned:
@@ -988,11 +1153,11 @@ class HiSparseCoordinator:
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (its buffer and a prefill's chunk rows), all layers."""
         mem = self._mem[row]
-        pages = len(mem.chunk_pages) + len(self.buffers.pages(row))
+        pages = len(mem.chunk_pages) + len(self.buffers.pages(row)) + len(mem.full_pages)
         return pages * self.plan.page_size * self.num_layers * self.row_dim * self.device_kv.element_size()
 
     def check_integrity(self, *, data: bool = True) -> None:
-        """Invariants I1-I8 of docs/invariants.md (I6 against the host copies when ``data``)."""
+        """Invariants I1-I8 and I14 of docs/invariants.md (I6 against the host copies when ``data``)."""
         self.rows.check_integrity()
         self.alloc.check_integrity()
         self.host.check_integrity()
@@ -1009,11 +1174,14 @@ class HiSparseCoordinator:
         assert sorted(staged) == sorted(self._staging), "staging queue disagrees with the rows' residency"
         for row, mem in live.items():
             owned = self.alloc.physical.pages_of(row)
-            expect = set(mem.chunk_pages) | set(self.buffers.pages(row))
+            expect = set(mem.chunk_pages) | set(self.buffers.pages(row)) | set(mem.full_pages)
             assert owned == expect, f"row {row}: owns pages {sorted(owned)}, accounts for {sorted(expect)}"
             assert not (mem.chunk_pages and mem.residency is Residency.RESIDENT), (
                 f"row {row}: decodes and still holds chunk rows"
             )
+            if mem.layout is Layout.FULL:
+                self.layouts.check_full(row, data=data)
+                continue
             if mem.residency is not Residency.RESIDENT:
                 continue
             self.buffers.check_integrity(row, mem.length)

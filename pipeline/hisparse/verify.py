@@ -27,6 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from kernels.kv_copy import copy_rows_unchecked
+from pipeline.hisparse.residency import full_slots
+from pipeline.memory.interface import Layout
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 
 
@@ -46,6 +48,7 @@ class VerifyTables(Protocol):
     """What verify binding and finalize use of the coordinator (its tables and streams)."""
 
     hot: int
+    plan: Any  # MemoryPlan
     buffers: Any  # DeviceBuffers
     alloc: Any  # HiSparseAllocator
     host: Any  # HostPool
@@ -81,10 +84,32 @@ class VerifyBuffers:
         for the rows not yet handled). The rows' room is taken one by one; their columns, tokens
         and bindings are then written for all of them at once (the rows are distinct)."""
         coord, d = self.coord, draft_tokens
+        for row in rows:  # (all first: a row's room may demote another row of the batch)
+            coord.ensure_capacity(row, new_tokens=d, speculative=True)
+        full = [i for i, row in enumerate(rows) if coord._mem[row].layout is Layout.FULL]
+        if not full:
+            return VerifyLayout(self._bind_hot(rows, d), d, tuple(rows))
+        hot = [i for i in range(len(rows)) if i not in set(full)]
+        locs = torch.empty(len(rows), d, dtype=torch.int64)
+        slots = torch.empty(len(rows), d, dtype=torch.int64)
+        if hot:
+            part = self._bind_hot([rows[i] for i in hot], d)
+            locs[hot], slots[hot] = part.locs.cpu().reshape(-1, d), part.slots.cpu().reshape(-1, d)
+        page = coord.plan.page_size
+        for i in full:  # each verify token at its position's own slot
+            mem = coord._mem[rows[i]]
+            locs[i] = coord.req_to_token[rows[i], mem.length : mem.length + d]
+            slots[i] = full_slots(mem.full_pages, page, mem.length, mem.length + d)
+        coord.alloc.bind(locs[full].reshape(-1), slots[full].reshape(-1))
+        targets = WriteTargets(locs.reshape(-1).to(coord.device), slots.reshape(-1).to(coord.device))
+        return VerifyLayout(targets, d, tuple(rows))
+
+    def _bind_hot(self, rows: list[int], d: int) -> WriteTargets:
+        """Bind the verify tokens of HOT rows (their room taken) to their columns."""
+        coord = self.coord
         hot, buffers = coord.hot, coord.buffers
         lengths = []
         for row in rows:
-            coord.ensure_capacity(row, new_tokens=d, speculative=True)
             mem = coord._mem[row]
             coord.order_backups(mem.backup)  # last round's backup reads the draft zone this round overwrites
             lengths.append(mem.length)
@@ -98,8 +123,7 @@ class VerifyBuffers:
         locs = coord.req_to_token[row_t[:, None], positions].reshape(-1)
         slots = buffers.locs[row_d, cols].reshape(-1)
         coord.alloc.bind(locs, slots.cpu())
-        targets = WriteTargets(locs.to(coord.device), slots.to(coord.device))
-        return VerifyLayout(targets, d, tuple(rows))
+        return WriteTargets(locs.to(coord.device), slots.to(coord.device))
 
     def finalize(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
@@ -110,22 +134,90 @@ class VerifyBuffers:
         for all the committed rows at once, in its order (their rows, columns and locations are distinct, so
         no step of one row touches another's).
         """
-        coord, d = self.coord, layout.draft_tokens
-        hot, buffers = coord.hot, coord.buffers
+        d = layout.draft_tokens
         verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
+        lost = self.coord.take_backup_failures(list(rows))  # an earlier backup failed: it cannot go on
+        full = [i for i, row in enumerate(rows) if self.coord._mem[row].layout is Layout.FULL]
+        if not full:
+            return self._finalize_hot(rows, accepted, verify_slots, d, lost)
+        hot = [i for i in range(len(rows)) if i not in set(full)]
+        failed = self._finalize_full(
+            [rows[i] for i in full], [accepted[i] for i in full], [verify_slots[i] for i in full], d, lost
+        )
+        if hot:
+            failed += self._finalize_hot(
+                [rows[i] for i in hot], [accepted[i] for i in hot], [verify_slots[i] for i in hot], d, lost
+            )
+        return failed
+
+    def _reserve(self, row: int, count: int, lost: dict[int, str]) -> bool:
+        """Host pages for ``count`` accepted tokens of ``row``; False (the row's finalize rolled back,
+        nothing changed) when the row cannot go on or the host pool cannot take them."""
+        if row in lost:
+            self._failures[row] = FinalizeError(row, lost[row])
+            return False
+        try:  # (it changes nothing when the host pool is short: nothing happened to this row)
+            self.coord.host.reserve(row, self.coord._mem[row].length + count)
+        except Exception as exc:  # this row's finalize alone rolls back
+            self._failures[row] = FinalizeError(row, f"{type(exc).__name__}: {exc}")
+            return False
+        return True
+
+    def _finalize_full(
+        self,
+        rows: list[int],
+        accepted: list[int],
+        verify_slots: list[list[int]],
+        d: int,
+        lost: dict[int, str],
+    ) -> list[int]:
+        """Finalize of FULL rows: the accepted tokens stay at their own slots and are backed up, the
+        rejected ones' locations are unmapped (their slots are written again by the next round)."""
+        coord = self.coord
+        committed, starts, counts, failed = [], [], [], []
+        for row, count in zip(rows, accepted):
+            if not self._reserve(row, count, lost):
+                failed.append(row)
+                continue
+            committed.append(row)
+            starts.append(coord._mem[row].length)
+            counts.append(count)
+        if not committed:
+            return failed
+        rejected = [
+            coord.req_to_token[row, start + count : start + d]
+            for row, start, count in zip(committed, starts, counts)
+        ]
+        coord.alloc.clear(torch.cat(rejected))
+        host_slots = coord.host.record_runs(committed, starts, counts)
+        for row, start, count in zip(committed, starts, counts):
+            coord._mem[row].length = start + count
+        by_row = dict(zip(rows, verify_slots))
+        backed = torch.tensor(
+            [s for row, count in zip(committed, counts) for s in by_row[row][:count]], device=coord.device
+        )
+        coord.back_up(committed, counts, host_slots, backed)
+        for row, why in coord.take_backup_failures(committed).items():
+            failed.append(row)
+            self._failures[row] = FinalizeError(row, why, rolled_back=False)
+        return failed
+
+    def _finalize_hot(
+        self,
+        rows: list[int],
+        accepted: list[int],
+        verify_slots: list[list[int]],
+        d: int,
+        lost: dict[int, str],
+    ) -> list[int]:
+        """Finalize of HOT rows (the module docstring's steps)."""
+        coord = self.coord
+        hot, buffers = coord.hot, coord.buffers
         committed, starts, counts, slots, failed = [], [], [], [], []
-        lost = coord.take_backup_failures(list(rows))  # an earlier backup failed: it cannot go on
         for row, count, row_slots in zip(rows, accepted, verify_slots):
             mem = coord._mem[row]
-            if row in lost:
+            if not self._reserve(row, count, lost):
                 failed.append(row)
-                self._failures[row] = FinalizeError(row, lost[row])
-                continue
-            try:  # (it changes nothing when the host pool is short: nothing happened to this row)
-                coord.host.reserve(row, mem.length + count)
-            except Exception as exc:  # this row's finalize alone rolls back
-                failed.append(row)
-                self._failures[row] = FinalizeError(row, f"{type(exc).__name__}: {exc}")
                 continue
             coord.order_backups(mem.backup)  # the newest column's last backup, before step 4 overwrites it
             committed.append(row)

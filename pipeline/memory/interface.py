@@ -10,6 +10,10 @@ by chunk (one chunk when it is short), the last chunk's copy to host in flight, 
 layout. Indices a verb returns
 (locations, slots) stay valid until the next verb that changes the same row's layout, unless the
 verb's docstring says otherwise.
+
+HiSparse rows also have a ``Layout`` (FULL: every position on the device; HOT: the hot buffer over
+the host copy); with dynamic residency a decoding row changes layout at step boundaries, reported by
+``take_residency_changes``.
 """
 
 from __future__ import annotations
@@ -36,6 +40,24 @@ class Residency(enum.Enum):
     PREFILL = "prefill"  # admitted: the prompt is being computed, chunk by chunk
     STAGING = "staging"  # prompt KV computed; its copy to host is in flight
     RESIDENT = "resident"  # decode layout: the device buffer (HiSparse) or the resident pool
+
+
+class Layout(enum.Enum):
+    """How a HiSparse row's KV sits on the device (``HiSparseConfig.residency``; one fact, kept in
+    the coordinator's record of the row, from its admission on)."""
+
+    FULL = "full"  # every committed position has a device slot of its own (no swap-in, no hot buffer)
+    HOT = "hot"  # the device buffer over the host copy (HiSparse's hot region and swap-in)
+
+
+@attrs.frozen
+class ResidencyChange:
+    """One change of a decoding row's layout (dynamic residency), reported once
+    (``take_residency_changes``)."""
+
+    row: int  # the request row
+    kind: str  # "demoted" (FULL -> HOT) | "promoted" (HOT -> FULL)
+    num_bytes: int  # device bytes freed (demoted) or bytes copied host -> device (promoted)
 
 
 # (hits, misses, bytes): entries found on the device, rows loaded host -> device, the bytes they moved
@@ -240,4 +262,19 @@ class KVMemory(Protocol):
 
     def check_integrity(self, *, data: bool = True) -> None:
         """Every invariant of ``docs/invariants.md`` this memory is responsible for."""
+        ...
+
+    # --- dynamic residency (``docs/residency.md``) ----------------------------------------------------
+
+    def rebalance(self) -> None:
+        """A step boundary after a command that changed memory: promote a demoted row when memory
+        has returned (HiSparse in dynamic residency; nothing otherwise)."""
+        ...
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        """Layout changes since the last call, in order, each once (none without dynamic residency)."""
+        ...
+
+    def residency_stats(self) -> dict[str, object] | None:
+        """Rows by layout and the demotions and promotions so far (None for resident memory)."""
         ...

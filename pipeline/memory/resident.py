@@ -20,7 +20,7 @@ import torch
 from kernels.kv_fp8 import KVCacheFormat
 from pipeline.capacity import MemoryPlan
 from pipeline.memory import release as resumable
-from pipeline.memory.interface import Residency, TransferTotals
+from pipeline.memory.interface import Residency, ResidencyChange, TransferTotals
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.req_to_token import RequestRows, token_table
@@ -332,6 +332,15 @@ class ResidentMemory:
         """Device bytes of the target's MLA KV that ``row`` holds, all target layers."""
         pages = len(self._table.pages(row))
         return pages * self.plan.page_size * self.num_layers * self.row_dim * self.store.kv.element_size()
+
+    def rebalance(self) -> None:
+        """Nothing to move: every row is on the device (dynamic residency is HiSparse's)."""
+
+    def take_residency_changes(self) -> list[ResidencyChange]:
+        return []
+
+    def residency_stats(self) -> None:
+        return None
 
     def check_integrity(self, *, data: bool = True) -> None:
         self.rows.check_integrity()

@@ -789,6 +789,7 @@ HS_WRONG_TYPES = {
     "near_margin": [1.5, "1", True],
     "draft_rows_on_host": [1, "yes", None],
     "draft_keys_on_host": [1, "yes", None],
+    "residency": [None, 1, ["dynamic"]],
 }
 SP_WRONG_TYPES = {
     "num_steps": [3.0, "3", None, True],

@@ -12,7 +12,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline import Engine, SamplingParams
-from pipeline.capacity import ModelDims, seats
+from pipeline.capacity import (
+    LOCATION,
+    REQUEST,
+    SLOT,
+    MemoryPlan,
+    ModelDims,
+    full_rows,
+    load_steps,
+    round_up,
+    seats,
+)
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
@@ -54,6 +64,7 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
     hot = kw.pop("hot", HOT)
     on_host = kw.pop("draft_rows_on_host", False)
     keys = kw.pop("draft_keys_on_host", False)
+    residency = kw.pop("residency", "always")
     return EngineConfig(
         dtype="float64",
         page_size=kw.pop("page_size", PAGE),
@@ -63,6 +74,7 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
             host_to_device_ratio=ratio,
             draft_rows_on_host=on_host,
             draft_keys_on_host=keys,
+            residency=residency,
         )
         if hisparse
         else None,
@@ -91,9 +103,11 @@ def budget_config(*, budget: int, hisparse: bool, num_steps: int | None = None, 
     budget=st.integers(400_000, 3_000_000),
     rows=st.sampled_from([None, None, 3]),
     on_host=st.sampled_from(["device", "rows", "keys"]),
+    residency=st.sampled_from(["always", "dynamic"]),
 )
 def test_the_allocations_are_the_plan_and_fit_the_budget(
-    tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows, on_host
+    tiny_model, hisparse, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows, on_host,
+    residency,
 ):
     """For random configurations the device tensors of the memory layer add up to the plan's total
     (the start-up check compares them structure by structure), within the budget; every other
@@ -112,6 +126,7 @@ def test_the_allocations_are_the_plan_and_fit_the_budget(
         max_running_requests=rows,
         draft_rows_on_host=on_host != "device",
         draft_keys_on_host=on_host == "keys",
+        residency=residency,
     )
     try:
         executor = Executor(cfg, model=tiny_model)
@@ -169,6 +184,112 @@ def test_token_settings_stay_overrides(tiny_model):
     assert resolved.device_pool_tokens == 512 and resolved.max_running_requests == 4  # 512 / 128
     with pytest.raises(ConfigError, match="device_memory_bytes"):
         plan_engine(attrs.evolve(cfg, max_running_requests=10**6), tiny_model.cfg, log_choices=False)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    num_steps=st.sampled_from([None, 2]),
+    page_size=st.sampled_from([4, 8, 16]),
+    hot_pages=st.integers(2, 4),
+    ratio=st.none() | st.integers(1, 16),
+    context=st.integers(40, 400),
+    chunk=st.sampled_from([None, 16, 48]),
+    budget=st.integers(300_000, 6_000_000),
+    rows=st.sampled_from([None, None, 3]),
+    on_host=st.sampled_from(["device", "rows", "keys"]),
+)
+def test_dynamic_residency_seats_what_hisparse_seats_and_gives_the_rest_to_the_device_pool(
+    tiny_model, num_steps, page_size, hot_pages, ratio, context, chunk, budget, rows, on_host
+):
+    """The sizing rule of dynamic residency (docs/residency.md): HiSparse's request rows, ratio and
+    seats; a logical (and host) pool of exactly the seats; every whole page the budget has left in
+    the device pool, never fewer slots than HiSparse's."""
+    common = dict(budget=budget, hisparse=True, num_steps=num_steps if page_size > 2 else None,
+                  page_size=page_size, hot=max(hot_pages * page_size, 8), ratio=ratio,
+                  max_context_len=context, chunked_prefill_tokens=chunk, max_running_requests=rows,
+                  draft_rows_on_host=on_host != "device", draft_keys_on_host=on_host == "keys")
+    try:
+        always = plan_engine(budget_config(**common), tiny_model.cfg, log_choices=False)
+    except ConfigError as err:
+        with pytest.raises(ConfigError) as info:
+            plan_engine(budget_config(**common, residency="dynamic"), tiny_model.cfg, log_choices=False)
+        assert info.value.field == err.field
+        return
+    dynamic = plan_engine(budget_config(**common, residency="dynamic"), tiny_model.cfg, log_choices=False)
+    a, d = always.memory, dynamic.memory
+    assert (d.residency, a.residency) == ("dynamic", "always")
+    assert (dynamic.max_running_requests, dynamic.host_to_device_ratio, dynamic.max_context_len) == (
+        always.max_running_requests, always.host_to_device_ratio, always.max_context_len)
+    need = round_up(d.max_request_len, page_size)
+    unit = {u: sum(s.unit_bytes for s in dynamic.device.structures if s.unit == u) for u in (SLOT, LOCATION)}
+
+    def slots_left(seated: int) -> int:  # the device pool the budget pays for beside ``seated`` seats
+        spent = page_size * (unit[SLOT] + unit[LOCATION]) + dynamic.max_running_requests * _row_bytes(
+            dynamic.device)
+        return (budget - spent - seated * need * unit[LOCATION]) // unit[SLOT] // page_size * page_size
+
+    held = seats(a, context).running
+    assert seats(d, context).running == held
+    assert d.logical_tokens == d.host_tokens == max(1, held) * need
+    assert d.device_tokens == max(a.device_tokens, slots_left(held)) and d.device_tokens % page_size == 0
+    assert dynamic.device.total_bytes <= budget
+    assert dynamic.device.full_seats(context) == min(held, d.device_tokens // need)
+
+
+def _row_bytes(plan) -> int:
+    """Device bytes of one request row (the structures that grow with rows)."""
+    return sum(s.unit_bytes for s in plan.structures if s.unit == REQUEST)
+
+
+def test_without_a_budget_dynamic_residency_has_hisparses_pools(tiny_model):
+    for hs in (HiSparseConfig(), HiSparseConfig(host_to_device_ratio=8, device_buffer_size=64)):
+        always = plan_engine(EngineConfig(hisparse=hs), tiny_model.cfg, log_choices=False)
+        dynamic = plan_engine(EngineConfig(hisparse=attrs.evolve(hs, residency="dynamic")), tiny_model.cfg,
+                              log_choices=False)
+        assert dynamic.memory == attrs.evolve(always.memory, residency="dynamic")
+
+
+def _dynamic_plan(device_tokens: int, *, residency: str = "dynamic") -> MemoryPlan:
+    """HOT 128, pages of 16, chunks of 512, 24 rows of 2,048-token requests (the bundled model at
+    32 MB); ``device_tokens`` slots."""
+    return MemoryPlan(page_size=16, hot=128, buffer_columns=144, top_k=64, device_tokens=device_tokens,
+                      logical_tokens=24 * 2048, host_tokens=24 * 2048, max_context_len=2048,
+                      max_running_requests=24, draft_tokens=0, hisparse=True, prefill_chunk=512,
+                      residency=residency)
+
+
+@given(device_tokens=st.integers(2, 400).map(lambda n: n * 16))
+def test_the_load_table_fills_the_device_pool_with_full_rows(device_tokens):
+    """At each load the FULL rows are the most the device pool holds beside the others' buffers
+    (and one prefill chunk's rows while any is HOT); the table runs from one request to the seats,
+    all FULL first; with residency "always" none is FULL."""
+    plan, context, need, chunk = _dynamic_plan(device_tokens), 2048, 2048, 512 - 16
+    running = seats(plan, context).running
+
+    def fits(full, requests):
+        if full == requests:
+            return full * need <= device_tokens
+        return full * need + (requests - full) * 144 + chunk <= device_tokens
+
+    for requests in range(1, running + 1):
+        full = full_rows(plan, context, requests)
+        assert 0 <= full <= requests
+        assert fits(full, requests)
+        assert full == requests or not fits(full + 1, requests)
+        assert full_rows(_dynamic_plan(device_tokens, residency="always"), context, requests) == 0
+    steps = load_steps(plan, context)
+    if running:
+        assert steps[0].requests == 1 and steps[-1].requests == running
+        assert [s.requests for s in steps] == sorted({s.requests for s in steps})
+        for step in steps:
+            assert step.full + step.hot == step.requests
+            assert step.device_slots == step.full * need + step.hot * 144
+
+
+def test_the_load_table_of_the_bundled_model_at_32mb():
+    """docs/residency.md's table: two requests FULL, a third sends one of them HOT, all HOT from 16."""
+    steps = [(s.requests, s.full, s.hot) for s in load_steps(_dynamic_plan(4592), 2048)]
+    assert steps == [(1, 1, 0), (2, 2, 0), (3, 1, 2), (16, 0, 16), (24, 0, 24)]
 
 
 async def _run(model, cfg, prompts, new_tokens):
@@ -320,6 +441,48 @@ def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
     )
 
 
+def test_hispec_plan_prints_how_dynamic_residency_moves_between_the_layouts(capsys, tmp_path):
+    """The bundled model at 32 MB, 2,048-token requests, no speculation (docs/residency.md): the
+    dynamic engine seats HiSparse's 24 with two FULL at once; at ratio 1 it is all-resident's 8,
+    all FULL. ``--residency dynamic`` makes the HiSparse section the dynamic engine's."""
+    import json
+
+    from pipeline.cli import main as cli
+
+    out_json = tmp_path / "plan.json"
+    argv = ["plan", "--device-memory", "32MB", "--context", "2048", "--no-spec", "--json", str(out_json)]
+    assert cli(argv) == 0
+    out = capsys.readouterr().out
+    assert "dynamic residency seats 24, of which up to 2 FULL at once (all-resident: 8)" in out
+    assert 'dynamic residency (hisparse.residency="dynamic"): device pool 4592 slots' in out
+    payload = json.loads(out_json.read_text())
+    dynamic = payload["plans"]["dynamic"]
+    assert (dynamic["residency"], payload["plans"]["hisparse"]["residency"]) == ("dynamic", "always")
+    assert dynamic["seats"] == payload["plans"]["hisparse"]["seats"] == 24
+    assert dynamic["total_bytes"] <= 32 * 10**6 and dynamic["logical_tokens"] == 24 * 2048
+    assert [(s["requests"], s["full"], s["hot"]) for s in dynamic["load_steps"]] == [
+        (1, 1, 0), (2, 2, 0), (3, 1, 2), (16, 0, 16), (24, 0, 24)]
+    # a FULL request holds what a resident one does in rows and keys, and a HiSparse request row
+    resident = payload["plans"]["resident"]["request_bytes"]
+    row_parts = ("token", "host", "device buffer")
+    row = sum(v for k, v in dynamic["request_bytes"].items() if k.startswith(row_parts))
+    assert dynamic["load_steps"][0]["device_bytes"] == sum(resident.values()) - resident["token table"] + row
+    trades = payload["dynamic_trade_offs"]
+    assert trades["1"] == [8, 8] and trades["11"] == [24, 2]
+    assert cli([*argv[:-2], "--residency", "dynamic"]) == 0
+    out = capsys.readouterr().out
+    assert "host_to_device_ratio 11, chosen for the budget, residency dynamic): device pool 4592 slots" in out
+    assert "dynamic residency seats 24, of which up to 2 FULL at once" in out
+    # at 11 MB HiSparse's 8 seats leave no room for a FULL request of 2,048 tokens; ratio 8 buys one
+    small = ["plan", "--device-memory", "11MB", "--context", "2048", "--no-spec", "--json", str(out_json)]
+    assert cli(small) == 0
+    out = capsys.readouterr().out
+    assert "HiSparse seats 8 requests to resident's 2 (4.00x)" in out
+    assert "dynamic residency seats 8, of which up to 0 FULL at once (all-resident: 2)" in out
+    trades = json.loads(out_json.read_text())["dynamic_trade_offs"]
+    assert (trades["8"], trades["10"]) == ([7, 1], [8, 0])
+
+
 def test_bench_capacity_gives_every_variant_the_same_budget():
     from pipeline.benchmarks.capacity import VARIANTS, add_args, variant_config
 
@@ -331,6 +494,9 @@ def test_bench_capacity_gives_every_variant_the_same_budget():
     assert {c.max_context_len for c in configs.values()} == {1024}
     assert configs["resident"].hisparse is None and configs["hisparse"].speculative is None
     assert configs["hisparse+spec"].speculative is not None and configs["resident+spec"].hisparse is None
+    assert configs["hisparse"].hisparse.residency == "always"
+    assert configs["dynamic"].hisparse.residency == configs["dynamic+spec"].hisparse.residency == "dynamic"
+    assert configs["dynamic"].speculative is None and configs["dynamic+spec"].speculative is not None
 
 
 def test_bench_capacity_alternates_its_variants_and_pairs_the_ratios(monkeypatch):
@@ -376,6 +542,55 @@ def test_bench_capacity_alternates_its_variants_and_pairs_the_ratios(monkeypatch
         ratios["hisparse+spec / hisparse"]["median"] == pytest.approx(1.1)
         and "resident+spec / resident" not in ratios
     )
+
+
+def test_bench_capacity_sweeps_the_dynamic_variant_and_pairs_its_ratios(monkeypatch, tmp_path, capsys):
+    """``--variants resident,hisparse,dynamic --sweep``: at each load the dynamic ratios (against
+    resident, HiSparse and the better of the two in the same repeat) with their range, who seats the
+    load, dynamic's demotions and promotions; the JSON keeps them and the plot is written."""
+    import json
+
+    from pipeline.benchmarks import capacity as bench
+
+    calls = []
+    seated = {"resident": 2, "hisparse": 8, "dynamic": 8}
+
+    zero = ("requests_per_s", "peak_running", "retractions", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99",
+            "misses_per_step")
+
+    async def fake_run(cfg, prompts, new_tokens):
+        hs = cfg.hisparse
+        variant = "resident" if hs is None else "dynamic" if hs.residency == "dynamic" else "hisparse"
+        calls.append((variant, len(prompts)))
+        count, dynamic = len(prompts), variant == "dynamic"
+        speed = {"resident": 100.0 * min(count, 2), "hisparse": 90.0 * count, "dynamic": 95.0 * count}
+        speed = speed[variant]
+        speed += len(calls)  # each repeat a little different: the ranges are real ranges
+        return {"tokens_per_s": speed, "tokens_per_cpu_s": 2 * speed, "seats": seated[variant],
+                "mean_running": min(count, seated[variant]),
+                "demotions": count // 2 if dynamic else 0, "promotions": 1 if dynamic else 0, "outputs": {},
+                **dict.fromkeys(zero, 0.0)}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr(bench, "held_out_prompts", lambda count, *a: [[0]] * count)
+    out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    assert bench.main(["--variants", "resident,hisparse,dynamic", "--requests", "4", "--sweep", "1,4,16",
+                       "--repeats", "2", "--out", str(out), "--plot", str(plot)]) == 0
+    assert calls[:3] == [("resident", 2), ("hisparse", 2), ("dynamic", 2)]  # the unmeasured warm-up
+    measured = calls[3:]
+    assert sorted(set(measured)) == sorted({(v, n) for v in seated for n in (1, 4, 16)})
+    assert len(measured) == 3 * 3 * 2  # the load given once, not twice
+    printed = capsys.readouterr().out
+    assert "dynamic / best of resident, hisparse" in printed and plot.exists()
+    sweep = json.loads(out.read_text())["sweep"]
+    assert [sweep[n]["seated_by"] for n in ("1", "4", "16")] == ["resident", "hisparse", "neither"]
+    at_one = sweep["1"]["ratios"]
+    assert set(at_one) == {"hisparse / resident", "dynamic / resident", "dynamic / hisparse",
+                           "dynamic / best of resident, hisparse"}
+    best = at_one["dynamic / best of resident, hisparse"]
+    assert best["low"] < best["high"] < 1  # resident wins at one request here
+    assert sweep["1"]["cpu_ratios"]["dynamic / resident"]["median"] == at_one["dynamic / resident"]["median"]
+    assert sweep["16"]["results"]["dynamic"]["demotions"] == 8
 
 
 @pytest.mark.parametrize("num_steps", [None, 2])

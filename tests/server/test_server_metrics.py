@@ -63,6 +63,12 @@ def test_metrics_match_engine_stats(server):
     for key in ("hits", "misses", "h2d_bytes", "d2h_bytes"):
         for layer, count in enumerate(hs[key]):
             assert value(f"hispec:hisparse_{key}_total", layer=str(layer)) == count
+    res = stats["residency"]  # HiSparse has it in every mode
+    assert value("hispec:residency_config_info", mode=res["mode"]) == 1
+    assert value("hispec:num_requests_resident") == res["resident"]
+    assert value("hispec:num_requests_demoted") == res["demoted"]
+    for key in ("demotions", "promotions", "demoted_bytes", "promoted_bytes"):
+        assert value(f"hispec:residency_{key}_total") == res[key]
     spec = stats["speculative"]
     assert spec["verify_rounds"] > 0
     assert value("hispec:spec_decode_num_drafts_total") == spec["verify_rounds"]
@@ -97,3 +103,56 @@ async def test_health_is_503_while_starting_and_draining(tiny_model):
             refused = await client.post("/v1/completions", json=body)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
     assert engine.final_pool_counts == engine.initial_pool_counts
+
+
+class StatsOnly:
+    """An engine that only answers ``stats()``, with the figures given."""
+
+    def __init__(self, **extra: object) -> None:
+        self.figures = {
+            "requests": {"live": 5, "queued": 1, "ended": {"length": 2}},
+            "throughput": {"tokens_generated": 40},
+            "pools": {"device": {"free": 3, "capacity": 8}},
+            **extra,
+        }
+
+    def stats(self) -> dict:
+        return self.figures
+
+
+def collected(engine) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What ``/metrics`` would show for ``engine``: (sample name, sorted labels) -> value."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from pipeline.server.metrics import EngineCollector
+
+    registry = CollectorRegistry()
+    registry.register(EngineCollector(engine))
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_residency_metrics_come_from_the_stats():
+    residency = {"mode": "dynamic", "resident": 3, "demoted": 2, "demotions": 7, "promotions": 4,
+                 "demoted_bytes": 7 << 20, "promoted_bytes": 5 << 20}
+    got = collected(StatsOnly(residency=residency))
+    assert got[("hispec:residency_config_info", (("mode", "dynamic"),))] == 1
+    assert got[("hispec:num_requests_resident", ())] == 3
+    assert got[("hispec:num_requests_demoted", ())] == 2
+    assert got[("hispec:residency_demotions_total", ())] == 7
+    assert got[("hispec:residency_promotions_total", ())] == 4
+    assert got[("hispec:residency_demoted_bytes_total", ())] == 7 << 20
+    assert got[("hispec:residency_promoted_bytes_total", ())] == 5 << 20
+    assert got[("hispec:num_requests_running", ())] == 4  # beside the others, unchanged
+
+
+def test_no_residency_metrics_without_hisparse():
+    """All-resident memory (``hisparse=None``) has no ``residency`` figures: no such metric."""
+    got = collected(StatsOnly())
+    assert got[("hispec:num_requests_waiting", ())] == 1
+    assert not any("residency" in name or name.endswith(("_resident", "_demoted")) for name, _ in got)

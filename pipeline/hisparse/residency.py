@@ -1,0 +1,319 @@
+"""Dynamic residency (``HiSparseConfig.residency="dynamic"``): which decoding rows keep their whole
+context on the device (``Layout.FULL``) and which decode through the hot buffer (``Layout.HOT``), and
+the moves between the two, at step boundaries only.
+
+A FULL row's device pages are in position order: position ``p`` sits at slot
+``pages[p // P] * P + p % P`` and its logical location maps there (``logical_to_physical``), so
+decode and verify read their top-k through the map, as a prefill chunk reads its own positions. Its
+committed tokens are backed up to host all the same (the backup rule), so a demotion copies nothing
+from host::
+
+    FULL pages  | 0 .. HOT/P-1: positions [0, HOT) | HOT/P          | the rest
+    after demotion  identity hot columns           | newest + draft | freed, their map cleared
+
+* **Demotion** (FULL -> HOT, ``demote``): waits for the row's backups (its host copy is complete
+  before any device row is dropped), keeps the pages of positions ``[0, HOT)`` as the buffer's
+  identity hot columns and the next page as its newest column and draft zone, frees the rest, and
+  clears the row's map. The newest token's row is copied into the newest column (one device row per
+  layer) so that it is never evicted, as in every long HOT row. A row no longer than HOT keeps the
+  pages its buffer needs (identity columns), so only longer rows free anything.
+* **Promotion** (HOT -> FULL, ``promote``): fresh pages for the whole context plus the growth room,
+  every committed position copied from host into them and mapped, the buffer freed.
+
+The rules:
+
+* admission: FULL when the physical pool can give pages for the prompt plus ``GROWTH_PAGES`` (its
+  first decode steps without a new page); otherwise HOT, and when even a HOT admission does not
+  fit, decoding FULL rows are demoted, the largest context first, until it does;
+* growth: a row that cannot grow for want of device pages demotes decoding FULL rows, the largest
+  context first (the row itself included), until it can (``relieve``);
+* promotion (``rebalance``, once per command that changed memory): at most one row per call, the
+  smallest context first, only when the free physical pages left after it number at least the
+  headroom (``headroom_pages``: an eighth of the pool, and at least what a HOT admission of one
+  prefill chunk holds), and never a row demoted less than ``PROMOTE_AFTER`` calls ago (hysteresis).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from kernels.kv_copy import copy_rows, copy_rows_unchecked
+from pipeline.memory import page_slots
+from pipeline.memory.interface import Layout, Residency, ResidencyChange
+
+GROWTH_PAGES = 1  # device pages a FULL row holds past its prompt (admission, promotion)
+PROMOTE_AFTER = 16  # ``rebalance`` calls a demoted row waits before it may be promoted
+HEADROOM_FRACTION = 8  # promotion leaves at least 1/8 of the physical pool free
+
+
+class LayoutTables(Protocol):
+    """What the layout moves use of the coordinator (its tables, pools and rows)."""
+
+    plan: Any  # MemoryPlan
+    num_layers: int
+    buffers: Any  # DeviceBuffers
+    alloc: Any  # HiSparseAllocator
+    host: Any  # HostPool
+    counters: Any  # LayerCounters
+    device: torch.device
+    device_kv: torch.Tensor
+    _mem: dict[int, Any]  # row -> RowMemory
+    _lost: set[int]
+    _leaving: set[int]
+
+    @property
+    def hot(self) -> int: ...
+
+    @property
+    def req_to_token(self) -> torch.Tensor: ...
+
+    def settle_backups(self, upto: int | None = None) -> None: ...
+
+    def set_full(self, row: int, pages: list[int] | None) -> None: ...
+
+    def shared_len(self, row: int) -> int: ...
+
+
+def full_slots(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
+    """``[end - start]`` int64 device slots of positions ``[start, end)`` of a FULL row."""
+    return page_slots(pages, page_size)[start:end]
+
+
+def pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+@attrs.define(eq=False)
+class DynamicResidency:
+    """The layout rules and moves over one coordinator (which delegates its residency verbs here)."""
+
+    coord: LayoutTables
+    mode: str = "always"  # ``HiSparseConfig.residency``
+    tick: int = 0  # ``rebalance`` calls so far
+    demotions: int = 0
+    promotions: int = 0
+    demoted_bytes: int = 0
+    promoted_bytes: int = 0
+    _changes: list[ResidencyChange] = attrs.Factory(list)  # not yet taken
+    # ``page_table``'s last answer, kept while no FULL row's pages change (``set_full`` forgets it)
+    _table: torch.Tensor | None = None
+
+    @property
+    def dynamic(self) -> bool:
+        return self.mode == "dynamic"
+
+    def full_pages(self, num_tokens: int) -> int:
+        """Device pages a FULL row of ``num_tokens`` positions holds (its growth room included)."""
+        return pages_for(num_tokens, self.coord.plan.page_size) + GROWTH_PAGES
+
+    def page_bytes(self) -> int:
+        """Device bytes of one page of MLA rows, all layers."""
+        c = self.coord
+        return c.plan.page_size * c.num_layers * c.device_kv.shape[-1] * c.device_kv.element_size()
+
+    # --- demotion -------------------------------------------------------------------------------
+
+    def _buffer_pages(self, row: int) -> int:
+        """Pages of the buffer ``row`` decodes through once demoted (room for every position it
+        has locations for: what it reserved stays reserved)."""
+        c = self.coord
+        mem = c._mem[row]
+        covered = max(c.alloc.req_to_token.covered_len(row), mem.length)
+        return c.buffers.capacity_for(covered, speculative=mem.speculative) // c.plan.page_size
+
+    def candidates(self) -> list[tuple[int, int]]:
+        """(row, pages its demotion frees) of every decoding FULL row whose demotion frees pages,
+        the largest context first (ties: the lower row)."""
+        c = self.coord
+        found = []
+        for row, mem in c._mem.items():
+            if mem.layout is not Layout.FULL or mem.residency is not Residency.RESIDENT:
+                continue
+            if row in c._lost or row in c._leaving:
+                continue
+            freed = len(mem.full_pages) - self._buffer_pages(row)
+            if freed > 0:
+                found.append((row, freed))
+        found.sort(key=lambda rf: (-c._mem[rf[0]].length, rf[0]))
+        return found
+
+    def demotable_pages(self) -> int:
+        """Device pages demoting every candidate would free."""
+        return sum(freed for _, freed in self.candidates())
+
+    def can_free(self, pages: int) -> bool:
+        """Whether the free physical pages, with every demotion, reach ``pages``."""
+        free = self.coord.alloc.physical.num_free_pages
+        return free >= pages or (self.dynamic and free + self.demotable_pages() >= pages)
+
+    def relieve(self, fits: Callable[[], bool]) -> bool:
+        """Demote candidates, the largest context first, until ``fits()``; returns ``fits()``."""
+        if not self.dynamic:
+            return fits()
+        while not fits():
+            found = self.candidates()
+            if not found:
+                return False
+            self.demote(found[0][0])
+        return True
+
+    def demote(self, row: int) -> int:
+        """FULL -> HOT for a decoding row (module docstring); returns the device bytes freed."""
+        c = self.coord
+        mem = c._mem[row]
+        assert mem.layout is Layout.FULL and mem.residency is Residency.RESIDENT, (row, mem.layout)
+        c.settle_backups(mem.backup)  # the host copy is complete before any device row is dropped
+        assert bool((c.host.req_to_host[row, : mem.length] >= 0).all()), f"row {row}: host copy incomplete"
+        page = c.plan.page_size
+        keep_n = self._buffer_pages(row)
+        keep, surplus = mem.full_pages[:keep_n], mem.full_pages[keep_n:]
+        newest = mem.length - 1
+        if mem.length > c.hot:  # the newest token into the newest column (device to device)
+            src = full_slots(mem.full_pages, page, newest, newest + 1).to(c.device)
+            dst = torch.tensor([keep[c.hot // page] * page], dtype=torch.int64, device=c.device)
+            if int(src[0]) != int(dst[0]):
+                copy_rows_unchecked(c.device_kv, dst, c.device_kv, src)
+        c.alloc.clear(c.req_to_token[row, : c.alloc.req_to_token.covered_len(row)])
+        c.set_full(row, None)
+        c.buffers.assign(row, keep)
+        if mem.length > c.hot:
+            c.buffers.tokens[:, row, c.buffers.newest] = newest
+        if surplus:
+            c.alloc.free_physical(row, surplus)
+        mem.demoted_at = self.tick
+        freed = len(surplus) * self.page_bytes()
+        self.demotions += 1
+        self.demoted_bytes += freed
+        self._changes.append(ResidencyChange(row, "demoted", freed))
+        return freed
+
+    # --- promotion ------------------------------------------------------------------------------
+
+    def headroom_pages(self) -> int:
+        """Free physical pages a promotion must leave (module docstring)."""
+        c = self.coord
+        page = c.plan.page_size
+        chunk = c.plan.prefill_chunk or c.plan.max_request_len
+        one_admission = c.buffers.columns // page + c.plan.chunk_area(chunk) // page
+        return max(c.alloc.physical.capacity_pages // HEADROOM_FRACTION, one_admission)
+
+    def promote(self, row: int) -> int:
+        """HOT -> FULL for a decoding row (module docstring); returns the bytes copied host ->
+        device. Raises ``OutOfMemory`` (nothing changed) when the pool cannot give the pages."""
+        c = self.coord
+        mem = c._mem[row]
+        assert mem.layout is Layout.HOT and mem.residency is Residency.RESIDENT, (row, mem.layout)
+        page = c.plan.page_size
+        covered = c.alloc.req_to_token.covered_len(row)
+        pages = c.alloc.alloc_physical(row, max(self.full_pages(mem.length), covered // page))
+        c.settle_backups(mem.backup)  # the newest column's backup reads the buffer about to go
+        slots = full_slots(pages, page, 0, mem.length)
+        copy_rows(c.device_kv, slots.to(c.device), c.host.kv, c.host.req_to_host[row, : mem.length],
+                  validate=False)  # every layer
+        c.alloc.clear(c.req_to_token[row, :covered])
+        own = c.shared_len(row)  # (a shared prefix's locations map to no slot)
+        c.alloc.bind(c.req_to_token[row, own : mem.length], slots[own:])
+        old = c.buffers.reset(row)
+        if old:
+            c.alloc.free_physical(row, old)
+        c.set_full(row, pages)
+        copied = mem.length * c.host.row_bytes * c.num_layers
+        self.promotions += 1
+        self.promoted_bytes += copied
+        self._changes.append(ResidencyChange(row, "promoted", copied))
+        return copied
+
+    def rebalance(self) -> None:
+        """One step boundary: promote the smallest demoted row when the rules allow (module
+        docstring)."""
+        self.tick += 1
+        if not self.dynamic:
+            return
+        c = self.coord
+        waiting = [
+            row
+            for row, mem in c._mem.items()
+            if mem.layout is Layout.HOT
+            and mem.residency is Residency.RESIDENT
+            and row not in c._lost
+            and row not in c._leaving
+            and (mem.demoted_at is None or self.tick - mem.demoted_at >= PROMOTE_AFTER)
+        ]
+        if not waiting:
+            return
+        row = min(waiting, key=lambda r: (c._mem[r].length, r))
+        mem = c._mem[row]
+        need = max(self.full_pages(mem.length), c.alloc.req_to_token.covered_len(row) // c.plan.page_size)
+        free = c.alloc.physical.num_free_pages
+        left = free - need + len(c.buffers.pages(row))
+        if need <= free and left >= self.headroom_pages():
+            self.promote(row)
+
+    # --- tables and checks ----------------------------------------------------------------------
+
+    def forget_table(self) -> None:
+        self._table = None
+
+    def page_table(self, rows: list[int]) -> torch.Tensor:
+        """``[all rows, pages]`` int64: the pages of ``rows`` (FULL) in position order, -1 elsewhere
+        (the same tensor until a FULL row's pages change)."""
+        if self._table is None:
+            self._table = self._build_table(rows)
+        return self._table
+
+    def _build_table(self, rows: list[int]) -> torch.Tensor:
+        c = self.coord
+        width = max((len(c._mem[row].full_pages) for row in rows), default=1)
+        table = torch.full((c.plan.max_running_requests, width), -1, dtype=torch.int64)
+        for row in rows:
+            pages = c._mem[row].full_pages
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        return table.to(c.device)
+
+    def check_full(self, row: int, *, data: bool) -> None:
+        """Invariant I14 for a FULL row: no buffer, no chunk rows, every committed position of its own
+        mapped to its slot (a slot of its pages, so none aliased); decoding, every position has a host
+        copy equal to its device row (``data``)."""
+        c = self.coord
+        mem = c._mem[row]
+        assert self.dynamic, f"row {row}: FULL outside dynamic residency"
+        assert not mem.chunk_pages and not c.buffers.pages(row), f"row {row}: FULL with a buffer"
+        assert len(mem.full_pages) * c.plan.page_size >= mem.length, f"row {row}: positions without pages"
+        slots = full_slots(mem.full_pages, c.plan.page_size, 0, mem.length)
+        own = c.shared_len(row)
+        mapped = c.alloc.lookup(c.req_to_token[row, own : mem.length])
+        assert torch.equal(mapped, slots[own:]), f"row {row}: a committed position is not mapped to its slot"
+        if mem.residency is not Residency.RESIDENT:
+            return
+        copies = c.host.req_to_host[row, : mem.length]
+        assert bool((copies >= 0).all()), f"row {row}: a committed position has no host copy"
+        if data and row not in c._lost and mem.length:
+            c.settle_backups()
+            for layer in range(c.num_layers):
+                dev = c.device_kv[layer, slots.to(c.device)].cpu()
+                assert torch.equal(dev, c.host.kv[layer, copies]), (
+                    f"row {row} layer {layer}: a device row differs from its host copy"
+                )
+
+    # --- reports --------------------------------------------------------------------------------
+
+    def take_changes(self) -> list[ResidencyChange]:
+        changes, self._changes = self._changes, []
+        return [ch for ch in changes if ch.row in self.coord._mem]
+
+    def stats(self) -> dict[str, object]:
+        c = self.coord
+        decoding = [m for r, m in c._mem.items() if m.residency is Residency.RESIDENT and r not in c._leaving]
+        return {
+            "mode": self.mode,
+            "resident": sum(m.layout is Layout.FULL for m in decoding),
+            "demoted": sum(m.layout is Layout.HOT for m in decoding),
+            "demotions": self.demotions,
+            "promotions": self.promotions,
+            "demoted_bytes": self.demoted_bytes,
+            "promoted_bytes": self.promoted_bytes,
+        }
