@@ -296,12 +296,10 @@ class EngineConfig:
     # torch intra-op threads the executor runs with (None: leave torch's setting). On a shared or
     # small machine an oversubscribed CPU runs many times slower: 1 is best for small models.
     num_threads: int | None = None
-    # where the executor's commands run: True in a worker thread of their own (the event loop stays
-    # free while a forward runs), False on the event loop itself, between its other work. None:
-    # a thread on CUDA and with tensor parallelism (where a command mostly waits on the device or
-    # the ranks, without the GIL), the event loop on a CPU (where a forward holds the GIL between
-    # its ops, so the loop gets little done beside it, and handing every command to another core
-    # and back costs more decode speed than it frees; docs/performance-notes.md)
+    # where the executor's commands run: None (the default) and True in the executor actor's own
+    # thread on every device (the event loop, the application's too, stays free while a forward
+    # runs: its ops and compiled loops let go of the GIL), False on the event loop itself, between
+    # its other work (each command holds the loop for its whole length; no hand-off to the thread)
     executor_thread: bool | None = None
     # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
     # (pipeline/distributed/); 1 runs the model in this process alone
@@ -362,7 +360,7 @@ class EngineConfig:
             _require_int("num_threads", self.num_threads, 1)
         _require(isinstance(self.freeze_gc, bool), "freeze_gc", self.freeze_gc, "must be True or False")
         _require(self.executor_thread is None or isinstance(self.executor_thread, bool), "executor_thread",
-                 self.executor_thread, "must be True, False or None (by the device)")
+                 self.executor_thread, "must be True, False or None (the default: the executor's thread)")
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require(
             self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),

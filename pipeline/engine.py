@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import gc
 import itertools
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -54,6 +54,10 @@ log = structlog.get_logger("hispec.engine")
 # engine stops them and ends it itself (a step or two is enough; this bounds a stuck command)
 _WIND_DOWN_S = 30.0
 
+
+# a text prompt (or a conversation) of more characters than this is encoded in a worker thread, off the
+# caller's event loop (a tokenizer holds the loop for as long as it encodes); a shorter one where it is given
+OFF_LOOP_CHARS = 1024
 
 _frozen_by = 0  # running engines that froze the collector (``EngineConfig.freeze_gc``)
 _closed_since_collect = False  # an engine has closed since the last collection before a freeze
@@ -328,11 +332,16 @@ class Engine:
         and ``metrics``); ``params`` None samples with ``default_sampling_params()``. Raises
         ``RequestError`` naming the field right here if the request is invalid. The request is
         submitted when iteration starts; closing or cancelling the iterator aborts it. Iteration
-        raises ``RequestFailed`` if the request fails.
+        raises ``RequestFailed`` if the request fails. A text prompt longer than ``OFF_LOOP_CHARS``
+        is encoded in a worker thread when iteration starts: its parameters and id are checked here,
+        what needs its tokens (too long, an id out of the vocabulary) raises ``RequestError`` there.
 
         ``async with engine.generate(...) as stream: async for delta in stream: ...`` aborts the
         request as soon as the block is left, ``break`` included (a bare ``async for`` that breaks
         while something still holds the iterator aborts only when the iterator is closed)."""
+        if _is_long_text(prompt):
+            self._check_without_prompt(params, request_id)
+            return RequestStream(self._stream_later(lambda: prompt, params, request_id))
         return RequestStream(self._stream(self._new_request(prompt, params, request_id)))
 
     async def generate_text(
@@ -345,7 +354,7 @@ class Engine:
     ) -> GenerateResult:
         """Run one request to its end and return its whole output. ``timeout``: a deadline in
         seconds; past it the request is aborted (its memory released) and ``TimeoutError`` raised."""
-        req = self._new_request(prompt, params, request_id)
+        req = await self._new_request_off_loop(lambda: prompt, _is_long_text(prompt), params, request_id)
         with anyio.fail_after(timeout):  # the request's own cancel scope: cancelling it aborts the request
             async with aclosing(self._stream(req, whole=True)) as deltas:
                 async for _ in deltas:
@@ -361,7 +370,11 @@ class Engine:
     ) -> RequestStream:
         """``generate`` on a conversation (``[{"role": ..., "content": ...}, ...]``) rendered by the
         checkpoint's chat template with the generation prompt added; a checkpoint without a template
-        raises ``RequestError`` naming ``messages``."""
+        raises ``RequestError`` naming ``messages``. A long conversation (``OFF_LOOP_CHARS``) is
+        rendered and encoded in a worker thread when iteration starts, its errors raised there."""
+        if _is_long_chat(messages):
+            self._check_without_prompt(params, request_id)
+            return RequestStream(self._stream_later(lambda: self.chat_prompt(messages), params, request_id))
         return self.generate(self.chat_prompt(messages), params, request_id=request_id)
 
     async def chat_text(
@@ -373,7 +386,10 @@ class Engine:
         timeout: float | None = None,
     ) -> GenerateResult:
         """``generate_text`` on a conversation (see ``chat``)."""
-        prompt = self.chat_prompt(messages)
+        if _is_long_chat(messages):
+            prompt = await anyio.to_thread.run_sync(self.chat_prompt, messages)
+        else:
+            prompt = self.chat_prompt(messages)
         return await self.generate_text(prompt, params, request_id=request_id, timeout=timeout)
 
     def chat_prompt(self, messages: Messages) -> list[int]:
@@ -473,6 +489,46 @@ class Engine:
         self._registry.check_new_id(request_id)
         return Request(request_id, tuple(token_ids), params, ex.tokenizer, ex.plan.max_context_len)
 
+    def _check_without_prompt(self, params: SamplingParams | None, request_id: str | None) -> None:
+        """At the call, what a request whose long prompt is encoded later can be checked for: the
+        engine running, its sampling parameters, its id (``RequestError`` naming the field)."""
+        from pipeline.validation import validate_params
+
+        self._require_running()
+        if params is not None:
+            validate_params(params)
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise RequestError("request_id", request_id, "must be a non-empty string")
+            self._registry.check_new_id(request_id)
+
+    async def _new_request_off_loop(
+        self,
+        prompt: Callable[[], str | Sequence[int]],
+        off_loop: bool,
+        params: SamplingParams | None,
+        request_id: str | None,
+    ) -> Request:
+        """``_new_request`` of what ``prompt()`` gives; with ``off_loop``, ``prompt()`` and the encoding
+        run in a worker thread (the rest, which touches the engine's state, stays on the loop)."""
+        from pipeline.validation import encode_prompt
+
+        if not off_loop:
+            return self._new_request(prompt(), params, request_id)
+        self._require_running()
+        tokenizer = self._started_executor.tokenizer
+        token_ids = await anyio.to_thread.run_sync(lambda: encode_prompt(prompt(), tokenizer))
+        return self._new_request(token_ids, params, request_id)
+
+    async def _stream_later(
+        self, prompt: Callable[[], str | Sequence[int]], params: SamplingParams | None, request_id: str | None
+    ) -> AsyncGenerator[RequestOutput, None]:
+        """``_stream`` of a request whose prompt is made and encoded in a worker thread first."""
+        req = await self._new_request_off_loop(prompt, True, params, request_id)
+        async with aclosing(self._stream(req)) as deltas:
+            async for delta in deltas:
+                yield delta
+
     async def _stream(self, req: Request, *, whole: bool = False) -> AsyncGenerator[RequestOutput, None]:
         """Submit ``req`` and yield its deltas (``whole``: one delta, at the end)."""
         pipe = self._started_pipe
@@ -494,6 +550,15 @@ class Engine:
         finally:
             if not req.is_finished:
                 self.abort(req.request_id)
+
+
+def _is_long_text(prompt: object) -> bool:
+    return isinstance(prompt, str) and len(prompt) > OFF_LOOP_CHARS
+
+
+def _is_long_chat(messages: object) -> bool:
+    """A conversation whose messages' text is longer than ``OFF_LOOP_CHARS`` (as written)."""
+    return isinstance(messages, (list, tuple)) and sum(len(str(m)) for m in messages) > OFF_LOOP_CHARS
 
 
 class RequestStream:

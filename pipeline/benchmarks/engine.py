@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from pipeline.benchmarks import loop_lag
 from pipeline.benchmarks.common import batch_config, machine, table, write_json
 from pipeline.config import EngineConfig
 from pipeline.logs import configure_logging
@@ -42,13 +43,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--no-hisparse", action="store_true")
     parser.add_argument(
-        "--hot", type=int, default=128,
-        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)"
+        "--hot",
+        type=int,
+        default=128,
+        help="HiSparse device buffer (hot columns; >= the model's index_topk; default: the engine's)",
     )
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-engine.json")
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
+    loop_lag.add_args(parser)
 
 
 def load_or_random(args: argparse.Namespace):
@@ -190,6 +194,8 @@ def main(argv: list[str]) -> int:
         torch.set_num_threads(args.threads)
     sink = configure_logging(level="warning", stream=io.StringIO())  # both sides log the same events
     model, note = load_or_random(args)
+    if args.loop_lag:
+        return lag_main(args, model, note, sink)
     rows = [measure(args, model, c) for c in args.concurrency]
     sink.close()
     report = {
@@ -221,4 +227,38 @@ def main(argv: list[str]) -> int:
           "{:.2f}-{:.2f}".format(*r["ratio_min_max"]), f"{r['engine_executor_busy_share']:.1%}",
           "yes" if r["outputs_identical"] else "NO"] for r in rows],
     ))  # fmt: skip
+    return 0
+
+
+def lag_main(args: argparse.Namespace, model, note: str, sink) -> int:
+    """``--loop-lag``: the host loop's lag beside tokens/s, mode by mode (``loop_lag``)."""
+    import torch
+
+    result = loop_lag.measure(args, model)
+    sink.close()
+    report = {
+        "bench": "engine-loop-lag",
+        "machine": machine(),
+        "model": args.model if not note else "random tiny",
+        "note": note,
+        "dtype": args.dtype,
+        "speculative": not args.no_spec,
+        "hisparse": not args.no_hisparse,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "tick_ms": args.tick_ms,
+        **result,
+    }
+    write_json(args.out, report)
+    if note:
+        print(f"note: {note}")
+    spec = "speculative (3 steps)" if report["speculative"] else "plain"
+    print(
+        f"model {report['model']} {args.dtype}, {spec}, HiSparse {'on' if report['hisparse'] else 'off'}, "
+        f"{args.requests} text prompts at once (one of {args.long_prompt_len} bytes, the others "
+        f"{args.prompt_len}), {args.new_tokens} new tokens, a {args.tick_ms:g} ms ticker; median (range) "
+        f"of {args.repeats}, {torch.get_num_threads()} threads"
+    )
+    print(table(*loop_lag.report_table(result)))
+    print(f"same tokens in every mode: {'yes' if result['outputs_identical'] else 'NO'}")
     return 0

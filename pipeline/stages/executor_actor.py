@@ -1,23 +1,25 @@
 """The executor actor: the one task that talks to the ``Executor``.
 
 Stages send it commands (``pipeline.messages``) through one bounded inbox, each with a one-shot reply
-stream; it runs them one at a time (``CommandThread``): on CUDA in a worker thread of their own, so
-the event loop stays free to stream outputs and take new requests while the device works; on a CPU
-on the event loop itself, the loop's other tasks running between commands (``EngineConfig.
-executor_thread`` says which). The executor is not thread-safe and never needs to be: no other task
+stream; it runs them one at a time in a thread of its own (``CommandThread``), on every device, so
+that the event loop (the engine's, and the application's that embeds it) stays free while a command
+runs: it streams outputs, takes new requests and runs the application's own tasks meanwhile. No
+forward, copy or compiled loop of a command runs on the loop's thread; between two commands the loop
+runs only the stages' bookkeeping. ``EngineConfig.executor_thread=False`` runs the commands on the
+event loop itself instead (the loop's other tasks run between commands, and each command holds the
+loop for its whole length). The executor is not thread-safe and never needs to be: no other task
 touches it while the engine runs. ``Executor.run`` is the same entry point the synchronous driver
 calls.
 
-Why not a thread on a CPU: there a forward is Python between short torch ops, holding the GIL, so
-the loop gets little done beside it anyway, and the hand-over costs more than it buys: a decode
-step of the bundled model ran slower in the worker thread than on the loop (or in ``SyncDriver``;
-figures in docs/performance-notes.md). The executor's own user time nearly doubled while the loop
-thread (woken several times a step) ran on the other core; pinning both threads to one core
-removed the loss.
+The thread and the loop share the GIL. A command gives it up inside every torch op and every
+compiled loop (the numba kernels are ``nogil``), so the loop gets its turns during a forward; what a
+command runs as plain Python between them is bounded by the interpreter's switch interval. The
+hand-off is one queue put and one ``call_soon_threadsafe`` per command (docs/performance-notes.md
+has what it was measured to cost).
 
 After a command that changed memory or request state it calls ``on_change`` (the stages that wait
 for memory look again) and refreshes the statistics snapshot that ``Engine.stats()`` reads without
-crossing threads.
+crossing threads (the snapshot is taken in the command's thread).
 
 Mixed steps. The decode stage's ``Decode`` and the prefill stage's ``Prefill`` run as one forward
 (the ``Mixed`` command the core forms of them: ``scheduler.mix``) when both are at hand. The two
@@ -175,11 +177,9 @@ def _settle(future: asyncio.Future, value: object, error: BaseException | None) 
 
 
 def runs_in_thread(config: EngineConfig) -> bool:
-    """``EngineConfig.executor_thread``, resolved: None is a thread on CUDA and with tensor
-    parallelism, the event loop on a CPU."""
-    if config.executor_thread is not None:
-        return config.executor_thread
-    return config.tensor_parallel_size > 1 or config.device != "cpu"
+    """``EngineConfig.executor_thread``, resolved: None (the default) and True are the actor's
+    thread on every device, False the event loop itself."""
+    return config.executor_thread is not False
 
 
 class ExecutorClient:

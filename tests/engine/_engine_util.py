@@ -61,9 +61,9 @@ class Gate:
     """Holds the first call of an executor method whose arguments match, until ``open()``.
 
     The call blocks in the executor's worker thread; the event loop keeps running, so the test can
-    act while a request sits in the state that command puts it in. (On a CPU the engine runs its
-    commands on the event loop by default, where a gate would block the test too: ``install``
-    moves them to a thread of their own, as ``executor_thread=True`` would.)
+    act while a request sits in the state that command puts it in. (The engine runs its commands
+    in the executor's thread by default; ``install`` makes sure of it, since on the event loop
+    (``executor_thread=False``) a gate would block the test too.)
     """
 
     def __init__(self, match: Callable[..., bool] = lambda *args: True) -> None:

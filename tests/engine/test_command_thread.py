@@ -148,8 +148,8 @@ def test_inline_commands_run_on_the_loop_and_the_loop_gets_a_turn_after_each():
 
 
 @pytest.mark.parametrize(("device", "tp", "setting", "thread"), [
-    ("cpu", 1, None, False), ("cuda", 1, None, True), ("cpu", 2, None, True),
-    ("cpu", 1, True, True), ("cuda", 1, False, False),
+    ("cpu", 1, None, True), ("cuda", 1, None, True), ("cpu", 2, None, True),
+    ("cpu", 1, True, True), ("cpu", 1, False, False), ("cuda", 1, False, False),
 ])
 def test_where_commands_run_follows_the_config(device, tp, setting, thread):
     from types import SimpleNamespace

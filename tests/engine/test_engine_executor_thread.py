@@ -1,6 +1,6 @@
-"""Where the engine runs its executor's commands (``EngineConfig.executor_thread``): on a CPU the
-event loop by default, a worker thread when asked; the same tokens either way, and the loop's
-other tasks keep running between commands."""
+"""Where the engine runs its executor's commands (``EngineConfig.executor_thread``): the executor's
+thread by default, the event loop when asked; the same tokens either way, and the loop's other
+tasks keep running between commands."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pipeline import Engine, SamplingParams
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize(("setting", "on_loop"), [(None, True), (False, True), (True, False)])
+@pytest.mark.parametrize(("setting", "on_loop"), [(None, False), (False, True), (True, False)])
 async def test_commands_run_where_the_config_says_with_the_drivers_tokens(tiny_model, setting, on_loop):
     cfg = attrs.evolve(config(num_steps=2), executor_thread=setting)
     prompts = make_prompts([14, 30, 7], seed=4)
