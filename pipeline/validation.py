@@ -48,21 +48,22 @@ def encode_prompt(prompt: object, tokenizer: Encoder) -> list[int]:
     raise RequestError("prompt", type(prompt).__name__, "must be a string or a list of token ids")
 
 
-def validate_params(params: object) -> None:
-    """Raise ``RequestError`` naming the field of ``params`` that breaks a rule (the checks a request
-    makes without its prompt)."""
+def validate_params(params: object) -> SamplingParams:
+    """``params``, checked: raise ``RequestError`` naming the field of ``params`` that breaks a rule
+    (the checks a request makes without its prompt)."""
     if not isinstance(params, SamplingParams):
         raise RequestError(
             "params", type(params).__name__, "must be a SamplingParams (or None for the defaults)"
         )
     params.validate()
+    return params
 
 
 def validate_request(
     prompt_ids: Sequence[int], params: object, *, vocab_size: int, max_context_len: int
 ) -> None:
     """Raise ``RequestError`` naming the first field of the request that breaks a rule."""
-    validate_params(params)
+    params = validate_params(params)
     if not isinstance(prompt_ids, (list, tuple)):
         raise RequestError("prompt", type(prompt_ids).__name__, "must be a list of token ids")
     if not prompt_ids:

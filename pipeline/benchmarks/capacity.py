@@ -28,6 +28,7 @@ matplotlib).
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any
 
@@ -83,11 +84,15 @@ def variant_config(args: argparse.Namespace, variant: str) -> EngineConfig:
     return attrs.evolve(cfg, speculative=None, seed=args.seed, num_threads=args.threads or None)
 
 
-async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+async def run_once(
+    cfg: EngineConfig, prompts: list[list[int]], new_tokens: int, model: Any = None
+) -> dict[str, Any]:
+    """One engine serving ``prompts`` arriving together (``model``: one already built, else the
+    config's): its figures, and each request's output tokens."""
     from pipeline import Engine, SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    async with Engine(cfg) as engine:
+    async with Engine(cfg, model=model) as engine:
         results: dict[int, Any] = {}
 
         async def one(i: int) -> None:
@@ -139,13 +144,27 @@ async def run_once(cfg: EngineConfig, prompts: list[list[int]], new_tokens: int)
 
 
 def run_all(args: argparse.Namespace, variants: list[str], count: int) -> dict[str, list[dict[str, Any]]]:
-    """Every variant ``args.repeats`` times, the order reversed every other repeat: each variant's
-    runs, in repeat order."""
+    """Every variant ``args.repeats`` times on ``count`` held-out prompts (``run_alternating``)."""
     prompts = held_out_prompts(count, args.prompt_len, args.seed)
-    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    for repeat in range(max(1, args.repeats)):
-        for variant in variants if repeat % 2 == 0 else variants[::-1]:
-            runs[variant].append(anyio.run(run_once, variant_config(args, variant), prompts, args.new_tokens))
+    configs = {v: variant_config(args, v) for v in variants}
+    return run_alternating(configs, prompts, args.new_tokens, args.repeats)
+
+
+def run_alternating(
+    configs: dict[str, EngineConfig],
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    model: Any = None,
+) -> dict[str, list[dict[str, Any]]]:
+    """Every config ``repeats`` times (``run_once``), the order reversed every other repeat: each
+    config's runs, in repeat order."""
+    names = list(configs)
+    built = () if model is None else (model,)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for repeat in range(max(1, repeats)):
+        for name in names if repeat % 2 == 0 else names[::-1]:
+            runs[name].append(anyio.run(run_once, configs[name], prompts, new_tokens, *built))
     return runs
 
 
@@ -160,6 +179,22 @@ def warm_up(args: argparse.Namespace, variants: list[str]) -> None:
 def median_runs(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
     """Each variant's median run by output tokens/s."""
     return {v: sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2] for v, rs in runs.items()}
+
+
+def sweep_point(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """One load of a sweep: each variant's median run and the paired ratios, of tokens/s and of
+    tokens per CPU second."""
+    return {"results": median_runs(runs), "ratios": paired_ratios(runs),
+            "cpu_ratios": paired_ratios(runs, "tokens_per_cpu_s")}
+
+
+def sweep_json(sweep: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """A sweep's points as written: without the outputs, with who seats each load."""
+    return {
+        n: {"results": strip(point["results"]), "ratios": point["ratios"],
+            "cpu_ratios": point["cpu_ratios"], "seated_by": load_regime(n, point["results"])}
+        for n, point in sorted(sweep.items())
+    }  # fmt: skip
 
 
 # (numerator, denominator) variants whose tokens/s ratio is reported, paired repeat by repeat;
@@ -188,7 +223,7 @@ def paired_ratios(
     for a, b in RATIOS:
         if a in speeds and b in speeds:
             values = sorted(x / y for x, y in zip(speeds[a], speeds[b]))
-            out[f"{a} / {b}"] = {"median": values[len(values) // 2], "low": values[0], "high": values[-1]}
+            out[f"{a} / {b}"] = {"median": statistics.median(values), "low": values[0], "high": values[-1]}
     return out
 
 
@@ -349,9 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         for n in sweep_counts:
             if n not in sweep:
-                point_runs = run_all(args, variants, n)
-                sweep[n] = {"results": median_runs(point_runs), "ratios": paired_ratios(point_runs),
-                            "cpu_ratios": paired_ratios(point_runs, "tokens_per_cpu_s")}
+                sweep[n] = sweep_point(run_all(args, variants, n))
         for n in sorted(sweep):
             print(f"\n{n} requests")
             print(table(HEADERS, rows_of(sweep[n]["results"])))
@@ -361,11 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             print(table(headers, rows))
         plot({n: point["results"] for n, point in sweep.items()}, args.plot, title)
         print(f"plot: {args.plot}")
-        payload["sweep"] = {
-            n: {"results": strip(point["results"]), "ratios": point["ratios"],
-                "cpu_ratios": point["cpu_ratios"], "seated_by": load_regime(n, point["results"])}
-            for n, point in sorted(sweep.items())
-        }
+        payload["sweep"] = sweep_json(sweep)
     write_json(args.out, payload)
     return 0
 

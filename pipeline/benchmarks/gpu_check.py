@@ -16,7 +16,11 @@
    * decode tokens/s of one request, HiSparse beside all-resident, alternating run by run (the
      order reversed every other repeat): the ratio's median and range, paired repeat by repeat;
    * one device memory budget (about two resident requests of the context): the seats each mode's
-     plan holds, and output tokens/s of as many requests as HiSparse seats, all arriving together.
+     plan holds, and output tokens/s of as many requests as HiSparse seats, all arriving together;
+   * dynamic residency: a short sweep of the load at one budget (about two resident requests of a
+     shorter context), all-resident, HiSparse and dynamic residency serving 1 to about three times
+     what all-resident seats, alternating repeat by repeat, with ``hispec bench capacity``'s paired
+     ratios (median and range) at each load.
 
 One table is printed and every figure written as JSON (``--out``). Without a CUDA device the same
 script runs at CPU sizes (the tests' bodies on the CPU, contexts of a few hundred tokens), after
@@ -45,6 +49,7 @@ import attrs
 import torch
 
 from kernels import kv_fp8
+from pipeline.benchmarks import capacity
 from pipeline.benchmarks.common import machine, median, table, write_json
 from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.logs import configure_logging
@@ -73,16 +78,24 @@ class Profile:
     swap_calls: int  # timed swap-in calls
     seat_cap: int  # at most this many requests in the budget part
     seat_new_tokens: int  # output tokens of each request there
+    sweep_context: int  # tokens of a request in the dynamic residency sweep
+    sweep_new_tokens: int  # its output tokens
+    sweep_chunk: int  # its chunked_prefill_tokens
+    sweep_points: int  # loads, at most 4 (``sweep_counts``)
+    sweep_repeats: int  # alternating runs of every variant at each load
+    sweep_s: float  # what the sweep aims to take (``fit_sweep`` drops repeats, then loads)
     budget_s: float  # the whole run: tests and benchmark
     tests_s: float  # at most this much of it for the tests
 
 
 CUDA = Profile(name="cuda", context=32768, new_tokens=64, layers=4, heads=128, hidden=2048, q_lora=1536,
                top_k=2048, hot=4096, page=16, repeats=3, swap_requests=8, swap_calls=24, seat_cap=8,
-               seat_new_tokens=32, budget_s=450, tests_s=270)
+               seat_new_tokens=32, sweep_context=16384, sweep_new_tokens=32, sweep_chunk=2048,
+               sweep_points=4, sweep_repeats=3, sweep_s=60, budget_s=510, tests_s=270)
 CPU = Profile(name="cpu", context=640, new_tokens=24, layers=2, heads=4, hidden=128, q_lora=64, top_k=64,
               hot=128, page=16, repeats=3, swap_requests=2, swap_calls=24, seat_cap=6, seat_new_tokens=16,
-              budget_s=170, tests_s=110)
+              sweep_context=512, sweep_new_tokens=8, sweep_chunk=512, sweep_points=3, sweep_repeats=2,
+              sweep_s=30, budget_s=200, tests_s=110)
 DTYPE = "bfloat16"
 
 
@@ -384,29 +397,6 @@ def two_resident_budget(p: Profile, model_cfg, device: torch.device) -> int:
     return high * 5 // 4
 
 
-async def serve_all(cfg: EngineConfig, model, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    from pipeline import Engine, SamplingParams
-
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    tokens = 0
-    async with Engine(cfg, model=model) as engine:
-
-        async def one(i: int) -> None:
-            nonlocal tokens
-            result = await engine.generate_text(prompts[i], params, request_id=f"r{i}")
-            tokens += len(result.token_ids)
-
-        began = time.perf_counter()
-        async with anyio.create_task_group() as tg:
-            for i in range(len(prompts)):
-                tg.start_soon(one, i)
-        seconds = time.perf_counter() - began
-        running = engine.stats()["running"]
-    assert isinstance(running, dict)
-    return {"output_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "peak_running": running["peak_running"], "mean_running": running["mean_running"]}
-
-
 def at_one_budget(p: Profile, model, device: torch.device, budget: Budget, prefill_s: float | None,
                   seed: int) -> dict[str, Any]:
     from pipeline.plan import seats_at
@@ -424,12 +414,122 @@ def at_one_budget(p: Profile, model, device: torch.device, budget: Budget, prefi
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 1000, (p.context - p.seat_new_tokens,), generator=gen).tolist()
                for _ in range(count)]
-    runs = {name: anyio.run(serve_all, cfg, model, prompts, p.seat_new_tokens)
-            for name, cfg in configs.items()}
+    runs = capacity.strip({name: anyio.run(capacity.run_once, cfg, prompts, p.seat_new_tokens, model)
+                           for name, cfg in configs.items()})
     return {
         "budget_bytes": budget_bytes, "context": p.context, "seats": seats, "requests": count,
         "new_tokens": p.seat_new_tokens, "runs": runs, "note": note,
         "tokens_per_s_ratio": runs["hisparse"]["tokens_per_s"] / runs["resident"]["tokens_per_s"],
+    }  # fmt: skip
+
+
+# --- 2d. dynamic residency: the load swept at one budget ------------------------------------------
+
+
+def sweep_configs(p: Profile, device: torch.device, budget_bytes: int) -> dict[str, EngineConfig]:
+    """resident, hisparse and dynamic (HiSparse with ``residency="dynamic"``) at one budget, for
+    requests of ``p.sweep_context`` tokens prefilled ``p.sweep_chunk`` at a time."""
+    at = attrs.evolve(p, context=p.sweep_context)
+    configs = {name: attrs.evolve(cfg, chunked_prefill_tokens=p.sweep_chunk)
+               for name, cfg in budget_configs(at, device, budget_bytes).items()}
+    hisparse = configs["hisparse"]
+    assert hisparse.hisparse is not None  # (budget_configs' HiSparse engine)
+    dynamic = attrs.evolve(hisparse.hisparse, residency="dynamic")
+    return {**configs, "dynamic": attrs.evolve(hisparse, hisparse=dynamic)}
+
+
+def sweep_counts(seats: dict[str, int], points: int) -> list[int]:
+    """The loads: 1, r (what all-resident seats), top (3r, or HiSparse's seats where fewer: a load
+    only HiSparse holds) and one between r and top; 3 points drop the one between, 2 drop r too."""
+    r = max(1, seats["resident"])
+    top = min(3 * r, seats["hisparse"]) if seats["hisparse"] > r else 3 * r
+    ladder = {4: [1, r, (r + top) // 2, top], 3: [1, r, top]}.get(points, [1, top])
+    return sorted(set(ladder))
+
+
+@attrs.frozen
+class SweepCosts:
+    """What a run of the sweep is expected to take, from a first run of one request of each
+    variant and the decode part's step time (0 without it: the decode steps then count as the
+    request's)."""
+
+    start_s: dict[str, float]  # variant -> its engine's start and stop
+    request_s: dict[str, float]  # variant -> one request's prefill (and the rest of its serving)
+    step_s: float  # one decode step of one request
+    new_tokens: int
+
+    @classmethod
+    def measured(cls, runs: dict[str, tuple[float, float]], step_s: float, new_tokens: int) -> SweepCosts:
+        """From each variant's (seconds start to stop, seconds serving) of one request."""
+        decode_s = new_tokens * step_s
+        return cls(start_s={v: wall - serving for v, (wall, serving) in runs.items()},
+                   request_s={v: max(0.0, serving - decode_s) for v, (_, serving) in runs.items()},
+                   step_s=step_s, new_tokens=new_tokens)
+
+    def run_s(self, variant: str, count: int, seats: int) -> float:
+        """``count`` requests arriving together, ``seats`` at a time: the engine's start, each
+        request's prefill, and a wave of decode steps per ``seats`` of them (a batch's step taken
+        as one and a half of a single request's)."""
+        waves = -(-count // max(1, seats))
+        decode_s = self.new_tokens * self.step_s
+        return self.start_s[variant] + count * self.request_s[variant] + waves * 1.5 * decode_s
+
+    def sweep_s(self, counts: list[int], seats: dict[str, int], repeats: int) -> float:
+        return repeats * sum(self.run_s(v, n, seats[v]) for n in counts for v in self.start_s)
+
+
+def fit_sweep(p: Profile, costs: SweepCosts, seats: dict[str, int], target_s: float) -> tuple[list[int], int]:
+    """The loads and repeats to run: the most points, then the most repeats (at least 2: a range),
+    whose expected time fits ``target_s``; the least sweep when none does."""
+    for points in range(p.sweep_points, 1, -1):
+        counts = sweep_counts(seats, points)
+        for repeats in range(p.sweep_repeats, 1, -1):
+            if costs.sweep_s(counts, seats, repeats) <= target_s:
+                return counts, repeats
+    return sweep_counts(seats, 2), 2
+
+
+def dynamic_sweep(p: Profile, model, device: torch.device, budget: Budget, decode: dict | None,
+                  seed: int) -> dict[str, Any]:
+    """The sweep, its loads and repeats sized to ``p.sweep_s`` (and to what is left of ``budget``)
+    by a first, unmeasured run of one request of each variant; a load that would not fit in what
+    is left is skipped, and the ones after it."""
+    from pipeline.plan import seats_at
+
+    context, new_tokens = p.sweep_context, p.sweep_new_tokens
+    budget_bytes = two_resident_budget(attrs.evolve(p, context=context), model.cfg, device)
+    configs = sweep_configs(p, device, budget_bytes)
+    seats = {name: seats_at(cfg, model.cfg, context) or 0 for name, cfg in configs.items()}
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 1000, (context - new_tokens,), generator=gen).tolist()
+               for _ in range(max(sweep_counts(seats, p.sweep_points)))]
+    first: dict[str, tuple[float, float]] = {}
+    for name, cfg in configs.items():  # unmeasured: the first calls at these shapes, and the costs
+        began = time.perf_counter()
+        run = anyio.run(capacity.run_once, cfg, prompts[:1], new_tokens, model)
+        first[name] = (time.perf_counter() - began, run["seconds"])
+    step_s = 1 / max(decode["tokens_per_s"].values()) if decode is not None else 0.0
+    costs = SweepCosts.measured(first, step_s, new_tokens)
+    spent = sum(wall for wall, _ in first.values())
+    counts, repeats = fit_sweep(p, costs, seats, min(p.sweep_s - spent, budget.left() - 20))
+    expected = {n: costs.sweep_s([n], seats, repeats) for n in counts}
+    sweep: dict[int, dict[str, Any]] = {}
+    note, slower = "", 1.0  # slower: measured over expected, so far
+    for n in counts:
+        if budget.left() - 15 < expected[n] * slower:
+            note = f"loads from {n} requests skipped (the time budget)"
+            print(f"[gpu-check] dynamic sweep: {note}", flush=True)
+            break
+        began = time.perf_counter()
+        runs = capacity.run_alternating(configs, prompts[:n], new_tokens, repeats, model)
+        sweep[n] = capacity.sweep_point(runs)
+        slower = max(slower, (time.perf_counter() - began) / max(expected[n], 1e-9))
+    headers, rows = capacity.sweep_rows(sweep, list(configs))
+    return {
+        "budget_bytes": budget_bytes, "context": context, "new_tokens": new_tokens, "seats": seats,
+        "counts": counts, "repeats": repeats, "expected_s": sum(expected.values()), "note": note,
+        "costs": attrs.asdict(costs),
+        "table": {"headers": headers, "rows": rows}, "points": capacity.sweep_json(sweep),
     }  # fmt: skip
 
 
@@ -453,7 +553,7 @@ def kernel_choices(p: Profile, device: torch.device) -> list[dict[str, str]] | N
 
 
 def report_rows(tests: dict[str, Any] | None, swap: dict | None, decode: dict | None,
-                seats: dict | None) -> list[list[object]]:
+                seats: dict | None, sweep: dict | None = None) -> list[list[object]]:
     rows: list[list[object]] = []
     if tests is not None:
         rows.append(["tests (-m cuda)", "pass" if tests["passed"] else "FAIL", tests["summary"], "", ""])
@@ -477,13 +577,29 @@ def report_rows(tests: dict[str, Any] | None, swap: dict | None, decode: dict | 
         rows.append([f"output tok/s, {seats['requests']} requests at once", runs["hisparse"]["tokens_per_s"],
                      f"resident {runs['resident']['tokens_per_s']:.3g}", seats["tokens_per_s_ratio"],
                      seats["note"] or f"{seats['new_tokens']} new tokens each, prefill included"])
+    if sweep is not None and sweep["points"]:
+        rows.append(sweep_row(sweep))
     return rows
+
+
+def sweep_row(sweep: dict[str, Any]) -> list[object]:
+    """The sweep's load where dynamic residency does worst against the better of resident and
+    HiSparse (its table follows the report's)."""
+    name = f"dynamic / {capacity.BEST}"
+    points = sweep["points"]
+    n = min(points, key=lambda k: points[k]["ratios"][name]["median"])
+    results, ratio = points[n]["results"], points[n]["ratios"][name]
+    better = max(results["resident"]["tokens_per_s"], results["hisparse"]["tokens_per_s"])
+    counts = sweep["counts"]
+    return [f"dynamic sweep, {counts[0]}-{counts[-1]} requests, {sweep['context']} tokens",
+            results["dynamic"]["tokens_per_s"], f"better {better:.3g}", ratio["median"],
+            f"lowest at {n} requests: range {ratio['low']:.2f}-{ratio['high']:.2f}"]
 
 
 def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> dict[str, dict | None]:
     """The benchmark's parts in order, each within what is left of ``budget``."""
     cuda = device.type == "cuda"
-    out: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None}
+    out: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None, "sweep": None}
     built = budget.run("model", 60 if cuda else 10, lambda: {"model": random_model(p, device, seed)})
     if built is None:
         return out
@@ -494,7 +610,18 @@ def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> di
     prefill = decode["prefill_s_per_request"] if decode is not None else None
     out["budget"] = budget.run("budget", 40 if cuda else 8,
                                lambda: at_one_budget(p, model, device, budget, prefill, seed))
+    out["sweep"] = budget.run("dynamic sweep", 30 if cuda else 6,
+                              lambda: dynamic_sweep(p, model, device, budget, decode, seed))
     return out
+
+
+def sweep_caption(sweep: dict[str, Any]) -> str:
+    mib = sweep["budget_bytes"] / 2**20
+    seats = ", ".join(f"{name} {n}" for name, n in sweep["seats"].items())
+    note = f"; {sweep['note']}" if sweep["note"] else ""
+    return (f"\ndynamic residency sweep at {mib:.0f} MiB (seats: {seats}), {sweep['context']}-token requests "
+            f"({sweep['new_tokens']} new tokens) arriving together, output tok/s with prefill, "
+            f"{sweep['repeats']} alternating runs a load; ratios: median (range){note}")
 
 
 def headline(p: Profile, device: torch.device, seconds: float) -> str:
@@ -508,7 +635,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="hispec bench gpu-check", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench-gpu-check.json", help="JSON results")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds for the whole run (default: 450 on CUDA, 170 on a CPU)")
+                        help=f"seconds for the whole run (default: {CUDA.budget_s:.0f} on CUDA, "
+                             f"{CPU.budget_s:.0f} on a CPU)")
     parser.add_argument("--skip-tests", action="store_true", help="the benchmark only")
     parser.add_argument("--skip-bench", action="store_true", help="the tests only")
     parser.add_argument("--threads", type=int, default=None,
@@ -533,7 +661,7 @@ def main(argv: list[str]) -> int:
         print(f"[gpu-check] tests: pytest -m cuda {TESTS.relative_to(ROOT)}", flush=True)
         tests = run_tests(device, min(profile.tests_s, max(budget.left() - 30, 1)))
         budget.outcomes["tests"] = "ran" if tests["passed"] else "failed"
-    parts: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None}
+    parts: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None, "sweep": None}
     if not args.skip_bench:
         sink = configure_logging(level="warning", stream=io.StringIO())
         try:
@@ -546,7 +674,10 @@ def main(argv: list[str]) -> int:
     print()
     print(headline(profile, device, seconds))
     print(table(["check", "HiSparse / measured", "baseline", "ratio", "note"],
-                report_rows(tests, parts["swap_in"], parts["decode"], parts["budget"])))
+                report_rows(tests, parts["swap_in"], parts["decode"], parts["budget"], parts["sweep"])))
+    if parts["sweep"] is not None:
+        print(sweep_caption(parts["sweep"]))
+        print(table(parts["sweep"]["table"]["headers"], parts["sweep"]["table"]["rows"]))
     for part, why in budget.errors.items():
         print(f"{budget.outcomes[part]}: {part}: {why}")
     if parts["swap_in"] is not None:
