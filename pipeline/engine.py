@@ -353,7 +353,8 @@ class Engine:
         timeout: float | None = None,
     ) -> GenerateResult:
         """Run one request to its end and return its whole output. ``timeout``: a deadline in
-        seconds; past it the request is aborted (its memory released) and ``TimeoutError`` raised."""
+        seconds from its submission (a long prompt's encoding comes before); past it the request is
+        aborted (its memory released) and ``TimeoutError`` raised."""
         req = await self._new_request_off_loop(lambda: prompt, _is_long_text(prompt), params, request_id)
         with anyio.fail_after(timeout):  # the request's own cancel scope: cancelling it aborts the request
             async with aclosing(self._stream(req, whole=True)) as deltas:
@@ -557,8 +558,14 @@ def _is_long_text(prompt: object) -> bool:
 
 
 def _is_long_chat(messages: object) -> bool:
-    """A conversation whose messages' text is longer than ``OFF_LOOP_CHARS`` (as written)."""
-    return isinstance(messages, (list, tuple)) and sum(len(str(m)) for m in messages) > OFF_LOOP_CHARS
+    """A conversation whose messages' text is longer than ``OFF_LOOP_CHARS`` (a message's text content
+    counted without copying it; any other message as written)."""
+    return isinstance(messages, (list, tuple)) and sum(_chars(m) for m in messages) > OFF_LOOP_CHARS
+
+
+def _chars(message: object) -> int:
+    content = message.get("content") if isinstance(message, dict) else None
+    return len(content) if isinstance(content, str) else len(str(message))
 
 
 class RequestStream:

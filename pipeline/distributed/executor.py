@@ -293,9 +293,9 @@ class DistributedExecutor:
 
 
 def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
-    """One outcome from every rank's: results must agree (``CollectReady``: a request failed on any
-    rank is failed; ``Mixed``: each part merged on its own), swap-in counts are summed, the time is
-    rank 0's."""
+    """One outcome from every rank's: results and residency events must agree (``CollectReady``: a
+    request failed on any rank is failed; ``Mixed``: each part merged on its own), swap-in counts
+    are summed, the time is rank 0's."""
     first = outcomes[0]
     swaps = SwapCounts(
         *(sum(getattr(o.swaps, f) for o in outcomes) for f in ("hits", "misses", "h2d_bytes"))
@@ -325,7 +325,11 @@ def merge(command: Command, outcomes: list[Outcome]) -> Outcome:
             if o.result != result:
                 name = type(command).__name__
                 raise RanksDiverged(f"{name}: rank {rank} answered {o.result!r}, rank 0 {result!r}")
-    return Outcome(result, swaps, changed, None, first.seconds, mixed=first.mixed)
+    for rank, o in enumerate(outcomes[1:], start=1):
+        if o.residency != first.residency:  # every rank's memory makes the same moves
+            name = type(command).__name__
+            raise RanksDiverged(f"{name}: rank {rank} moved {o.residency!r}, rank 0 {first.residency!r}")
+    return Outcome(result, swaps, changed, None, first.seconds, mixed=first.mixed, residency=first.residency)
 
 
 def sum_counters(per_rank: list[dict | None]) -> dict | None:

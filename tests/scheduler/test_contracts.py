@@ -117,3 +117,23 @@ def test_hisparse_totals_sum_the_layer_counters(tiny_model):
         assert executor.memory.transfer_totals() == TransferTotals((5, 2, 128), (4, 3, 192))
     finally:
         executor.close()
+
+
+def test_tensor_parallel_outcomes_keep_their_residency_events():
+    """Every rank reports the same Demoted / Promoted events; the merged outcome (and a mixed step's
+    decode part) carries them, and ranks that disagree are a divergence."""
+    from pipeline.distributed.executor import RanksDiverged, merge
+    from statemachines.request import Demoted, Promoted
+
+    moves = (("a", Demoted(4096)), ("b", Promoted(8192)))
+    step = StepResult({"a": (1,), "b": (2,)})
+    one = Outcome(step, NO_SWAPS, True, None, 0.0, residency=moves)
+    assert merge(DECODE, [one, one]).residency == moves
+    mixed = Mixed(DECODE, PREFILL)
+    prefill = Outcome(PrefillResult({}, {}), NO_SWAPS, True, None, 0.0)
+    both = Outcome(MixedResult(one, prefill), NO_SWAPS, True, None, 0.0)
+    merged = merge(mixed, [both, both])
+    assert merged.result_as(MixedResult).decode.residency == moves
+    other = Outcome(step, NO_SWAPS, True, None, 0.0, residency=moves[:1])
+    with pytest.raises(RanksDiverged, match="moved"):
+        merge(DECODE, [one, other])
