@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # The demo prompt (printf escapes): the bundled byte-level model continues code best mid-file.
 PROMPT := class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):
 
-.PHONY: run test test-all proptest gpu-check gpu-wheels lint venv clean
+.PHONY: run test test-all proptest mutation gpu-check gpu-wheels lint venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,15 @@ test-all: $(STAMP)
 # and longer runs than `make test` (tests/conftest.py; README, "Property tests")
 proptest: $(STAMP)
 	HYPOTHESIS_PROFILE=thorough $(BIN)/python -m pytest -q -p no:cacheprovider -m proptest
+
+# the memory logic's mutation score, the mutants killed by the property tests alone (docs/mutation.md):
+# a benchmark, not part of `make test`. One worker at low priority; MUTATION_EVERY=N runs the mutants
+# whose name hashes to 0 modulo N (1: all of them, hours).
+MUTATION_EVERY ?= 10
+mutation: $(STAMP)
+	@$(BIN)/python -c "import mutmut" 2>/dev/null || $(BIN)/pip install -q -e '.[mutation]'
+	nice -n 15 $(BIN)/python tests/mutation_run.py run --every $(MUTATION_EVERY)
+	$(BIN)/python tests/mutation_run.py report
 
 # the prepared device check: the tests marked cuda, then a benchmark at V3.2's attention shapes
 # (docs/benchmarks.md, "Device check"); without CUDA the same at CPU sizes, in .venv. A GPU machine

@@ -25,7 +25,7 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 # Hypothesis profiles, chosen by HYPOTHESIS_PROFILE: ``ci`` (the default, what `make test` runs) and
 # ``thorough`` (`make proptest`: every state machine with many more and longer runs). The state
@@ -34,6 +34,11 @@ from hypothesis import settings
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.register_profile(
     "thorough", deadline=None, print_blob=True, max_examples=1500, stateful_step_count=100
+)
+# ``mutation`` (`make mutation`, docs/mutation.md): the ``ci`` runs without shrinking, since a mutant's
+# failure only needs to be found, not minimised.
+settings.register_profile(
+    "mutation", parent=settings.get_profile("ci"), phases=[Phase.explicit, Phase.generate]
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 

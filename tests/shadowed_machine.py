@@ -20,16 +20,24 @@ resident (docs/invariants.md):
   mapped once staging is collected, a decoded position in its column, finalize's accepted positions;
 * item 9 per request: ending a request raises every pool's free count by exactly what that request
   owned (its row, and its logical, physical and host pages, plus the prefix-cache pages it was the
-  last to share), and once no request is live every pool is back at its initial free count.
+  last to share), and once no request is live every pool is back at its initial free count, in the
+  shadow too, and every pool the stats report is wholly free;
+* after every rule, the shadow's own invariants, and the HiSparse counters (``check_counters``);
+* nothing is injected, so a forward that raises fails the test instead of being bisected to the
+  requests that make it fail (``forward_unisolated``: the bisection reruns a failed batch in parts,
+  and a failure of the batched path alone would pass unseen).
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import hypothesis.strategies as st
 import torch
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from shadow_model import PositionModel, check_buffers, check_tables, last_chunk_start, prefilled
 
+from pipeline import executor as executor_module
 from pipeline.config import EngineConfig
 from pipeline.driver import prefill_whole
 from pipeline.executor import Executor, NewSequence
@@ -52,11 +60,15 @@ class ShadowedMachine(RuleBasedStateMachine):
         # a prefix-cache hit computes a prompt's suffix in a forward of another shape than the
         # shadow's whole prompt (equal tokens, not equal bits): both run without the cache
         assert not self.config.prefix_cache and not self.shadow_config.prefix_cache
+        self.unisolated = mock.patch.object(executor_module, "isolate", forward_unisolated)
+        self.unisolated.start()
         self.streams = ManualStreams()
         self.executor = Executor(self.config, model=self.model, transfer=self.streams)
         self.executor.memory.mirror_tables(separate=True)  # a missed mirror update shows
         self.shadow = Executor(self.shadow_config, model=self.model)
         self.initial = self.executor.pool_counts()
+        self.shadow_initial = self.shadow.pool_counts()
+        self.counters: dict[str, list] | None = None  # the HiSparse counters at the last check
         self.phase: dict[str, str] = {}  # request id -> phase, in admission order
         self.models: dict[str, PositionModel] = {}  # request id -> where its positions must be
         self.next_id = 0
@@ -119,8 +131,10 @@ class ShadowedMachine(RuleBasedStateMachine):
         # against host copies) and so would hide a missing wait; item 6 is checked against the
         # shadow instead, without waiting
         self.executor.check_integrity(data=False)
+        self.shadow.check_integrity()  # (the all-resident memory's own invariants)
         assert set(self.executor.seqs) == set(self.phase)
         assert self.executor.staging() == [r for r, p in self.phase.items() if p == "staging"]
+        self.counters = check_counters(self.executor, self.counters)
         self.check_device_kv()
         if all(s.done == s.issued for s in self.streams.streams.values()):
             self.check_host_kv()
@@ -210,12 +224,77 @@ class ShadowedMachine(RuleBasedStateMachine):
         assert freed == owned, f"{rid}: ending it freed {freed}, it owned {owned}"
         if not self.phase:
             assert after == self.initial, "a pool is not back at its initial free count with nothing live"
+            assert self.shadow.pool_counts() == self.shadow_initial, "a shadow pool is not back"
+            for executor in (self.executor, self.shadow):
+                check_pools_free(executor)
 
     def teardown(self) -> None:
+        try:
+            self._finish()
+        finally:
+            self.unisolated.stop()
+
+    def _finish(self) -> None:
         self.all_copies_land()
         for rid in list(self.phase):
             self.end_request(rid)
         self.executor.check_integrity()
+        self.shadow.check_integrity()
         assert self.executor.pool_counts() == self.initial
+        assert self.shadow.pool_counts() == self.shadow_initial
+        for executor in (self.executor, self.shadow):
+            check_pools_free(executor)
         self.executor.close()
         self.shadow.close()
+
+
+def check_pools_free(executor) -> None:
+    """With nothing live, every pool the stats report is wholly free, and the row pool's count is
+    the one ``pool_counts`` gives."""
+    pools = executor.stats()["pools"]
+    for name, pool in pools.items():
+        assert pool["free"] == pool["capacity"], f"{name}: {pool} with nothing live"
+    assert pools["request_rows"]["free"] == executor.pool_counts()["rows"]
+
+
+def forward_unisolated(items, run, what):
+    """``isolate`` for a run without faults: a forward that raises is a defect to report, not a batch
+    to bisect (bisection would rerun a failed batched or mixed forward in parts and hide it)."""
+    return run(items), {}
+
+
+COUNTERS = (
+    "hits",
+    "misses",
+    "unrecoverable",
+    "h2d_bytes",
+    "d2h_bytes",
+    "prefill_hits",
+    "prefill_loads",
+    "prefill_h2d_bytes",
+    "hit_rate",
+)
+
+
+def check_counters(executor, before: dict[str, list] | None) -> dict[str, list]:
+    """The HiSparse counters (``Executor.stats()["hisparse"]``): one entry per layer of each; every
+    host->device byte is a miss's or a prefill load's row, every device->host copy moves the same
+    rows in every layer; no miss is unrecoverable; the counts never go down. Returns them, for the
+    next check."""
+    counters = executor.stats()["hisparse"]
+    assert tuple(counters) == COUNTERS, f"the counters are {tuple(counters)}"
+    row_bytes = executor.memory.host.row_bytes
+    layers = executor.memory.num_layers
+    assert all(len(counters[name]) == layers for name in COUNTERS), counters
+    for layer in range(layers):
+        hits, misses = counters["hits"][layer], counters["misses"][layer]
+        assert counters["h2d_bytes"][layer] == misses * row_bytes, (layer, counters)
+        assert counters["prefill_h2d_bytes"][layer] == counters["prefill_loads"][layer] * row_bytes, counters
+        assert counters["hit_rate"][layer] == round(hits / (hits + misses) if hits + misses else 1.0, 4)
+        assert counters["unrecoverable"][layer] == 0, counters
+    d2h = counters["d2h_bytes"]
+    assert len(set(d2h)) == 1 and d2h[0] % row_bytes == 0, f"device->host bytes {d2h}"
+    if before is not None:
+        for name in COUNTERS[:-1]:
+            assert all(a >= b for a, b in zip(counters[name], before[name])), f"{name} went down"
+    return counters

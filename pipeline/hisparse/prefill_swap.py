@@ -69,7 +69,7 @@ def group_bounds_reference(past: torch.Tensor, hot: int, context: int) -> list[t
     return bounds
 
 
-def _group_kernel(rows, hot, context, starts):  # pragma: no cover - compiled
+def _group_kernel(rows, hot, context, starts):  # pragma: no cover, no mutate block - compiled
     """Writes the first query of every group to ``starts``; returns the number of groups."""
     member = np.zeros(context, dtype=np.int64)  # the number of the last group holding each position
     group, size, count = 1, 0, 1

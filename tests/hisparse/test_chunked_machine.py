@@ -7,10 +7,15 @@ turn) and retractions (the pools are small: decode runs out of room) interleave.
 the synchronous driver checks every invariant (``check=True``: the core's ownership, the executor's
 rows, each row's residency against its request's state, the memory's I1-I8); once everything has
 ended every pool is back at its initial count, and every request that finished has the tokens the
-same prompt gets alone from the all-resident engine with whole-prompt prefill.
+same prompt gets alone from the all-resident engine with whole-prompt prefill. Nothing is injected, so
+a forward that raises fails the test rather than being bisected (``forward_unisolated``: bisection
+would rerun a failed mixed forward as plain ones and hide it), and the tables' mirrors are distinct
+tensors, so a missed mirror update shows.
 """
 
 from __future__ import annotations
+
+from unittest import mock
 
 import hypothesis.strategies as st
 import pytest
@@ -19,11 +24,13 @@ from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from shadow_model import machine_settings
 
+from pipeline import executor as executor_module
 from pipeline.config import EngineConfig, HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.sampling import SamplingParams
 
+from shadowed_machine import check_counters, forward_unisolated
 from tiny_models import build_tiny_model
 
 MODEL = build_tiny_model()
@@ -70,10 +77,15 @@ def prompt_of(length: int, seed: int) -> tuple[int, ...]:
 class ChunkedSchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
+        self.unisolated = mock.patch.object(executor_module, "isolate", forward_unisolated)
+        self.unisolated.start()
         self.executor = Executor(CONFIG, model=MODEL)
+        # distinct mirrors: the coordinator's check compares them with the tables, so a missed update shows
+        self.executor.memory.mirror_tables(separate=True)
         self.initial = self.executor.pool_counts()
         self.driver = SyncDriver(self.executor, check=True)
         self.prompts: dict[str, tuple[int, ...]] = {}
+        self.counters: dict[str, list] | None = None  # the HiSparse counters at the last check
 
     @rule(length=st.sampled_from(LENGTHS), seed=st.integers(0, 2))
     def submit(self, length: int, seed: int) -> None:
@@ -84,6 +96,7 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
     def step(self, steps: int) -> None:
         for _ in range(steps):
             self.driver.step()
+        self.counters = check_counters(self.executor, self.counters)
 
     @precondition(lambda self: any(not r.is_finished for r in self.driver.requests.values()))
     @rule(data=st.data())
@@ -101,6 +114,12 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
         self.driver.core.aborts.add(data.draw(st.sampled_from(live)))
 
     def teardown(self) -> None:
+        try:
+            self._finish()
+        finally:
+            self.unisolated.stop()
+
+    def _finish(self) -> None:
         self.driver.run()
         reqs = self.driver.requests.values()
         mixed = self.executor.stats()["prefill"]["mixed_forwards"]

@@ -54,6 +54,7 @@ class ExecutorMachine(ShadowedMachine):
         for _ in range(steps):
             ids = [r for r, p in self.phase.items() if p == "decode"]
             result = self.executor.decode(ids)
+            assert not result.failed, result.failed
             for rid in result.refused:  # memory pressure: the request is retracted
                 self.end_request(rid)
             shadow = self.shadow.decode(list(result.tokens))

@@ -22,6 +22,7 @@ def _past(seed: int, queries: int, k: int, context: int, dtype: torch.dtype) -> 
     return rows
 
 
+@pytest.mark.proptest
 @settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10**6),

@@ -81,8 +81,9 @@ class MemoryMachine(RuleBasedStateMachine):
     def start_request(self, length: int) -> None:
         """Prefill: both levels bound, host pages reserved and the staging copy recorded."""
         if not self.rows.can_allocate():
-            with pytest.raises(OutOfMemory):
+            with pytest.raises(OutOfMemory) as refused:
                 self.rows.allocate()
+            assert (refused.value.requested, refused.value.free) == (1, 0)
             return
         row = self.rows.allocate()
         before = self._free_counts()
@@ -213,9 +214,58 @@ class MemoryMachine(RuleBasedStateMachine):
         if pages <= free:
             return
         before = self.alloc.physical.snapshot()
-        with pytest.raises(OutOfMemory, match="physical"):
+        with pytest.raises(OutOfMemory, match="physical") as refused:
             self.alloc.alloc_physical(0, pages)
+        assert (refused.value.requested, refused.value.free) == (pages, free)
         assert self.alloc.physical.snapshot() == before
+
+    @precondition(lambda self: any(r.physical_pages for r in self.reqs.values()))
+    @rule(data=st.data())
+    def free_and_take_back(self, data) -> None:
+        """A transaction's undo: pages freed and taken back leave the pool exactly as it was; a take
+        naming a page that is not free (twice, reserved, owned, out of range) or no owner raises and
+        changes nothing."""
+        req = data.draw(
+            st.sampled_from(sorted((r for r in self.reqs.values() if r.physical_pages), key=lambda r: r.row))
+        )
+        pool = self.alloc.physical
+        before = pool.snapshot()
+        pages = req.physical_pages[: data.draw(st.integers(1, len(req.physical_pages)))]
+        pool.free(pages, req.row)
+        freed = pool.snapshot()
+        bad = data.draw(st.sampled_from([[pages[0], pages[0]], [*pages, 0], [pages[0], pool.num_pages]]))
+        others = [p for r in self.reqs.values() if r.row != req.row for p in r.physical_pages]
+        if others and data.draw(st.booleans()):
+            bad = [*pages, others[0]]
+        with pytest.raises(OwnershipError):
+            pool.take(bad, req.row)
+        with pytest.raises(ValueError, match="owner"):
+            pool.take(pages, -1)
+        assert pool.snapshot() == freed
+        pool.take(pages, req.row)
+        assert pool.pages_of(req.row) == frozenset(req.physical_pages)
+        assert sorted(pool.snapshot().free) == sorted(before.free)
+        assert pool.snapshot().owner == before.owner
+
+    @precondition(lambda self: any(r.phase == "decode" for r in self.reqs.values()))
+    @rule(data=st.data())
+    def cover_to_the_limit(self, data) -> None:
+        """A row's locations reach ``MAX_LEN`` exactly (when the pool has the pages), never past
+        it: asking for more raises and changes nothing."""
+        decoding = sorted((r for r in self.reqs.values() if r.phase == "decode"), key=lambda r: r.row)
+        req = data.draw(st.sampled_from(decoding))
+        before = self.alloc.snapshot()
+        assert not self.alloc.can_extend(req.row, MAX_LEN + 1)
+        with pytest.raises(ValueError, match="cannot hold"):
+            self.alloc.extend(req.row, MAX_LEN + 1)
+        after = self.alloc.snapshot()
+        assert before.logical == after.logical and torch.equal(before.table, after.table)
+        table = self.alloc.req_to_token
+        fits = table.pages_needed(req.row, MAX_LEN) <= self.alloc.logical.num_free_pages
+        assert self.alloc.can_extend(req.row, MAX_LEN) == fits
+        if fits:
+            self.alloc.extend(req.row, MAX_LEN)
+            assert table.covered_len(req.row) == round_up(MAX_LEN, PAGE)
 
     @rule(length=st.integers(1, 12))
     def snapshot_restore(self, length: int) -> None:

@@ -92,6 +92,24 @@ class CacheMachine(RuleBasedStateMachine):
         assert referenced <= {e.id for e in self.cache.entries.values()}, "evicted a shared page"
         self._forget_evicted()
 
+    @rule(extra=st.integers(-2, 3))
+    def make_room(self, extra) -> None:
+        """Room for ``extra`` pages more than are free (fewer when negative): granted iff the
+        unreferenced entries cover the shortfall, and then every pool has them free; evicts only
+        what it must, and nothing when it refuses."""
+        free = min(p.num_free_pages for p in self.pools)
+        need = max(0, free + extra)
+        before = len(self.cache.entries)
+        granted = self.cache.make_room((need, need))
+        assert granted == (need - free <= self.cache.evictable() + (before - len(self.cache.entries)))
+        evicted = before - len(self.cache.entries)
+        if granted:
+            assert all(p.num_free_pages >= need for p in self.pools), "make_room granted too little"
+            assert evicted == max(0, need - free), f"evicted {evicted} for a shortfall of {need - free}"
+        else:
+            assert evicted == 0, "a refused make_room evicted entries"
+        self._forget_evicted()
+
     def _forget_evicted(self) -> None:
         alive = {e.id for e in self.cache.entries.values()}
         self.known = {prefix: eid for prefix, eid in self.known.items() if eid in alive}
