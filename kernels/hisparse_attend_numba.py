@@ -10,6 +10,9 @@ same compiled loops (``indexer_topk_numba``, ``swap_in_numba``, ``sparse_mla_num
 code), then the misses' row copies, then the attention. So the selections, the swap-in's state and counts and
 the attention output are the ones the step-by-step path produces, bit for bit (the tests compare them).
 
+A batch mixing dynamic residency's layouts (``attend_mixed``) runs the same steps in one call: the
+HOT rows' tokens through the swap-in, the FULL rows' through their page table (``attend_paged``).
+
 A verify whose steps do not all fit the hot region in one swap-in call (``complete`` False) stops
 after the swap-in: the caller attends over the steps resolved so far and continues with the
 step-by-step path (``HiSparseBackend``).
@@ -244,6 +247,110 @@ def _attend_paged(  # pragma: no cover - compiled
             p = top[t, k]
             slots[t, k] = page_table[row, p // page_size] * page_size + p % page_size if p >= 0 else -1
     _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
+
+
+@_jit()
+def _attend_mixed(  # pragma: no cover - compiled
+    kv_all,
+    keys_all,
+    tokens_all,
+    lru_all,
+    host_all,
+    layer,
+    write_slots,
+    kv_rows,
+    write_locs,
+    index_k,
+    index_q,
+    index_w,
+    req_to_token,
+    token_rows,
+    lens,
+    index_scale,
+    top_k,
+    steps,
+    locs,
+    req_to_host,
+    hot,
+    policy,
+    page_table,
+    page_size,
+    hot_tokens,
+    full_tokens,
+    q_latent,
+    q_rope,
+    attn_scale,
+    top,
+    hot_top,
+    hot_slots,
+    slots,
+    counts,
+    copy_src,
+    copy_dst,
+    out,
+):
+    """``_attend`` of the HOT rows' tokens (``hot_tokens``) and ``_attend_paged`` of the FULL rows'
+    (``full_tokens``) in one call: the writes and the selection of every token, the swap-in of the
+    HOT tokens' selections (gathered request-major, as their own batch), the FULL tokens' slots
+    through the page table, then one attention over every token."""
+    kv = kv_all[layer]
+    _write_and_select(
+        kv,
+        keys_all[layer],
+        write_slots,
+        write_locs,
+        kv_rows,
+        index_k,
+        index_q,
+        index_w,
+        req_to_token,
+        token_rows,
+        lens,
+        index_scale,
+        top_k,
+        top,
+    )
+    num_hot = hot_tokens.shape[0]
+    batch = num_hot // steps
+    hot_lens = np.empty((batch, steps), np.int64)
+    rows = np.empty(batch, np.int64)
+    for i in range(num_hot):
+        t = hot_tokens[i]
+        hot_top[i // steps, i % steps, :] = top[t, :]
+        hot_lens[i // steps, i % steps] = lens[t]
+    for b in range(batch):
+        rows[b] = token_rows[hot_tokens[b * steps]]
+    near = np.empty((batch, steps, 0), np.int32)
+    copies, hits, misses, lost, complete = _swap_kernel(
+        hot_top,
+        hot_lens,
+        rows,
+        tokens_all[layer],
+        locs,
+        lru_all[layer],
+        req_to_host,
+        hot,
+        policy,
+        near,
+        hot_slots,
+        counts,
+        copy_src,
+        copy_dst,
+    )
+    host = host_all[layer]
+    for i in range(copies):
+        kv[copy_dst[i], :] = host[copy_src[i], :]
+    for i in range(full_tokens.shape[0]):  # positions -> slots through the row's pages
+        t = full_tokens[i]
+        row = token_rows[t]
+        for k in range(top_k):
+            p = top[t, k]
+            slots[t, k] = page_table[row, p // page_size] * page_size + p % page_size if p >= 0 else -1
+    if complete:
+        for i in range(num_hot):
+            slots[hot_tokens[i], :] = hot_slots[i // steps, i % steps, :]
+        _mla_kernel(q_latent, q_rope, kv, slots, attn_scale, out)
+    return hits, misses, lost, complete
 
 
 def fits(
@@ -518,6 +625,90 @@ def attend_paged(
     return out, torch.from_numpy(top)
 
 
+def attend_mixed(
+    pools: Pools,
+    views: ForwardViews,
+    layer: int,
+    kv_rows: torch.Tensor,  # [T, C + R]
+    index_k: torch.Tensor,  # [T, Di]
+    index_q: torch.Tensor,  # [T, Hi, Di]
+    index_w: torch.Tensor,  # [T, Hi]
+    index_scale: float,
+    top_k: int,
+    hot: int,
+    policy: int,
+    page_table: np.ndarray,  # [N, pages] int64 the FULL rows' device pages in position order
+    page_size: int,
+    hot_tokens: np.ndarray,  # [T_hot] int64 the HOT rows' tokens, request-major (``steps`` a request)
+    full_tokens: np.ndarray,  # [T_full] int64 the FULL rows' tokens
+    q_latent: torch.Tensor,  # [T, H, C]
+    q_rope: torch.Tensor,  # [T, H, R]
+    attn_scale: float,
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, SwapInResult]:
+    """A layer of a batch mixing HOT rows (``attend_views``) and FULL rows (``attend_paged``) in one
+    call. Returns ``(out [T, H, C] or None, top [T, K] int32, the HOT tokens' top-k [B_hot, steps,
+    K], the swap-in's result over the HOT tokens)``; ``out`` is None when the swap-in stopped before
+    some step (the caller goes on from the result)."""
+    num_tokens = q_latent.shape[0]
+    steps = views.steps
+    num_hot = hot_tokens.shape[0]
+    batch = num_hot // steps
+    wide = np.float64 if q_latent.dtype == torch.float64 else np.float32
+    top = np.empty((num_tokens, top_k), dtype=np.int32)
+    hot_top = np.empty((batch, steps, top_k), dtype=np.int32)
+    hot_slots = np.empty((batch, steps, top_k), dtype=np.int32)
+    slots = np.empty((num_tokens, top_k), dtype=np.int32)
+    counts = np.zeros((batch, 4), dtype=np.int32)
+    copy_src = np.empty(num_hot * top_k, dtype=np.int64)
+    copy_dst = np.empty(num_hot * top_k, dtype=np.int64)
+    q_latent_rows = q_latent.contiguous().numpy()
+    out = np.empty(q_latent_rows.shape, dtype=q_latent_rows.dtype)
+    hits, misses, lost, complete = _attend_mixed(
+        pools.kv,
+        pools.keys,
+        pools.tokens,
+        pools.lru,
+        pools.host,
+        layer,
+        views.write_slots,
+        kv_rows.contiguous().numpy(),
+        views.write_locs,
+        index_k.contiguous().numpy(),
+        index_q.contiguous().numpy(),
+        index_w.contiguous().numpy(),
+        pools.req_to_token,
+        views.token_rows,
+        views.seq_lens_np,
+        wide(index_scale),
+        top_k,
+        steps,
+        pools.locs,
+        pools.req_to_host,
+        hot,
+        policy,
+        page_table,
+        page_size,
+        hot_tokens,
+        full_tokens,
+        q_latent_rows,
+        q_rope.contiguous().numpy(),
+        wide(attn_scale),
+        top,
+        hot_top,
+        hot_slots,
+        slots,
+        counts,
+        copy_src,
+        copy_dst,
+        out,
+    )
+    result = SwapInResult.from_arrays(
+        hot_slots, counts, row_bytes=pools.row_bytes, totals=(hits, misses, lost), complete=complete
+    )
+    done = torch.from_numpy(out) if complete else None
+    return done, torch.from_numpy(top), torch.from_numpy(hot_top), result
+
+
 def warm_up(dtype: torch.dtype = torch.float32) -> None:
     """Compile (or load from numba's disk cache) the call for ``dtype``, with the argument types a
     run gives it (int64 token tables, contiguous inputs)."""
@@ -570,6 +761,26 @@ def warm_up(dtype: torch.dtype = torch.float32) -> None:
         2,
         torch.zeros(1, 1, dim - 1, dtype=dtype),
         torch.zeros(1, 1, 1, dtype=dtype),
+        1.0,
+    )
+    attend_mixed(
+        pools,
+        ForwardViews(one.repeat(2) + 3, one.repeat(2) + 2, one.repeat(2), one.repeat(2) + 1, 1),
+        0,
+        torch.zeros(2, dim, dtype=dtype),
+        torch.zeros(2, idim, dtype=dtype),
+        torch.zeros(2, 1, idim, dtype=dtype),
+        torch.zeros(2, 1, dtype=dtype),
+        1.0,
+        1,
+        1,
+        policy_code("lru"),
+        np.zeros((1, 2), dtype=np.int64),
+        2,
+        np.array([0], dtype=np.int64),
+        np.array([1], dtype=np.int64),
+        torch.zeros(2, 1, dim - 1, dtype=dtype),
+        torch.zeros(2, 1, 1, dtype=dtype),
         1.0,
     )
     attend_resident(

@@ -17,8 +17,10 @@ attends over the selected rows:
 Dynamic residency: a FULL row's positions all have device slots (``full_page_table``, its pages in
 position order), so its tokens, prefill chunks included, attend through them without swap-in; a
 batch of both layouts runs the HOT rows' swap-in and then one ``sparse_mla`` over every token. On a
-CPU a decode or verify of HOT rows only runs ``hisparse_attend_numba.attend_views``, one of FULL
-rows only ``attend_paged`` (the resident memory's single call, through the page table).
+CPU a decode or verify layer runs compiled: HOT rows through ``hisparse_attend_numba.attend_views``,
+FULL rows through ``attend_paged`` (the resident memory's single call, through the page table), and
+a batch of both through ``attend_mixed``, the two in one call (every token's work is its own, so
+the result is the step-by-step path's, bit for bit).
 """
 
 from __future__ import annotations
@@ -133,7 +135,11 @@ class HiSparseBackend:
     # the first layer (``_full``)
     _full_mask: Any = attrs.field(default=False, init=False)
     _pages: torch.Tensor | None = attrs.field(default=None, init=False)  # FULL rows' pages (once a forward)
-    _paged: Any = attrs.field(default=None, init=False)  # the compiled call's page table (FULL rows only)
+    _paged: Any = attrs.field(default=None, init=False)  # the compiled call's page table (FULL rows)
+    # a batch of both layouts on the compiled path: (FULL tokens' indices, HOT tokens' indices), and
+    # the tables the call reads of each part, taken at its first layer
+    _split: tuple[torch.Tensor, torch.Tensor] | None = attrs.field(default=None, init=False)
+    _part_views: Any = attrs.field(default=None, init=False)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
@@ -186,11 +192,11 @@ class HiSparseBackend:
             ):
                 pools = None
             full = self._full()
-            if pools is not None and full is not None:  # FULL rows only: through their pages; a mix: steps
-                if bool(full.all()):
-                    self._paged = self._page_table().numpy()
-                else:
-                    pools = None
+            if pools is not None and full is not None:  # FULL rows through their pages
+                self._paged = self._page_table().numpy()
+                if not bool(full.all()):  # a mix: each layout's tokens in its own call
+                    on = full.to(self.req_rows.device)
+                    self._split = (torch.nonzero(on).reshape(-1), torch.nonzero(~on).reshape(-1))
             self._pools = pools if pools is not None else False
         return self._pools is not False
 
@@ -223,6 +229,8 @@ class HiSparseBackend:
                 self.write_slots, self.write_locs, self.req_rows, self.positions + 1, steps
             )
             self._policy = policy_code(coord.policy)
+        if self._split is not None:
+            return self._attend_split(inputs, layer)
         index_q, index_w, index_k = inputs.indexer_inputs()
         if self._paged is not None:  # every row FULL: no swap-in
             paged, self.last_topk = hisparse_attend_numba.attend_paged(
@@ -259,6 +267,40 @@ class HiSparseBackend:
         if out is not None:
             return out
         return self._attend_swapped(inputs, layer, coord.device_kv[layer], top, first=result)
+
+    def _attend_split(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
+        """A compiled layer of a batch of both layouts (``attend_mixed``): the HOT rows' tokens through
+        the swap-in, the FULL rows' through their pages, one call. A verify whose HOT steps do not
+        all fit the hot region goes on step by step from the swap-in made (``_attend_hot``; the FULL
+        rows' tokens attended again there, to the same values)."""
+        assert self._split is not None
+        coord, steps = self.coord, self.steps
+        full, hot = self._split
+        if self._part_views is None:  # the forward's tables, once for all its layers
+            self._views = hisparse_attend_numba.ForwardViews(
+                self.write_slots, self.write_locs, self.req_rows, self.positions + 1, steps
+            )
+            self._policy = policy_code(coord.policy)
+            batch = hot.numel() // steps
+            self._part_views = (
+                full.numpy(),
+                hot.numpy(),
+                self._views.seq_lens[hot].view(batch, steps),
+                self.req_rows[hot][::steps],
+            )
+        full_np, hot_np, hot_lens, hot_rows = self._part_views
+        index_q, index_w, index_k = inputs.indexer_inputs()
+        out, top, hot_top, result = hisparse_attend_numba.attend_mixed(
+            self._pools, self._views, layer, inputs.kv_rows, index_k, index_q, index_w, inputs.index_scale,
+            inputs.top_k, coord.hot, self._policy, self._paged, coord.plan.page_size, hot_np, full_np,
+            inputs.q_latent, inputs.q_rope, inputs.attn_scale,
+        )
+        self.last_topk = top
+        coord.record_swap_in(layer, result, hot_top, hot_lens, hot_rows)
+        if out is not None:
+            return out
+        kv = coord.device_kv[layer]
+        return self._attend_hot(inputs, layer, kv, top, (hot, self._paged_slots(top)), result)
 
     def _attend_selected(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor

@@ -16,7 +16,8 @@ always on the device), the host pool, the per-request device buffers, and two tr
 * ``collect_ready``: pops requests whose copy landed, in FIFO order; each gives back its chunk rows
   and decodes through its buffer.
 * ``prepare_decode`` / ``commit_decode``: where the next token's KV is written (its identity column
-  while short, the newest column once long), and the backup of every committed token to host.
+  while short, the newest column once long), and the backup of every committed token to host (a
+  FULL row's a page at a time: see Layouts below).
 * ``release``: every resource the row owns goes back exactly once, in any state.
 
 Faults. Admission is all or nothing: a row that fails on the way gives back what it got before the
@@ -31,7 +32,9 @@ a host copy, so it cannot go on (``take_backup_failures``).
 Layouts (``HiSparseConfig.residency``). In "always" every row is HOT: what is described above. In
 "dynamic" a row is admitted FULL while the device pool holds its whole context: every position has
 a device slot of its own (its pages in ``full_pages``, position order), so prefill chunks, decode
-and verify read it without swap-in; it stages and backs up to host all the same. Under memory
+and verify read it without swap-in; it stages to host all the same, and backs up its decoded
+positions a page at a time (its device rows stay until it is demoted, which copies the newest
+partial page before it drops anything: ``commit_runs``, ``flush_backup``). Under memory
 pressure FULL rows are demoted to HOT at step boundaries, and promoted back by ``rebalance``
 (``pipeline/hisparse/residency.py`` holds the rules and both moves).
 
@@ -94,6 +97,10 @@ class RowMemory:
     staging: TransferHandle = attrs.Factory(DoneHandle)  # the newest copy of prompt positions to host
     shared: list[CachedPage] = attrs.Factory(list)  # prefix-cache entries it shares (its first pages)
     backup: int = 0  # the number of the newest backup issued for this row (``Backup.number``; 0: none)
+    # positions ``[0, backed)`` have their host copies (recorded, their copies issued): all of them
+    # for a HOT row; a FULL row's newest partial page waits for its page to fill or for the row's
+    # demotion (``commit_runs``, ``flush_backup``)
+    backed: int = 0
 
 
 @attrs.frozen
@@ -152,6 +159,8 @@ class HiSparseCoordinator:
     # returned when the forward ends (``end_forward``)
     _lent: dict[int, list[int]] = attrs.field(init=False, factory=dict)
     cache: PrefixCache | None = attrs.field(init=False)  # pages of finished requests, by their tokens
+    # ``compiled_pools``' last answer, by the identities of the tensors it views
+    _pools: tuple[tuple[int, ...], hisparse_attend_numba.Pools] | None = attrs.field(init=False, default=None)
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
 
@@ -332,7 +341,7 @@ class HiSparseCoordinator:
                 self.host.map.share(row, [e.pages[1] for e in chain])
             self.alloc.extend(row, num_tokens)
             self.host.reserve(row, num_tokens)
-            mem.length = len(chain) * self.plan.page_size
+            mem.length = mem.backed = len(chain) * self.plan.page_size  # (the cache's host copies)
             if layout is Layout.FULL:
                 self._admit_full(row, physical)
             else:
@@ -450,6 +459,7 @@ class HiSparseCoordinator:
         """Issue the copy of prompt positions ``[start, end)`` (still mapped to their slots) to host."""
         positions = torch.arange(start, end)
         host_slots = self.host.record(row, positions)
+        self._mem[row].backed = end
         dev_slots = self.alloc.lookup(self.req_to_token[row, start:end]).to(self.device)
         self.counters.add_backup((end - start) * self.host.row_bytes)
         try:
@@ -687,19 +697,26 @@ class HiSparseCoordinator:
     def _prepare_mixed(self, rows: list[int]) -> WriteTargets:
         """``prepare_decode`` of a batch holding FULL rows: those write at their own slot."""
         full = [i for i, row in enumerate(rows) if self._mem[row].layout is Layout.FULL]
+        if len(full) == len(rows):
+            return self._prepare_full(rows)
         hot = [i for i in range(len(rows)) if i not in set(full)]
         locs = torch.empty(len(rows), dtype=torch.int64)
         slots = torch.empty(len(rows), dtype=torch.int64)
-        if hot:
-            part = self._prepare_hot([rows[i] for i in hot])
-            locs[hot], slots[hot] = part.locs.cpu(), part.slots.cpu()
+        for part, idx in ((self._prepare_hot([rows[i] for i in hot]), hot),
+                          (self._prepare_full([rows[i] for i in full]), full)):
+            locs[idx], slots[idx] = part.locs.cpu(), part.slots.cpu()
+        return WriteTargets(locs.to(self.device), slots.to(self.device))
+
+    def _prepare_full(self, rows: list[int]) -> WriteTargets:
+        """``prepare_decode`` of FULL rows (their room taken): each token at its position's slot."""
         page = self.plan.page_size
-        full_rows = [rows[i] for i in full]
-        positions = [self._mem[row].length for row in full_rows]
-        locs[full] = self.req_to_token[torch.tensor(full_rows), torch.tensor(positions)]
-        pages = [self._mem[row].full_pages[pos // page] for row, pos in zip(full_rows, positions)]
-        slots[full] = torch.tensor([p * page + pos % page for p, pos in zip(pages, positions)])
-        self.alloc.bind(locs[full], slots[full])
+        positions = [self._mem[row].length for row in rows]
+        slots = torch.tensor(
+            [self._mem[row].full_pages[pos // page] * page + pos % page for row, pos in zip(rows, positions)],
+            dtype=torch.int64,
+        )
+        locs = self.req_to_token[torch.tensor(rows), torch.tensor(positions)]
+        self.alloc.bind(locs, slots)
         return WriteTargets(locs.to(self.device), slots.to(self.device))
 
     def _prepare_hot(self, rows: list[int]) -> WriteTargets:
@@ -740,16 +757,69 @@ class HiSparseCoordinator:
         self.buffers.tokens[:, row_t.to(self.device), newest] = new
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
-        """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: back them up
-        (``back_up``). The host pages were taken with the step's room (``ensure_capacity``, via
-        ``prepare_decode``). A row whose backup failed is reported by ``take_backup_failures``."""
-        num_new = num_new or [1] * len(rows)
-        starts = [self._mem[row].length for row in rows]
-        host_slots = self.host.record_runs(rows, starts, num_new)
-        for row, count in zip(rows, num_new):
-            self._mem[row].length += count
-        # a copy of its own: the backup may run after the caller has reused ``slots``
-        self.back_up(rows, num_new, host_slots, slots[: sum(num_new)].to(self.device, copy=True))
+        """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: commit them and
+        back them up (``commit_runs``). The host pages were taken with the step's room
+        (``ensure_capacity``, via ``prepare_decode``). A row whose backup failed is reported by
+        ``take_backup_failures``."""
+        if rows:
+            self.layouts.step()  # a decode step (the promotion's hysteresis counts them)
+        self.commit_runs(rows, num_new or [1] * len(rows), slots)
+
+    def commit_runs(self, rows: list[int], counts: list[int], slots: torch.Tensor) -> None:
+        """Commit ``counts[i]`` new positions of ``rows[i]``, written at ``slots`` (the rows in order),
+        and issue the backups the backup rule asks for, in one copy: a HOT row's new positions (the
+        hot buffer keeps few of them); a FULL row's positions since its last backup up to its last
+        full page (its device rows stay until it is demoted, so its newest partial page is copied
+        when the page fills, or by its demotion: ``flush_backup``)."""
+        if not any(self._mem[row].layout is Layout.FULL for row in rows):  # every row HOT
+            starts = [self._mem[row].length for row in rows]
+            host_slots = self.host.record_runs(rows, starts, counts)
+            for row, count in zip(rows, counts):
+                mem = self._mem[row]
+                mem.length = mem.backed = mem.length + count
+            # a copy of its own: the backup may run after the caller has reused ``slots``
+            self.back_up(rows, counts, host_slots, slots[: sum(counts)].to(self.device, copy=True))
+            return
+        page = self.plan.page_size
+        runs: list[tuple[int, int, int]] = []  # (row, first position, count) backed up now
+        parts: list[torch.Tensor] = []  # their device slots
+        at = 0
+        for row, count in zip(rows, counts):
+            mem = self._mem[row]
+            start, at = mem.length, at + count
+            mem.length += count
+            if mem.layout is Layout.HOT:
+                runs.append((row, start, count))
+                parts.append(slots[at - count : at].to(self.device, copy=True))
+                mem.backed = mem.length
+                continue
+            upto = mem.length // page * page  # up to its last full page
+            if upto > mem.backed:
+                runs.append((row, mem.backed, upto - mem.backed))
+                parts.append(full_slots(mem.full_pages, page, mem.backed, upto).to(self.device))
+                mem.backed = upto
+        self._back_up_runs(runs, parts)
+
+    def flush_backup(self, row: int) -> None:
+        """Issue the backup of ``row``'s committed positions that have no host copy yet (a FULL row's
+        newest partial page: at most a page of rows per layer); nothing for a row backed up whole."""
+        mem = self._mem[row]
+        if mem.backed >= mem.length:
+            return
+        assert mem.layout is Layout.FULL, (row, mem.backed, mem.length)
+        run = (row, mem.backed, mem.length - mem.backed)
+        slots = full_slots(mem.full_pages, self.plan.page_size, mem.backed, mem.length).to(self.device)
+        mem.backed = mem.length
+        self._back_up_runs([run], [slots])
+
+    def _back_up_runs(self, runs: list[tuple[int, int, int]], parts: list[torch.Tensor]) -> None:
+        """Record the host slots of the (row, first position, count) ``runs`` and back them up from
+        the device slots ``parts`` (one tensor a run), all in one copy."""
+        if not runs:
+            return
+        rows, starts, counts = (list(col) for col in zip(*runs))
+        host_slots = self.host.record_runs(rows, starts, counts)
+        self.back_up(rows, counts, host_slots, torch.cat(parts))
 
     # --- backups ----------------------------------------------------------------------------------
 
@@ -967,11 +1037,14 @@ class HiSparseCoordinator:
             self.req_to_token_device,
             self.req_to_host_device,
         )
+        key = tuple(map(id, tensors))  # (the views keep their tensors alive: an id is not reused)
+        if self._pools is not None and self._pools[0] == key:
+            return self._pools[1]
         if any(t.device.type != "cpu" for t in tensors):
             return None
         if self.device_kv.dtype not in hisparse_attend_numba.DTYPES:  # (numpy has no bfloat16)
             return None
-        return hisparse_attend_numba.Pools(
+        pools = hisparse_attend_numba.Pools(
             self.device_kv,
             self.index_k,
             self.buffers.tokens,
@@ -981,6 +1054,8 @@ class HiSparseCoordinator:
             self.req_to_token_device,
             self.req_to_host_device,
         )
+        self._pools = (key, pools)
+        return pools
 
     @property
     def policy(self) -> str:

@@ -5,20 +5,24 @@ the moves between the two, at step boundaries only.
 A FULL row's device pages are in position order: position ``p`` sits at slot
 ``pages[p // P] * P + p % P`` and its logical location maps there (``logical_to_physical``), so
 decode and verify read their top-k through the map, as a prefill chunk reads its own positions. Its
-committed tokens are backed up to host all the same (the backup rule), so a demotion copies nothing
-from host::
+committed tokens are backed up to host all the same (the backup rule), a page at a time: its device
+rows stay until it is demoted, so a decode step backs up its positions only when they fill a page,
+and the newest partial page (at most a page of rows per layer) is copied by the demotion. A demotion
+copies nothing from host::
 
     FULL pages  | 0 .. HOT/P-1: positions [0, HOT) | HOT/P          | the rest
     after demotion  identity hot columns           | newest + draft | freed, their map cleared
 
-* **Demotion** (FULL -> HOT, ``demote``): waits for the row's backups (its host copy is complete
-  before any device row is dropped), keeps the pages of positions ``[0, HOT)`` as the buffer's
-  identity hot columns and the next page as its newest column and draft zone, frees the rest, and
-  clears the row's map. The newest token's row is copied into the newest column (one device row per
-  layer) so that it is never evicted, as in every long HOT row. A row no longer than HOT keeps the
-  pages its buffer needs (identity columns), so only longer rows free anything.
-* **Promotion** (HOT -> FULL, ``promote``): fresh pages for the whole context plus the growth room,
-  every committed position copied from host into them and mapped, the buffer freed.
+* **Demotion** (FULL -> HOT, ``demote``): backs up the newest partial page and waits for the row's
+  backups (its host copy is complete before any device row is dropped), keeps the pages of
+  positions ``[0, HOT)`` as the buffer's identity hot columns and the next page as its newest
+  column and draft zone, frees the rest, and clears the row's map. The newest token's row is
+  copied into the newest column (one device row per layer) so that it is never evicted, as in every
+  long HOT row. A row no longer than HOT keeps the pages its buffer needs (identity columns), so
+  only longer rows free anything.
+* **Promotion** (HOT -> FULL, ``promote``): the buffer freed (the host copy is complete), then pages
+  for the whole context plus the growth room (the buffer's own among them when the pool is short),
+  every committed position copied from host into them and mapped.
 
 The rules:
 
@@ -28,9 +32,12 @@ The rules:
 * growth: a row that cannot grow for want of device pages demotes decoding FULL rows, the largest
   context first (the row itself included), until it can (``relieve``);
 * promotion (``rebalance``, once per command that changed memory): at most one row per call, the
-  smallest context first, only when the free physical pages left after it number at least the
-  headroom (``headroom_pages``: an eighth of the pool, and at least what a HOT admission of one
-  prefill chunk holds), and never a row demoted less than ``PROMOTE_AFTER`` calls ago (hysteresis).
+  smallest context first, only when the free physical pages left after it (its buffer's pages
+  counted as given back) number at least the headroom (``headroom_pages``: an eighth of the pool,
+  and at least what a HOT admission of one prefill chunk holds, but never more than a quarter of the
+  pool: with whole prompts as chunks one admission can be the whole pool, and nothing would ever be
+  promoted), and never a row demoted less than ``PROMOTE_AFTER`` decode steps ago (hysteresis;
+  ``step`` counts the decode and verify forwards).
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ import attrs
 import torch
 
 from kernels.kv_copy import copy_rows, copy_rows_unchecked
-from pipeline.memory import page_slots
+from pipeline.memory import OutOfMemory, page_slots
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
 
 GROWTH_PAGES = 1  # device pages a FULL row holds past its prompt (admission, promotion)
-PROMOTE_AFTER = 16  # ``rebalance`` calls a demoted row waits before it may be promoted
+PROMOTE_AFTER = 16  # decode steps a demoted row waits before it may be promoted
 HEADROOM_FRACTION = 8  # promotion leaves at least 1/8 of the physical pool free
+HEADROOM_CAP = 4  # and need not leave more than 1/4 of it
 
 
 class LayoutTables(Protocol):
@@ -73,6 +81,8 @@ class LayoutTables(Protocol):
 
     def settle_backups(self, upto: int | None = None) -> None: ...
 
+    def flush_backup(self, row: int) -> None: ...
+
     def set_full(self, row: int, pages: list[int] | None) -> None: ...
 
     def shared_len(self, row: int) -> int: ...
@@ -93,7 +103,7 @@ class DynamicResidency:
 
     coord: LayoutTables
     mode: str = "always"  # ``HiSparseConfig.residency``
-    tick: int = 0  # ``rebalance`` calls so far
+    tick: int = 0  # decode steps so far (``step``)
     demotions: int = 0
     promotions: int = 0
     demoted_bytes: int = 0
@@ -114,6 +124,10 @@ class DynamicResidency:
         """Device bytes of one page of MLA rows, all layers."""
         c = self.coord
         return c.plan.page_size * c.num_layers * c.device_kv.shape[-1] * c.device_kv.element_size()
+
+    def step(self) -> None:
+        """A decode step (a decode or verify forward's tokens committed): the hysteresis's clock."""
+        self.tick += 1
 
     # --- demotion -------------------------------------------------------------------------------
 
@@ -166,6 +180,7 @@ class DynamicResidency:
         c = self.coord
         mem = c._mem[row]
         assert mem.layout is Layout.FULL and mem.residency is Residency.RESIDENT, (row, mem.layout)
+        c.flush_backup(row)  # the newest partial page (its full pages were backed up as they filled)
         c.settle_backups(mem.backup)  # the host copy is complete before any device row is dropped
         assert bool((c.host.req_to_host[row, : mem.length] >= 0).all()), f"row {row}: host copy incomplete"
         page = c.plan.page_size
@@ -199,7 +214,8 @@ class DynamicResidency:
         page = c.plan.page_size
         chunk = c.plan.prefill_chunk or c.plan.max_request_len
         one_admission = c.buffers.columns // page + c.plan.chunk_area(chunk) // page
-        return max(c.alloc.physical.capacity_pages // HEADROOM_FRACTION, one_admission)
+        pool = c.alloc.physical.capacity_pages
+        return max(pool // HEADROOM_FRACTION, min(one_admission, pool // HEADROOM_CAP))
 
     def promote(self, row: int) -> int:
         """HOT -> FULL for a decoding row (module docstring); returns the bytes copied host ->
@@ -209,28 +225,39 @@ class DynamicResidency:
         assert mem.layout is Layout.HOT and mem.residency is Residency.RESIDENT, (row, mem.layout)
         page = c.plan.page_size
         covered = c.alloc.req_to_token.covered_len(row)
-        pages = c.alloc.alloc_physical(row, max(self.full_pages(mem.length), covered // page))
+        need = self.promotion_pages(row)
+        held = len(c.buffers.pages(row))
+        if need > c.alloc.physical.num_free_pages + held:
+            raise OutOfMemory("promotion", need, c.alloc.physical.num_free_pages + held)
         c.settle_backups(mem.backup)  # the newest column's backup reads the buffer about to go
+        c.alloc.clear(c.req_to_token[row, :covered])  # (the mapped ones are the buffer's columns)
+        old = c.buffers.reset(row)
+        if old:  # the host copy is complete: the buffer's rows are not needed, its pages may return
+            c.alloc.free_physical(row, old)
+        pages = c.alloc.alloc_physical(row, need)
         slots = full_slots(pages, page, 0, mem.length)
         copy_rows(c.device_kv, slots.to(c.device), c.host.kv, c.host.req_to_host[row, : mem.length],
                   validate=False)  # every layer
-        c.alloc.clear(c.req_to_token[row, :covered])
         own = c.shared_len(row)  # (a shared prefix's locations map to no slot)
         c.alloc.bind(c.req_to_token[row, own : mem.length], slots[own:])
-        old = c.buffers.reset(row)
-        if old:
-            c.alloc.free_physical(row, old)
         c.set_full(row, pages)
+        mem.backed = mem.length  # (a HOT row is backed up whole)
         copied = mem.length * c.host.row_bytes * c.num_layers
         self.promotions += 1
         self.promoted_bytes += copied
         self._changes.append(ResidencyChange(row, "promoted", copied))
         return copied
 
+    def promotion_pages(self, row: int) -> int:
+        """Device pages ``row`` holds once promoted (its context, the growth room, and every
+        position it has a location for)."""
+        c = self.coord
+        covered = c.alloc.req_to_token.covered_len(row)
+        return max(self.full_pages(c._mem[row].length), pages_for(covered, c.plan.page_size))
+
     def rebalance(self) -> None:
         """One step boundary: promote the smallest demoted row when the rules allow (module
         docstring)."""
-        self.tick += 1
         if not self.dynamic:
             return
         c = self.coord
@@ -246,11 +273,8 @@ class DynamicResidency:
         if not waiting:
             return
         row = min(waiting, key=lambda r: (c._mem[r].length, r))
-        mem = c._mem[row]
-        need = max(self.full_pages(mem.length), c.alloc.req_to_token.covered_len(row) // c.plan.page_size)
-        free = c.alloc.physical.num_free_pages
-        left = free - need + len(c.buffers.pages(row))
-        if need <= free and left >= self.headroom_pages():
+        free = c.alloc.physical.num_free_pages + len(c.buffers.pages(row))  # its buffer given back
+        if free - self.promotion_pages(row) >= self.headroom_pages():
             self.promote(row)
 
     # --- tables and checks ----------------------------------------------------------------------
@@ -276,8 +300,9 @@ class DynamicResidency:
 
     def check_full(self, row: int, *, data: bool) -> None:
         """Invariant I14 for a FULL row: no buffer, no chunk rows, every committed position of its own
-        mapped to its slot (a slot of its pages, so none aliased); decoding, every position has a host
-        copy equal to its device row (``data``)."""
+        mapped to its slot (a slot of its pages, so none aliased); decoding, every position of its
+        full pages has a host copy (its newest partial page may not yet), equal to its device row
+        (``data``)."""
         c = self.coord
         mem = c._mem[row]
         assert self.dynamic, f"row {row}: FULL outside dynamic residency"
@@ -289,13 +314,18 @@ class DynamicResidency:
         assert torch.equal(mapped, slots[own:]), f"row {row}: a committed position is not mapped to its slot"
         if mem.residency is not Residency.RESIDENT:
             return
+        page = c.plan.page_size
+        assert mem.length // page * page <= mem.backed <= mem.length, (
+            f"row {row}: {mem.backed} of {mem.length} positions backed up, a full page not"
+        )
         copies = c.host.req_to_host[row, : mem.length]
-        assert bool((copies >= 0).all()), f"row {row}: a committed position has no host copy"
-        if data and row not in c._lost and mem.length:
+        assert bool((copies[: mem.backed] >= 0).all()), f"row {row}: a backed-up position has no host copy"
+        assert bool((copies[mem.backed :] < 0).all()), f"row {row}: a host copy past the backed-up positions"
+        if data and row not in c._lost and mem.backed:
             c.settle_backups()
             for layer in range(c.num_layers):
-                dev = c.device_kv[layer, slots.to(c.device)].cpu()
-                assert torch.equal(dev, c.host.kv[layer, copies]), (
+                dev = c.device_kv[layer, slots[: mem.backed].to(c.device)].cpu()
+                assert torch.equal(dev, c.host.kv[layer, copies[: mem.backed]]), (
                     f"row {row} layer {layer}: a device row differs from its host copy"
                 )
 

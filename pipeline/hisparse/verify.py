@@ -14,6 +14,9 @@ Finalize, per request, in this order:
 4. the last accepted token's KV is copied into the newest column;
 5. the draft zone is emptied.
 
+A FULL row (dynamic residency) binds each verify token to its position's own slot; finalize unmaps
+the rejected ones and keeps the accepted ones there, backed up as its pages fill (``commit_runs``).
+
 If the host pool cannot take the accepted tokens (or taking them fails), finalize changes nothing
 for that request and reports a ``FinalizeError``: no committed token is ever left without a host
 copy. A request whose backup failed (this round's, redone alone and failed again, or an earlier
@@ -65,6 +68,11 @@ class VerifyTables(Protocol):
     def back_up(
         self, rows: list[int], counts: list[int], host_slots: torch.Tensor, dev_slots: torch.Tensor
     ) -> None: ...
+
+    def commit_runs(self, rows: list[int], counts: list[int], slots: torch.Tensor) -> None: ...
+
+    @property
+    def layouts(self) -> Any: ...  # DynamicResidency
 
     def order_backups(self, upto: int) -> None: ...
 
@@ -135,6 +143,8 @@ class VerifyBuffers:
         no step of one row touches another's).
         """
         d = layout.draft_tokens
+        if rows:
+            self.coord.layouts.step()  # a decode step (the promotion's hysteresis counts them)
         verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
         lost = self.coord.take_backup_failures(list(rows))  # an earlier backup failed: it cannot go on
         full = [i for i, row in enumerate(rows) if self.coord._mem[row].layout is Layout.FULL]
@@ -171,8 +181,9 @@ class VerifyBuffers:
         d: int,
         lost: dict[int, str],
     ) -> list[int]:
-        """Finalize of FULL rows: the accepted tokens stay at their own slots and are backed up, the
-        rejected ones' locations are unmapped (their slots are written again by the next round)."""
+        """Finalize of FULL rows: the accepted tokens stay at their own slots and are backed up as
+        their pages fill (``commit_runs``), the rejected ones' locations are unmapped (their slots are
+        written again by the next round)."""
         coord = self.coord
         committed, starts, counts, failed = [], [], [], []
         for row, count in zip(rows, accepted):
@@ -189,14 +200,11 @@ class VerifyBuffers:
             for row, start, count in zip(committed, starts, counts)
         ]
         coord.alloc.clear(torch.cat(rejected))
-        host_slots = coord.host.record_runs(committed, starts, counts)
-        for row, start, count in zip(committed, starts, counts):
-            coord._mem[row].length = start + count
         by_row = dict(zip(rows, verify_slots))
-        backed = torch.tensor(
+        written = torch.tensor(
             [s for row, count in zip(committed, counts) for s in by_row[row][:count]], device=coord.device
         )
-        coord.back_up(committed, counts, host_slots, backed)
+        coord.commit_runs(committed, counts, written)  # (backed up as a FULL row's pages fill)
         for row, why in coord.take_backup_failures(committed).items():
             failed.append(row)
             self._failures[row] = FinalizeError(row, why, rolled_back=False)
@@ -290,7 +298,7 @@ class VerifyBuffers:
         zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
         buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
         for row, start, count in zip(committed, starts, counts):
-            coord._mem[row].length = start + count
+            coord._mem[row].length = coord._mem[row].backed = start + count
         backed = torch.tensor(
             [s for row_slots, count in zip(slots, counts) for s in row_slots[:count]], device=coord.device
         )

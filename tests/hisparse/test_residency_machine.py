@@ -16,7 +16,9 @@ counted (the progress guarantee). After every rule:
 * no position lost: every committed position of a FULL request maps to a device slot holding its KV
   (every layer, against the shadow, without waiting for any copy); a hot column holding a position
   holds its KV (``check_device_kv``); every committed position has a host copy (the host map), equal
-  to the shadow's KV whenever no copy is in flight;
+  to the shadow's KV whenever no copy is in flight, but a FULL request's newest partial page: its
+  positions past those it had when it became FULL have host copies page by page, as each page
+  fills (the model's ``backed``), and none before;
 * no row aliased: every device slot a request reads (its buffer's columns, the slots its locations
   map to) lies in a page that request owns; a FULL request's positions have distinct slots, none a
   column that holds another position; a HOT request's mapped locations map to its own columns;
@@ -27,14 +29,14 @@ counted (the progress guarantee). After every rule:
 * ``check_integrity()``; the residency figures (``residency_stats``) count the requests of each
   layout and every move; a promotion copies no more than the request's context; ``rebalance``
   promotes at most one request, the smallest context of those not demoted within
-  ``PROMOTE_AFTER`` calls, and leaves the headroom free;
+  ``PROMOTE_AFTER`` decode steps, and leaves the headroom free;
 * ending a request frees exactly what it owned; with nothing live every pool is back at its initial
   free count.
 
-Planted defects (a demotion that drops device rows before the row's backups landed, a promotion that
-copies host rows before they landed, a promotion that leaves a location unmapped) must each be caught
-by this machine alone (``test_*_is_caught``, in the manner of
-``tests/statemachines/test_planted_defects.py``).
+Planted defects (a demotion that drops device rows before the row's backups landed, one that leaves
+a FULL row's newest partial page without a host copy, a promotion that copies host rows before they
+landed, a promotion that leaves a location unmapped) must each be caught by this machine alone
+(``test_*_is_caught``, in the manner of ``tests/statemachines/test_planted_defects.py``).
 """
 
 from __future__ import annotations
@@ -76,7 +78,10 @@ class RowModel:
 
     layout: Layout
     slots: dict[int, int] = attrs.Factory(dict)  # FULL: position -> its device slot, once seen
-    demoted_at: int | None = None  # the ``rebalance`` calls made before its last demotion
+    demoted_at: int | None = None  # the decode steps made before its last demotion
+    # FULL: its positions with host copies when it became FULL (its prompt, or its context when
+    # promoted); past them only its full pages have host copies (a page is backed up as it fills)
+    base: int = 0
 
 
 class ResidencyMachine(ExecutorMachine):
@@ -86,7 +91,7 @@ class ResidencyMachine(ExecutorMachine):
         super().__init__()
         self.layouts: dict[str, RowModel] = {}  # every live request's, from its admission on
         self.moves = {"demotions": 0, "promotions": 0}  # the figures the model expects
-        self.ticks = 0  # ``rebalance`` calls (only the rule makes them here)
+        self.ticks = 0  # decode steps (decode and verify forwards that committed tokens)
         self.allow_promotion = False  # only promote and rebalance may promote
 
     # --- helpers ------------------------------------------------------------------------------
@@ -108,6 +113,26 @@ class ResidencyMachine(ExecutorMachine):
     def page_bytes(self) -> int:
         coord = self.coord
         return coord.plan.page_size * coord.num_layers * coord.row_dim * coord.device_kv.element_size()
+
+    def backed(self, rid: str) -> int:
+        """The positions of ``rid`` that must have host copies: all its committed ones, but a FULL
+        decoding request's newest partial page (past the positions it had when it became FULL)."""
+        model, layout = self.models[rid], self.layouts[rid]
+        if layout.layout is Layout.HOT or self.phase[rid] not in ("decode", "drafted"):
+            return model.length
+        page = self.coord.plan.page_size
+        return max(layout.base, model.length // page * page)
+
+    def check_host_kv(self) -> None:
+        """Every position that must have a host copy (``backed``) has its KV there (once every copy
+        has landed)."""
+        coord = self.coord
+        every = torch.arange(coord.num_layers)[:, None]
+        for rid in self.phase:
+            positions = torch.arange(self.backed(rid))
+            host_kv = coord.host.kv[:, coord.host.req_to_host[self.row(rid), positions]]
+            true_kv = self._true_kv(rid, every, positions[None, :])
+            assert torch.equal(host_kv, true_kv), f"{rid}: a host copy differs from the position's KV"
 
     def check_host_kv_of(self, rid: str, what: str, *, fresh: int = 0) -> None:
         """Every committed position of ``rid`` (but the ``fresh`` newest) has a host copy equal to
@@ -140,7 +165,7 @@ class ResidencyMachine(ExecutorMachine):
         assert shadow.first_tokens == result.first_tokens
         self.phase[rid] = "staging"
         coord, row = self.coord, self.row(rid)
-        self.layouts[rid] = RowModel(coord.layout(row))
+        self.layouts[rid] = RowModel(coord.layout(row), base=len(prompt))
         self.models[rid] = model = PositionModel(row)
         if self.layouts[rid].layout is Layout.FULL:  # every position at a slot of its own
             model.length = len(prompt)
@@ -184,6 +209,7 @@ class ResidencyMachine(ExecutorMachine):
             for rid, new in result.tokens.items():
                 assert len(new) == 1, (rid, new)
                 self.models[rid].length += 1
+            self.ticks += bool(result.tokens)  # (after the demotions it made: they came before it)
             self.check_device_kv()
             self.check_model("after a decode step: ")
 
@@ -226,7 +252,7 @@ class ResidencyMachine(ExecutorMachine):
             self.allow_promotion = False
         assert coord.layout(row) is Layout.FULL
         assert 0 <= copied <= coord.length(row) * coord.host.row_bytes * coord.num_layers, copied
-        self.layouts[rid] = RowModel(Layout.FULL)
+        self.layouts[rid] = RowModel(Layout.FULL, base=coord.length(row))
         self.moves["promotions"] += 1
         self.check_model("after a promotion: ")
 
@@ -239,8 +265,7 @@ class ResidencyMachine(ExecutorMachine):
         if after_a_step and "decode" in self.phase.values():
             self.decode(1)
         coord = self.coord
-        hot = self.decoding(Layout.HOT)
-        self.ticks += 1
+        hot = self.decoding(Layout.HOT, ("decode", "drafted"))  # (between draft and verify too)
         self.allow_promotion = True
         try:
             coord.rebalance()
@@ -251,7 +276,7 @@ class ResidencyMachine(ExecutorMachine):
         for rid in promoted:
             waited = self.layouts[rid].demoted_at
             assert waited is None or self.ticks - waited >= PROMOTE_AFTER, (
-                f"{rid} promoted {self.ticks - waited} rebalance calls after its demotion"
+                f"{rid} promoted {self.ticks - waited} decode steps after its demotion"
             )
             eligible = [r for r in hot if self.layouts[r].demoted_at is None
                         or self.ticks - self.layouts[r].demoted_at >= PROMOTE_AFTER]
@@ -260,7 +285,7 @@ class ResidencyMachine(ExecutorMachine):
             layouts: DynamicResidency = coord.layouts
             free = coord.alloc.physical.num_free_pages
             assert free >= layouts.headroom_pages(), f"{rid} promoted into the headroom ({free} pages left)"
-            self.layouts[rid] = RowModel(Layout.FULL)
+            self.layouts[rid] = RowModel(Layout.FULL, base=coord.length(self.row(rid)))
             self.moves["promotions"] += 1
 
     def end_request(self, rid: str) -> None:
@@ -278,6 +303,8 @@ class ResidencyMachine(ExecutorMachine):
         for rid, model in self.models.items():
             if self.layouts[rid].layout is Layout.FULL:
                 mapped = self.full_map(rid, what)
+                models[rid] = PositionModel(model.row, self.backed(rid), mapped)
+                continue
             elif self.phase[rid] != "staging":
                 mapped = self.hot_map(rid, what)
             else:  # a HOT prompt: the executor machine's exact model
@@ -411,6 +438,7 @@ class SpecResidencyMachine(ResidencyMachine, SpecMachine):
             self.models[rid].length += count
         self.executor.check_integrity(data=False)
         self.check_model("after finalize: ")
+        self.ticks += bool(result.tokens)  # (after the demotions its binding made: they came before it)
 
     def checked_prepare(self, rows: list[int], draft_tokens: int) -> VerifyLayout:
         layout = self.prepare(rows, draft_tokens)
@@ -482,9 +510,26 @@ def test_a_demotion_that_drops_rows_before_the_backups_landed_is_caught(monkeypa
 
 
 @pytest.mark.proptest
+def test_a_demotion_that_leaves_the_partial_page_unbacked_is_caught(monkeypatch):
+    """The demotion drops the device rows of a FULL row's newest partial page without backing it up
+    (its full pages were backed up as they filled): those positions have no host copy."""
+    original = HiSparseCoordinator.demote
+
+    def demote(self, row):
+        with monkeypatch.context() as m:
+            m.setattr(HiSparseCoordinator, "flush_backup", lambda self, row: None)
+            return original(self, row)
+
+    monkeypatch.setattr(HiSparseCoordinator, "demote", demote)
+    error = run_until_it_fails(ResidencyMachine, examples=100, steps=40)
+    assert "host copy" in str(error), error
+
+
+@pytest.mark.proptest
 def test_a_promotion_that_copies_before_the_backups_landed_is_caught(monkeypatch):
     """The promotion copies the host rows without waiting for the row's backups in flight: the
-    newest positions come back stale."""
+    newest positions come back stale (and the backup, reading the buffer the promotion gave back
+    and wrote over, leaves a wrong host copy)."""
     original = HiSparseCoordinator.promote
 
     def promote(self, row):
@@ -494,7 +539,7 @@ def test_a_promotion_that_copies_before_the_backups_landed_is_caught(monkeypatch
 
     monkeypatch.setattr(HiSparseCoordinator, "promote", promote)
     error = run_until_it_fails(ResidencyMachine, examples=100, steps=40)
-    assert "device row is not its KV" in str(error), error
+    assert "device row is not its KV" in str(error) or "host copy differs" in str(error), error
 
 
 @pytest.mark.proptest

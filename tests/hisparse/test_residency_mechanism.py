@@ -240,9 +240,12 @@ def test_a_row_that_cannot_grow_demotes(memory):
 def test_rebalance_waits_out_the_hysteresis_and_keeps_the_headroom(memory):
     row = decode_ready(memory, 40)
     memory.demote(row)
-    for _ in range(rules.PROMOTE_AFTER - 1):
+    for _ in range(rules.PROMOTE_AFTER - 1):  # (the hysteresis counts decode steps, not calls)
+        memory.rebalance()
+        memory.layouts.step()
         memory.rebalance()
         assert memory.layout(row) is Layout.HOT, "promoted too soon after its demotion"
+    memory.layouts.step()
     hog = memory.alloc.physical.allocate(memory.alloc.physical.num_free_pages - 1, OUTSIDER)
     memory.rebalance()
     assert memory.layout(row) is Layout.HOT, "promoted without the headroom"
@@ -251,6 +254,44 @@ def test_rebalance_waits_out_the_hysteresis_and_keeps_the_headroom(memory):
     assert memory.layout(row) is Layout.FULL
     memory.check_integrity()
     memory.release(row)
+
+
+def test_a_promotion_counts_the_buffer_it_gives_back(memory):
+    """The free pages alone are short of the promotion, its buffer's pages make up the difference."""
+    row = decode_ready(memory, 40)
+    memory.demote(row)
+    need = memory.layouts.promotion_pages(row)
+    held = len(memory.buffers.pages(row))
+    assert 0 < held < need
+    hog = memory.alloc.physical.allocate(memory.alloc.physical.num_free_pages - (need - held), OUTSIDER)
+    assert not memory.alloc.physical.can_allocate(need)
+    memory.promote(row)
+    memory.check_integrity()
+    assert memory.layout(row) is Layout.FULL and memory.alloc.physical.num_free_pages == 0
+    memory.alloc.physical.free(hog, OUTSIDER)
+    memory.release(row)
+
+
+def test_whole_prompt_prefill_leaves_a_headroom_promotions_can_meet(tiny_model):
+    """With whole prompts as chunks one HOT admission can be the whole small pool: the headroom stays
+    within a quarter of it, and a demoted row comes back once the hysteresis is waited out."""
+    executor = Executor(config(hisparse=dynamic(), chunk=None, device_pool_tokens=576), model=tiny_model)
+    try:
+        memory = executor.memory
+        plan, pool = memory.plan, memory.alloc.physical.capacity_pages
+        one_admission = (memory.buffers.columns + plan.chunk_area(plan.max_request_len)) // plan.page_size
+        assert one_admission > pool - pool // rules.HEADROOM_CAP, "uncapped, no promotion could leave it"
+        assert memory.layouts.headroom_pages() <= pool // rules.HEADROOM_CAP
+        row = decode_ready(memory, 24)
+        memory.demote(row)
+        for _ in range(rules.PROMOTE_AFTER):
+            memory.layouts.step()
+        memory.rebalance()
+        assert memory.layout(row) is Layout.FULL
+        memory.check_integrity()
+        memory.release(row)
+    finally:
+        executor.close()
 
 
 @pytest.mark.parametrize("stage", ["admitted", "prefilled", "staging", "decoding", "demoted"])
@@ -281,8 +322,9 @@ def test_release_in_every_layout_restores_the_pools(memory, stage):
 
 
 def _logits_of(model, monkeypatch, *, compiled: bool, num_steps: int | None):
-    """Tokens, every logits row and the ``attend_paged`` call count of FULL-row decoding (the second
-    request demoted at its third step: the batches mix both layouts from then on)."""
+    """Tokens, every logits row, the ``attend_paged`` call count of FULL-row decoding and the count of
+    compiled layers of batches mixing both layouts (the second request demoted at its third step:
+    the batches mix both layouts from then on)."""
     from test_equivalence import HOT as EQ_HOT
     from test_equivalence import prompts as eq_prompts
     from test_equivalence import two_page_config
@@ -293,13 +335,16 @@ def _logits_of(model, monkeypatch, *, compiled: bool, num_steps: int | None):
     config = two_page_config(
         HiSparseConfig(device_buffer_size=EQ_HOT, host_to_device_ratio=2, residency="dynamic"), num_steps
     )
-    calls = {"paged": 0}
+    calls = {"paged": 0, "split": 0}
     with monkeypatch.context() as patch:
         if not compiled:
             patch.setattr(HiSparseBackend, "_compiled_fits", lambda self, inputs: False)
         inner = hisparse_attend_numba.attend_paged
         patch.setattr(hisparse_attend_numba, "attend_paged",
                       lambda *a: calls.__setitem__("paged", calls["paged"] + 1) or inner(*a))
+        split = HiSparseBackend._attend_split
+        patch.setattr(HiSparseBackend, "_attend_split",
+                      lambda *a: calls.__setitem__("split", calls["split"] + 1) or split(*a))
         executor = Executor(config, model=model)
         calls["paged"] = 0  # the start's warm-up aside: what the forwards called
         logits: list[torch.Tensor] = []
@@ -315,16 +360,17 @@ def _logits_of(model, monkeypatch, *, compiled: bool, num_steps: int | None):
                 row = executor.seqs["c1"].row if "c1" in executor.seqs else None
                 if step == 3 and row is not None and executor.memory.layout(row) is Layout.FULL:
                     executor.memory.demote(row)
-            return [r.output_ids for r in reqs], logits, calls["paged"]
+            return [r.output_ids for r in reqs], logits, calls["paged"], calls["split"]
         finally:
             executor.close()
 
 
 @pytest.mark.parametrize("num_steps", [None, 3], ids=["plain", "speculative"])
 def test_the_one_call_serves_full_rows_like_the_steps(tiny_model, monkeypatch, num_steps):
-    tokens, logits, paged = _logits_of(tiny_model, monkeypatch, compiled=True, num_steps=num_steps)
+    tokens, logits, paged, split = _logits_of(tiny_model, monkeypatch, compiled=True, num_steps=num_steps)
     ref = _logits_of(tiny_model, monkeypatch, compiled=False, num_steps=num_steps)
-    ref_tokens, ref_logits, ref_paged = ref
+    ref_tokens, ref_logits, ref_paged, ref_split = ref
     assert tokens == ref_tokens
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert paged > 0 and ref_paged == 0
+    assert split > 0 and ref_split == 0, "the mixed batches run compiled (two calls a layer)"
