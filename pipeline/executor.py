@@ -145,16 +145,26 @@ class Executor:
         try:
             self.memory.reclaim()  # a release a fault interrupted twice is finished first
             result, changed = self._dispatch(command, idle)
-            if changed:  # a step boundary after memory changed: a demoted request may come back
-                self.memory.rebalance()
-            self._take_residency_changes()
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
             return Outcome(None, NO_SWAPS, True, _reason(exc), time.perf_counter() - start)
+        self._rebalance(changed)
         after = self.memory.transfer_totals()
         swaps = _swaps_between(_summed(before), _summed(after))
         outcome = Outcome(result, swaps, changed, None, time.perf_counter() - start)
         return self._with_residency(command, outcome)
+
+    def _rebalance(self, changed: bool) -> None:
+        """A step boundary after a command that changed memory: a demoted request may come back
+        (``memory.rebalance``). The command's own work is done and stands: a fault here is logged,
+        never its requests' failure (a promotion whose copy failed fails its own request, at its
+        next step)."""
+        try:
+            if changed:
+                self.memory.rebalance()
+        except Exception:
+            log.error("executor.rebalance_failed", exc_info=True)
+        self._take_residency_changes()
 
     def _with_residency(self, command: Command, outcome: Outcome) -> Outcome:
         """A decode command's outcome carries the residency events so far (the decode part owns the

@@ -46,11 +46,14 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
+import structlog
 import torch
 
 from kernels.kv_copy import copy_rows, copy_rows_unchecked
 from pipeline.memory import OutOfMemory, page_slots
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
+
+log = structlog.get_logger(__name__)
 
 GROWTH_PAGES = 1  # device pages a FULL row holds past its prompt (admission, promotion)
 PROMOTE_AFTER = 16  # decode steps a demoted row waits before it may be promoted
@@ -71,6 +74,7 @@ class LayoutTables(Protocol):
     device_kv: torch.Tensor
     _mem: dict[int, Any]  # row -> RowMemory
     _lost: set[int]
+    _backup_failures: dict[int, str]
     _leaving: set[int]
 
     @property
@@ -236,12 +240,20 @@ class DynamicResidency:
             c.alloc.free_physical(row, old)
         pages = c.alloc.alloc_physical(row, need)
         slots = full_slots(pages, page, 0, mem.length)
-        copy_rows(c.device_kv, slots.to(c.device), c.host.kv, c.host.req_to_host[row, : mem.length],
-                  validate=False)  # every layer
+        try:
+            copy_rows(c.device_kv, slots.to(c.device), c.host.kv, c.host.req_to_host[row, : mem.length],
+                      validate=False)  # every layer
+        except Exception as exc:  # its rows did not reach the device: this request fails, no other
+            why = f"promotion copy failed: {type(exc).__name__}: {exc}"
+            log.error("hisparse.promotion_failed", row=row, error=why)
+            c._lost.add(row)  # (reported with the backup failures: its next step fails it)
+            c._backup_failures[row] = why
         own = c.shared_len(row)  # (a shared prefix's locations map to no slot)
         c.alloc.bind(c.req_to_token[row, own : mem.length], slots[own:])
-        c.set_full(row, pages)
+        c.set_full(row, pages)  # (a failed row too: its tables account for every page it holds)
         mem.backed = mem.length  # (a HOT row is backed up whole)
+        if row in c._lost:
+            return 0
         copied = mem.length * c.host.row_bytes * c.num_layers
         self.promotions += 1
         self.promoted_bytes += copied

@@ -435,3 +435,64 @@ async def test_the_engine_under_pressure_equals_resident(tiny_model):
     assert [out[i] for i in range(len(plist))] == want
     assert figures["demotions"] >= 1 and figures["promotions"] >= 1
     assert engine.final_pool_counts == engine.initial_pool_counts
+
+
+# --- faults -------------------------------------------------------------------------------------
+
+
+def test_a_promotion_whose_copy_fails_fails_that_request_only(tiny_model, monkeypatch):
+    """The host -> device copy of a promotion raises (a device out of memory): that request fails
+    at its next step and is released; every other request gets its all-resident tokens; the pools
+    come back."""
+    import pipeline.hisparse.residency as residency
+
+    plist = prompts(0)
+    want = reference(tiny_model, plist, greedy())
+    executor = Executor(config("dynamic"), model=tiny_model)
+    initial = executor.pool_counts()
+    driver = SyncDriver(executor, check=True)
+    reqs = [driver.submit(p, greedy(), f"req-{i}") for i, p in enumerate(plist)]
+    with quiet_logs():
+        for _ in range(4):
+            driver.step()
+        demote_all(executor)
+        row = decoding_rows(executor, Layout.HOT)[0]
+        victim = executor._by_row[row]
+
+        def failing_copy(*args, **kwargs):
+            raise RuntimeError("device out of memory")
+
+        monkeypatch.setattr(residency, "copy_rows", failing_copy)
+        assert executor.memory.promote(row) == 0
+        monkeypatch.undo()
+        executor.memory.check_integrity()
+        while driver.step():
+            pass
+    for i, req in enumerate(reqs):
+        if req.request_id == victim:
+            assert req.finish_reason == "error" and "promotion copy failed" in (req.error or "")
+        else:
+            assert req.output_ids == want[i], req.request_id
+    assert executor.pool_counts() == initial
+    executor.close()
+
+
+def test_a_failing_rebalance_fails_no_request(tiny_model, monkeypatch):
+    """A fault in the step boundary's rebalance is logged; the command it followed stands and its
+    requests go on with their all-resident tokens."""
+    from pipeline.hisparse.coordinator import HiSparseCoordinator
+
+    calls = {"n": 0}
+    original = HiSparseCoordinator.rebalance
+
+    def rebalance(self):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("rebalance fault")
+        return original(self)
+
+    monkeypatch.setattr(HiSparseCoordinator, "rebalance", rebalance)
+    plist = prompts(0)
+    got = run(tiny_model, config("dynamic"), plist, greedy(), demote_at=(3,))
+    assert calls["n"] >= 3
+    assert got.outputs == reference(tiny_model, plist, greedy())
