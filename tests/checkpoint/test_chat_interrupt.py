@@ -35,7 +35,8 @@ def read_until(fd: int, marker: bytes) -> bytes:
 
 # the pipe variant may be signalled before its read starts, so it cannot catch a read that swallows
 # Ctrl+C; the terminal one waits for the prompt and does: only it runs in the default selection
-@pytest.mark.parametrize("stdin", ["terminal", pytest.param("pipe", marks=pytest.mark.slow)])
+@pytest.mark.slow  # a chat process under a pseudo-terminal: `make test-all`
+@pytest.mark.parametrize("stdin", ["terminal", "pipe"])
 def test_the_first_ctrl_c_ends_the_chat(checkpoint, stdin):
     command = [
         sys.executable,

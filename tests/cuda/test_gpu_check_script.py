@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import attrs
+import pytest
 import torch
 
 from pipeline.benchmarks import gpu_check
@@ -31,6 +32,7 @@ def test_a_part_that_would_not_fit_is_skipped_and_one_that_raises_fails():
     assert ran is not None and ran["x"] == 1 and budget.outcomes["fine"] == "ran"
 
 
+@pytest.mark.slow  # a whole benchmark run: `make test-all`
 def test_the_benchmark_at_tiny_sizes(capsys):
     """Every part runs; every swap-in position misses; the budget seats two resident requests or
     more (a tiny context's fixed costs take a share) and more with HiSparse; the dynamic residency

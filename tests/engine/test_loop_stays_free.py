@@ -137,6 +137,7 @@ async def test_a_long_prompt_encoded_off_the_loop_fails_alone(tiny_model, monkey
         assert engine._registry.live == {}
 
 
+@pytest.mark.slow  # a whole benchmark run: `make test-all`
 def test_the_loop_lag_benchmark_reports_each_mode(tmp_path, monkeypatch):
     """``hispec bench engine --loop-lag`` at its smallest (a random tiny model, random prompts):
     every mode has its figures, the same tokens."""

@@ -396,7 +396,7 @@ class ResidencyMachine(ExecutorMachine):
 
 
 TestResidencyMachine = pytest.mark.proptest(ResidencyMachine.TestCase)
-TestResidencyMachine.settings = machine_settings(examples=30, steps=50)
+TestResidencyMachine.settings = machine_settings(examples=20, steps=50)
 
 
 class ChunkedResidencyMachine(ResidencyMachine):
@@ -410,7 +410,7 @@ class ChunkedResidencyMachine(ResidencyMachine):
 
 
 TestChunkedResidencyMachine = pytest.mark.proptest(ChunkedResidencyMachine.TestCase)
-TestChunkedResidencyMachine.settings = machine_settings(examples=25, steps=50)
+TestChunkedResidencyMachine.settings = machine_settings(examples=15, steps=50)
 
 
 class SpecResidencyMachine(ResidencyMachine, SpecMachine):
@@ -468,7 +468,7 @@ class SpecResidencyMachine(ResidencyMachine, SpecMachine):
 
 
 TestSpecResidencyMachine = pytest.mark.proptest(SpecResidencyMachine.TestCase)
-TestSpecResidencyMachine.settings = machine_settings(examples=30, steps=40)
+TestSpecResidencyMachine.settings = machine_settings(examples=20, steps=40)
 
 
 # --- planted defects: each must be caught by this machine alone -------------------------------------

@@ -361,6 +361,7 @@ async def test_hisparse_seats_several_times_resident_at_one_budget(wide_model):
     assert hisparse[0] == resident[0]
 
 
+@pytest.mark.slow  # engines run at their full seats: `make test-all`
 @pytest.mark.asyncio
 async def test_speculation_with_draft_rows_on_host_runs_its_seats(wide_model):
     """Speculation at one budget: with the draft layer's rows on the host the plan seats more
