@@ -198,19 +198,7 @@ def main(argv: list[str]) -> int:
         return lag_main(args, model, note, sink)
     rows = [measure(args, model, c) for c in args.concurrency]
     sink.close()
-    report = {
-        "bench": "engine",
-        "machine": machine(),
-        "model": args.model if not note else "random tiny",
-        "note": note,
-        "dtype": args.dtype,
-        "speculative": not args.no_spec,
-        "hisparse": not args.no_hisparse,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        "rows": rows,
-    }
+    report = {"bench": "engine", **header(args, note), "prompt_len": args.prompt_len, "rows": rows}
     write_json(args.out, report)
     if note:
         print(f"note: {note}")
@@ -230,14 +218,9 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def lag_main(args: argparse.Namespace, model, note: str, sink) -> int:
-    """``--loop-lag``: the host loop's lag beside tokens/s, mode by mode (``loop_lag``)."""
-    import torch
-
-    result = loop_lag.measure(args, model)
-    sink.close()
-    report = {
-        "bench": "engine-loop-lag",
+def header(args: argparse.Namespace, note: str) -> dict[str, object]:
+    """What both reports say of the run: the machine, the model and the engine's mode."""
+    return {
         "machine": machine(),
         "model": args.model if not note else "random tiny",
         "note": note,
@@ -246,9 +229,16 @@ def lag_main(args: argparse.Namespace, model, note: str, sink) -> int:
         "hisparse": not args.no_hisparse,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
-        "tick_ms": args.tick_ms,
-        **result,
     }
+
+
+def lag_main(args: argparse.Namespace, model, note: str, sink) -> int:
+    """``--loop-lag``: the host loop's lag beside tokens/s, mode by mode (``loop_lag``)."""
+    import torch
+
+    result = loop_lag.measure(args, model)
+    sink.close()
+    report = {"bench": "engine-loop-lag", **header(args, note), "tick_ms": args.tick_ms, **result}
     write_json(args.out, report)
     if note:
         print(f"note: {note}")
