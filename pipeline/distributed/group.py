@@ -40,10 +40,26 @@ class TensorGroup:
     collectives (waiting for peers included), ``num_collectives`` counts them."""
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, *, timeout_s: float, device: torch.device
+        self,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        *,
+        timeout_s: float,
+        device: torch.device,
+        node: int = 0,
+        local_rank: int | None = None,
+        local_size: int | None = None,
     ) -> None:
         self.rank = rank
         self.size = size
+        # where this rank runs: ``node`` numbers the machines of the group, ``local_rank`` is the
+        # rank's index among the ``local_size`` ranks of its node (every rank on one node: the
+        # engine spawned them). Ranks of one node share what a node holds once (the host KV pool).
+        self.node = node
+        self.local_rank = rank if local_rank is None else local_rank
+        self.local_size = size if local_size is None else local_size
+        self.store = store  # the rendezvous, for what the ranks agree on outside collectives
         self.device = device
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
