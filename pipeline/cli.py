@@ -52,6 +52,8 @@ BENCH_TARGETS: dict[str, tuple[str, str]] = {
     }.items()
 }
 
+# the commands that run over a launched group (torchrun): rank 0 runs them, the other ranks follow
+LAUNCHED_COMMANDS = ("generate", "serve")
 
 VERBOSE_FLAGS = ("-v", "--verbose")
 # a mistake in what the user asked for: exit status 2 (ConfigError and RequestError are ValueErrors)
@@ -141,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str]) -> int:
     parser = build_parser()
+    if argv and argv[0] in LAUNCHED_COMMANDS:
+        from pipeline.distributed import launch
+
+        if launch.is_follower():  # torchrun's rank 1..N-1: rank 0 runs the command, this one follows
+            launch.follow()
+            return 0
     if argv and argv[0] in COMMANDS:
         return _dispatch(COMMANDS, argv[0], argv[1:])
     if len(argv) >= 2 and argv[0] == "bench" and argv[1] in BENCH_TARGETS:

@@ -17,6 +17,7 @@ from typing import Any, cast
 import attrs
 
 from pipeline.config import DEFAULT_POOL_TOKENS, EngineConfig, HiSparseConfig, SpeculativeConfig
+from pipeline.distributed.environment import tensor_parallel_size
 
 DEFAULT_PAGE_SIZE = cast(int, attrs.fields(EngineConfig).page_size.default)
 
@@ -98,8 +99,12 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
         options["mixed_steps"] = not args.no_mixed_steps
     if "no_prefix_cache" in given:
         options["prefix_cache"] = not args.no_prefix_cache
+    if "no_shared_host_pool" in given:
+        options["shared_host_pool"] = not args.no_shared_host_pool
     options["device_pool_tokens"] = given.get("device_pool_tokens")
     options |= fields
+    # --tp not given: the launcher's WORLD_SIZE, else 1; given under a launcher, it must equal it
+    options["tensor_parallel_size"] = tensor_parallel_size(options.get("tensor_parallel_size"))
     budget = any(options.get(f) is not None for f in ("device_memory_bytes", "device_memory_fraction"))
     if options["device_pool_tokens"] is None and not budget:
         page = options.get("page_size", DEFAULT_PAGE_SIZE)

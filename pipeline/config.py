@@ -304,6 +304,10 @@ class EngineConfig:
     # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
     # (pipeline/distributed/); 1 runs the model in this process alone
     tensor_parallel_size: int = 1
+    # HiSparse under tensor parallelism: the ranks of a node hold one host pool between them, in
+    # shared memory, written once per node (pipeline/distributed/shared_pool.py); False gives each
+    # rank its own. Nothing changes with one rank on a node or without HiSparse
+    shared_host_pool: bool = True
     # the engine, once started, moves every object then alive out of Python's cyclic garbage
     # collector (``gc.freeze``, as SGLang and vLLM do after start-up): the model, torch's and the
     # application's modules are never scanned again, so a full collection during decoding no longer
@@ -362,6 +366,8 @@ class EngineConfig:
         _require(self.executor_thread is None or isinstance(self.executor_thread, bool), "executor_thread",
                  self.executor_thread, "must be True, False or None (the default: the executor's thread)")
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        _require(isinstance(self.shared_host_pool, bool), "shared_host_pool", self.shared_host_pool,
+                 "must be True or False")
         _require(
             self.speculative in (None, "auto") or isinstance(self.speculative, SpeculativeConfig),
             "speculative",

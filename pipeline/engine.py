@@ -208,12 +208,16 @@ class Engine:
         # a bad generation_config.json fails before the weights load
         self._generation_defaults = self._read_generation_defaults()
         tokenizer = self._tokenizer if self._tokenizer is not None else self._configured_tokenizer()
-        if self.config.tensor_parallel_size > 1:  # this process is rank 0; it starts the others
+        from pipeline.distributed.environment import launch_env
+
+        launched = launch_env()  # torchrun's ranks: this process must be rank 0, the others follow
+        if launched is not None or self.config.tensor_parallel_size > 1:  # rank 0; it starts the others
             from pipeline.distributed.executor import DistributedExecutor
 
             return DistributedExecutor(
-                self.config, model=self._model, trace_path=self._trace_path, tokenizer=tokenizer
-            )
+                self.config, model=self._model, trace_path=self._trace_path, tokenizer=tokenizer,
+                launch=launched,
+            )  # fmt: skip
         return Executor(self.config, model=self._model, trace_path=self._trace_path, tokenizer=tokenizer)
 
     def _configured_tokenizer(self) -> Tokenizer | None:

@@ -49,6 +49,7 @@ from pipeline.hisparse.transfer import TransferStream
 from pipeline.isolation import isolate
 from pipeline.isolation import reason as _reason
 from pipeline.memory import OutOfMemory
+from pipeline.memory.host_pool import HostRows
 from pipeline.memory.interface import Residency, Transfers, TransferTotals
 from pipeline.messages import (
     NO_SWAPS,
@@ -103,11 +104,12 @@ class Executor:
         transfer: Callable[[str, torch.device], TransferStream] | None = None,
         tokenizer: Tokenizer | None = None,
         check_machine: bool = True,
+        host_rows: HostRows | None = None,
     ) -> None:
         """Start-up (``pipeline.startup.start``, which says what each argument does)."""
         self.config = config  # as the user wrote it; what start-up derived from it is ``self.plan``
         started = start(config, model=model, tokenizer=tokenizer, transfer=transfer, trace_path=trace_path,
-                        check_machine=check_machine)
+                        check_machine=check_machine, host_rows=host_rows)
         self.device, self.dtype, self.model = started.device, started.dtype, started.model
         self.tokenizer, self.plan = started.tokenizer, started.plan
         self.memory, self.trace = started.memory, started.trace

@@ -109,7 +109,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     add_chunk_argument(p)
     add_budget_arguments(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
+    p.add_argument(
+        "--tp", type=int, default=None, metavar="N",
+        help="tensor parallelism over N processes (default: the WORLD_SIZE torchrun gives, else 1)",
+    )
+    p.add_argument(
+        "--no-shared-host-pool", action="store_true",
+        help="with --tp: each rank keeps its own HiSparse host pool (default: one per node, shared)",
+    )
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
 

@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--residency", default="always", choices=list(RESIDENCIES),
                    help="the HiSparse engine's hisparse.residency (the dynamic residency figures are "
                         "printed either way)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="tensor-parallel ranks on one node: each holds this device plan; the host pool "
+                        "is counted once per node (shared) or once a rank (--no-shared-host-pool)")
+    p.add_argument("--no-shared-host-pool", action="store_true",
+                   help="with --tp: each rank keeps its own HiSparse host pool")
     p.add_argument("--json", metavar="FILE", help="also write the plans as JSON")
     return p
 
@@ -102,6 +107,8 @@ def check_arguments(args: argparse.Namespace, model_cfg: Any) -> None:
         raise ConfigError("--max-context-len", args.max_context_len, f"must be >= --context ({args.context})")
     if args.page_size < 1:
         raise ConfigError("--page-size", args.page_size, "must be >= 1")
+    if getattr(args, "tp", 1) < 1:
+        raise ConfigError("--tp", args.tp, "must be >= 1")
     if args.hot is None:
         return
     if args.hot < top_k:
@@ -305,14 +312,52 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     lines.append("  dynamic residency, host_to_device_ratio -> seats / FULL at once: " + "  ".join(
         f"{k}: {'-' if v is None else f'{v[0]}/{v[1]}'}" for k, v in dynamic_trades.items()))
     lines += notes(plans["hisparse"], context)
+    shared = not getattr(args, "no_shared_host_pool", False)  # (a parser without the options: one rank)
+    host = host_memory(plans["hisparse"], getattr(args, "tp", 1), shared)
+    lines += ["", *describe_host(host)]
     payload = {
         "context": context,
         "hot": args.hot,
         "plans": {k: p.as_dict(context) for k, p in plans.items()},
         "trade_offs": trades,
         "dynamic_trade_offs": dynamic_trades,
+        "host": attrs.asdict(host),
     }
     return "\n".join(lines), payload
+
+
+@attrs.frozen
+class HostMemory:
+    """The HiSparse host pool on one node of ``tp`` ranks."""
+
+    tp: int
+    shared: bool  # the node's ranks hold one pool between them (``shared_host_pool``, more than one rank)
+    pool_bytes: int  # one pool's rows
+    node_bytes: int  # what the node holds: one pool when shared, one a rank when not
+
+
+def host_memory(plan: DevicePlan, tp: int, shared: bool) -> HostMemory:
+    """The host pool of ``plan`` on a node of ``tp`` ranks: counted once when they share it (the
+    default), once a rank when each keeps its own."""
+    pool = plan.dims.num_layers * plan.plan.host_tokens * plan.dims.row_bytes  # (``kv_cache``'s host_bytes)
+    shared = shared and tp > 1
+    return HostMemory(tp, shared, pool, pool if shared else pool * tp)
+
+
+def describe_host(host: HostMemory) -> list[str]:
+    tp = host.tp
+    if tp == 1:
+        how = "one rank"
+    elif host.shared:
+        how = f"--tp {tp}: one pool shared by the node's {tp} ranks, counted once"
+    else:
+        how = f"--tp {tp}, --no-shared-host-pool: each rank its own pool, counted {tp} times"
+    lines = [f"host memory (HiSparse host pool): {format_bytes(host.pool_bytes)} a pool; "
+             f"{format_bytes(host.node_bytes)} a node ({how})"]
+    if tp > 1:
+        lines.append(f"  every one of the {tp} ranks holds the device plan above (each keeps the whole MLA "
+                     "latent KV)")
+    return lines
 
 
 def notes(plan: DevicePlan, context: int) -> list[str]:

@@ -62,10 +62,15 @@ def check_tensor_parallel(config: EngineConfig, model_cfg: Any) -> None:
     if config.device == "cuda":
         import torch
 
+        from pipeline.distributed.environment import launch_env
+
+        launched = launch_env()  # launched over several machines: this one's ranks
+        here = size if launched is None else launched.local_world_size or launched.local_rank + 1
         visible = torch.cuda.device_count()
-        if size > visible:
+        if here > visible:
+            on = "" if launched is None else f" on this machine ({here})"
             raise ConfigError(
-                "tensor_parallel_size", size, f"needs a CUDA device per rank; {visible} visible"
+                "tensor_parallel_size", size, f"needs a CUDA device per rank{on}; {visible} visible"
             )
 
 
@@ -231,20 +236,35 @@ def check_memory(
     ``host_available`` / ``device_available`` default to what the machine reports (None when it
     reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
     Under tensor parallelism every rank allocates the whole memory layer (the latent KV is
-    replicated): N times over in host memory, once on each rank's device.
+    replicated): once in host memory for each rank on this machine, once on each rank's device; but
+    the host pool once, when the machine's ranks share it (``shared_host_pool``).
     """
     estimate = estimate_memory(config, device_plan)
     sizes = {POOL_FIELD: device_plan.plan.device_tokens, ROWS_FIELD: device_plan.plan.max_running_requests}
-    ranks = config.tensor_parallel_size
+    ranks = _ranks_on_this_machine(config)
     per = f" ({ranks} ranks)" if ranks > 1 else ""
+    pool = sum(a.num_bytes for a in estimate.allocations if a.name == "host pool")
+    once = (ranks - 1) * pool if ranks > 1 and config.shared_host_pool else 0  # the others' copies, not made
     host = available_host_memory() if host_available is None else host_available
     if config.device == "cpu":
-        _refuse_if_short(sizes, estimate, ranks * estimate.total_bytes, host, None, f"memory{per}")
+        _refuse_if_short(sizes, estimate, ranks * estimate.total_bytes - once, host, None, f"memory{per}")
         return estimate
     device = available_device_memory() if device_available is None else device_available
     _refuse_if_short(sizes, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
-    _refuse_if_short(sizes, estimate, ranks * estimate.host_bytes, host, False, f"host memory{per}")
+    _refuse_if_short(sizes, estimate, ranks * estimate.host_bytes - once, host, False, f"host memory{per}")
     return estimate
+
+
+def _ranks_on_this_machine(config: EngineConfig) -> int:
+    """The tensor-parallel ranks whose memory this machine holds: all of them when the engine spawns
+    them, this machine's share when a launcher placed them over several (its ``LOCAL_WORLD_SIZE``;
+    every rank when it does not say)."""
+    from pipeline.distributed.environment import launch_env
+
+    launched = launch_env()
+    if launched is None or launched.local_world_size is None:
+        return config.tensor_parallel_size
+    return launched.local_world_size
 
 
 def _refuse_if_short(

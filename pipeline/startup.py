@@ -43,6 +43,7 @@ from pipeline.hisparse import prefill_swap
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.trace import TopKTrace, trace_meta
 from pipeline.hisparse.transfer import TransferStream
+from pipeline.memory.host_pool import HostRows
 from pipeline.memory.interface import KVMemory
 from pipeline.memory.resident import ResidentMemory
 from pipeline.model import DeepseekV32, ModelConfig, load_model
@@ -100,11 +101,13 @@ def start(
     transfer: Callable[[str, torch.device], TransferStream] | None = None,
     trace_path: str | None = None,
     check_machine: bool = True,
+    host_rows: HostRows | None = None,
 ) -> Started:
     """The engine's first stage; raises ``ConfigError`` naming the field at the first mistake.
 
     ``model`` replaces loading ``config.model``; ``tokenizer`` replaces the checkpoint's;
     ``transfer`` builds HiSparse's transfer streams; ``trace_path`` records every top-k selection.
+    ``host_rows``: where HiSparse's host pool rows live (a node's ranks share them), else allocated here.
     ``check_machine=False``: the plan's memory was checked against the machine already (a tensor-
     parallel rank: its group checked every rank's share before spawning one, and the ranks' own
     allocations would make a later check refuse what fits).
@@ -136,7 +139,7 @@ def start(
         tokenizer = tokenizer_for_model(
             None if injected else config.model, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id
         )
-    memory = allocate(config, plan, cfg, dtype=dtype, device=device, transfer=transfer)
+    memory = allocate(config, plan, cfg, dtype=dtype, device=device, transfer=transfer, host_rows=host_rows)
     plan.device.check(memory.device_tensors())  # every allocation is what the plan says
     # the compiled CPU loops this run will call, before its first step needs them
     kernels.warm_up(device, dtype, index_heads=cfg.index_n_heads, index_dim=cfg.index_head_dim,
@@ -177,6 +180,7 @@ def allocate(
     dtype: torch.dtype,
     device: torch.device,
     transfer: Callable[[str, torch.device], TransferStream] | None = None,
+    host_rows: HostRows | None = None,
 ) -> HiSparseCoordinator | ResidentMemory:
     """The memory layer of ``plan``: HiSparse's coordinator, or every token's KV resident."""
     # no draft: no MTP rows
@@ -194,7 +198,7 @@ def allocate(
         plan=plan.memory, num_layers=model_cfg.num_hidden_layers, row_dim=fmt.row_width,
         index_dim=fmt.key_width, dtype=fmt.storage_dtype, device=device, num_draft_layers=drafts,
         draft_rows_on_host=hs.draft_rows_on_host, draft_keys_on_host=hs.draft_keys_on_host,
-        kv_format=fmt, **streams,
+        kv_format=fmt, host_rows=host_rows, **streams,
     )
 
 

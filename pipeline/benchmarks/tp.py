@@ -12,6 +12,16 @@ row reports:
   on a shared CPU it is mostly the ranks' imbalance, on GPUs the all-reduce cost itself);
 * whether the tokens equal TP 1's (float32 sums in another order may flip a near tie; float64 not).
 
+and the host memory of each run, read once the batch is done (before the ranks stop):
+
+* the HiSparse host pool's bytes on the node (``host KV``): once when the ranks share one pool (the
+  default), once a rank with ``--no-shared-host-pool``; the target is TP N's equal to TP 1's;
+* the resident memory of every process of the run (rank 0 and the spawned ranks), summed two ways
+  from ``/proc/<pid>/smaps_rollup``: ``RSS`` counts a page every process maps once per process (the
+  shared pool N times), ``PSS`` divides each page among the processes that map it, so the sum counts
+  the shared segment, and every other shared page, once. Rank 0 is this process, so its figures
+  include the model and what earlier runs left allocated; compare the columns across TP sizes.
+
 Start-up (spawning the ranks, loading the shards) is reported apart. The bundled model is used when
 present; otherwise a random tiny model, with a note.
 """
@@ -19,8 +29,10 @@ present; otherwise a random tiny model, with a note.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -30,6 +42,7 @@ from pipeline.benchmarks.engine import load_or_random, prompts_for
 from pipeline.messages import Decode, Draft, Mixed, Verify
 
 STEP_COMMANDS = (Decode, Draft, Verify, Mixed)  # (a mixed step's forward carries a decode step)
+MIB = 1 << 20
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +56,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-spec", action="store_true")
     parser.add_argument("--no-hisparse", action="store_true")
+    parser.add_argument("--host-ratio", type=int, default=None, metavar="R",
+                        help="HiSparse host_to_device_ratio (default: the engine's); a larger host pool "
+                             "shows in the memory columns")
+    parser.add_argument("--no-shared-host-pool", action="store_true",
+                        help="each rank keeps its own HiSparse host pool (default: one per node, shared)")
     parser.add_argument(
         "--hot", type=int, default=64, help="HiSparse device buffer (>= the model's index_topk)"
     )
@@ -98,6 +116,7 @@ def run_once(model, cfg, prompts, params, size: int) -> dict[str, Any]:
         start = time.perf_counter()
         reqs = driver.generate(prompts, params)
         seconds = time.perf_counter() - start
+        memory = host_memory(executor)
     finally:
         executor.close()
     tokens = sum(len(r.output_ids) for r in reqs)
@@ -107,7 +126,46 @@ def run_once(model, cfg, prompts, params, size: int) -> dict[str, Any]:
         "collective_share": timed.collective_s / timed.command_s if timed.command_s else 0.0,
         "startup_s": startup,
         "outputs": [list(r.output_ids) for r in reqs],
+        **memory,
     }
+
+
+def host_memory(executor) -> dict[str, Any]:
+    """The run's processes, its HiSparse host pool bytes on the node, and the resident memory of
+    its processes summed as RSS and as PSS (see the module docstring)."""
+    pids = [os.getpid(), *getattr(executor, "worker_pids", [])]
+    rss = pss = 0
+    for pid in pids:
+        figures = smaps_rollup(pid)
+        rss += figures.get("Rss", 0)
+        pss += figures.get("Pss", 0)
+    return {"processes": len(pids), "host_kv_bytes": host_kv_bytes(executor), "rss_bytes": rss,
+            "pss_bytes": pss}
+
+
+def host_kv_bytes(executor) -> int:
+    """The host pool's bytes on the node: what a distributed executor reports, or the one pool of a
+    single process (0 without HiSparse)."""
+    pool = executor.stats().get("host_pool")
+    if pool is not None:
+        return int(pool["bytes_per_node"])
+    host = getattr(executor.memory, "host", None)
+    return 0 if host is None else host.kv.numel() * host.kv.element_size()
+
+
+def smaps_rollup(pid: int) -> dict[str, int]:
+    """Bytes by field of ``/proc/<pid>/smaps_rollup`` (empty where the kernel has none)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines()[1:]:
+        name, _, rest = line.partition(":")
+        value = rest.split()
+        if len(value) == 2 and value[1] == "kB":
+            out[name] = int(value[0]) * 1024
+    return out
 
 
 def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[str, Any]:
@@ -120,7 +178,10 @@ def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[s
         hisparse=not args.no_hisparse,
         num_steps=None if args.no_spec else 3,
     )
-    cfg = attrs.evolve(cfg, num_threads=args.threads, device=args.device)
+    cfg = attrs.evolve(cfg, num_threads=args.threads, device=args.device,
+                       shared_host_pool=not args.no_shared_host_pool)
+    if cfg.hisparse is not None and args.host_ratio is not None:
+        cfg = attrs.evolve(cfg, hisparse=attrs.evolve(cfg.hisparse, host_to_device_ratio=args.host_ratio))
     prompts = prompts_for(args, args.concurrency)
     params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
     runs = [run_once(model, cfg, prompts, params, size) for _ in range(args.repeats)]
@@ -132,6 +193,10 @@ def measure(args, model, size: int, reference: list[list[int]] | None) -> dict[s
         "collective_share": statistics.median(r["collective_share"] for r in runs),
         "startup_s": statistics.median(r["startup_s"] for r in runs),
         "runs_tokens_per_s": [r["tokens_per_s"] for r in runs],
+        "processes": runs[-1]["processes"],
+        "host_kv_bytes": runs[-1]["host_kv_bytes"],  # the same every run
+        "rss_bytes": statistics.median(r["rss_bytes"] for r in runs),
+        "pss_bytes": statistics.median(r["pss_bytes"] for r in runs),
         "outputs_equal_tp1": None if reference is None else outputs == reference,
         "outputs": outputs,
     }
@@ -162,6 +227,8 @@ def main(argv: list[str]) -> int:
         "device": args.device,
         "speculative": not args.no_spec,
         "hisparse": not args.no_hisparse,
+        "shared_host_pool": not args.no_shared_host_pool,
+        "host_ratio": args.host_ratio,
         "concurrency": args.concurrency,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
@@ -182,6 +249,12 @@ def main(argv: list[str]) -> int:
     print(table(headers, [
         [r["tp"], r["tokens_per_s"], r["step_ms"], r["collective_share"], r["startup_s"],
          "-" if r["outputs_equal_tp1"] is None else r["outputs_equal_tp1"]]
+        for r in rows
+    ]))  # fmt: skip
+    pools = "one per rank" if args.no_shared_host_pool else "one per node, shared by its ranks"
+    print(f"host memory (HiSparse host pool {pools}; RSS and PSS summed over the run's processes):")
+    print(table(["TP", "processes", "host KV MiB", "RSS sum MiB", "PSS sum MiB"], [
+        [r["tp"], r["processes"], r["host_kv_bytes"] / MIB, r["rss_bytes"] / MIB, r["pss_bytes"] / MIB]
         for r in rows
     ]))  # fmt: skip
     print(f"wrote {args.out}")

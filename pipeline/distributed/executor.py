@@ -2,19 +2,22 @@
 
 ::
 
-    engine process (rank 0)                              worker processes (ranks 1..N-1)
+    engine process (rank 0)                              the other ranks (1..N-1)
     pipeline -> DistributedExecutor.run(command)
-                  broadcast (command, idle) ───────────► serve(): receive
+                  broadcast (command, idle) ───────────► follow_commands(): receive
                   local Executor.run(command)            local Executor.run(command)   <- the same code,
                      model collectives  ◄──────────────►    model collectives            each rank over
                      ready-set MIN      ◄──────────────►    ready-set MIN                its shard
                   all-gather outcomes ◄─────────────────  its outcome (+ its stats when they changed)
                   merge -> Outcome
 
-Rank 0 is the engine's own process; it spawns the other ranks (``torch.multiprocessing``, spawn) and
-stops them in ``close``. Every rank runs an unchanged ``Executor`` over its shard of the model
-(``sharding.py``) with its own memory (each rank holds the whole MLA latent KV, see ``sharding.py``,
-in its own HiSparse device buffers and host pool) wrapped in ``AgreedReadiness`` (``readiness.py``).
+Rank 0 is the engine's own process. It spawns the other ranks (``torch.multiprocessing``, spawn) and
+stops them in ``close``; or, launched (``torchrun``, ``launch.py``), it finds them already started on
+one machine or several, and publishes its setup for them to build from (they load the checkpoint on
+their own machines; an injected model cannot travel). Every rank runs an unchanged ``Executor`` over
+its shard of the model (``sharding.py``) with its own memory (each rank holds the whole MLA latent
+KV, see ``sharding.py``, in its own HiSparse device buffers; the host pool's rows once per node,
+``shared_pool.py``) wrapped in ``AgreedReadiness`` (``readiness.py``).
 
 Identical decisions. Every rank gets the same commands in the same order, the same all-gathered
 logits and the same seeded per-request generators, so each samples, drafts and accepts exactly as
@@ -24,25 +27,33 @@ request that failed on one rank (a staging copy) is failed on all (its ``Release
 
 A lost rank. Collectives carry the group's timeout and a broken group fails every later call at
 once, so a dead or hung worker makes the command raise ``WorkerLost`` within ``timeout_s``; the
-executor actor's crash then stops the engine, which fails every live request. A forward that raises
-on some ranks only (a fault not shared by all) is not isolated under tensor parallelism: the ranks'
-collectives no longer match, the group times out, and the engine stops the same way.
+executor actor's crash then stops the engine, which fails every live request. While the engine is
+idle, rank 0 sends a ``Ping`` every quarter of the timeout: the other ranks, each waiting for the
+next message no longer than the timeout, know rank 0 is alive, and a rank lost meanwhile is known
+before the next command. A forward that raises on some ranks only (a fault not shared by all) is
+not isolated under tensor parallelism: the ranks' collectives no longer match, the group times out,
+and the engine stops the same way.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from pipeline.config import EngineConfig
-from pipeline.distributed.group import TensorGroup, open_store
+from pipeline.distributed.environment import LaunchEnv, check_size
+from pipeline.distributed.group import DEFAULT_TIMEOUT_S, START_TIMEOUT_S, TensorGroup, open_store
+from pipeline.distributed.launch import locate, open_launch_store, publish_setup
 from pipeline.distributed.worker import (
     Inspect,
+    Ping,
     RankSetup,
     RunCommand,
     Stop,
@@ -51,7 +62,7 @@ from pipeline.distributed.worker import (
     rank_stats,
     worker_main,
 )
-from pipeline.errors import EngineError
+from pipeline.errors import ConfigError, EngineError
 from pipeline.messages import (
     CollectReady,
     Command,
@@ -74,7 +85,6 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger(__name__)
 
-DEFAULT_TIMEOUT_S = 60.0
 _EXIT_GRACE_S = 1.0  # after a failed collective: how long a rank that is exiting gets to be seen gone
 
 
@@ -92,6 +102,10 @@ class DistributedExecutor:
 
     ``transfer``: rank -> transfer stream factory (tests inject staging delays on one rank).
     ``timeout_s``: the bound on any collective, hence on noticing a lost rank.
+    ``launch``: the launched group this process is rank 0 of (``launch.launch_env()``), or None:
+    spawn the other ranks on this machine.
+    ``ping_s``: how long the group may idle before rank 0 pings the others (default: a quarter of
+    ``timeout_s``).
     """
 
     def __init__(
@@ -103,24 +117,24 @@ class DistributedExecutor:
         trace_path: str | None = None,
         transfer: dict[int, Callable] | None = None,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        launch: LaunchEnv | None = None,
+        ping_s: float | None = None,
     ) -> None:
-        preflight(config, model=model)  # start-up's checks, before any rank is spawned
-        size = config.tensor_parallel_size
-        store = open_store(0, size, host=True, timeout_s=timeout_s)
-        tensors = None if model is None else {name: t.detach() for name, t in model.state_dict().items()}
-        cfg = None if model is None else model.cfg
-        setup = RankSetup(config, store.port, timeout_s, tensors, cfg, tokenizer, dict(transfer or {}))
-        ctx = mp.get_context("spawn")
-        self._procs = [
-            ctx.Process(target=worker_main, args=(rank, setup), name=f"hispec-tp{rank}", daemon=True)
-            for rank in range(1, size)
-        ]
-        for proc in self._procs:
-            proc.start()
+        self._procs: list = []  # the processes this one spawned (none when launched)
         self._lock = threading.Lock()  # one exchange at a time over the group
         self._broken: str | None = None
+        self._stopped = False  # Stop was sent: no message follows
+        self._last_exchange = time.monotonic()
+        if launch is None:
+            store, setup, where = self._spawn(config, model, tokenizer, transfer, timeout_s)
+        else:
+            store, setup, where = _lead(config, launch, model, tokenizer, transfer, timeout_s)
         try:
-            self.group = TensorGroup(store, 0, size, timeout_s=timeout_s, device=torch.device(config.device))
+            node, local_rank, local_size = where
+            self.group = TensorGroup(
+                store, 0, config.tensor_parallel_size, timeout_s=timeout_s,
+                device=torch.device(config.device), node=node, local_rank=local_rank, local_size=local_size,
+            )  # fmt: skip
             local: Executor | None = None
             error: Exception | None = None
             started: dict[str, object] | str  # every rank sends its statistics, or why it could not start
@@ -130,9 +144,11 @@ class DistributedExecutor:
                 error, started = exc, f"{type(exc).__name__}: {exc}"
             else:
                 started = rank_stats(local, self.group)
-            answers = self.group.all_gather_object(started)
-        except BaseException:
+            answers = self.group.all_gather_object(started, timeout_s=max(START_TIMEOUT_S, timeout_s))
+        except BaseException as exc:
             self._stop_workers()
+            if isinstance(exc, RuntimeError):  # a rank that never joined, or left while starting
+                raise WorkerLost(f"the tensor-parallel ranks did not all start: {exc}") from None
             raise
         failures = [(rank, why) for rank, why in enumerate(answers) if isinstance(why, str)]
         if local is None or failures:
@@ -148,6 +164,30 @@ class DistributedExecutor:
         self._rank_stats: list[dict] = [stats for stats in answers if not isinstance(stats, str)]
         self.config = self.local.config
         self.plan = self.local.plan  # every rank made the same plan from the same config and model
+        self._closing = threading.Event()
+        self._ping_s = timeout_s / 4 if ping_s is None else ping_s
+        self._pinger = threading.Thread(target=self._keep_alive, name="hispec-tp-ping", daemon=True)
+        self._pinger.start()
+
+    def _spawn(
+        self, config: EngineConfig, model, tokenizer, transfer, timeout_s: float
+    ) -> tuple[dist.Store, RankSetup, tuple[int, int, int]]:
+        """Ranks 1..N-1 as processes of this machine: (the store rank 0 hosts, the setup they were
+        handed, this rank's node, local rank and local size)."""
+        preflight(config, model=model)  # start-up's checks, before any rank is spawned
+        size = config.tensor_parallel_size
+        store = open_store(0, size, host=True, timeout_s=timeout_s)
+        tensors = None if model is None else {name: t.detach() for name, t in model.state_dict().items()}
+        cfg = None if model is None else model.cfg
+        setup = RankSetup(config, timeout_s, tensors, cfg, tokenizer, dict(transfer or {}))
+        ctx = mp.get_context("spawn")
+        self._procs = [
+            ctx.Process(target=worker_main, args=(r, store.port, setup), name=f"hispec-tp{r}", daemon=True)
+            for r in range(1, size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        return store, setup, (0, 0, size)
 
     # --- the CommandExecutor interface --------------------------------------------------------------
 
@@ -159,6 +199,11 @@ class DistributedExecutor:
     @property
     def size(self) -> int:
         return self.group.size
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process ids of ranks 1..N-1 (this process is rank 0)."""
+        return [proc.pid for proc in self._procs if proc.pid is not None]
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -237,9 +282,11 @@ class DistributedExecutor:
 
     def close(self) -> None:
         """Stop every rank (a clean stop when the group still works), then reap the processes."""
+        self._closing.set()
         try:
-            if self._broken is None:
-                with self._lock:
+            with self._lock:
+                if self._broken is None and not self._stopped:
+                    self._stopped = True
                     self.group.broadcast_object(Stop())
         except Exception:  # a rank went away meanwhile: the processes are reaped below all the same
             log.warning("tp.stop_failed", exc_info=True)
@@ -254,21 +301,40 @@ class DistributedExecutor:
     def _stats(self) -> dict[str, object]:
         return rank_stats(self.local, self.group)
 
+    def _keep_alive(self) -> None:
+        """Until ``close``: a ``Ping`` whenever no message went out for ``_ping_s`` (the engine is
+        idle). A lost rank it finds is recorded; the next command raises ``WorkerLost``."""
+        while not self._closing.wait(self._ping_s / 2):
+            with self._lock:
+                due = time.monotonic() - self._last_exchange >= self._ping_s
+                if not due or self._stopped or self._broken is not None or self._closing.is_set():
+                    continue
+                try:
+                    self._exchange_locked(Ping())
+                except WorkerLost:
+                    return
+
     def _exchange(self, message: RunCommand | Inspect) -> list:
         """Send ``message`` to every rank, answer it here, gather every answer (rank order)."""
         with self._lock:
+            return self._exchange_locked(message)
+
+    def _exchange_locked(self, message: RunCommand | Inspect | Ping) -> list:
+        if self._stopped:
+            raise WorkerLost("the tensor-parallel group was stopped")
+        self._check_alive()
+        self._last_exchange = time.monotonic()
+        try:
+            self.group.broadcast_object(message)
+            mine = None if isinstance(message, Ping) else answer(self.local, self.group, message)
+            return self.group.all_gather_object(mine)
+        except Exception as exc:
+            for proc in self._procs:  # a killed rank's connection closes before its exit is seen
+                proc.join(_EXIT_GRACE_S)
+                if not proc.is_alive():
+                    break
             self._check_alive()
-            try:
-                self.group.broadcast_object(message)
-                mine = answer(self.local, self.group, message)
-                return self.group.all_gather_object(mine)
-            except Exception as exc:
-                for proc in self._procs:  # a killed rank's connection closes before its exit is seen
-                    proc.join(_EXIT_GRACE_S)
-                    if not proc.is_alive():
-                        break
-                self._check_alive()
-                self._lose(f"a collective failed: {type(exc).__name__}: {exc}")
+            self._lose(f"a tensor-parallel rank is gone or hung: {type(exc).__name__}: {exc}")
 
     def _check_alive(self) -> None:
         if self._broken is not None:
@@ -290,6 +356,44 @@ class DistributedExecutor:
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout_s)
+
+
+def check_launched(config: EngineConfig, launch: LaunchEnv, model) -> None:
+    """What rank 0 of a launched group may build: every rank loads the checkpoint (an injected
+    model stays in this process), and the tensor-parallel size is the launcher's ``WORLD_SIZE``."""
+    if launch.rank != 0:
+        follow = "pipeline.distributed.launch.follow()"
+        raise ConfigError("RANK", launch.rank, f"only rank 0 builds the engine; the others call {follow}")
+    if model is not None:
+        raise ConfigError(
+            "model", type(model).__name__,
+            "an injected model cannot be used under a launcher: every rank loads the checkpoint named by "
+            "config.model on its own machine",
+        )  # fmt: skip
+    check_size(config.tensor_parallel_size, launch)
+
+
+def _lead(
+    config: EngineConfig, launch: LaunchEnv, model, tokenizer, transfer, timeout_s: float
+) -> tuple[dist.Store, RankSetup, tuple[int, int, int]]:
+    """Rank 0 of a launched group: (the group's store, the setup published there for the others,
+    this rank's node, local rank and local size). A start-up check that fails is published too, so
+    that the other ranks exit at once rather than wait for a setup."""
+    if launch.rank != 0 or model is not None:
+        check_launched(config, launch, model)  # a misuse: raised before the others are told anything
+    store = open_launch_store(launch, timeout_s)
+    try:
+        check_launched(config, launch, model)
+        preflight(config)  # this node's checks; the other ranks check theirs as they build
+    except Exception as exc:
+        publish_setup(store, f"{type(exc).__name__}: {exc}")
+        raise
+    setup = RankSetup(config, timeout_s, None, None, tokenizer, dict(transfer or {}))
+    publish_setup(store, setup)
+    try:
+        return store, setup, locate(launch, store)
+    except RuntimeError as exc:  # a rank that never published its place
+        raise WorkerLost(f"the tensor-parallel ranks did not all join: {exc}") from None
 
 
 def merge(command: Command, outcomes: list[Outcome]) -> Outcome:

@@ -1,8 +1,9 @@
 """The tensor-parallel group: the collectives the sharded model and the executors use, timed.
 
 One :class:`TensorGroup` per process wraps a ``torch.distributed`` process group built directly
-(``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA) over a ``TCPStore`` that rank 0 hosts.
-No default process group is created: an engine owns its group, so several engines (one after
+(``ProcessGroupGloo`` on CPU, ``ProcessGroupNCCL`` on CUDA) over a store: the ``TCPStore`` rank 0
+hosts for the ranks it spawns (``open_store``), or a launched group's (``launch.py``). No default
+process group is created: an engine owns its group, so several engines (one after
 another in a test, or side by side) never share global state.
 
 Every collective has the group's timeout: a peer that died or hangs makes the call raise within it
@@ -21,8 +22,22 @@ from typing import Protocol, TypeVar, cast
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch._C._distributed_c10d import AllgatherOptions  # (torch.distributed does not export it)
+
+from pipeline.errors import EngineError
 
 _T = TypeVar("_T")
+
+DEFAULT_TIMEOUT_S = 60.0  # the bound on a collective, hence on noticing a lost rank
+# the bound on the ranks' first exchange, which waits for the slowest to load its shard (a rank that
+# dies meanwhile is noticed at once: its connection closes)
+START_TIMEOUT_S = 1800.0
+
+
+class GroupLost(EngineError):
+    """A following rank has nobody left to follow: rank 0 could not start, died, or stopped
+    answering for longer than the group's timeout (or another rank broke the group)."""
+
 
 class _Collectives(Protocol):
     """The collectives a process-group backend (``dist.Backend``: gloo, NCCL) binds and this group
@@ -32,7 +47,9 @@ class _Collectives(Protocol):
 
     def allreduce(self, tensors: list[Tensor], opts: dist.AllreduceOptions) -> dist.Work: ...
 
-    def allgather(self, outputs: list[list[Tensor]], inputs: list[Tensor]) -> dist.Work: ...
+    def allgather(
+        self, outputs: list[list[Tensor]], inputs: list[Tensor], opts: AllgatherOptions
+    ) -> dist.Work: ...
 
 
 class TensorGroup:
@@ -70,7 +87,8 @@ class TensorGroup:
         self._cpu = cast(_Collectives, gloo)
         self._dev = self._cpu
         if device.type == "cuda":  # pragma: no cover - needs several GPUs
-            torch.cuda.set_device(rank)  # rank r drives device r ("cuda" is the current device)
+            # a rank drives the device of its index on its node ("cuda" is the current device)
+            torch.cuda.set_device(self.local_rank)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
             nccl = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), rank, size, options)
@@ -95,9 +113,12 @@ class TensorGroup:
         self._timed(lambda: self._pg_for(tensor).allreduce([tensor], opts))
         return tensor
 
-    def all_gather(self, tensor: Tensor, sizes: list[int], dim: int = -1) -> Tensor:
+    def all_gather(
+        self, tensor: Tensor, sizes: list[int], dim: int = -1, *, timeout_s: float | None = None
+    ) -> Tensor:
         """Concatenate every rank's ``tensor`` along ``dim``; rank ``r``'s holds ``sizes[r]`` entries
-        there (uneven shards are padded to the largest for the exchange, then trimmed)."""
+        there (uneven shards are padded to the largest for the exchange, then trimmed). ``timeout_s``:
+        this exchange's bound, if not the group's."""
         if self.size == 1:
             return tensor
         dim = dim % tensor.ndim
@@ -108,7 +129,9 @@ class TensorGroup:
             tensor = torch.cat([tensor, tensor.new_zeros(pad)], dim=dim)
         tensor = tensor.contiguous()
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._timed(lambda: self._pg_for(tensor).allgather([parts], [tensor]))
+        opts = AllgatherOptions()
+        opts.timeout = datetime.timedelta(seconds=self.timeout_s if timeout_s is None else timeout_s)
+        self._timed(lambda: self._pg_for(tensor).allgather([parts], [tensor], opts))
         return torch.cat([p.narrow(dim, 0, n) for p, n in zip(parts, sizes)], dim=dim)
 
     # --- objects ------------------------------------------------------------------------------------
@@ -130,20 +153,23 @@ class TensorGroup:
             rest = torch.empty(0, dtype=torch.uint8)
         return obj if payload is not None else _decode(frame, rest, length)
 
-    def all_gather_object(self, obj: _T) -> list[_T]:
+    def all_gather_object(self, obj: _T, *, timeout_s: float | None = None) -> list[_T]:
         """Every rank's ``obj``, in rank order, on every rank: one all-gather of fixed-size frames,
         a second only when some payload is longer than a frame. Every rank gathers at the same point
-        of the same code, so the others' objects have the type of this rank's."""
+        of the same code, so the others' objects have the type of this rank's. ``timeout_s``: this
+        exchange's bound, if not the group's."""
         if self.size == 1:
             return [obj]
         payload = _encode(obj)
-        frames = self.all_gather(_frame(payload), [_HEADER + FRAME_BYTES] * self.size, dim=0)
+        frames = self.all_gather(
+            _frame(payload), [_HEADER + FRAME_BYTES] * self.size, dim=0, timeout_s=timeout_s
+        )
         frames = frames.view(self.size, _HEADER + FRAME_BYTES)
         lengths = [_length(f) for f in frames]
         extra = [max(n - FRAME_BYTES, 0) for n in lengths]
         rests = [torch.empty(0, dtype=torch.uint8)] * self.size
         if any(extra):
-            joined = self.all_gather(payload[FRAME_BYTES:], extra, dim=0)
+            joined = self.all_gather(payload[FRAME_BYTES:], extra, dim=0, timeout_s=timeout_s)
             rests = list(joined.split(extra))
         # cast: unpickled, each is an object of this rank's type (the same code sent it)
         return [cast(_T, _decode(f, r, n)) for f, r, n in zip(frames, rests, lengths)]

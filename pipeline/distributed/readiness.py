@@ -1,10 +1,12 @@
 """The ready set agreed by every rank before a step uses it.
 
-Each rank copies its own prompts' KV to its own host pool, so a copy may have landed on one rank and
-not yet on another. A request that leaves staging on some ranks only would join the next decode step
-there and not elsewhere: the ranks' batches, and so their collectives, would differ and hang. So
-every rank's memory is wrapped in :class:`AgreedReadiness`, whose ``collect_ready`` does what
-SGLang's HiSparse does under tensor parallelism:
+Each rank's prompt copies to host land at their own time, so a copy may have landed on one rank and
+not yet on another: with a host pool of its own, each rank's copy; with the node's shared pool
+(``shared_pool.py``), the leader's copy, which a follower sees landed only once the leader's
+publishing thread has seen it complete. A request that leaves staging on some ranks only would join
+the next decode step there and not elsewhere: the ranks' batches, and so their collectives, would
+differ and hang. So every rank's memory is wrapped in :class:`AgreedReadiness`, whose
+``collect_ready`` does what SGLang's HiSparse does under tensor parallelism:
 
 1. find, without changing anything, the rows whose copy has landed here, in staging FIFO order and
    stopping at the first still in flight (what ``collect_ready`` would take);

@@ -72,7 +72,7 @@ from pipeline.hisparse.transfer import (
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory import release as resumable
-from pipeline.memory.host_pool import pins_for
+from pipeline.memory.host_pool import HostRows, pins_for
 from pipeline.memory.interface import Layout, Residency, ResidencyChange, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.targets import VerifyLayout, WriteTargets
@@ -132,6 +132,7 @@ class HiSparseCoordinator:
     draft_keys_on_host: bool = False  # and its indexer keys (hisparse.draft_keys_on_host)
     # builds the transfer streams (tests inject streams with controlled latency)
     transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
+    host_rows: HostRows | None = None  # where the host pool's rows live (None: this process's memory)
     rows: RequestRows = attrs.field(init=False)
     alloc: HiSparseAllocator = attrs.field(init=False)
     host: HostPool = attrs.field(init=False)
@@ -184,6 +185,7 @@ class HiSparseCoordinator:
             max_len=plan.max_request_len,
             dtype=self.dtype,
             pin_memory=pins_for(self.device),
+            rows=self.host_rows,
         )
         self.buffers = DeviceBuffers(self.num_layers, n_rows, plan.hot, plan.page_size, device=self.device)
         self.device_kv = torch.zeros(
@@ -216,12 +218,17 @@ class HiSparseCoordinator:
             if plan.prefix_cache
             else None
         )
-        self._staging_stream = self.transfer("staging", self.device)
-        self._backup_stream = self.transfer("backup", self.device)
+        self._staging_stream = self._host_stream("staging")
+        self._backup_stream = self._host_stream("backup")
         # a proxy: the coordinator and its verify half hold no reference cycle, so that a dropped
         # coordinator's pools are freed at once, not by the cyclic collector (which an engine freezes)
         self.verify = VerifyBuffers(weakref.proxy(self))
         self.layouts = DynamicResidency(weakref.proxy(self), plan.residency)
+
+    def _host_stream(self, name: str) -> TransferStream:
+        """A stream of copies to the host pool (through its rows' own stream when they are shared)."""
+        stream = self.transfer(name, self.device)
+        return stream if self.host_rows is None else self.host_rows.stream(name, stream)
 
     def mirror_tables(self, *, separate: bool = False) -> None:
         """Device copies of ``req_to_token`` and ``req_to_host`` for the kernels, updated row by row

@@ -15,14 +15,35 @@ and ``host_empty`` the allocations that follow it. Pinned, the host pool is also
 row-copy kernel directly (``kernels.kv_copy.host_addressable``): the backups and staging copies
 write it, and the swap-in reads it, as device work. So a CPU read of the pool (``to_device``, the
 integrity checks) must come after a wait for the copies that write the rows it reads.
+
+Shared rows. Under tensor parallelism the ranks of a node may hold one pool's rows between them
+(``HostRows``, ``pipeline/distributed/shared_pool.py``): the rows come from shared memory and the
+copies that write them are made once per node; the allocator and the map stay each rank's own.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import torch
 
 from pipeline.memory.paged import PagedAllocator, PagedTable
+
+if TYPE_CHECKING:
+    from pipeline.hisparse.transfer import TransferStream
+
+
+class HostRows(Protocol):
+    """Where a host pool's rows live when this process does not allocate them itself."""
+
+    def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+        """Zeros of ``shape`` (page-locked when ``pinned``): the pool's ``kv``."""
+        ...
+
+    def stream(self, name: str, inner: TransferStream) -> TransferStream:
+        """The stream the pool's copies named ``name`` go through, over ``inner``."""
+        ...
 
 
 def pins_for(device: torch.device) -> bool:
@@ -69,6 +90,7 @@ class HostPool:
     max_len: int  # positions per request
     dtype: torch.dtype = torch.float32
     pin_memory: bool = False  # ``pins_for(device)`` of the device the pool's copies go to and from
+    rows: HostRows | None = None  # where ``kv`` lives (None: this process's own memory)
     allocator: PagedAllocator = attrs.field(init=False)
     map: PagedTable = attrs.field(init=False)
     kv: torch.Tensor = attrs.field(init=False)  # [num_layers, host_tokens, row_dim]
@@ -79,7 +101,10 @@ class HostPool:
             "req_to_host", self.allocator, self.num_rows, self.max_len, empty=-1, fill_on_cover=False
         )
         shape = (self.num_layers, self.host_tokens, self.row_dim)
-        self.kv = host_zeros(shape, self.dtype, pinned=self.pin_memory)
+        if self.rows is None:
+            self.kv = host_zeros(shape, self.dtype, pinned=self.pin_memory)
+        else:
+            self.kv = self.rows.allocate(shape, self.dtype, pinned=self.pin_memory)
 
     @property
     def req_to_host(self) -> torch.Tensor:

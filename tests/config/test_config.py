@@ -779,6 +779,7 @@ WRONG_TYPES = {
     "num_threads": [1.0, "1", True],
     "executor_thread": [1, "yes"],
     "tensor_parallel_size": [1.0, "2", None, True],
+    "shared_host_pool": [1, "yes", None],
     "freeze_gc": [1, "yes", None],
 }
 HS_WRONG_TYPES = {

@@ -133,13 +133,15 @@ async def test_engine_tp2_gives_the_tokens_of_tp1_speculative(tiny_model):
 def test_ready_set_agreed_when_one_rank_stages_slowly(tiny_model):
     """Rank 1's prompt copies land only after a few polls; rank 0's at once. Rank 0 holds each
     request back until rank 1 has it too (the MIN agreement), and the tokens are TP 1's
-    (speculative rounds: drafts and acceptance decided alike on both ranks)."""
+    (speculative rounds: drafts and acceptance decided alike on both ranks). Each rank copies to a
+    host pool of its own (a shared one is written by rank 0 alone)."""
     cfg = config(num_steps=2, max_running_requests=4)
     prompts = make_prompts(LENGTHS, seed=12)
     params = [greedy(6)] * len(prompts)
     ids = [f"slow-{i}" for i in range(len(prompts))]
     expected = driver_outputs(tiny_model, cfg, prompts, params, ids)
-    executor = DistributedExecutor(tp(cfg), model=tiny_model, transfer={1: SlowStaging(polls=3)})
+    own_pools = attrs.evolve(tp(cfg), shared_host_pool=False)
+    executor = DistributedExecutor(own_pools, model=tiny_model, transfer={1: SlowStaging(polls=3)})
     try:
         driver = SyncDriver(Busy(executor), check=True)
         reqs = [driver.submit(p, sp, request_id=rid) for p, sp, rid in zip(prompts, params, ids)]
@@ -254,7 +256,8 @@ async def test_the_engine_agrees_on_readiness_when_one_rank_stages_slowly(tiny_m
         return DistributedExecutor(self.config, model=self._model, transfer={1: SlowStaging(polls=3)})
 
     monkeypatch.setattr(Engine, "_build_executor", build)
-    got, stats = await run_engine(tiny_model, tp(cfg), prompts, params, ids)
+    own_pools = attrs.evolve(tp(cfg), shared_host_pool=False)  # each rank copies to its own host pool
+    got, stats = await run_engine(tiny_model, own_pools, prompts, params, ids)
     assert got == expected
     fast, slow = (r["readiness"] for r in stats["tensor_parallel"]["ranks"])
     assert slow["held_back"] == 0 and fast["agreements"] > 0

@@ -12,15 +12,36 @@ from pipeline.startup import plan_engine
 
 
 def test_the_memory_check_counts_every_ranks_memory_layer(tiny_model):
-    """The latent KV is replicated: two CPU ranks need the memory layer twice over in RAM."""
+    """The latent KV is replicated: two CPU ranks need the memory layer twice over in RAM, the host
+    pool once when they share it (the default)."""
     one = config()
     device = plan_engine(one, tiny_model.cfg).device
-    total = preflight.estimate_memory(one, device).total_bytes
-    two = attrs.evolve(one, tensor_parallel_size=2)
+    estimate = preflight.estimate_memory(one, device)
+    total = estimate.total_bytes
+    pool = next(a.num_bytes for a in estimate.allocations if a.name == "host pool")
+    own = attrs.evolve(one, tensor_parallel_size=2, shared_host_pool=False)
     preflight.check_memory(one, device, host_available=total)
-    preflight.check_memory(two, device, host_available=2 * total)
+    preflight.check_memory(own, device, host_available=2 * total)
     with pytest.raises(ConfigError, match=r"\(2 ranks\)"):
-        preflight.check_memory(two, device, host_available=2 * total - 1)
+        preflight.check_memory(own, device, host_available=2 * total - 1)
+    shared = attrs.evolve(one, tensor_parallel_size=2)
+    preflight.check_memory(shared, device, host_available=2 * total - pool)
+    with pytest.raises(ConfigError, match=r"\(2 ranks\)"):
+        preflight.check_memory(shared, device, host_available=2 * total - pool - 1)
+
+
+def test_launched_over_machines_the_memory_check_counts_this_machines_ranks(tiny_model, monkeypatch):
+    """Four ranks over two machines (a launcher's environment): this machine holds two memory layers."""
+    four = attrs.evolve(config(), tensor_parallel_size=4, shared_host_pool=False)
+    device = plan_engine(four, tiny_model.cfg).device
+    total = preflight.estimate_memory(four, device).total_bytes
+    launcher = {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                "GROUP_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in launcher.items():
+        monkeypatch.setenv(name, value)
+    preflight.check_memory(four, device, host_available=2 * total)
+    with pytest.raises(ConfigError, match=r"\(2 ranks\)"):
+        preflight.check_memory(four, device, host_available=2 * total - 1)
 
 
 def test_more_ranks_than_heads_or_devices_are_refused_naming_the_field(tiny_model):

@@ -42,9 +42,11 @@ def test_the_pool_default_holds_one_full_context():
 def test_the_commands_options_set_their_fields():
     args = build_parser().parse_args([
         "--no-spec", "--chunked-prefill-tokens", "0", "--prefill-batch-tokens", "0", "--no-mixed-steps",
-        "--no-prefix-cache", "--policy", "lru", "--seed", "3", "--tp", "2", "--residency", "dynamic", "hi",
+        "--no-prefix-cache", "--policy", "lru", "--seed", "3", "--tp", "2", "--residency", "dynamic",
+        "--no-shared-host-pool", "hi",
     ])
     got = engine_config(args)
+    assert not got.shared_host_pool and engine_config(build_parser().parse_args(["hi"])).shared_host_pool
     assert got.hisparse.residency == "dynamic"
     assert engine_config(build_parser().parse_args(["hi"])).hisparse.residency == "always"
     assert got.speculative is None and got.chunked_prefill_tokens is None and got.prefill_batch_tokens is None
