@@ -12,6 +12,9 @@ round (first request sent to last one done), the ratio server / in-process (the 
 repeat's paired ratio), time to first token (request sent to its first streamed text) and
 inter-token latency (the gap between successive streamed chunks, one per decode step or verify
 round) at p50 and p99, and whether both produced the same text.
+
+With ``--data-parallel-size N`` > 1 it measures routing instead (``serve_routing``): prefix-cache
+hit rate and time to first token with cache-aware routing against round-robin, N replicas each.
 """
 
 from __future__ import annotations
@@ -52,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads, both sides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-serve.json")
+    routing = p.add_argument_group(
+        "data parallel", "with --data-parallel-size N > 1: cache-aware routing against round-robin over N "
+        "replicas, on conversations sharing system prompts (pipeline/benchmarks/serve_routing.py)",
+    )
+    routing.add_argument("--data-parallel-size", "--dp", type=int, default=1, metavar="N")
+    routing.add_argument("--system-prompts", type=int, default=8, help="distinct system prompts")
+    routing.add_argument("--system-len", type=int, default=512, help="tokens of each system prompt")
+    routing.add_argument("--conversations", type=int, default=24)
+    routing.add_argument("--turns", type=int, default=4, help="requests per conversation")
+    routing.add_argument("--user-len", type=int, default=32, help="tokens of each user message")
     return p
 
 
@@ -236,6 +249,17 @@ async def measure(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.data_parallel_size > 1:
+        from pipeline.benchmarks import serve_routing
+
+        if args.clients == build_parser().get_default("clients"):
+            args.clients = [8]
+        if len(args.clients) != 1:
+            raise ValueError("--clients: give one count with --data-parallel-size")
+        args.clients = args.clients[0]
+        if args.out == build_parser().get_default("out"):
+            args.out = "bench-serve-routing.json"
+        return serve_routing.main(args, start_server)
     import torch
 
     if args.threads > 0:

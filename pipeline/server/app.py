@@ -338,13 +338,25 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
 
 @router.get("/health")
 async def health(request: Request) -> Response:
-    phase = _state(request).phase
-    return JSONResponse({"status": phase}, status_code=200 if phase == "ready" else 503)
+    """The phase; with data-parallel replicas, each one's status too (503 once none serves)."""
+    state = _state(request)
+    phase = state.phase
+    body: dict[str, Any] = {"status": phase}
+    replica_status = getattr(state.engine, "replica_status", None)  # a ReplicatedEngine
+    serving = phase == "ready"
+    if replica_status is not None and phase == "ready":
+        body["replicas"] = replica_status()
+        serving = "serving" in body["replicas"].values()
+    return JSONResponse(body, status_code=200 if serving else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    state = _state(request)
+    refresh = getattr(state.engine, "refresh_stats", None)  # a ReplicatedEngine: figures from its replicas
+    if refresh is not None and state.phase != "starting":
+        await refresh()
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/version", response_model=VersionResponse)

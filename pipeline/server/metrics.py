@@ -6,6 +6,9 @@ Two sources:
   and waiting requests, generated tokens, ended requests by reason, pool occupancy, HiSparse
   counters per layer, dynamic residency (requests resident and demoted, demotions, promotions and
   the bytes each moved), speculative counters;
+* with data-parallel replicas (``ReplicatedEngine``), every engine figure once per replica
+  (``replica="0"``, ``"1"``, ...) and summed over the live ones (``replica="all"``), and
+  ``hispec:replica_up`` (1 while a replica serves, 0 once it is lost or stopped);
 * what the server observes per request (``ServerMetrics``): prompt tokens accepted, latency
   histograms from each request's final metrics (time to first token, end-to-end, queue time, time
   per output token), inter-token latency as the server receives the deltas (a delta of k tokens
@@ -16,11 +19,12 @@ Every app has its own ``CollectorRegistry``, so several apps can live in one pro
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import Metric as MetricFamily
 from prometheus_client.registry import Collector
 
 from pipeline.errors import EngineClosed
@@ -43,33 +47,100 @@ class EngineCollector(Collector):
             stats = self.engine.stats()
         except EngineClosed:
             return
-        requests = stats["requests"]
-        yield _gauge(
-            "num_requests_running",
-            "Requests admitted (prefill, staging, decode).",
-            requests["live"] - requests["queued"],
-        )
-        yield _gauge("num_requests_waiting", "Requests waiting for admission.", requests["queued"])
-        yield _counter(
-            "generation_tokens", "Output tokens generated.", stats["throughput"]["tokens_generated"]
-        )
-        ended = CounterMetricFamily(
-            PREFIX + "request_success", "Requests ended, by finish reason.", labels=["finished_reason"]
-        )
-        for reason, count in sorted(requests["ended"].items()):
-            ended.add_metric([reason], count)
-        yield ended
-        yield from _pools(stats["pools"])
-        if stats.get("kv_cache"):
-            yield from _kv_cache(stats["kv_cache"])
-        if stats.get("hisparse"):
-            yield from _hisparse(stats["hisparse"])
-        if stats.get("residency"):
-            yield from _residency(stats["residency"])
-        if stats.get("speculative"):
-            yield from _speculative(stats["speculative"])
-        if stats.get("prefix_cache"):
-            yield from _prefix_cache(stats["prefix_cache"])
+        replicas = stats.get("replicas")
+        if replicas is None:
+            yield from engine_families(stats)
+            return
+        sources = [("all", stats)] + [(str(i), s) for i, s in enumerate(replicas) if s is not None]
+        yield from _labelled(sources)
+        up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, else 0.", labels=["replica"])
+        for index, status in stats["replica_status"].items():
+            up.add_metric([index], 1 if status == "serving" else 0)
+        yield up
+
+
+def engine_families(stats: dict[str, Any]) -> Iterator[Metric]:
+    """The metric families of one ``Engine.stats()`` (or of a sum of several)."""
+    requests = stats["requests"]
+    yield _gauge(
+        "num_requests_running",
+        "Requests admitted (prefill, staging, decode).",
+        requests["live"] - requests["queued"],
+    )
+    yield _gauge("num_requests_waiting", "Requests waiting for admission.", requests["queued"])
+    yield _counter("generation_tokens", "Output tokens generated.", stats["throughput"]["tokens_generated"])
+    ended = CounterMetricFamily(
+        PREFIX + "request_success", "Requests ended, by finish reason.", labels=["finished_reason"]
+    )
+    for reason, count in sorted(requests["ended"].items()):
+        ended.add_metric([reason], count)
+    yield ended
+    yield from _pools(stats["pools"])
+    if stats.get("kv_cache"):
+        yield from _kv_cache(stats["kv_cache"])
+    if stats.get("hisparse"):
+        yield from _hisparse(stats["hisparse"])
+    if stats.get("residency"):
+        yield from _residency(stats["residency"])
+    if stats.get("speculative"):
+        yield from _speculative(stats["speculative"])
+    if stats.get("prefix_cache"):
+        yield from _prefix_cache(stats["prefix_cache"])
+
+
+def _labelled(sources: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[Metric]:
+    """Each family of every source once, its samples from every source with a ``replica`` label."""
+    merged: dict[str, MetricFamily] = {}
+    for replica, stats in sources:
+        for family in engine_families(stats):
+            into = merged.get(family.name)
+            if into is None:
+                into = merged[family.name] = MetricFamily(family.name, family.documentation, family.type)
+            for sample in family.samples:
+                into.add_sample(sample.name, {**sample.labels, "replica": replica}, sample.value)
+    yield from merged.values()
+
+
+def sum_stats(many: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several engines' ``stats()`` as one: counts and per-layer lists summed, rates recomputed from
+    the summed counts, a label (a dtype, a mode) taken from the first; empty without any."""
+    if not many:
+        return {}
+    total = _sum(list(many))
+    if isinstance(total.get("prefix_cache"), dict):
+        cache = total["prefix_cache"]
+        cache["hit_rate"] = _ratio(cache.get("hit_tokens", 0), cache.get("queried_tokens", 0))
+    if isinstance(total.get("hisparse"), dict) and "hits" in total["hisparse"]:
+        hs = total["hisparse"]
+        hs["hit_rate"] = [_ratio(h, h + m) for h, m in zip(hs["hits"], hs["misses"], strict=True)]
+    if isinstance(total.get("speculative"), dict):
+        spec = total["speculative"]
+        rounds, accepted = spec.get("verify_rounds", 0), spec.get("accepted_drafts", 0)
+        spec["accept_rate"] = _ratio(accepted, spec.get("proposed_drafts", 0))
+        spec["accept_length"] = (rounds + accepted) / rounds if rounds else None
+    if isinstance(total.get("throughput"), dict):
+        total["throughput"]["uptime_s"] = max(s["throughput"].get("uptime_s", 0.0) for s in many)
+    return total
+
+
+def _ratio(part: float, whole: float) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def _sum(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    first = present[0]
+    if isinstance(first, dict):
+        keys = list(dict.fromkeys(k for v in present if isinstance(v, dict) for k in v))
+        return {k: _sum([v.get(k) for v in present if isinstance(v, dict)]) for k in keys}
+    if isinstance(first, list):
+        lists = [v for v in present if isinstance(v, list)]
+        return [_sum([v[i] if i < len(v) else None for v in lists]) for i in range(max(map(len, lists)))]
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(v for v in present if isinstance(v, (int, float)))
+    return first
 
 
 def _prefix_cache(cache: dict[str, float]) -> Iterator[Metric]:
@@ -94,6 +165,8 @@ def _kv_cache(kv: dict[str, Any]) -> Iterator[Metric]:
                                labels=["memory"])
     memory.add_metric(["device"], kv["device_bytes"])
     memory.add_metric(["host"], kv["host_bytes"])
+    if "host_node_bytes" in kv:  # tensor parallelism: the host pools of the node's ranks (one when shared)
+        memory.add_metric(["host_node"], kv["host_node_bytes"])
     yield memory
 
 

@@ -27,7 +27,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import anyio
 import structlog
@@ -40,6 +40,9 @@ from pipeline.generate import add_budget_arguments, add_chunk_argument, add_toke
 from pipeline.logs import configure_logging
 from pipeline.server.app import DEFAULT_MAX_REQUEST_BYTES, ServerState, create_app
 from pipeline.server.connections import ConnectionWatch, HttpProtocol, default_max_connections
+
+if TYPE_CHECKING:
+    from pipeline.server.router import RouterConfig
 
 log = structlog.get_logger("hispec.server")
 
@@ -111,7 +114,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_chunk_argument(p)
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
-    p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallelism over N processes")
+    p.add_argument(
+        "--tp", type=int, default=None, metavar="N",
+        help="tensor parallelism over N processes (default: the WORLD_SIZE torchrun gives, else 1)",
+    )
+    p.add_argument(
+        "--data-parallel-size", "--dp", type=_positive(int), default=1, metavar="N",
+        help="N engines (each its own --tp group, in its own processes) behind this server",
+    )
+    from pipeline.server.router import POLICIES, RouterConfig
+
+    defaults = RouterConfig()
+    p.add_argument(
+        "--router-policy", choices=POLICIES, default="cache_aware",
+        help="how requests are spread over the data-parallel replicas (docs/server.md)",
+    )
+    p.add_argument(
+        "--router-cache-threshold", type=float, default=defaults.cache_threshold, metavar="SHARE",
+        help="cache_aware: a cached prefix of at least this share of the prompt routes by cache",
+    )
+    p.add_argument(
+        "--router-balance-abs-threshold", type=int, default=defaults.balance_abs_threshold, metavar="N",
+        help="cache_aware: imbalance is more than N requests in flight between the busiest and the idlest",
+    )
+    p.add_argument(
+        "--router-balance-rel-threshold", type=float, default=defaults.balance_rel_threshold,
+        metavar="RATIO", help="cache_aware: ... and the busiest has more than RATIO times the idlest's",
+    )
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="print log events on stderr")
     p.add_argument(
@@ -164,6 +193,17 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     if rows is None and not budget:
         rows = 32
     return cli_config.engine_config(args, max_context_len=context, max_running_requests=rows)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    """The cache-aware policy's thresholds (``ValueError`` naming the option that is out of range)."""
+    from pipeline.server.router import RouterConfig
+
+    return RouterConfig(
+        cache_threshold=args.router_cache_threshold,
+        balance_abs_threshold=args.router_balance_abs_threshold,
+        balance_rel_threshold=args.router_balance_rel_threshold,
+    )
 
 
 class _Uvicorn(uvicorn.Server):
@@ -382,7 +422,16 @@ async def _serve(args: argparse.Namespace, model: Any) -> tuple[int, bool]:
     """Serve until a signal: (the exit status, whether a second signal forced the end)."""
     from pipeline.engine import Engine
 
-    engine = Engine(engine_config(args), model=model, on_exit=args.on_exit)
+    engine: Any
+    if args.data_parallel_size > 1:
+        from pipeline.server.replicas import ReplicatedEngine
+
+        engine = ReplicatedEngine(
+            engine_config(args), num_replicas=args.data_parallel_size, model=model, on_exit=args.on_exit,
+            policy=args.router_policy, router_config=router_config(args), threads=args.threads,
+        )  # fmt: skip
+    else:
+        engine = Engine(engine_config(args), model=model, on_exit=args.on_exit)
     server = HttpServer(
         engine,
         host=args.host,
@@ -441,6 +490,18 @@ SWITCH_INTERVAL_S = 0.001
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     """Entry point of ``hispec serve``; ``model`` replaces loading ``--model`` (tests)."""
     args = build_parser().parse_args(argv)
+    try:
+        router_config(args)
+    except ValueError as exc:  # a threshold out of range: one line, before the model loads
+        option = "--router-" + str(exc).split("=")[0].replace("_", "-")
+        print(f"hispec serve: {option}: {exc}", file=sys.stderr)
+        return 2
+    from pipeline.distributed.environment import launch_env
+
+    if args.data_parallel_size > 1 and launch_env() is not None:  # torchrun's ranks are one engine's
+        print("hispec serve: --data-parallel-size: not under a launcher (torchrun): its ranks serve one "
+              "tensor-parallel engine", file=sys.stderr)  # fmt: skip
+        return 2
     if args.threads > 0:
         import torch
 
