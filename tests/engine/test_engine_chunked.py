@@ -63,9 +63,15 @@ async def running_then_long(engine, prompts, params, meanwhile=None) -> dict:
     async def one(i):
         results[IDS[i]] = await engine.generate_text(prompts[i], params[i], request_id=IDS[i])
 
+    def decoding() -> bool:
+        """``running`` has decoded a token (a condition that stays true once met: a state such as
+        DECODE may come and go between two looks, a speculative round's DRAFT and VERIFY between)."""
+        running = live_request(engine, IDS[0])
+        return IDS[0] in results or (running is not None and len(running.output_ids) > 0)
+
     async with anyio.create_task_group() as tg:
         tg.start_soon(one, 0)
-        await until(lambda: (r := live_request(engine, "running")) is not None and r.state is State.DECODE)
+        await until(decoding)
         tg.start_soon(one, 1)
         if meanwhile is not None:
             await meanwhile()
