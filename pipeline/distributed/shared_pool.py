@@ -12,9 +12,11 @@ one shared-memory segment instead::
     └──────────────────────────────┴──────────────────────────────────────────────────────┘
 
 The node's leader (``local_rank`` 0) creates the segment and names it under a key of the group's
-store; the other ranks (followers) map it. Each rank keeps its own allocator and ``req_to_host``
-map: every rank makes the same decisions from the same commands, so their slots agree (the
-integrity check compares the ranks' maps).
+store; the other ranks (followers) map it. A follower waits for the name as long as the ranks'
+start may take (the leader creates the segment once its own shard has loaded); a leader that cannot
+start names the reason instead, and its followers fail with it at once. Each rank keeps its own
+allocator and ``req_to_host`` map: every rank makes the same decisions from the same commands, so
+their slots agree (the integrity check compares the ranks' maps).
 
 Written once. Every rank issues the same copies to the host pool in the same order, on the same
 streams (staging, backup). The leader makes them; a follower skips its own and numbers it instead.
@@ -42,6 +44,7 @@ the row-copy kernel addresses directly, as a rank's own pinned pool is.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import queue
 import threading
@@ -55,7 +58,7 @@ import structlog
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.distributed.group import TensorGroup
+from pipeline.distributed.group import START_TIMEOUT_S, TensorGroup
 from pipeline.errors import ConfigError
 from pipeline.hisparse.transfer import DoneHandle, FailedHandle, TransferHandle, TransferStream
 
@@ -102,10 +105,13 @@ class SharedHostPool:
         self._unlink: weakref.finalize | None = None
         self._unregister: Callable[[], None] | None = None  # CUDA: undo the registration, once
         self._open_streams = 0  # the last to close ends the registration
+        self._leading: list[LeaderStream] = []  # the leader's streams: their publishers end with the pool
+        self._published = False  # the leader has named the segment, or said why there is none
 
     def allocate(self, shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
         """The host rows ``shape`` of ``dtype``, zeros, mapped from the node's segment (the leader
-        creates it, the others wait for its name in the store, bounded by its timeout)."""
+        creates it; the others wait for its name in the store, as long as the ranks' start may take:
+        the leader may still be loading its shard)."""
         assert self.kv is None, "a shared host pool holds one tensor"
         self.nbytes = _numel(shape) * dtype.itemsize
         size = _HEADER_BYTES + self.nbytes
@@ -114,18 +120,15 @@ class SharedHostPool:
             self._unlink = weakref.finalize(self, _unlink_quietly, path)
             try:
                 _reserve(path, size)
-            except ConfigError as exc:  # the followers wait for the name: they get the reason instead
-                self.group.store.set(f"{self._key}.path", _REFUSED + str(exc))
+                segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)  # zeros
+            except Exception as exc:  # the followers wait for the name: they get the reason instead
+                self.abandon(str(exc) if isinstance(exc, ConfigError) else f"{type(exc).__name__}: {exc}")
                 raise
-            segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)  # zeros
-            self.group.store.set(f"{self._key}.path", path)
+            self._publish(path)
         else:
-            path = self.group.store.get(f"{self._key}.path").decode()
-            if path.startswith(_REFUSED):
-                raise ConfigError("shared_host_pool", True, f"the node's leader could not create it: "
-                                  f"{path[len(_REFUSED):]}")
+            path = self._leaders_path()
             self._unlink = weakref.finalize(self, _unlink_quietly, path)
-            segment = torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+            segment = _map_existing(path, size)
         self.path = path
         # the last rank of the node to map it removes the name: from then on no crash leaves it behind
         if self.group.store.add(f"{self._key}.attached", 1) == self.group.local_size:
@@ -136,6 +139,30 @@ class SharedHostPool:
         self.kv = segment[_HEADER_BYTES:].view(dtype).view(shape)
         return self.kv
 
+    def abandon(self, why: str) -> None:
+        """This rank cannot start (``why``): a leader that has not named its segment yet tells the
+        followers waiting for the name, so that they fail at once rather than at their wait's bound."""
+        if self.is_leader and not self._published:
+            with contextlib.suppress(RuntimeError):  # (a store that is gone: the followers' wait fails too)
+                self._publish(_REFUSED + why)
+
+    def _publish(self, name: str) -> None:
+        self.group.store.set(f"{self._key}.path", name)
+        self._published = True
+
+    def _leaders_path(self) -> str:
+        """The segment's name, once the leader has published it (``ConfigError`` if it could not)."""
+        key, bound = f"{self._key}.path", max(START_TIMEOUT_S, self.group.timeout_s)
+        try:
+            self.group.store.wait([key], datetime.timedelta(seconds=bound))
+        except RuntimeError as exc:  # (a store whose host is gone fails the wait at once)
+            raise HostPoolLost(f"the node's leader named no host pool within {bound:g} s: {exc}") from None
+        path = self.group.store.get(key).decode()
+        if path.startswith(_REFUSED):
+            raise ConfigError("shared_host_pool", True, f"the node's leader could not create it: "
+                              f"{path[len(_REFUSED):]}")
+        return path
+
     def stream(self, name: str, inner: TransferStream) -> TransferStream:
         """``inner`` with its copies to the shared rows made once per node: by the leader, which
         publishes them, while a follower's wait for them reads what the leader published."""
@@ -143,14 +170,20 @@ class SharedHostPool:
         record = self._header[STREAMS.index(name)]
         self._open_streams += 1
         if self.is_leader:
-            return LeaderStream(name, inner, self.kv, record, on_close=self._stream_closed)
+            stream = LeaderStream(name, inner, self.kv, record, on_close=self._stream_closed)
+            self._leading.append(stream)
+            return stream
         group = self.group
         return FollowerStream(name, inner, self.kv, record, group.timeout_s, on_close=self._stream_closed,
                               lost=lambda: getattr(group, "broken", None))
 
     def close(self) -> None:
         """Remove the segment's name if it is still there (the memory goes with the last mapping),
-        and end its registration with the device. Nothing copies to or from the rows after this."""
+        and end its registration with the device. Nothing copies to or from the rows after this: the
+        leader's publishers end (a start that failed closes the pool, not its streams; a publisher
+        left waiting would keep the rows mapped), and the followers' waits fail at once."""
+        for stream in self._leading:
+            stream.stop_publishing()
         if self._unlink is not None:
             self._unlink()
         unregister, self._unregister = self._unregister, None
@@ -174,6 +207,7 @@ class LeaderStream:
         self._inner, self._kv, self._record, self._on_close = inner, kv, record, on_close
         self._issued: queue.SimpleQueue[TransferHandle | None] = queue.SimpleQueue()
         self._issued_count = 0
+        self._stopped = False
         self._publisher = threading.Thread(target=self._publish, name=f"hispec-{name}-publish", daemon=True)
         self._publisher.start()
 
@@ -186,6 +220,9 @@ class LeaderStream:
             return DoneHandle()
         self._issued_count += 1
         slot = _ISSUED + 2 * (self._issued_count % _ISSUED_KEPT)
+        # a follower may be checking the copy this slot held: the number is cleared while the
+        # fingerprint changes, so that no reader pairs the old number with the new fingerprint
+        self._record[slot] = 0
         self._record[slot + 1] = _fingerprint(dst_idx)
         self._record[slot] = self._issued_count
         try:
@@ -203,10 +240,18 @@ class LeaderStream:
         try:
             self._inner.close()
         finally:
-            self._issued.put(None)
-            self._publisher.join()
-            self._record[_CLOSED] = 1
+            self.stop_publishing()
             self._on_close()
+
+    def stop_publishing(self) -> None:
+        """Publish the copies issued so far, then mark the record closed (once; a follower's wait for
+        a later copy fails at once)."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._issued.put(None)
+        self._publisher.join()
+        self._record[_CLOSED] = 1
 
     def _publish(self) -> None:
         number = 0
@@ -286,9 +331,11 @@ class LeaderCopy:
         if self._failed():
             raise LeaderCopyFailed(f"the node's leader's {self._stream} copy {self._number} failed")
         slot = _ISSUED + 2 * (self._number % _ISSUED_KEPT)
-        checked = self._fingerprint is not None and int(self._record[slot]) == self._number
-        if checked and int(self._record[slot + 1]) != self._fingerprint:
-            # (a slot since reused by a newer copy is not checked)
+        # the number read before and after the fingerprint: a slot the leader is rewriting, or has
+        # reused for a newer copy since, is not checked
+        number, fingerprint, again = (int(self._record[i]) for i in (slot, slot + 1, slot))
+        checked = self._fingerprint is not None and number == again == self._number
+        if checked and fingerprint != self._fingerprint:
             raise HostPoolLost(f"the node's leader's {self._stream} copy {self._number} wrote other rows "
                                "than this rank's: the ranks' copies are out of step")
         return True
@@ -388,6 +435,24 @@ def _reserve(path: str, size: int) -> None:
             "(a container's --shm-size), shrink the host pool, or give each rank its own "
             "(--no-shared-host-pool)",
         ) from None
+    finally:
+        os.close(fd)
+
+
+def _map_existing(path: str, size: int) -> torch.Tensor:
+    """The leader's segment ``path``, mapped: the file it created, never a new one (a file system
+    that does not hold it, another machine's or another container's /dev/shm, is refused)."""
+    try:
+        fd = os.open(path, os.O_RDWR)  # (no O_CREAT: the leader's file or an error)
+    except FileNotFoundError:
+        raise ConfigError(
+            "shared_host_pool", True,
+            f"the node's leader created its host pool at {path}, which this rank does not see: the ranks "
+            "LOCAL_RANK places on one machine must share its /dev/shm (or give each rank its own pool, "
+            "--no-shared-host-pool)",
+        ) from None  # fmt: skip
+    try:  # through the descriptor: the inode opened, even if its name goes meanwhile
+        return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
     finally:
         os.close(fd)
 

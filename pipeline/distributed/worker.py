@@ -83,25 +83,26 @@ def build_rank_executor(setup: RankSetup, group: TensorGroup, trace_path: str | 
 
     config = setup.config
     dtype, device = parse_dtype(config.dtype), torch.device(config.device)
-    if setup.tensors is not None:
-        assert setup.model_config is not None, "an injected model's tensors come with its configuration"
-        model = build_shard(setup.model_config, dtype, device, group, StateDictSource(setup.tensors))
-    else:
-        model = load_shard(config.model, dtype, device, group)
-    tokenizer = setup.tokenizer
-    if tokenizer is None:
-        path = None if setup.tensors is not None else config.model
-        cfg = model.cfg
-        tokenizer = tokenizer_for_model(path, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id)
-    streams = {"transfer": setup.transfer[group.rank]} if group.rank in setup.transfer else {}
     # the node's ranks hold one host pool between them (its rows in shared memory)
     shared = SharedHostPool(group) if shares_host_pool(config, group) else None
-    # every rank's memory was checked against the machine before the ranks were spawned
     try:
+        if setup.tensors is not None:
+            assert setup.model_config is not None, "an injected model's tensors come with its configuration"
+            model = build_shard(setup.model_config, dtype, device, group, StateDictSource(setup.tensors))
+        else:
+            model = load_shard(config.model, dtype, device, group)
+        tokenizer = setup.tokenizer
+        if tokenizer is None:
+            path = None if setup.tensors is not None else config.model
+            cfg = model.cfg
+            tokenizer = tokenizer_for_model(path, vocab_size=cfg.vocab_size, eos_token_id=cfg.eos_token_id)
+        streams = {"transfer": setup.transfer[group.rank]} if group.rank in setup.transfer else {}
+        # every rank's memory was checked against the machine before the ranks were spawned
         executor = Executor(config, model=model, tokenizer=tokenizer, trace_path=trace_path,
                             check_machine=False, host_rows=shared, **streams)
-    except BaseException:
-        if shared is not None:
+    except BaseException as exc:
+        if shared is not None:  # the node's other ranks, waiting for the pool's name, are told why
+            shared.abandon(f"{type(exc).__name__}: {exc}")
             shared.close()  # its name, if this rank was the one to remove it
         raise
     executor.memory = AgreedReadiness(executor.memory, group)

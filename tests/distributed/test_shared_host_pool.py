@@ -40,6 +40,9 @@ from pipeline import Engine, SamplingParams
 from pipeline.cli import main
 from pipeline.distributed.executor import DistributedExecutor, WorkerLost
 from pipeline.distributed.shared_pool import (
+    _ISSUED,
+    _ISSUED_KEPT,
+    _SETTLED,
     SEGMENT_DIR,
     SEGMENT_PREFIX,
     HostPoolLost,
@@ -60,15 +63,16 @@ def segments() -> set[str]:
     return {name for name in os.listdir(SEGMENT_DIR) if name.startswith(mine)}
 
 
-def node(timeout_s: float = 30.0) -> tuple[SharedHostPool, SharedHostPool]:
+def node(timeout_s: float = 30.0, store=None) -> tuple[SharedHostPool, SharedHostPool]:
     """A leader and a follower of one node over one store (what ``SharedHostPool`` reads of a
     ``TensorGroup``)."""
-    store = dist.HashStore()
-    store.set_timeout(datetime.timedelta(seconds=timeout_s))
+    if store is None:
+        store = dist.HashStore()
+        store.set_timeout(datetime.timedelta(seconds=timeout_s))
 
     def rank(local_rank: int) -> SharedHostPool:
-        group = types.SimpleNamespace(node=0, local_rank=local_rank, local_size=2, store=store,
-                                      timeout_s=timeout_s)
+        group = types.SimpleNamespace(node=0, rank=local_rank, size=2, local_rank=local_rank, local_size=2,
+                                      store=store, timeout_s=timeout_s)
         return SharedHostPool(group)  # type: ignore[arg-type]
 
     return rank(0), rank(1)
@@ -79,11 +83,14 @@ class GatedStream:
 
     def __init__(self) -> None:
         self.gates: list[threading.Event] = []
+        self.handles: list[_GatedHandle] = []
 
     def copy_rows(self, dst, dst_idx, src, src_idx):
         gate = threading.Event()
         self.gates.append(gate)
-        return _GatedHandle(gate, lambda: dst.index_copy_(1, dst_idx, src.index_select(1, src_idx)))
+        handle = _GatedHandle(gate, lambda: dst.index_copy_(1, dst_idx, src.index_select(1, src_idx)))
+        self.handles.append(handle)
+        return handle
 
     def synchronize(self) -> None:
         pass
@@ -96,11 +103,13 @@ class GatedStream:
 class _GatedHandle:
     def __init__(self, gate: threading.Event, run) -> None:
         self.gate, self.run, self.done = gate, run, False
+        self.waited = threading.Event()  # someone (the leader's publisher) waits for the copy
 
     def query(self) -> bool:
         return self.gate.is_set() and self._finish()
 
     def wait(self) -> None:
+        self.waited.set()
         assert self.gate.wait(30), "a gate the test never opened"
         self._finish()
 
@@ -137,6 +146,19 @@ def test_a_segment_nobody_else_maps_is_removed_when_the_leader_closes():
     assert segments() == before
 
 
+def test_a_follower_that_cannot_see_the_leaders_segment_says_so_and_creates_nothing():
+    """The leader's segment is not where its name says (another container's /dev/shm, or gone): the
+    follower refuses, naming the field, rather than mapping a file of its own that nobody writes."""
+    leader, follower = node()
+    leader.allocate(SHAPE, torch.float32, pinned=False)
+    assert leader.path is not None
+    os.unlink(leader.path)  # what a rank that does not share the leader's /dev/shm sees
+    with pytest.raises(ConfigError, match=r"shared_host_pool.*does not see.*--no-shared-host-pool"):
+        follower.allocate(SHAPE, torch.float32, pinned=False)
+    assert not os.path.exists(leader.path)
+    leader.close()
+
+
 def test_shared_memory_too_small_is_a_clear_error_on_every_rank_and_leaves_nothing(monkeypatch):
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -155,21 +177,26 @@ def test_a_followers_copy_lands_with_the_leaders():
     leader, follower = node()
     kv = leader.allocate(SHAPE, torch.float32, pinned=False)
     seen = follower.allocate(SHAPE, torch.float32, pinned=False)
-    gated = GatedStream()
+    gated, own = GatedStream(), GatedStream()
     mine = leader.stream("backup", gated)
-    theirs = follower.stream("backup", GatedStream())
+    theirs = follower.stream("backup", own)
     src = torch.arange(2 * 6 * 4, dtype=torch.float32).view(2, 6, 4)
     dst_idx, src_idx = torch.tensor([2, 5]), torch.tensor([1, 4])
     try:
         mine.copy_rows(kv, dst_idx, src, src_idx)
         follows = theirs.copy_rows(seen, dst_idx, src, src_idx)
-        assert not follows.query()  # the leader's copy has not run
+        assert gated.handles[0].waited.wait(30), "the leader's publisher never waited for its copy"
+        assert not follows.query()  # the leader's copy has not run: nothing is published yet
         nothing = theirs.copy_rows(seen, dst_idx[:0], src, src_idx[:0])
         assert isinstance(nothing, DoneHandle)  # no copy, no number
         gated.gates[0].set()
         follows.wait()  # the leader's publisher saw it land
         assert follows.query()
         assert torch.equal(seen[:, dst_idx], src[:, src_idx])
+        assert not own.gates  # the follower wrote nothing to the rows: the node's rows are written once
+        back = torch.zeros(2, 6, 4)
+        theirs.copy_rows(back, src_idx, seen, dst_idx)  # a copy from the rows is the follower's own
+        assert len(own.gates) == 1
     finally:
         mine.close()
         theirs.close()
@@ -248,6 +275,167 @@ def test_a_broken_group_ends_a_followers_wait_at_once():
         waiting.wait()  # not the 30 s of the timeout
     theirs.close()
     mine.close()
+
+
+def test_a_pool_closed_by_a_failed_start_ends_the_leaders_publishers():
+    """A start that fails after the memory was built closes the pool, not the coordinator's streams:
+    the publishing threads end all the same (a thread left waiting would keep the rows mapped for
+    the life of the process), and a follower's wait fails at once."""
+    leader, follower = node(timeout_s=30)
+    leader.allocate(SHAPE, torch.float32, pinned=False)
+    seen = follower.allocate(SHAPE, torch.float32, pinned=False)
+    streams = [leader.stream(name, GatedStream()) for name in ("staging", "backup")]
+    theirs = follower.stream("backup", GatedStream())
+    idx, src = torch.tensor([0]), torch.ones(2, 1, 4)
+    waiting = theirs.copy_rows(seen, idx, src, idx)  # a copy the failed leader never makes
+    leader.close()
+    assert not any(stream._publisher.is_alive() for stream in streams)  # type: ignore[attr-defined]
+    with pytest.raises(HostPoolLost, match="closed"):
+        waiting.wait()  # not the 30 s of the timeout
+    theirs.close()
+
+
+class LateLeaderStore:
+    """A store whose own timeout has run out while the node's leader still loads its shard: a ``get``
+    of a key nobody set fails at once, a ``wait`` given its own bound blocks until the key is set."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._changed = threading.Condition()
+        self.waiting = threading.Event()  # a follower is waiting for a key
+
+    def set(self, key: str, value: str | bytes) -> None:
+        with self._changed:
+            self._data[key] = value.encode() if isinstance(value, str) else value
+            self._changed.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self._changed:
+            if key not in self._data:
+                self.waiting.set()
+                raise RuntimeError(f"the store's timeout passed waiting for {key}")
+            return self._data[key]
+
+    def add(self, key: str, amount: int) -> int:
+        with self._changed:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None:
+        with self._changed:
+            self.waiting.set()
+            if not self._changed.wait_for(lambda: set(keys) <= self._data.keys(), timeout.total_seconds()):
+                raise RuntimeError(f"wait timeout for {keys}")
+
+
+def follow_in_thread(follower: SharedHostPool) -> tuple[threading.Thread, dict[str, object]]:
+    """``follower.allocate`` in a thread; what it returned (``kv``) or raised (``error``)."""
+    result: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            result["kv"] = follower.allocate(SHAPE, torch.float32, pinned=False)
+        except Exception as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, result
+
+
+def test_a_follower_waits_for_a_leader_slower_than_the_groups_timeout():
+    store = LateLeaderStore()
+    leader, follower = node(store=store)
+    before = segments()
+    thread, result = follow_in_thread(follower)
+    assert store.waiting.wait(30), "the follower never asked for the segment's name"
+    kv = leader.allocate(SHAPE, torch.float32, pinned=False)  # its shard took longer than the timeout
+    thread.join(30)
+    assert not thread.is_alive() and "error" not in result, result
+    seen = result["kv"]
+    assert isinstance(seen, torch.Tensor)
+    kv[1, 2] = 5.0
+    assert torch.equal(seen[1, 2], torch.full((4,), 5.0))
+    assert segments() == before
+
+
+def test_a_leader_that_cannot_start_tells_the_waiting_followers_why(monkeypatch):
+    from pipeline.distributed import worker
+
+    def no_shard(*args, **kwargs):
+        raise OSError("the leader's shard did not load")
+
+    monkeypatch.setattr(worker, "build_shard", no_shard)
+    store = LateLeaderStore()
+    leader, follower = node(store=store)
+    thread, result = follow_in_thread(follower)
+    assert store.waiting.wait(30), "the follower never asked for the segment's name"
+    setup = worker.RankSetup(config(), 30.0, {}, types.SimpleNamespace(), None, {})
+    with pytest.raises(OSError, match="did not load"):
+        worker.build_rank_executor(setup, leader.group)  # rank 0, the node's leader, fails to start
+    thread.join(30)
+    assert not thread.is_alive()
+    error = result.get("error")
+    assert isinstance(error, ConfigError) and "the leader's shard did not load" in str(error), result
+
+
+class WatchedRecord:
+    """A stream's header record that runs ``on_write`` after each write to its issued copies' slots."""
+
+    def __init__(self, record: torch.Tensor, on_write) -> None:
+        self.record, self.on_write = record, on_write
+
+    def __getitem__(self, index):
+        return self.record[index]
+
+    def __setitem__(self, index, value) -> None:
+        self.record[index] = value
+        if isinstance(index, int) and index >= _ISSUED:
+            self.on_write()
+
+
+def test_a_follower_checking_a_copy_while_the_leader_reuses_its_slot_is_not_out_of_step():
+    from pipeline.distributed.shared_pool import LeaderCopy, LeaderStream, _fingerprint
+
+    leader, _ = node()
+    kv = leader.allocate(SHAPE, torch.float32, pinned=False)
+    record = leader._header[0]
+    src, first = torch.ones(2, 1, 4), torch.tensor([3])
+    # copy 1 wrote row 3; the follower's handle on it is checked at every step of the leader's writes
+    mine = LeaderCopy(record, 1, 30.0, "staging", _fingerprint(first))
+    problems: list[str] = []
+
+    def check() -> None:
+        if int(record[_SETTLED]) >= 1:
+            try:
+                mine.query()
+            except HostPoolLost as exc:
+                problems.append(str(exc))
+
+    stream = LeaderStream("staging", InlineStream(), kv, WatchedRecord(record, check), on_close=lambda: None)
+    try:
+        stream.copy_rows(kv, first, src, torch.tensor([0]))
+        mine.settle()
+        for n in range(2, _ISSUED_KEPT + 2):  # copy 257 takes copy 1's slot
+            stream.copy_rows(kv, torch.tensor([n % SHAPE[1]]), src, torch.tensor([0]))
+    finally:
+        stream.close()
+    assert not problems, problems[0]
+
+
+class InlineStream:
+    """Copies made as they are issued."""
+
+    def copy_rows(self, dst, dst_idx, src, src_idx):
+        dst.index_copy_(1, dst_idx, src.index_select(1, src_idx))
+        return DoneHandle()
+
+    def synchronize(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @pytest.mark.cuda
