@@ -37,6 +37,12 @@ failed, which a follower may find later than the leader (after issuing later cop
 then fails rows the leader does not, the ranks' outcomes differ, and the engine stops
 (``RanksDiverged``), as it does today when a copy fails on one rank only.
 
+Memory order. A record's words are stored after the rows they vouch for, and a follower reads the
+words before the rows: that a follower which sees ``settled >= n`` also sees copy ``n``'s rows rests
+on the CPU making one core's stores visible to the others in order (x86's total store order). A
+weakly ordered CPU (Arm) would need a release fence before each publish and an acquire after each
+read; hispec has not been run on one.
+
 On CUDA the segment is registered with the device (``cudaHostRegister``), so it is pinned memory
 the row-copy kernel addresses directly, as a rank's own pinned pool is.
 """
@@ -281,6 +287,15 @@ class FollowerStream:
         self._inner, self._kv, self._record, self._on_close = inner, kv, record, on_close
         self._timeout_s = timeout_s
         self._issued = 0
+        # set by the first copy found out of step or never settled: every later wait fails at once
+        # (the numbering cannot recover, and a wait a copy could never end would stall each row)
+        self._broken: str | None = None
+
+    def _why_lost(self) -> str | None:
+        return self._lost() or self._broken
+
+    def _break(self, why: str) -> None:
+        self._broken = self._broken or why
 
     def copy_rows(
         self, dst: torch.Tensor, dst_idx: torch.Tensor, src: torch.Tensor, src_idx: torch.Tensor
@@ -291,11 +306,11 @@ class FollowerStream:
             return DoneHandle()
         self._issued += 1
         return LeaderCopy(self._record, self._issued, self._timeout_s, self.name, _fingerprint(dst_idx),
-                          lost=self._lost)
+                          lost=self._why_lost, on_lost=self._break)
 
     def synchronize(self) -> None:
         self._inner.synchronize()
-        if not self._issued or self._lost() is not None:
+        if not self._issued or self._why_lost() is not None:
             return
         try:
             LeaderCopy(self._record, self._issued, self._timeout_s, self.name).settle()
@@ -317,9 +332,11 @@ class LeaderCopy:
     def __init__(
         self, record: torch.Tensor, number: int, timeout_s: float, stream: str,
         fingerprint: int | None = None, *, lost: Callable[[], str | None] = lambda: None,
+        on_lost: Callable[[str], None] = lambda why: None,
     ) -> None:
         self._record, self._number, self._timeout_s, self._stream = record, number, timeout_s, stream
-        self._lost = lost  # why the group is broken, if it is: a wait gives up at once
+        self._lost = lost  # why the group (or this stream) is broken, if it is: a wait gives up at once
+        self._on_lost = on_lost  # told when this copy finds the stream out of step or the leader gone
         self._fingerprint = fingerprint  # of the rows this rank would have written (None: not checked)
 
     def query(self) -> bool:
@@ -336,9 +353,13 @@ class LeaderCopy:
         number, fingerprint, again = (int(self._record[i]) for i in (slot, slot + 1, slot))
         checked = self._fingerprint is not None and number == again == self._number
         if checked and fingerprint != self._fingerprint:
-            raise HostPoolLost(f"the node's leader's {self._stream} copy {self._number} wrote other rows "
-                               "than this rank's: the ranks' copies are out of step")
+            raise self._lose(f"the node's leader's {self._stream} copy {self._number} wrote other rows "
+                             "than this rank's: the ranks' copies are out of step")
         return True
+
+    def _lose(self, why: str) -> HostPoolLost:
+        self._on_lost(why)
+        return HostPoolLost(why)
 
     def settle(self) -> None:
         """Block until the leader's copy has settled, failed or not (raises ``HostPoolLost`` only)."""
@@ -352,8 +373,8 @@ class LeaderCopy:
                 raise HostPoolLost(f"the group broke ({why}) before the leader's {self._stream} copy "
                                    f"{self._number} settled")
             if time.monotonic() > deadline:
-                raise HostPoolLost(f"the node's leader's {self._stream} copy {self._number} did not "
-                                   f"settle within {self._timeout_s:g} s")
+                raise self._lose(f"the node's leader's {self._stream} copy {self._number} did not "
+                                 f"settle within {self._timeout_s:g} s")
             time.sleep(pause)  # a wait for another process: there is no event to block on
             pause = min(pause * 2, _POLL_S[1])
 

@@ -242,6 +242,11 @@ def test_a_follower_out_of_step_with_the_leader_fails_its_copy():
         gated.gates[0].set()
         with pytest.raises(HostPoolLost, match="out of step"):
             other_rows.wait()
+        # a copy the leader will never make (the ranks' numbering has parted): it fails at once with
+        # the same reason, rather than after the group's timeout for each row redone
+        never = theirs.copy_rows(seen, torch.tensor([2]), src, torch.tensor([0]))
+        with pytest.raises(HostPoolLost, match="out of step"):
+            never.wait()
     finally:
         mine.close()
         theirs.close()
