@@ -101,12 +101,22 @@ def _labelled(sources: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[Metric]
     yield from merged.values()
 
 
+# figures of ``Engine.stats()`` that describe each engine alike (the bytes of one KV row, the ranks of
+# its tensor-parallel group): the sum of several engines keeps the first one's
+SAME_ON_EVERY_ENGINE = (("kv_cache", "row_bytes"), ("kv_cache", "key_bytes"), ("tensor_parallel", "size"))
+
+
 def sum_stats(many: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several engines' ``stats()`` as one: counts and per-layer lists summed, rates recomputed from
-    the summed counts, a label (a dtype, a mode) taken from the first; empty without any."""
+    the summed counts, a label (a dtype, a mode) and ``SAME_ON_EVERY_ENGINE`` taken from the first;
+    empty without any."""
     if not many:
         return {}
     total = _sum(list(many))
+    for section, key in SAME_ON_EVERY_ENGINE:  # a layout, not an amount: every replica's is the same
+        alike = [s[section][key] for s in many if isinstance(s.get(section), dict) and key in s[section]]
+        if alike:
+            total[section][key] = alike[0]
     if isinstance(total.get("prefix_cache"), dict):
         cache = total["prefix_cache"]
         cache["hit_rate"] = _ratio(cache.get("hit_tokens", 0), cache.get("queried_tokens", 0))

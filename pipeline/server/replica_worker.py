@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import struct
 import sys
@@ -129,6 +130,7 @@ class ReplicaSetup:
     model_config: ModelConfig | None  # the injected model's configuration
     tokenizer: Tokenizer  # the server's (the same ids on both sides)
     threads: int  # torch intra-op threads (0: torch's default)
+    cuda_devices: str | None = None  # on CUDA: the devices this replica (and its ranks) may see
 
 
 class FrameChannel:
@@ -191,9 +193,17 @@ def rebuild_model(model_config: ModelConfig, tensors: dict[str, torch.Tensor]) -
 
 def replica_main(setup: ReplicaSetup, sock: socket.socket) -> None:
     """The replica process: serve frames on ``sock`` until ``Stop`` or until the server goes; then
-    the process ends at once (an error: its traceback, exit status 1)."""
+    the process ends at once (an error: its traceback, exit status 1). It ignores SIGINT and
+    SIGTERM: the server decides when its replicas stop (Ctrl-C in a terminal reaches every process
+    of the foreground group, and a replica that died of it would lose the requests that
+    ``--on-exit finish`` lets finish)."""
     from pipeline.logs import configure_logging
 
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)
+    if setup.cuda_devices is not None:  # before CUDA starts here; the ranks it spawns inherit it
+        os.environ["CUDA_VISIBLE_DEVICES"] = setup.cuda_devices
     if setup.threads > 0:
         import torch
 

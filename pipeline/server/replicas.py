@@ -5,8 +5,8 @@
 ``stats``, the pool counts, ``async with``), so the app serves it as it serves one engine. Each
 replica is a process running a plain ``Engine`` (``pipeline.server.replica_worker``; the server's
 end of it: ``pipeline.server.replica_client``), with its own tensor-parallel ranks when the config
-asks for them; the server tokenizes, checks each request, and a ``Router``
-(``pipeline.server.router``) picks the replica that runs it.
+asks for them (on CUDA, devices of its own: ``replica_cuda_devices``); the server tokenizes,
+checks each request, and a ``Router`` (``pipeline.server.router``) picks the replica that runs it.
 
 A replica that dies (its process ends, its socket closes): every request it was running fails with
 an ``ApiError`` (503, ``code: "replica_lost"``) naming it, the router never chooses it again, and the
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import socket
 from collections.abc import AsyncGenerator, Callable, Sequence
 from contextlib import aclosing, suppress
@@ -35,7 +36,7 @@ import structlog
 
 from pipeline.config import EngineConfig
 from pipeline.engine import RequestStream
-from pipeline.errors import EngineClosed, EngineError, RequestError, RequestFailed
+from pipeline.errors import ConfigError, EngineClosed, EngineError, RequestError, RequestFailed
 from pipeline.messages import GenerateResult, RequestOutput
 from pipeline.server.generation import ApiError
 from pipeline.server.metrics import sum_stats
@@ -181,14 +182,31 @@ class ReplicatedEngine:
         model = self._model
         assert self._tokenizer is not None, "the tokenizer is loaded before the replicas start"
         tensors = None if model is None else {name: t.detach() for name, t in model.state_dict().items()}
-        replicas = []
-        for index in range(self._num_replicas):
-            setup = ReplicaSetup(
-                index, self.config, self._on_exit, tensors, None if model is None else model.cfg,
-                self._tokenizer, self._threads,
-            )  # fmt: skip
-            ours, theirs = socket.socketpair()
-            replicas.append(ReplicaClient(index, self._launch(setup, theirs), ours))
+        n, tp = self._num_replicas, self.config.tensor_parallel_size
+        on_cuda = self.config.device == "cuda"
+        devices = replica_cuda_devices(n, tp, visible_cuda_devices()) if on_cuda else None
+        replicas: list[ReplicaClient] = []
+        try:
+            for index in range(self._num_replicas):
+                setup = ReplicaSetup(
+                    index, self.config, self._on_exit, tensors, None if model is None else model.cfg,
+                    self._tokenizer, self._threads, None if devices is None else devices[index],
+                )  # fmt: skip
+                ours, theirs = socket.socketpair()
+                try:
+                    process = self._launch(setup, theirs)
+                except BaseException:
+                    ours.close()
+                    theirs.close()
+                    raise
+                replicas.append(ReplicaClient(index, process, ours))
+        except BaseException:  # one could not be launched: those launched before it do not run on
+            for replica in replicas:
+                replica.process.kill()
+                if replica.sock is not None:
+                    replica.sock.close()
+            join_all([r.process for r in replicas])
+            raise
         return replicas
 
     def _dispatch(self, replica: ReplicaClient, message: object) -> None:
@@ -416,6 +434,31 @@ class ReplicatedEngine:
     def _require_running(self) -> None:
         if not self._running:
             raise EngineClosed("the replicated engine is not running")
+
+
+def visible_cuda_devices() -> list[str]:
+    """The CUDA devices this process may use, as ``CUDA_VISIBLE_DEVICES`` names them."""
+    import torch
+
+    count = torch.cuda.device_count()
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if named is None:
+        return [str(i) for i in range(count)]
+    return [d.strip() for d in named.split(",") if d.strip()][:count]
+
+
+def replica_cuda_devices(num_replicas: int, tp: int, visible: Sequence[str]) -> list[str]:
+    """Each replica's ``CUDA_VISIBLE_DEVICES``: replica i gets the i-th ``tp`` of the ``visible``
+    devices (its rank r drives the r-th of them), no device is shared; ``ConfigError`` naming
+    ``data_parallel_size`` when there are too few."""
+    if len(visible) < num_replicas * tp:
+        raise ConfigError(
+            "data_parallel_size",
+            num_replicas,
+            f"{num_replicas} replicas of {tp} tensor-parallel rank(s) need {num_replicas * tp} CUDA "
+            f"devices, {len(visible)} visible",
+        )
+    return [",".join(visible[i * tp : (i + 1) * tp]) for i in range(num_replicas)]
 
 
 def _failure(failed: Failed) -> BaseException:

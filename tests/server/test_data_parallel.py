@@ -9,13 +9,15 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import anyio
 import httpx
 import pytest
-from _server_util import HANG_S, MODEL_NAME, RunningServer, scrape, server_config
+from _server_util import HANG_S, MODEL_NAME, ROOT, RunningServer, scrape, server_config, sse_data
 
 from pipeline import Engine, EngineError
 from pipeline.sampling import SamplingParams
@@ -115,6 +117,30 @@ def test_two_replicas_serve_the_same_greedy_text_as_one_engine_and_route_a_share
     assert hits["all"] == one_hits == stats["prefix_cache"]["hit_tokens"]
     assert samples[("hispec:replica_up", (("replica", "0"),))] == 1
     assert sorted(s["throughput"]["requests_finished"] for s in stats["replicas"]) == [1, 4]
+    layouts = {
+        dict(labels)["replica"]: {k: v for k, v in labels if k != "replica"}
+        for name, labels in samples
+        if name == "hispec:cache_config_info"
+    }
+    assert layouts["all"] == layouts["0"] == layouts["1"]  # a KV row's bytes: one engine's, not a sum
+
+
+def test_the_sum_of_the_replicas_figures_adds_amounts_and_keeps_what_describes_one_engine():
+    from pipeline.server.metrics import sum_stats
+
+    def one(tokens: int, hits: int) -> dict:
+        return {
+            "throughput": {"tokens_generated": tokens, "uptime_s": float(tokens)},
+            "kv_cache": {"dtype": "auto", "row_bytes": 192, "key_bytes": 128, "device_bytes": 1000},
+            "tensor_parallel": {"size": 2},
+            "prefix_cache": {"queried_tokens": 10, "hit_tokens": hits, "hit_rate": hits / 10},
+        }
+
+    total = sum_stats([one(5, 1), one(7, 9)])
+    assert total["throughput"] == {"tokens_generated": 12, "uptime_s": 7.0}
+    assert total["kv_cache"] == {"dtype": "auto", "row_bytes": 192, "key_bytes": 128, "device_bytes": 2000}
+    assert total["tensor_parallel"] == {"size": 2}
+    assert total["prefix_cache"]["hit_rate"] == 0.5  # recomputed from the sums, not 0.1 + 0.9
 
 
 def stream_lines(client: httpx.Client, prompt: list[int], out: list, first: threading.Event) -> None:
@@ -201,6 +227,30 @@ def test_a_killed_replica_fails_only_its_requests_and_the_others_keep_serving(ti
     assert running.server.pools_restored is False  # replica 1 never reported its pools back
 
 
+def test_a_replica_lost_mid_stream_fails_that_stream_and_frees_its_load(tiny_model):
+    running = start(tiny_model, policy="least_load", threads=True)
+    engine = running.engine
+    assert isinstance(engine, ReplicatedEngine)
+    try:
+        streamed: list = []
+        first = threading.Event()
+        reader = threading.Thread(target=stream_lines, args=(running.client, [40] * 12, streamed, first))
+        reader.start()
+        assert first.wait(HANG_S)
+        assert running.call(lambda: list(engine.router.loads)) == [1, 0]  # on replica 0
+        engine.replicas[0].process.kill()
+        reader.join(HANG_S)
+        assert not reader.is_alive()
+        assert streamed[0] == 200
+        error = streamed[-1]["error"]
+        assert error["code"] == "replica_lost" and "replica 0" in error["message"]
+        assert running.call(lambda: list(engine.router.loads)) == [0, 0]
+        assert running.call(lambda: dict(engine._pending)) == {}
+        assert complete(running.client, [41] * 12).status_code == 200  # replica 1 serves on
+    finally:
+        running.stop()
+
+
 def test_a_lost_replica_is_taken_out_of_routing_and_the_server_says_so(tiny_model):
     running = start(tiny_model, threads=True)
     engine = running.engine
@@ -224,6 +274,41 @@ def test_a_lost_replica_is_taken_out_of_routing_and_the_server_says_so(tiny_mode
     finally:
         running.stop()
     assert running.server.pools_restored is False  # replica 0 never reported its pools back
+
+
+@pytest.mark.slow
+def test_ctrl_c_reaches_the_replicas_too_and_the_server_still_decides_how_they_stop():
+    """SIGINT to the whole process group (Ctrl-C in a terminal): the replicas ignore it, the server
+    drains them with ``--on-exit finish``, the stream in flight finishes and the pools come back."""
+    command = [sys.executable, "-m", "pipeline.cli", "serve", "--port", "0", "--max-context-len", "256",
+               "--max-running-requests", "4", "--threads", "1", "--dp", "2",
+               "--on-exit", "finish"]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    guard = threading.Timer(300, os.killpg, (proc.pid, signal.SIGKILL))  # a hang guard only
+    guard.daemon = True
+    guard.start()
+    try:
+        assert proc.stdout is not None
+        url = next(line.split("listening on ")[1].split()[0] for line in proc.stdout if "on http" in line)
+        body = {"model": "tiny", "prompt": [3] * 12, "max_tokens": 40, "ignore_eos": True, "temperature": 0,
+                "stream": True}  # fmt: skip
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=HANG_S) as response:
+            events = sse_data(response.iter_lines())
+            first = next(events)
+            os.killpg(proc.pid, signal.SIGINT)
+            rest = list(events)
+        out, err = proc.communicate(timeout=HANG_S)
+    finally:
+        guard.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rest[-1] == "[DONE]"
+    assert json.loads(rest[-2])["choices"][0]["finish_reason"] == "length", rest[-2]
+    assert len([first, *rest[:-1]]) > 1
+    assert proc.returncode == 0, err
+    assert "memory pools restored" in out and "KeyboardInterrupt" not in err
 
 
 def test_the_routing_benchmark_conversations_share_system_prompts_and_grow_by_turn():
@@ -278,3 +363,39 @@ def test_a_replica_that_does_not_start_fails_the_start_naming_it_and_stops_the_o
 
     anyio.run(enter)
     assert not started[0].is_alive()  # replica 0 was stopped, not left running
+
+
+def test_a_replica_that_cannot_be_launched_fails_the_start_and_stops_those_launched_before(tiny_model):
+    started: list[ThreadReplica] = []
+
+    def launch(setup: ReplicaSetup, sock: socket.socket):
+        if setup.index == 1:
+            raise OSError("no more processes")
+        started.append(ThreadReplica(setup, sock))
+        return started[-1]
+
+    async def enter() -> None:
+        engine = ReplicatedEngine(server_config(), num_replicas=2, model=tiny_model, launch=launch)
+        with pytest.raises(OSError, match="no more processes"):
+            async with engine:
+                pass
+
+    anyio.run(enter)
+    assert len(started) == 1 and not started[0].is_alive()  # replica 0 was stopped, not left loading
+
+
+def test_on_cuda_each_replica_gets_devices_of_its_own(monkeypatch):
+    import torch
+
+    from pipeline.errors import ConfigError
+    from pipeline.server.replicas import replica_cuda_devices, visible_cuda_devices
+
+    assert replica_cuda_devices(2, 1, ["0", "1"]) == ["0", "1"]
+    assert replica_cuda_devices(2, 2, ["4", "5", "6", "7", "8"]) == ["4,5", "6,7"]
+    with pytest.raises(ConfigError, match=r"data_parallel_size=2: 2 replicas of 2 .* need 4 CUDA devices, 3"):
+        replica_cuda_devices(2, 2, ["0", "1", "2"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert visible_cuda_devices() == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3, 5,GPU-x")  # the third is not a device torch counts
+    assert visible_cuda_devices() == ["3", "5"]
