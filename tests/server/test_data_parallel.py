@@ -277,11 +277,13 @@ def test_a_lost_replica_is_taken_out_of_routing_and_the_server_says_so(tiny_mode
 
 
 @pytest.mark.slow
-def test_ctrl_c_reaches_the_replicas_too_and_the_server_still_decides_how_they_stop():
-    """SIGINT to the whole process group (Ctrl-C in a terminal): the replicas ignore it, the server
-    drains them with ``--on-exit finish``, the stream in flight finishes and the pools come back."""
+@pytest.mark.parametrize("split", [["--dp", "2"], ["--tp", "2"]], ids=["replicas", "tensor-parallel-ranks"])
+def test_ctrl_c_reaches_the_replicas_too_and_the_server_still_decides_how_they_stop(split):
+    """SIGINT to the whole process group (Ctrl-C in a terminal): the replicas (or tensor-parallel
+    ranks) ignore it, the server drains them with ``--on-exit finish``, the stream in flight
+    finishes and the pools come back."""
     command = [sys.executable, "-m", "pipeline.cli", "serve", "--port", "0", "--max-context-len", "256",
-               "--max-running-requests", "4", "--threads", "1", "--dp", "2",
+               "--max-running-requests", "4", "--threads", "1", *split,
                "--on-exit", "finish"]  # fmt: skip
     proc = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
