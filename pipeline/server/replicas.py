@@ -57,7 +57,10 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("hispec.server")
 
-ASK_TIMEOUT_S = 30.0  # a replica that does not answer a question (stats, flush) in this long is skipped
+ASK_TIMEOUT_S = 30.0  # a replica that does not answer a question (a flush) in this long is skipped
+# a scrape asks every replica for its figures; one that does not answer in this long keeps the
+# figures it last gave (a scrape must not wait out a stuck replica: scrapers give up after about ten seconds)
+STATS_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 60.0  # a replica still running this long after Stop is killed
 
 
@@ -356,11 +359,12 @@ class ReplicatedEngine:
         engine has stopped."""
         if not self._running:
             return
-        for index, value in (await self._ask("stats")).items():
+        for index, value in (await self._ask("stats", STATS_TIMEOUT_S)).items():
             self.replicas[index].stats = value
 
-    async def _ask(self, what: str) -> dict[int, Any]:
-        """Every serving replica's answer to ``what`` (those that fail or time out are left out)."""
+    async def _ask(self, what: str, timeout_s: float = ASK_TIMEOUT_S) -> dict[int, Any]:
+        """Every serving replica's answer to ``what`` (those that fail or take longer than
+        ``timeout_s`` are left out)."""
         self._require_running()
         answers: dict[int, Any] = {}
 
@@ -369,7 +373,7 @@ class ReplicatedEngine:
             send, receive = anyio.create_memory_object_stream[Answer](1)
             self._answers[seq] = send
             try:
-                with receive, anyio.move_on_after(ASK_TIMEOUT_S):
+                with receive, anyio.move_on_after(timeout_s):
                     await replica.send(Ask(seq, what))
                     answer = await receive.receive()
                     if answer.error is None:
