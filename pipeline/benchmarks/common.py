@@ -7,6 +7,7 @@ import json
 import platform
 import statistics
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -122,3 +123,26 @@ def batch_config(
         speculative=SpeculativeConfig(num_steps=num_steps) if num_steps else None,
         tensor_parallel_size=1,  # (``bench tp``'s --tp lists the sizes it runs; each run sets its own)
     )
+
+
+async def completion_chunks(client: Any, prompt: list[int], max_tokens: int) -> AsyncIterator[dict[str, Any]]:
+    """The chunks of one greedy, streamed ``/v1/completions`` request of ``max_tokens`` tokens
+    (usage included), parsed; a chunk the server sent as an error raises."""
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
+            yield chunk

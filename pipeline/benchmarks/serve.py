@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import subprocess
 import sys
 import time
@@ -31,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import numpy as np
 
-from pipeline.benchmarks.common import machine, table, write_json
+from pipeline.benchmarks.common import completion_chunks, machine, table, write_json
 from pipeline.logs import configure_logging
 
 if TYPE_CHECKING:
@@ -110,26 +109,12 @@ class Record:
 
 
 async def http_request(client, prompt: list[int], max_tokens: int) -> Record:
-    body = {
-        "model": "bench",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     record = Record()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                record.num_tokens = chunk["usage"]["completion_tokens"]
-            for choice in chunk.get("choices", ()):
-                record.chunk(choice["text"])
+    async for chunk in completion_chunks(client, prompt, max_tokens):
+        if chunk.get("usage"):
+            record.num_tokens = chunk["usage"]["completion_tokens"]
+        for choice in chunk.get("choices", ()):
+            record.chunk(choice["text"])
     record.done = time.perf_counter()
     return record
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,7 @@ from typing import Any
 import anyio
 import numpy as np
 
-from pipeline.benchmarks.common import machine, table, write_json
+from pipeline.benchmarks.common import completion_chunks, machine, table, write_json
 from pipeline.logs import configure_logging
 
 POLICIES = ("cache_aware", "round_robin")
@@ -65,30 +64,14 @@ class Turn:
 
 
 async def send_turn(client: Any, prompt: list[int], max_tokens: int) -> Turn:
-    body = {
-        "model": "bench",
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
     turn = Turn()
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the server failed a request: {chunk['error']['message']}")
-            if chunk.get("usage"):
-                turn.prompt_tokens = chunk["usage"]["prompt_tokens"]
-                details = chunk["usage"].get("prompt_tokens_details") or {}
-                turn.cached_tokens = details.get("cached_tokens") or 0
-            if turn.first is None and any(c["text"] for c in chunk.get("choices", ())):
-                turn.first = time.perf_counter()
+    async for chunk in completion_chunks(client, prompt, max_tokens):
+        if chunk.get("usage"):
+            turn.prompt_tokens = chunk["usage"]["prompt_tokens"]
+            details = chunk["usage"].get("prompt_tokens_details") or {}
+            turn.cached_tokens = details.get("cached_tokens") or 0
+        if turn.first is None and any(c["text"] for c in chunk.get("choices", ())):
+            turn.first = time.perf_counter()
     return turn
 
 
