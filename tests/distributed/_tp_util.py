@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from pipeline.distributed.group import TensorGroup, open_store
 from pipeline.distributed.loading import StateDictSource, build_shard
+from pipeline.distributed.shared_pool import SEGMENT_DIR, SEGMENT_PREFIX
 from pipeline.model import ForwardLayout
 
 
@@ -125,3 +128,9 @@ class Busy:
     def __getattr__(self, name: str):
         return getattr(self.executor, name)
 
+
+def segments() -> set[str]:
+    """The shared host-pool segments this process leads (rank 0 is the test's process; other tests
+    may run beside)."""
+    mine = f"{SEGMENT_PREFIX}{os.getpid()}-"
+    return {name for name in os.listdir(SEGMENT_DIR) if name.startswith(mine)}

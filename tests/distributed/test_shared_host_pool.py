@@ -14,7 +14,8 @@ Over spawned ranks (gloo, float64):
   after every step on every rank (each rank compares its device rows with the shared host rows, and
   the ranks' host maps agree); only rank 0 writes the rows; nothing is left under /dev/shm;
 * the same with speculation and prefix-cache hits, shared and unshared pools alike, pools restored;
-* a killed rank fails the engine cleanly (``WorkerLost``), with no hang and no segment left.
+* a killed rank fails the engine cleanly (``WorkerLost``), with no hang and no segment left (in
+  ``test_tensor_parallel.py``: its ranks share a host pool by default).
 
 ``hispec plan --tp N`` counts the pool once a node when shared, N times when not.
 """
@@ -25,26 +26,23 @@ import datetime
 import errno
 import json
 import os
-import signal
 import threading
 import types
 
-import anyio
 import attrs
 import pytest
 import torch
 import torch.distributed as dist
-from _engine_util import HOT, config, driver_outputs, make_prompts, until
+from _engine_util import HOT, config, driver_outputs, make_prompts
+from _tp_util import segments
 
-from pipeline import Engine, SamplingParams
+from pipeline import SamplingParams
 from pipeline.cli import main
-from pipeline.distributed.executor import DistributedExecutor, WorkerLost
+from pipeline.distributed.executor import DistributedExecutor
 from pipeline.distributed.shared_pool import (
     _ISSUED,
     _ISSUED_KEPT,
     _SETTLED,
-    SEGMENT_DIR,
-    SEGMENT_PREFIX,
     HostPoolLost,
     LeaderCopyFailed,
     SharedHostPool,
@@ -52,15 +50,8 @@ from pipeline.distributed.shared_pool import (
 from pipeline.driver import SyncDriver
 from pipeline.errors import ConfigError
 from pipeline.hisparse.transfer import DoneHandle, FailedHandle
-from statemachines.request import State
 
 SHAPE = (2, 8, 4)  # [layers, host tokens, row_dim]
-
-
-def segments() -> set[str]:
-    """The segments this process leads (rank 0 is the test's process; other tests may run beside)."""
-    mine = f"{SEGMENT_PREFIX}{os.getpid()}-"
-    return {name for name in os.listdir(SEGMENT_DIR) if name.startswith(mine)}
 
 
 def node(timeout_s: float = 30.0, store=None) -> tuple[SharedHostPool, SharedHostPool]:
@@ -545,29 +536,3 @@ def test_shared_and_unshared_pools_give_tp1s_tokens_with_speculation_and_the_pre
     assert stats["prefix_cache"]["hit_tokens"] > 0
     assert stats["host_pool"]["bytes_per_node"] * 2 == plain_stats["host_pool"]["bytes_per_node"]
     assert not plain_stats["host_pool"]["shared"] and follower["host_pool"]["shared"]
-
-
-@pytest.mark.slow
-@pytest.mark.asyncio
-async def test_a_killed_rank_fails_the_engine_cleanly_and_leaves_no_segment(tiny_model):
-    before = segments()
-    reqs, procs = [], []
-    with pytest.raises(ExceptionGroup) as info:
-        async with Engine(tp2(config(max_running_requests=4)), model=tiny_model) as engine:
-            procs = list(engine.executor._procs)
-
-            async def consume(prompt):
-                await engine.generate_text(prompt, greedy(250))
-
-            async with anyio.create_task_group() as tg:
-                for prompt in make_prompts([5, 20, 40], seed=24):
-                    tg.start_soon(consume, prompt)
-                await until(
-                    lambda: len(engine._registry.live) == 3 and engine.stats()["requests"]["decoding"] > 0
-                )
-                reqs = list(engine._registry.live.values())
-                os.kill(procs[0].pid, signal.SIGKILL)
-    assert info.group_contains(WorkerLost)
-    assert reqs and all(r.state is State.FAILED for r in reqs)
-    assert not any(p.is_alive() for p in procs)
-    assert segments() == before

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 from _engine_util import HOT, config, driver_outputs, make_prompts, until
 from _model_util import new_backend, random_model, run, tiny_config
-from _tp_util import Busy, SlowStaging, rank_checks
+from _tp_util import Busy, SlowStaging, rank_checks, segments
 
 from pipeline import Engine, SamplingParams
 from pipeline.distributed.executor import DistributedExecutor, WorkerLost
@@ -158,7 +158,10 @@ def test_ready_set_agreed_when_one_rank_stages_slowly(tiny_model):
 
 @pytest.mark.asyncio
 async def test_a_killed_worker_fails_every_request_and_stops_the_engine(tiny_model):
+    """Rank 1 is killed mid-decode (the ranks share one host pool, the default): every request fails,
+    the engine stops, and no process nor shared-memory segment is left behind."""
     cfg = tp(config(max_running_requests=4))
+    before = segments()
     reqs, procs = [], []
     with pytest.raises(ExceptionGroup) as info:
         async with Engine(cfg, model=tiny_model) as engine:
@@ -179,6 +182,7 @@ async def test_a_killed_worker_fails_every_request_and_stops_the_engine(tiny_mod
     assert reqs and all(r.state is State.FAILED for r in reqs)
     assert all("tensor-parallel rank 1" in r.error for r in reqs)
     assert not any(p.is_alive() for p in procs)
+    assert segments() == before
 
 
 @pytest.mark.asyncio
