@@ -214,6 +214,10 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
+class CannotListen(OSError):
+    """The server's address cannot be bound (in use, not this machine's, not allowed)."""
+
+
 class HttpServer:
     """``create_app(engine)`` served by uvicorn on the current event loop; ``await run()``.
 
@@ -269,7 +273,11 @@ class HttpServer:
         self._watch = ConnectionWatch()
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        try:
+            self.sock.bind((host, port))
+        except OSError as exc:
+            self.sock.close()
+            raise CannotListen(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
         self.host, self.port = host, self.sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
@@ -526,8 +534,8 @@ def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     except FileNotFoundError as exc:
         print(f"hispec serve: model {args.model!r} not found ({exc}); pass --model PATH", file=sys.stderr)
         return 2
-    except OSError as exc:
-        print(f"hispec serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+    except CannotListen as exc:
+        print(f"hispec serve: {exc}", file=sys.stderr)
         return 2
     finally:
         sink.close()

@@ -150,6 +150,19 @@ def test_serve_refuses_a_port_out_of_range_in_one_line(capsys, port):
     assert err.startswith("hispec serve: --port=") and "from 0 to 65535" in err
 
 
+def test_serve_on_a_port_in_use_is_one_line_naming_the_address(capsys):
+    pytest.importorskip("uvicorn")
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert cli(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = one_line(capsys)
+    assert err.startswith(f"hispec serve: cannot listen on 127.0.0.1:{port}: "), err
+
+
 def test_serve_takes_port_0_for_any_free_port():
     pytest.importorskip("uvicorn")
     from pipeline.server.serve import build_parser
