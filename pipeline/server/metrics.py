@@ -51,7 +51,14 @@ class EngineCollector(Collector):
         if replicas is None:
             yield from engine_families(stats)
             return
-        sources = [("all", stats)] + [(str(i), s) for i, s in enumerate(replicas) if s is not None]
+        # replica="all": the gauges of the replicas serving, the counters of every replica that ever
+        # served (a lost replica's counts stay in the total, which a scraper would otherwise read as
+        # a counter reset)
+        live = list(engine_families(stats))
+        counted = {f.name: f for f in engine_families(stats.get("counted") or stats) if f.type == "counter"}
+        total = [counted.get(f.name, f) if f.type == "counter" else f for f in live]
+        sources = [("all", total)] + [(str(i), list(engine_families(s))) for i, s in enumerate(replicas)
+                                      if s is not None]  # fmt: skip
         yield from _labelled(sources)
         up = GaugeMetricFamily(PREFIX + "replica_up", "1 while a replica serves, else 0.", labels=["replica"])
         for index, status in stats["replica_status"].items():
@@ -88,11 +95,11 @@ def engine_families(stats: dict[str, Any]) -> Iterator[Metric]:
         yield from _prefix_cache(stats["prefix_cache"])
 
 
-def _labelled(sources: Iterable[tuple[str, dict[str, Any]]]) -> Iterator[Metric]:
+def _labelled(sources: Iterable[tuple[str, list[Metric]]]) -> Iterator[Metric]:
     """Each family of every source once, its samples from every source with a ``replica`` label."""
     merged: dict[str, MetricFamily] = {}
-    for replica, stats in sources:
-        for family in engine_families(stats):
+    for replica, families in sources:
+        for family in families:
             into = merged.get(family.name)
             if into is None:
                 into = merged[family.name] = MetricFamily(family.name, family.documentation, family.type)

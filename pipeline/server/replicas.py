@@ -395,12 +395,15 @@ class ReplicatedEngine:
 
     def stats(self) -> dict[str, object]:
         """The figures last gathered by ``refresh_stats``: summed over the replicas as one
-        ``Engine.stats()``, with ``replicas``: each replica's own (None: lost or not answered yet)
-        and ``replica_status``: each one's status."""
+        ``Engine.stats()``, with ``replicas``: each replica's own (None: lost or not answered yet),
+        ``replica_status``: each one's status, and ``counted``: the sum of the last figures of every
+        replica that gave any, lost ones included (what a total of counts must not lose)."""
         self._require_running()
         per = [r.stats if r.serving else None for r in self.replicas]
         total = sum_stats([s for s in per if s is not None])
-        return {**total, "replicas": per, "replica_status": self.replica_status()}
+        # the last figures of every replica that gave any, lost ones too: what counters sum over
+        counted = sum_stats([r.stats for r in self.replicas if r.stats is not None])
+        return {**total, "replicas": per, "replica_status": self.replica_status(), "counted": counted}
 
     def replica_status(self) -> dict[str, str]:
         """Each replica's status by index: ``starting``, ``serving``, ``lost`` or ``stopped``."""

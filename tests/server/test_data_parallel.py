@@ -257,6 +257,7 @@ def test_a_lost_replica_is_taken_out_of_routing_and_the_server_says_so(tiny_mode
     assert isinstance(engine, ReplicatedEngine)
     try:
         assert complete(running.client, SYSTEM).status_code == 200  # replica 0 holds the prefix now
+        before = scrape(running.client)
         engine.replicas[0].process.kill()
         wait_for(lambda: running.call(lambda: engine.replicas[0].status.value) == "lost", "replica 0 lost")
         for i in range(3):  # the prefix's holder is gone: replica 1 serves everything
@@ -271,6 +272,15 @@ def test_a_lost_replica_is_taken_out_of_routing_and_the_server_says_so(tiny_mode
             "1": samples[("hispec:prefix_cache_hits_total", (("replica", "1"),))],
         }
         assert running.call(lambda: list(engine.router.alive)) == [1]
+        # the total's counters keep what the lost replica counted (a total that fell would read as a
+        # counter reset), its gauges count the replicas serving
+        tokens = "hispec:generation_tokens_total"
+        assert before[(tokens, (("replica", "0"),))] > 0
+        assert samples[(tokens, (("replica", "all"),))] == (
+            before[(tokens, (("replica", "0"),))] + samples[(tokens, (("replica", "1"),))]
+        )
+        running_now = "hispec:num_requests_running"
+        assert samples[(running_now, (("replica", "all"),))] == samples[(running_now, (("replica", "1"),))]
     finally:
         running.stop()
     assert running.server.pools_restored is False  # replica 0 never reported its pools back
