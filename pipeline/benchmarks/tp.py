@@ -45,6 +45,9 @@ STEP_COMMANDS = (Decode, Draft, Verify, Mixed)  # (a mixed step's forward carrie
 MIB = 1 << 20
 
 
+MEMORY_COLUMNS = ("host_kv_bytes", "rss_bytes", "pss_bytes")  # printed in MiB
+
+
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="'tiny' (bundled) or an HF-format directory")
     parser.add_argument("--dtype", default="float32")
@@ -254,7 +257,7 @@ def main(argv: list[str]) -> int:
     pools = "one per rank" if args.no_shared_host_pool else "one per node, shared by its ranks"
     print(f"host memory (HiSparse host pool {pools}; RSS and PSS summed over the run's processes):")
     print(table(["TP", "processes", "host KV MiB", "RSS sum MiB", "PSS sum MiB"], [
-        [r["tp"], r["processes"], r["host_kv_bytes"] / MIB, r["rss_bytes"] / MIB, r["pss_bytes"] / MIB]
+        [r["tp"], r["processes"], *(f"{r[k] / MIB:,.0f}" for k in MEMORY_COLUMNS)]
         for r in rows
     ]))  # fmt: skip
     print(f"wrote {args.out}")
