@@ -10,7 +10,8 @@ resident (docs/invariants.md):
   staging prompt's mapped slot) equals the shadow's KV of that position. It waits for no copy: device
   rows are written by the forward, by swap-in loads and by device-to-device moves, none of which is
   a transfer the test holds back, so a load that read a host copy too early shows up here;
-* whenever no copy is in flight, every committed position's host copy equals the shadow's KV;
+* whenever no copy is in flight, every committed position's host copy equals the shadow's KV; once
+  every copy has landed, the memory's own data checks too (``check_integrity()``);
 * after every rule, the device mirrors of ``req_to_token`` and ``req_to_host`` (kept as distinct
   tensors here, updated row by row as the tables change) equal a fresh copy of the tables;
 * after every rule (and every decode step, verify binding and finalize of the subclasses), the
@@ -62,7 +63,7 @@ class ShadowedMachine(RuleBasedStateMachine):
         assert not self.config.prefix_cache and not self.shadow_config.prefix_cache
         self.unisolated = mock.patch.object(executor_module, "isolate", forward_unisolated)
         self.unisolated.start()
-        self.streams = ManualStreams()
+        self.streams = self.make_streams()
         self.executor = Executor(self.config, model=self.model, transfer=self.streams)
         self.executor.memory.mirror_tables(separate=True)  # a missed mirror update shows
         self.shadow = Executor(self.shadow_config, model=self.model)
@@ -72,6 +73,10 @@ class ShadowedMachine(RuleBasedStateMachine):
         self.phase: dict[str, str] = {}  # request id -> phase, in admission order
         self.models: dict[str, PositionModel] = {}  # request id -> where its positions must be
         self.next_id = 0
+
+    def make_streams(self) -> ManualStreams:
+        """The transfer streams the executor gets (a subclass may inject failures)."""
+        return ManualStreams()
 
     @rule(length=st.integers(1, 40), seed=st.integers(0, 255))
     def admit(self, length: int, seed: int) -> None:
@@ -124,6 +129,8 @@ class ShadowedMachine(RuleBasedStateMachine):
         for stream in self.streams.streams.values():
             stream.synchronize()
         self.check_kv_against_shadow()
+        # the data checks too: every copy has landed, so they wait for nothing the test holds back
+        self.executor.check_integrity()
 
     @invariant()
     def integrity(self) -> None:

@@ -53,8 +53,13 @@ class ExecutorMachine(ShadowedMachine):
     def decode(self, steps: int) -> None:
         for _ in range(steps):
             ids = [r for r, p in self.phase.items() if p == "decode"]
+            # the first request's room is reserved first: ``can_decode`` foretells its refusal
+            fits = bool(ids) and self.executor.memory.can_decode(self.executor.seqs[ids[0]].row)
             result = self.executor.decode(ids)
+            assert not ids or fits == (ids[0] not in result.refused), f"can_decode said {fits}"
             assert not result.failed, result.failed
+            for rid in result.refused:  # (the step took pages, freed none: the room it lacked still lacks)
+                assert not self.executor.memory.can_decode(self.executor.seqs[rid].row), rid
             for rid in result.refused:  # memory pressure: the request is retracted
                 self.end_request(rid)
             shadow = self.shadow.decode(list(result.tokens))

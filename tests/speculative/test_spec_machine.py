@@ -72,6 +72,10 @@ class SpecMachine(ShadowedMachine):
         ids = [r for r, p in self.phase.items() if p == "decode"]
         d = self.executor.draft_tokens
         runnable, refused = self.executor.reserve(ids, new_tokens=d, speculative=True)
+        for rid in refused:  # (the reservations took pages, freed none: the room it lacked still lacks)
+            row = self.executor.seqs[rid].row
+            demoting = self.config.hisparse.residency == "dynamic"  # (a demotion frees pages)
+            assert demoting or not self.executor.memory.can_decode(row, new_tokens=d, speculative=True), rid
         for rid in refused:
             self.end_request(rid)
         assert not self.executor.draft(runnable).failed
