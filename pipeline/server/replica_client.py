@@ -25,12 +25,12 @@ import anyio
 import attrs
 import structlog
 
+from pipeline.distributed.group import START_TIMEOUT_S
 from pipeline.server.generation import ApiError
 from pipeline.server.replica_worker import FrameChannel, Ready, ReplicaSetup, Stop, Stopped, replica_main
 
 log = structlog.get_logger("hispec.server")
 
-START_TIMEOUT_S = 900.0  # a replica that has not loaded its model by then failed to start
 JOIN_TIMEOUT_S = 10.0  # how long an ended replica's process gets to be reaped
 
 
@@ -84,6 +84,7 @@ class ReplicaClient:
         self.sock = None
         try:
             first = None
+            # a replica not started within a tensor-parallel group's bound to start failed to start
             with anyio.move_on_after(START_TIMEOUT_S) as waited:
                 first = await _first_frame(channel)
             if waited.cancelled_caught:

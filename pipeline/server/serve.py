@@ -65,6 +65,28 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], int | float]:
     return parse
 
 
+def _within(option: str, kind: type[int] | type[float], low: float, high: float | None = None
+            ) -> Callable[[str], int | float]:
+    """An option's value of ``kind`` from ``low`` to ``high`` (inclusive; None: no upper bound),
+    or one line naming the option (``OptionError``), before the model loads."""
+    from pipeline.cli_types import OptionError
+
+    rule = f"must be {'an integer' if kind is int else 'a number'} " + (
+        f"from {low:g} to {high:g}" if high is not None else f"of at least {low:g}"
+    )
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise OptionError(option, text, rule) from None
+        if not (low <= value and (high is None or value <= high)):
+            raise OptionError(option, value, rule)
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hispec serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
@@ -130,15 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="how requests are spread over the data-parallel replicas (docs/server.md)",
     )
     p.add_argument(
-        "--router-cache-threshold", type=float, default=defaults.cache_threshold, metavar="SHARE",
+        "--router-cache-threshold", type=_within("--router-cache-threshold", float, 0, 1),
+        default=defaults.cache_threshold, metavar="SHARE",
         help="cache_aware: a cached prefix of at least this share of the prompt routes by cache",
     )
     p.add_argument(
-        "--router-balance-abs-threshold", type=int, default=defaults.balance_abs_threshold, metavar="N",
+        "--router-balance-abs-threshold", type=_within("--router-balance-abs-threshold", int, 0),
+        default=defaults.balance_abs_threshold, metavar="N",
         help="cache_aware: imbalance is more than N requests in flight between the busiest and the idlest",
     )
     p.add_argument(
-        "--router-balance-rel-threshold", type=float, default=defaults.balance_rel_threshold,
+        "--router-balance-rel-threshold", type=_within("--router-balance-rel-threshold", float, 1),
+        default=defaults.balance_rel_threshold,
         metavar="RATIO", help="cache_aware: ... and the busiest has more than RATIO times the idlest's",
     )
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
@@ -196,7 +221,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def router_config(args: argparse.Namespace) -> RouterConfig:
-    """The cache-aware policy's thresholds (``ValueError`` naming the option that is out of range)."""
+    """The cache-aware policy's thresholds (the parser has checked their ranges)."""
     from pipeline.server.router import RouterConfig
 
     return RouterConfig(
@@ -498,12 +523,6 @@ SWITCH_INTERVAL_S = 0.001
 def main(argv: Sequence[str] | None = None, *, model: Any = None) -> int:
     """Entry point of ``hispec serve``; ``model`` replaces loading ``--model`` (tests)."""
     args = build_parser().parse_args(argv)
-    try:
-        router_config(args)
-    except ValueError as exc:  # a threshold out of range: one line, before the model loads
-        option = "--router-" + str(exc).split("=")[0].replace("_", "-")
-        print(f"hispec serve: {option}: {exc}", file=sys.stderr)
-        return 2
     from pipeline.distributed.environment import launch_env
 
     if args.data_parallel_size > 1 and launch_env() is not None:  # torchrun's ranks are one engine's

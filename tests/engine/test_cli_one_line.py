@@ -163,6 +163,19 @@ def test_serve_on_a_port_in_use_is_one_line_naming_the_address(capsys):
     assert err.startswith(f"hispec serve: cannot listen on 127.0.0.1:{port}: "), err
 
 
+@pytest.mark.parametrize(("option", "value", "rule"), [
+    ("--router-cache-threshold", "2", "must be a number from 0 to 1"),
+    ("--router-cache-threshold", "x", "must be a number from 0 to 1"),
+    ("--router-balance-abs-threshold", "-1", "must be an integer of at least 0"),
+    ("--router-balance-rel-threshold", "0.5", "must be a number of at least 1"),
+])  # fmt: skip
+def test_serve_refuses_a_router_threshold_out_of_range_in_one_line(capsys, option, value, rule):
+    pytest.importorskip("uvicorn")
+    assert cli(["serve", "--dp", "2", option, value]) == 2
+    err = one_line(capsys)
+    assert err.startswith(f"hispec serve: {option}=") and rule in err, err
+
+
 def test_serve_takes_port_0_for_any_free_port():
     pytest.importorskip("uvicorn")
     from pipeline.server.serve import build_parser
