@@ -60,6 +60,7 @@ import weakref
 import zlib
 from collections.abc import Callable
 
+import numpy as np
 import structlog
 import torch
 
@@ -106,7 +107,7 @@ class SharedHostPool:
         self.is_leader = group.local_rank == 0
         self.path: str | None = None
         self.nbytes = 0  # of the rows (the segment is a header larger)
-        self._header: torch.Tensor | None = None  # [len(STREAMS), _RECORD_WORDS] int64, shared
+        self._header: np.ndarray | None = None  # [len(STREAMS), _RECORD_WORDS] int64, shared
         self.kv: torch.Tensor | None = None
         self._unlink: weakref.finalize | None = None
         self._unregister: Callable[[], None] | None = None  # CUDA: undo the registration, once
@@ -141,7 +142,10 @@ class SharedHostPool:
             self._unlink()
         if pinned:  # pragma: no cover - needs a GPU
             self._unregister = _register(segment)
-        self._header = segment[: len(STREAMS) * _RECORD_WORDS * 8].view(torch.int64).view(len(STREAMS), -1)
+        # the records as a numpy view of the same memory: a word read or written there costs a
+        # tenth of a torch scalar index, and followers poll them on the decode path
+        header = segment[: len(STREAMS) * _RECORD_WORDS * 8].view(torch.int64).view(len(STREAMS), -1)
+        self._header = header.numpy()
         self.kv = segment[_HEADER_BYTES:].view(dtype).view(shape)
         return self.kv
 
@@ -207,7 +211,7 @@ class LeaderStream:
     thread that waits for each (the leader's own waits use the inner handles, as without sharing)."""
 
     def __init__(
-        self, name: str, inner: TransferStream, kv: torch.Tensor, record: torch.Tensor, *,
+        self, name: str, inner: TransferStream, kv: torch.Tensor, record: np.ndarray, *,
         on_close: Callable[[], None],
     ) -> None:
         self._inner, self._kv, self._record, self._on_close = inner, kv, record, on_close
@@ -279,7 +283,7 @@ class FollowerStream:
     gone."""
 
     def __init__(
-        self, name: str, inner: TransferStream, kv: torch.Tensor, record: torch.Tensor, timeout_s: float,
+        self, name: str, inner: TransferStream, kv: torch.Tensor, record: np.ndarray, timeout_s: float,
         *, on_close: Callable[[], None], lost: Callable[[], str | None] = lambda: None,
     ) -> None:
         self.name = name
@@ -330,7 +334,7 @@ class LeaderCopy:
     ``fingerprint``: the rows this rank would have written."""
 
     def __init__(
-        self, record: torch.Tensor, number: int, timeout_s: float, stream: str,
+        self, record: np.ndarray, number: int, timeout_s: float, stream: str,
         fingerprint: int | None = None, *, lost: Callable[[], str | None] = lambda: None,
         on_lost: Callable[[str], None] = lambda why: None,
     ) -> None:
