@@ -8,6 +8,8 @@ Each variable missing or out of range is a ``ConfigError`` naming it. What the r
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -130,3 +132,14 @@ def _optional_integer(env: Mapping[str, str], name: str, *, low: int, high: int 
         bound = f"from {low} to {high - 1}" if high is not None else f"at least {low}"
         raise ConfigError(name, text, f"must be {bound}")
     return value
+
+
+def ignore_stop_signals() -> None:
+    """Ignore SIGINT and SIGTERM in a process whose lifetime another decides: a tensor-parallel rank,
+    a launched follower, a data-parallel replica. Ctrl-C in a terminal reaches every process of the
+    foreground group; the one that leads (rank 0, the server) drains or aborts its requests, then
+    stops the others, and one that is gone ends them through their group or socket. Only the main
+    thread may set handlers: from another (an application's) this does nothing."""
+    if threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_IGN)

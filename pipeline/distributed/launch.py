@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import datetime
 import pickle
-import signal
-import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from pipeline.distributed.environment import (
     LaunchEnv,
     check_size,
+    ignore_stop_signals,
     is_follower,
     launch_env,
     place,
@@ -133,9 +132,7 @@ def follow(environ: Mapping[str, str] | None = None, *, timeout_s: float | None 
     if env is None or not env.is_follower:
         rank = None if env is None else env.rank
         raise ConfigError("RANK", rank, "only a launched rank other than 0 follows; rank 0 builds the Engine")
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):  # rank 0 decides when the group stops
-            signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()  # rank 0 decides when the group stops
     configure_logging(level="warning")
     structlog.contextvars.bind_contextvars(rank=env.rank)
     join_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s

@@ -7,7 +7,6 @@ spawned, ``worker_main``, or launched ones, ``launch.follow``) loop until ``Stop
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -16,6 +15,7 @@ import structlog
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.distributed.environment import ignore_stop_signals
 from pipeline.distributed.group import START_TIMEOUT_S, GroupLost, TensorGroup, open_store
 from pipeline.distributed.loading import StateDictSource, build_shard, load_shard
 from pipeline.distributed.readiness import AgreedReadiness
@@ -156,11 +156,7 @@ def worker_main(rank: int, port: int, setup: RankSetup) -> None:
     only, on stderr, each bound to its rank."""
     from pipeline.logs import configure_logging
 
-    # Ctrl-C in a terminal signals every process of its group, this one too: rank 0 decides when
-    # the group stops (its shutdown drains or aborts, then says Stop); a rank 0 that is gone ends
-    # this process through the group (GroupLost)
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()  # rank 0 decides when the group stops (it says Stop)
     configure_logging(level="warning")
     structlog.contextvars.bind_contextvars(rank=rank)
     torch.set_num_threads(setup.config.num_threads or 1)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import signal
 import socket
 import struct
 import sys
@@ -197,11 +196,10 @@ def replica_main(setup: ReplicaSetup, sock: socket.socket) -> None:
     SIGTERM: the server decides when its replicas stop (Ctrl-C in a terminal reaches every process
     of the foreground group, and a replica that died of it would lose the requests that
     ``--on-exit finish`` lets finish)."""
+    from pipeline.distributed.environment import ignore_stop_signals
     from pipeline.logs import configure_logging
 
-    if threading.current_thread() is threading.main_thread():
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_IGN)
+    ignore_stop_signals()  # the server decides when its replicas stop
     if setup.cuda_devices is not None:  # before CUDA starts here; the ranks it spawns inherit it
         os.environ["CUDA_VISIBLE_DEVICES"] = setup.cuda_devices
     if setup.threads > 0:
