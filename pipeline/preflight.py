@@ -230,6 +230,7 @@ def check_memory(
     *,
     host_available: int | None = None,
     device_available: int | None = None,
+    replicas: int = 1,
 ) -> MemoryEstimate:
     """Refuse a plan whose memory layer would not fit in the memory available now.
 
@@ -237,21 +238,27 @@ def check_memory(
     reports nothing: that check is skipped). On a CPU machine the device pools are host memory too.
     Under tensor parallelism every rank allocates the whole memory layer (the latent KV is
     replicated): once in host memory for each rank on this machine, once on each rank's device; but
-    the host pool once, when the machine's ranks share it (``shared_host_pool``).
+    the host pool once, when the machine's ranks share it (``shared_host_pool``). ``replicas``:
+    data-parallel engines of that many ranks each on this machine, all starting at once (each on
+    devices of its own, all in its host memory).
     """
     estimate = estimate_memory(config, device_plan)
     sizes = {POOL_FIELD: device_plan.plan.device_tokens, ROWS_FIELD: device_plan.plan.max_running_requests}
     ranks = _ranks_on_this_machine(config)
     per = f" ({ranks} ranks)" if ranks > 1 else ""
+    if replicas > 1:
+        per = f" ({replicas} replicas" + (f" of {ranks} ranks)" if ranks > 1 else ")")
     pool = sum(a.num_bytes for a in estimate.allocations if a.name == "host pool")
     once = (ranks - 1) * pool if ranks > 1 and config.shared_host_pool else 0  # the others' copies, not made
     host = available_host_memory() if host_available is None else host_available
     if config.device == "cpu":
-        _refuse_if_short(sizes, estimate, ranks * estimate.total_bytes - once, host, None, f"memory{per}")
+        need = replicas * (ranks * estimate.total_bytes - once)
+        _refuse_if_short(sizes, estimate, need, host, None, f"memory{per}")
         return estimate
     device = available_device_memory() if device_available is None else device_available
     _refuse_if_short(sizes, estimate, estimate.device_bytes, device, True, f"{config.device} memory")
-    _refuse_if_short(sizes, estimate, ranks * estimate.host_bytes - once, host, False, f"host memory{per}")
+    need = replicas * (ranks * estimate.host_bytes - once)
+    _refuse_if_short(sizes, estimate, need, host, False, f"host memory{per}")
     return estimate
 
 

@@ -179,9 +179,13 @@ class ReplicatedEngine:
         )
 
     def _spawn(self) -> list[ReplicaClient]:
+        from pipeline.preflight import check_memory
         from pipeline.startup import preflight
 
-        preflight(self.config, model=self._model)  # a bad config fails here, before any process starts
+        # a bad config fails here, before any process starts; the replicas start at once, so their
+        # memory layers must fit together, not each in what is free now
+        plan = preflight(self.config, model=self._model)
+        check_memory(self.config, plan.device, replicas=self._num_replicas)
         model = self._model
         assert self._tokenizer is not None, "the tokenizer is loaded before the replicas start"
         tensors = None if model is None else {name: t.detach() for name, t in model.state_dict().items()}

@@ -44,6 +44,19 @@ def test_launched_over_machines_the_memory_check_counts_this_machines_ranks(tiny
         preflight.check_memory(four, device, host_available=2 * total - 1)
 
 
+def test_data_parallel_replicas_starting_together_must_fit_together(tiny_model):
+    """Two replicas of two ranks (each pair sharing a host pool): four memory layers less two host
+    pools, all in this machine's memory at once."""
+    cfg = attrs.evolve(config(), tensor_parallel_size=2)
+    device = plan_engine(cfg, tiny_model.cfg).device
+    estimate = preflight.estimate_memory(cfg, device)
+    pool = next(a.num_bytes for a in estimate.allocations if a.name == "host pool")
+    both = 2 * (2 * estimate.total_bytes - pool)
+    preflight.check_memory(cfg, device, host_available=both, replicas=2)
+    with pytest.raises(ConfigError, match=r"\(2 replicas of 2 ranks\)"):
+        preflight.check_memory(cfg, device, host_available=both - 1, replicas=2)
+
+
 def test_more_ranks_than_heads_or_devices_are_refused_naming_the_field(tiny_model):
     heads = tiny_model.cfg.num_attention_heads
     with pytest.raises(ConfigError, match="attention heads") as info:
