@@ -223,17 +223,11 @@ class Engine:
     def _configured_tokenizer(self) -> Tokenizer | None:
         """The tokenizer ``config.tokenizer`` / ``config.chat_template`` ask for (None: neither is set,
         the executor loads the checkpoint's own)."""
-        config = self.config
-        if config.tokenizer is None and config.chat_template is None:
+        if self.config.tokenizer is None and self.config.chat_template is None:
             return None
-        from pipeline.model import ModelConfig
-        from pipeline.model.tokenizer import tokenizer_for_model
+        from pipeline.model.tokenizer import configured_tokenizer
 
-        cfg = self._model.cfg if self._model is not None else ModelConfig.from_dir(config.model)
-        return tokenizer_for_model(
-            None if self._model is not None else config.model, vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id, tokenizer=config.tokenizer, chat_template=config.chat_template,
-        )
+        return configured_tokenizer(self.config, self._model)
 
     def _read_generation_defaults(self) -> dict[str, float | int]:
         if self._model is not None:  # an injected model has no checkpoint directory

@@ -384,6 +384,19 @@ def end_token_ids(path: str | Path, *, vocab_size: int | None = None) -> tuple[i
     return tuple(ids)
 
 
+def configured_tokenizer(config: Any, model: Any = None) -> Tokenizer:
+    """The tokenizer an engine of ``config`` (an ``EngineConfig``) serves with: ``config.tokenizer``
+    and ``config.chat_template`` over the checkpoint's own files; with an injected ``model``, over
+    the byte-level tokenizer of its vocabulary."""
+    from pipeline.model.config import ModelConfig
+
+    cfg = model.cfg if model is not None else ModelConfig.from_dir(config.model)
+    return tokenizer_for_model(
+        None if model is not None else config.model, vocab_size=cfg.vocab_size,
+        eos_token_id=cfg.eos_token_id, tokenizer=config.tokenizer, chat_template=config.chat_template,
+    )
+
+
 def tokenizer_for_model(
     model_dir: str | Path | None,
     *,

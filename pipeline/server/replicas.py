@@ -164,19 +164,9 @@ class ReplicatedEngine:
         """The tokenizer the replicas' engines would load (passed to them: the ids agree)."""
         if self._tokenizer is not None:
             return self._tokenizer
-        from pipeline.model import ModelConfig
-        from pipeline.model.tokenizer import tokenizer_for_model
+        from pipeline.model.tokenizer import configured_tokenizer
 
-        config = self.config
-        injected = self._model is not None
-        cfg = self._model.cfg if injected else ModelConfig.from_dir(config.model)
-        return tokenizer_for_model(
-            None if injected else config.model,
-            vocab_size=cfg.vocab_size,
-            eos_token_id=cfg.eos_token_id,
-            tokenizer=config.tokenizer,
-            chat_template=config.chat_template,
-        )
+        return configured_tokenizer(self.config, self._model)
 
     def _spawn(self) -> list[ReplicaClient]:
         from pipeline.preflight import check_memory
