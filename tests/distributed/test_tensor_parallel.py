@@ -185,6 +185,7 @@ async def test_a_killed_worker_fails_every_request_and_stops_the_engine(tiny_mod
     assert segments() == before
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_abort_and_retraction_give_back_every_ranks_memory(tiny_model):
     """Small pools force retractions; one request is aborted mid-run: every rank's pools end at

@@ -7,6 +7,7 @@ ran mixed forwards (HiSparse on, prompts chunked past the hot region).
 from __future__ import annotations
 
 import attrs
+import pytest
 from _engine_util import config, make_prompts
 
 from pipeline.distributed.executor import DistributedExecutor
@@ -33,6 +34,7 @@ def serve(executor: CommandExecutor) -> dict[str, list[int]]:
     return {r.request_id: list(r.output_ids) for r in reqs}
 
 
+@pytest.mark.slow
 def test_mixed_steps_under_tp_give_the_tokens_of_one_process_without_them(tiny_model):
     cfg = attrs.evolve(config(), chunked_prefill_tokens=7)
     alone = Executor(attrs.evolve(cfg, mixed_steps=False), model=tiny_model)
