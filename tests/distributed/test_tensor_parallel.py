@@ -67,6 +67,7 @@ def two_ranks(tmp_path_factory):
     return whole, torch.load(out)
 
 
+@pytest.mark.slow
 def test_sharded_forward_matches_the_whole_model(two_ranks):
     want, seen = two_ranks
     got = seen["forward"]
@@ -76,6 +77,7 @@ def test_sharded_forward_matches_the_whole_model(two_ranks):
     assert got["params"] < 0.75 * want["params"]  # rank 0 holds its shard, not the model
 
 
+@pytest.mark.slow
 def test_objects_of_any_size_cross_the_group(two_ranks):
     """Commands and outcomes travel pickled in frames: a short payload costs one collective, a long
     one a second; both arrive whole, in rank order."""
@@ -118,6 +120,7 @@ async def check_engine_tp2_equals_tp1(model, num_steps):
     return stats
 
 
+@pytest.mark.slow
 @pytest.mark.asyncio
 async def test_engine_tp2_gives_the_tokens_of_tp1(tiny_model):
     await check_engine_tp2_equals_tp1(tiny_model, num_steps=None)
@@ -130,6 +133,7 @@ async def test_engine_tp2_gives_the_tokens_of_tp1_speculative(tiny_model):
     assert stats["speculative"]["verify_rounds"] > 0  # rank 0's rounds; every rank ran the same
 
 
+@pytest.mark.slow
 def test_ready_set_agreed_when_one_rank_stages_slowly(tiny_model):
     """Rank 1's prompt copies land only after a few polls; rank 0's at once. Rank 0 holds each
     request back until rank 1 has it too (the MIN agreement), and the tokens are TP 1's

@@ -168,6 +168,7 @@ def test_a_rank_0_that_could_not_start_stops_its_followers_at_once():
         launch.read_setup(store, env, 30)
 
 
+@pytest.mark.slow
 def test_an_idle_group_keeps_its_ranks(tiny_model):
     """While no command runs, rank 0 pings the others (each waits for a message no longer than the
     group's timeout): the pings go out with nothing to run, and the group still works after them."""

@@ -92,7 +92,7 @@ async def run_engine(model, cfg, prompts, params, aborts: dict[str, int]) -> dic
     return tokens
 
 
-@pytest.mark.parametrize("num_steps", [None, 2])
+@pytest.mark.parametrize("num_steps", [pytest.param(None, marks=pytest.mark.slow), 2])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(workload=workloads)
 def test_engine_and_driver_agree(tiny_model, num_steps, workload):

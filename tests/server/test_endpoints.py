@@ -205,6 +205,7 @@ def test_serve_flags():
     assert (args.api_key, args.disable_access_log) == (None, False)
 
 
+@pytest.mark.slow
 def test_the_cli_takes_the_key_from_the_environment(tmp_path):
     log_path = tmp_path / "serve.jsonl"
     proc, url = start_cli_server(log_path, extra=["--disable-access-log"], env={"HISPEC_API_KEY": KEY})

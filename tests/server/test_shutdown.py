@@ -187,6 +187,7 @@ def test_a_second_shutdown_ends_a_drain_that_waits_on_a_request(tiny_model):
     assert running.engine.final_pool_counts == running.engine.initial_pool_counts
 
 
+@pytest.mark.slow
 def test_a_second_sigterm_ends_the_process(tmp_path):
     proc, url = start_cli_server(tmp_path / "serve.jsonl", "finish", extra=["--shutdown-timeout", "600"])
     body = {"model": "tiny", "prompt": "x", "max_tokens": 400, "ignore_eos": True, "stream": True}
