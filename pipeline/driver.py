@@ -98,7 +98,7 @@ class SyncDriver:
         core.admission.remove({request_id})
         core.prefill.remove(request_id)
         core.staging.owned.pop(request_id, None)
-        core.decode.members.pop(request_id, None)
+        core.decode.remove(request_id)
         self._drive(end([(req, AbortRequested())], "driver"))
 
     def live(self, state: State) -> list[Request]:

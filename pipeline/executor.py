@@ -149,6 +149,8 @@ class Executor:
             result, changed = self._dispatch(command, idle)
         except Exception as exc:  # the whole command failed: its requests fail, not the engine
             log.error("executor.command_failed", command=type(command).__name__, exc_info=True)
+            # moves it made before failing are mapped to their requests now, while the rows are theirs
+            self._take_residency_changes()
             return Outcome(None, NO_SWAPS, True, _reason(exc), time.perf_counter() - start)
         self._rebalance(changed)
         after = self.memory.transfer_totals()

@@ -583,7 +583,9 @@ class DecodePart:
     round or (when ``policy`` says a round would not pay) a plain step. A round, in this order:
     ``Reserve`` (room for D positions; the refused are retracted while still in DECODE) ->
     ``DraftStarted`` -> ``Draft`` -> ``DraftDone`` -> [pending aborts] -> ``Verify`` -> ``Verified`` or
-    ``Finished``. A request the executor cannot grow is retracted; one it failed ends FAILED.
+    ``Finished``. A request the executor cannot grow is retracted; one it failed ends FAILED. With
+    dynamic residency each decode command's outcome carries the demotions and promotions made since
+    the last one, applied as their requests' events (``_note``).
     """
 
     aborts: AbortBook
@@ -596,10 +598,11 @@ class DecodePart:
     name: str = "decode"
     members: dict[str, Request] = attrs.field(factory=dict)  # join order
     _committed: int = 0  # tokens the current turn committed (the timed speculation rule reads it)
-    # dynamic residency: ``Demoted`` / ``Promoted`` events its commands' outcomes brought, applied
-    # once their requests are in READY or DECODE (at once, at a turn's end, or on joining); each is
-    # kept for one more turn when its request is not (yet) a member, then dropped (it ended first)
-    _moves: list[tuple[str, Event, bool]] = attrs.field(factory=list)
+    # dynamic residency (``_note``): the ``Demoted`` / ``Promoted`` events of requests on their way
+    # in, applied when each joins
+    _arriving: dict[str, list[Event]] = attrs.field(factory=dict)
+    # the requests that left (ended or retracted) since the last successful decode command's outcome
+    _left: dict[str, Request] = attrs.field(factory=dict)
 
     @property
     def speculative(self) -> bool:
@@ -616,34 +619,63 @@ class DecodePart:
     def accept(self, reqs: Iterable[Request]) -> None:
         for req in reqs:
             self.members[req.request_id] = req
-            self._apply_moves(req.request_id)
+            # back after a retraction: a move still to come is of its new memory (or, made before
+            # the retraction and brought late, shown at its joining: a marker late, never lost)
+            self._left.pop(req.request_id, None)
+            for event in self._arriving.pop(req.request_id, ()):  # made while it was on its way in
+                req.apply(event, self.name)
             req.apply(JoinedBatch(), self.name, batch_size=len(self.members))
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
 
+    def remove(self, request_id: str) -> Request | None:
+        """Take a member out, for its caller to end it: a move of it still to come is dropped."""
+        popped = self._pop([self.members[request_id]] if request_id in self.members else [])
+        return popped[0] if popped else None
+
     def _note(self, outcome: Outcome) -> Outcome:
-        """The residency events an outcome carries: applied at once to requests in READY or DECODE,
-        kept for the others (in a round's DRAFT or VERIFY)."""
-        if outcome.residency:
-            self._moves.extend((rid, event, False) for rid, event in outcome.residency)
-            for rid in {rid for rid, _ in outcome.residency}:
-                self._apply_moves(rid)
+        """Apply the residency events a decode command's outcome carries (dynamic residency).
+
+        A move is made at a step boundary to a request that holds its decode memory (READY, DECODE,
+        DRAFT or VERIFY, a self-loop in each), so a member's is applied at once, in whatever step
+        of a round it is: a request that finishes in the round of its move has the move before its
+        end. The request of any other move is one of two:
+
+        * on its way in: the async engine hands a READY request on by message, and a decode command
+          may bring its move before the message is taken. It is kept until the request joins
+          (``accept``), which it does (an abort of it is applied by this part, after it joined).
+        * gone (``_left``): ended, or retracted to the queue, after the move, by the time a decode
+          command brought it (another part's command moved it before this part's ``Release``). The
+          memory the move is about was released; the request's timeline has that release's event
+          (its end, or ``Retracted``) after the move was made, and a terminal or QUEUED request
+          takes no move. It is dropped, logged with the request's state.
+
+        A successful outcome carries every move made before its command was sent, and a request in
+        ``_left`` was released before that (a part pops between commands, never during one), so no
+        move of it can come later: the record starts over. A failed command's outcome carries none
+        (they wait for the next), so the record stays."""
+        for rid, event in outcome.residency:
+            req = self.members.get(rid)
+            if req is not None:
+                req.apply(event, self.name)
+            elif (gone := self._left.get(rid)) is not None:
+                log.info(
+                    "scheduler.move_after_release",
+                    request_id=rid,
+                    move=event.name,
+                    state=gone.state.value,
+                    **attrs.asdict(event),
+                )
+            else:
+                self._arriving.setdefault(rid, []).append(event)
+        if outcome.error is None:
+            self._left.clear()
         return outcome
 
-    def _apply_moves(self, only: str | None = None) -> None:
-        """Apply the kept residency events of members in READY or DECODE (of ``only``, when given);
-        at a turn's end, one that waited a turn for its request is dropped."""
-        kept = []
-        for rid, event, waited in self._moves:
-            req = self.members.get(rid)
-            if (only is None or rid == only) and req is not None and req.state in (State.READY, State.DECODE):
-                req.apply(event, self.name)
-            elif only is not None or not waited:
-                kept.append((rid, event, waited or only is None))
-        self._moves = kept
-
     def _pop(self, reqs: Iterable[Request]) -> list[Request]:
-        return [self.members.pop(r.request_id) for r in reqs if r.request_id in self.members]
+        popped = [self.members.pop(r.request_id) for r in reqs if r.request_id in self.members]
+        self._left.update((r.request_id, r) for r in popped)
+        return popped
 
     def turn(self, runnable: list[Request] | None = None) -> Turn:
         """One step (or round) over ``runnable`` (default: every member), after pending aborts."""
@@ -678,7 +710,6 @@ class DecodePart:
             )
         if self.pace is not None:
             self.pace.decoding = bool(self.members)
-        self._apply_moves()
         return done
 
     def _step(self, reqs: list[Request]) -> Turn:

@@ -8,9 +8,12 @@ DECODE -> DECODE one token per step; speculative decoding loops DECODE -> DRAFT 
 tokens per round. It ends in exactly one terminal state: FINISHED (EOS, stop string, length), ABORTED (the
 caller gave up) or FAILED (something broke). Abort and failure are legal from every live state; memory
 pressure may retract a request from PREFILL, READY or DECODE back to QUEUED, releasing its memory. With
-dynamic residency a READY or DECODE request may be Demoted (its whole context on the device -> its hot
-buffer over the host copy) under memory pressure and Promoted back when memory returns, at step
-boundaries; both leave the state as it was.
+dynamic residency a request that holds its decode memory (READY, DECODE, DRAFT or VERIFY) may be
+Demoted (its whole context on the device -> its hot buffer over the host copy) under memory pressure
+and Promoted back when memory returns. A move is made at any step boundary, between the steps of a
+speculative round too, so both are self-loops in each of those states: the event is applied in the
+state the request is in when its command's outcome comes back, and a request that finishes in the
+round of its move still has the move in its timeline.
 
 ``advance(state, event)`` is the only way to change a state. It is pure: an illegal pair raises
 ``IllegalTransition`` and the caller's state stays what it was. Entering a terminal state is the
@@ -184,10 +187,14 @@ TRANSITIONS: dict[tuple[State, type[Event]], State] = {
     (S.DECODE, AbortRequested): S.ABORTED,
     (S.DECODE, Crashed): S.FAILED,
     (S.DRAFT, DraftDone): S.VERIFY,
+    (S.DRAFT, Demoted): S.DRAFT,
+    (S.DRAFT, Promoted): S.DRAFT,
     (S.DRAFT, AbortRequested): S.ABORTED,
     (S.DRAFT, Crashed): S.FAILED,
     (S.VERIFY, Verified): S.DECODE,
     (S.VERIFY, Finished): S.FINISHED,
+    (S.VERIFY, Demoted): S.VERIFY,
+    (S.VERIFY, Promoted): S.VERIFY,
     (S.VERIFY, AbortRequested): S.ABORTED,
     (S.VERIFY, Crashed): S.FAILED,
 }

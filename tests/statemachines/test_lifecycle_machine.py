@@ -3,13 +3,14 @@
 A shadow model written from statemachines/request.py's theory of operation says what may happen to
 a request in which state, and where it leads: admission, prompt chunks, the end of prefill (or a
 first token that ends it), staging, joining the batch, plain steps, draft and verify rounds,
-retraction under memory pressure, demotion and promotion (dynamic residency: a READY or DECODE
-request's KV leaves the device or comes back, its state unchanged), finishes, and aborts and crashes
-in any live state. Several requests live at once; a rule picks one of the model's edges and a live
-request, walks the request there along the model's shortest way, and takes the edge, each happening
-through ``advance``, which must reach the model's state; another rule tries an event the model says
-cannot happen, which must raise and change nothing (terminal states absorb nothing). So every edge
-of the table is walked, and an edge missing from it, or one too many, fails a rule.
+retraction under memory pressure, demotion and promotion (dynamic residency: the KV of a request
+holding its decode memory, READY, DECODE, DRAFT or VERIFY, leaves the device or comes back, its
+state unchanged), finishes, and aborts and crashes in any live state. Several requests live at
+once; a rule picks one of the model's edges and a live request, walks the request there along the
+model's shortest way, and takes the edge, each happening through ``advance``, which must reach the
+model's state; another rule tries an event the model says cannot happen, which must raise and
+change nothing (terminal states absorb nothing). So every edge of the table is walked, and an edge
+missing from it, or one too many, fails a rule.
 """
 
 from __future__ import annotations
@@ -61,8 +62,8 @@ HAPPENINGS: dict[type[Event], tuple[frozenset[State], State | None]] = {
     Verified: (frozenset({S.VERIFY}), S.DECODE),
     Finished: (frozenset({S.DECODE, S.VERIFY}), S.FINISHED),
     Retracted: (frozenset({S.PREFILL, S.READY, S.DECODE}), S.QUEUED),
-    Demoted: (frozenset({S.READY, S.DECODE}), None),
-    Promoted: (frozenset({S.READY, S.DECODE}), None),
+    Demoted: (frozenset({S.READY, S.DECODE, S.DRAFT, S.VERIFY}), None),
+    Promoted: (frozenset({S.READY, S.DECODE, S.DRAFT, S.VERIFY}), None),
     AbortRequested: (LIVE, S.ABORTED),
     Crashed: (LIVE, S.FAILED),
 }

@@ -55,6 +55,10 @@ EXPECTED_EDGES = (
         (S.READY, Promoted, S.READY),
         (S.DECODE, Demoted, S.DECODE),
         (S.DECODE, Promoted, S.DECODE),
+        (S.DRAFT, Demoted, S.DRAFT),
+        (S.DRAFT, Promoted, S.DRAFT),
+        (S.VERIFY, Demoted, S.VERIFY),
+        (S.VERIFY, Promoted, S.VERIFY),
     }
     | {(s, AbortRequested, S.ABORTED) for s in S if s not in TERMINAL}
     | {(s, Crashed, S.FAILED) for s in S if s not in TERMINAL}
