@@ -612,9 +612,9 @@ class _FusedMoE:
             if self.w_all is not None and weights.dtype == flat.dtype and self._joined_current():
                 return self._dense_with_shared(flat, ids, weights).view(shape)
             out = self._dense(flat, ids, weights)
-        elif self.grouped_ok:
+        elif self.grouped_ok and not getattr(moe.experts, "static_shapes", False):
             out = self._grouped(flat, ids, weights)
-        else:
+        else:  # (with ``static_shapes``: shapes that never follow the routing, for a CUDA graph)
             out = moe.experts(flat, ids, weights)
         out = out.view(shape)
         if self.shared is not None:

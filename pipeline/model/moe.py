@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.moe_static import routed_experts_static
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -60,10 +61,17 @@ class TopkRouter(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """``E`` SwiGLU experts in two fused tensors."""
+    """``E`` SwiGLU experts in two fused tensors.
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    ``static_shapes`` (off by default; a plain attribute, so it can be switched on a built model)
+    selects ``kernels.moe_static.routed_experts_static``: the same sum with every tensor shape fixed
+    by ``(N, k, E)`` and no host read of the routing, which a CUDA graph capture needs, at the cost
+    of padded matmuls and gathered weight copies (its docstring). Off, the forward loops over the
+    experts the routing uses, reading them on the host."""
+
+    def __init__(self, cfg: ModelConfig, *, static_shapes: bool = False) -> None:
         super().__init__()
+        self.static_shapes = static_shapes
         e, d, i = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, d))
         self.down_proj = nn.Parameter(torch.empty(e, d, i))
@@ -72,7 +80,9 @@ class RoutedExperts(nn.Module):
 
     def forward(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """``x [N, D]``, ``ids/weights [N, k]`` -> ``[N, D]``; accumulated in the activations'
-        dtype, expert by expert."""
+        dtype, expert by expert (in expert order, whichever path)."""
+        if self.static_shapes:
+            return routed_experts_static(x, ids, weights, self.gate_up_proj, self.down_proj)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)  # [N * k]
         for expert in torch.unique(flat_ids).tolist():

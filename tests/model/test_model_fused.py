@@ -78,6 +78,29 @@ def test_large_batches_take_the_grouped_expert_path(monkeypatch):
     assert set(calls) == {n}  # the prefill of every MoE layer, not the one-token decode
 
 
+def test_static_shapes_keep_large_batches_off_the_grouped_path(monkeypatch):
+    """``RoutedExperts.static_shapes`` (a CUDA graph's capture): the fused MoE leaves the grouped
+    path, whose groups follow the routing (``bincount(...).tolist()``), for the experts' fixed-shape
+    one, with the same values."""
+    from pipeline.model.fused import _FusedMoE
+    from pipeline.model.moe import RoutedExperts
+
+    cfg = tiny_config(n_group=1, topk_group=1)
+    module, fused = _pair(cfg)
+    n = DENSE_EXPERT_ROWS // cfg.n_routed_experts + 1
+    calls = []
+    original = _FusedMoE._grouped
+    monkeypatch.setattr(
+        _FusedMoE, "_grouped", lambda self, x, *a: calls.append(x.shape[0]) or original(self, x, *a)
+    )
+    experts = [m for m in fused.modules() if isinstance(m, RoutedExperts)]
+    assert experts
+    for m in experts:
+        m.static_shapes = True
+    torch.testing.assert_close(_logits(fused, n), _logits(module, n), rtol=0, atol=1e-10)
+    assert calls == []
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     n=st.integers(2, 300),
