@@ -101,6 +101,8 @@ def engine_config(args: argparse.Namespace, **fields: Any) -> EngineConfig:
         options["prefix_cache"] = not args.no_prefix_cache
     if "no_shared_host_pool" in given:
         options["shared_host_pool"] = not args.no_shared_host_pool
+    if given.get("cuda_graphs"):
+        options["cuda_graphs"] = True
     options["device_pool_tokens"] = given.get("device_pool_tokens")
     options |= fields
     # --tp not given: the launcher's WORLD_SIZE, else 1; given under a launcher, it must equal it

@@ -45,12 +45,14 @@ from pipeline.chunking import PrefillCounters
 from pipeline.config import EngineConfig
 from pipeline.finish import finish_decode, finish_prefill
 from pipeline.forward import Chunk, DecodeOut, Forwards, PrefillOut
+from pipeline.graphs import DecodeGraphs
 from pipeline.hisparse.transfer import TransferStream
 from pipeline.isolation import isolate
 from pipeline.isolation import reason as _reason
 from pipeline.memory import OutOfMemory
 from pipeline.memory.host_pool import HostRows
 from pipeline.memory.interface import Residency, Transfers, TransferTotals
+from pipeline.memory.resident import ResidentMemory
 from pipeline.messages import (
     NO_SWAPS,
     Admit,
@@ -113,6 +115,11 @@ class Executor:
         self.device, self.dtype, self.model = started.device, started.dtype, started.model
         self.tokenizer, self.plan = started.tokenizer, started.plan
         self.memory, self.trace = started.memory, started.trace
+        # fixed-size decode inputs, replayed from CUDA graphs on CUDA (``EngineConfig.cuda_graphs``)
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs:  # (the config allows it with the all-resident memory only)
+            assert isinstance(self.memory, ResidentMemory)
+            self.graphs = DecodeGraphs(self.model, self.memory)
         spec = self.plan.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain
         self.spec_counters = SpecCounters(spec.num_steps) if spec is not None else None
@@ -303,7 +310,10 @@ class Executor:
     # --- forwards (``pipeline/forward.py``) ------------------------------------------------------------
 
     def _forwards(self) -> Forwards:
-        return Forwards(self.model, self.memory, self.device, self.trace, self._labels(), self.speculative)
+        return Forwards(
+            self.model, self.memory, self.device, self.trace, self._labels(), self.speculative,
+            graphs=self.graphs,
+        )
 
     def _prefill_forward(self, items: list[Chunk]) -> list[PrefillOut]:
         return self._forwards().prefill(items)

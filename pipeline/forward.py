@@ -15,6 +15,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from pipeline.graphs import DecodeGraphs
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.memory.interface import KVMemory
 from pipeline.memory.mixed import MixedBackend
@@ -50,6 +51,8 @@ class Forwards:
     trace: TopKTrace | None
     labels: dict[int, str] | None  # row -> request id, for the trace
     keep_hidden: bool  # a prefill returns each chunk's hidden states (the draft extend's input)
+    # decode over fixed-size inputs (CUDA graphs where captured; all-resident memory only), None: off
+    graphs: DecodeGraphs | None = None
 
     def prefill(self, items: list[Chunk]) -> list[PrefillOut]:
         batch = self.prefill_batch(items)
@@ -60,9 +63,22 @@ class Forwards:
         return self.prefill_outputs(items, hidden)
 
     def decode(self, seqs: list[Sequence]) -> list[DecodeOut]:
+        graphs = self.graphs
+        if graphs is not None and self.trace is None and graphs.covers(len(seqs)):
+            return self.decode_static(seqs, graphs)
         batch = self.decode_batch(seqs)
         hidden = self.model(batch.ids, batch.positions, batch.backend)  # [B, D]
-        return self.decode_outputs(seqs, batch, hidden)
+        assert batch.slots is not None, "a decode batch carries its new rows' slots"
+        return self.decode_outputs(seqs, batch.slots, hidden)
+
+    def decode_static(self, seqs: list[Sequence], graphs: DecodeGraphs) -> list[DecodeOut]:
+        """``decode`` through ``graphs``' fixed-size inputs of the batch's bucket (padded to it;
+        replayed from a graph where one was captured): the same results as the eager step."""
+        row_list = [s.row for s in seqs]
+        targets = self.memory.prepare_decode(row_list)
+        positions = [self.memory.length(r) for r in row_list]
+        hidden = graphs.forward(row_list, positions, [s.next_token for s in seqs], targets.locs)  # [B, D]
+        return self.decode_outputs(seqs, targets.slots, hidden)
 
     def mixed(self, seqs: list[Sequence], chunks: list[Chunk]) -> list[DecodeOut | PrefillOut]:
         """One forward over decode requests and prefill chunks (both kinds present); the results of
@@ -75,7 +91,11 @@ class Forwards:
         finally:
             self.memory.end_forward()  # swap-in workspace lent to the chunks goes back
         n = len(seqs)
-        return [*self.decode_outputs(seqs, decode, hidden[:n]), *self.prefill_outputs(chunks, hidden[n:])]
+        assert decode.slots is not None, "a decode batch carries its new rows' slots"
+        return [
+            *self.decode_outputs(seqs, decode.slots, hidden[:n]),
+            *self.prefill_outputs(chunks, hidden[n:]),
+        ]
 
     def prefill_batch(self, items: list[Chunk]) -> Batch:
         dev = self.device
@@ -119,12 +139,13 @@ class Forwards:
         )
         return Batch(ids, positions, backend, targets.slots)
 
-    def decode_outputs(self, seqs: list[Sequence], batch: Batch, hidden: torch.Tensor) -> list[DecodeOut]:
-        """Per request: (its new row's slot, its logits, its hidden state, its greedy token or None,
-        or ``NON_FINITE``). The greedy requests' tokens are one ``argmax`` over the batch's rows (the
-        one ``sample`` takes of each row alone: the first maximum), read back in one transfer with
-        whether each request's logits are finite."""
-        assert batch.slots is not None, "a decode batch carries its new rows' slots"
+    def decode_outputs(
+        self, seqs: list[Sequence], slots: torch.Tensor, hidden: torch.Tensor
+    ) -> list[DecodeOut]:
+        """Per request: (its new row's slot (of ``slots [B]``), its logits, its hidden state, its
+        greedy token or None, or ``NON_FINITE``). The greedy requests' tokens are one ``argmax``
+        over the batch's rows (the one ``sample`` takes of each row alone: the first maximum), read
+        back in one transfer with whether each request's logits are finite."""
         logits = self.model.logits(hidden)  # [B, V]
         picks = checked_picks(logits, [s.params for s in seqs])
-        return [(s, (batch.slots[i : i + 1], logits[i], hidden[i], picks[i])) for i, s in enumerate(seqs)]
+        return [(s, (slots[i : i + 1], logits[i], hidden[i], picks[i])) for i, s in enumerate(seqs)]

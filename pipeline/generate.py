@@ -117,6 +117,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
         "--no-shared-host-pool", action="store_true",
         help="with --tp: each rank keeps its own HiSparse host pool (default: one per node, shared)",
     )
+    p.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay plain decode steps from CUDA graphs (needs --no-hisparse; docs/cuda.md)",
+    )
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")
 

@@ -369,6 +369,86 @@ def decode_ratio(p: Profile, model, device: torch.device, budget: Budget, seed: 
     }  # fmt: skip
 
 
+# --- 2b'. decode graphs ------------------------------------------------------------------------------
+
+GRAPH_BATCHES = (1, 2, 3)  # buckets 1, 2 and 4 (3 padded to 4)
+GRAPH_CONTEXT = 2048  # tokens of a request (the captured indexer scores the table's width)
+
+
+def graph_run(executor, graphs, prompts: list[list[int]], new_tokens: int, tag: str) -> tuple[float, list]:
+    """Prefill and stage (untimed), then ``new_tokens`` timed decode steps of the batch, through
+    ``graphs`` when given: (seconds, each request's tokens)."""
+    from pipeline.benchmarks.hisparse import GREEDY
+    from pipeline.driver import prefill_whole
+    from pipeline.messages import NewSequence
+
+    if graphs is not None:  # (the executor builds its forwards without graphs)
+        executor._forwards = lambda: attrs.evolve(type(executor)._forwards(executor), graphs=graphs)
+    ids = [f"{tag}-{i}" for i in range(len(prompts))]
+    prefill_whole(executor, [NewSequence(rid, tuple(p), GREEDY) for rid, p in zip(ids, prompts)])
+    executor.wait_staging()
+    assert sorted(executor.collect_ready()) == sorted(ids)
+    seconds, _ = timed(executor.device, lambda: [executor.decode(ids) for _ in range(new_tokens)])
+    tokens = [list(executor.seqs[rid].produced) for rid in ids]
+    for rid in ids:
+        executor.release(rid)
+    return seconds, tokens
+
+
+def decode_graphs(p: Profile, model, device: torch.device, seed: int) -> dict[str, Any]:
+    """The all-resident decode captured for buckets 1, 2 and 4 (``pipeline/graphs.py``), replayed
+    beside the eager step on the same executor settings: equal tokens, and decode tokens/s of each."""
+    if device.type != "cuda":
+        return {"skipped": "no CUDA"}
+    from pipeline.executor import Executor
+    from pipeline.graphs import DecodeGraphs
+    from pipeline.memory.resident import ResidentMemory
+
+    context = min(GRAPH_CONTEXT, p.context)
+    pool = -(-(max(GRAPH_BATCHES) * (context + 2 * p.page)) // p.page) * p.page
+    cfg = attrs.evolve(decode_configs(p, device)["resident"], max_context_len=context + p.page,
+                       max_running_requests=max(GRAPH_BATCHES), device_pool_tokens=pool)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 1000, (context - p.new_tokens,), generator=gen).tolist()
+               for _ in range(max(GRAPH_BATCHES))]
+    eager, captured = Executor(cfg, model=model), Executor(cfg, model=model)
+    memory = captured.memory
+    assert isinstance(memory, ResidentMemory)  # (hisparse=None)
+    graphs = DecodeGraphs(captured.model, memory, buckets=(1, 2, 4))
+    out: dict[str, Any] = {"context": context, "new_tokens": p.new_tokens, "batches": {}}
+    try:
+        for n in GRAPH_BATCHES:
+            graph_run(eager, None, prompts[:n], 2, f"warm-eager{n}")  # the first calls of every kernel
+            graph_run(captured, graphs, prompts[:n], 2, f"warm-graph{n}")  # the capture
+            eager_s, eager_tokens = graph_run(eager, None, prompts[:n], p.new_tokens, f"eager{n}")
+            graph_s, graph_tokens = graph_run(captured, graphs, prompts[:n], p.new_tokens, f"graph{n}")
+            out["batches"][n] = {"equal": graph_tokens == eager_tokens,
+                                 "eager_tokens_per_s": n * p.new_tokens / eager_s,
+                                 "graph_tokens_per_s": n * p.new_tokens / graph_s}
+    finally:
+        eager.close()
+        captured.close()
+    out["captured"], out["refused"] = graphs.captured(), dict(graphs.refused)
+    out["equal"] = all(b["equal"] for b in out["batches"].values())
+    return out
+
+
+def graph_rows(graph: dict[str, Any] | None) -> list[list[object]]:
+    if graph is None:
+        return []
+    if "skipped" in graph:
+        return [["decode graphs, buckets 1, 2, 4", f"skipped: {graph['skipped']}", "", "", ""]]
+    rows: list[list[object]] = []
+    for n, b in graph["batches"].items():
+        note = f"tokens equal: {b['equal']}; captured {graph['captured']}"
+        if graph["refused"]:
+            note += f"; eager: {graph['refused']}"
+        graph_tps, eager_tps = b["graph_tokens_per_s"], b["eager_tokens_per_s"]
+        rows.append([f"graph decode tok/s, {n} requests, {graph['context']} tokens", graph_tps,
+                     f"eager {eager_tps:.3g}", graph_tps / eager_tps, note])
+    return rows
+
+
 # --- 2c. one device budget: seats and output tokens/s ---------------------------------------------
 
 
@@ -599,7 +679,8 @@ def sweep_row(sweep: dict[str, Any]) -> list[object]:
 def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> dict[str, dict | None]:
     """The benchmark's parts in order, each within what is left of ``budget``."""
     cuda = device.type == "cuda"
-    out: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None, "sweep": None}
+    out: dict[str, dict | None] = {"swap_in": None, "decode": None, "graphs": None, "budget": None,
+                                   "sweep": None}
     built = budget.run("model", 60 if cuda else 10, lambda: {"model": random_model(p, device, seed)})
     if built is None:
         return out
@@ -607,6 +688,8 @@ def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> di
     out["swap_in"] = budget.run("swap-in", 30 if cuda else 5, lambda: swap_in_bandwidth(p, model.cfg, device))
     out["decode"] = decode = budget.run("decode", 60 if cuda else 10,
                                         lambda: decode_ratio(p, model, device, budget, seed))
+    out["graphs"] = budget.run("decode graphs", 40 if cuda else 0,
+                               lambda: decode_graphs(p, model, device, seed))
     prefill = decode["prefill_s_per_request"] if decode is not None else None
     out["budget"] = budget.run("budget", 40 if cuda else 8,
                                lambda: at_one_budget(p, model, device, budget, prefill, seed))
@@ -661,7 +744,8 @@ def main(argv: list[str]) -> int:
         print(f"[gpu-check] tests: pytest -m cuda {TESTS.relative_to(ROOT)}", flush=True)
         tests = run_tests(device, min(profile.tests_s, max(budget.left() - 30, 1)))
         budget.outcomes["tests"] = "ran" if tests["passed"] else "failed"
-    parts: dict[str, dict | None] = {"swap_in": None, "decode": None, "budget": None, "sweep": None}
+    parts: dict[str, dict | None] = {"swap_in": None, "decode": None, "graphs": None, "budget": None,
+                                     "sweep": None}
     if not args.skip_bench:
         sink = configure_logging(level="warning", stream=io.StringIO())
         try:
@@ -674,7 +758,8 @@ def main(argv: list[str]) -> int:
     print()
     print(headline(profile, device, seconds))
     print(table(["check", "HiSparse / measured", "baseline", "ratio", "note"],
-                report_rows(tests, parts["swap_in"], parts["decode"], parts["budget"], parts["sweep"])))
+                report_rows(tests, parts["swap_in"], parts["decode"], parts["budget"], parts["sweep"])
+                + graph_rows(parts["graphs"])))
     if parts["sweep"] is not None:
         print(sweep_caption(parts["sweep"]))
         print(table(parts["sweep"]["table"]["headers"], parts["sweep"]["table"]["rows"]))

@@ -120,6 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hot", type=int, default=None,
                    help="HiSparse hot columns per request (default: 128, or the model's index_topk if more)")
     p.add_argument("--no-hisparse", action="store_true", help="keep every token's KV on the device")
+    p.add_argument(
+        "--cuda-graphs", action="store_true",
+        help="replay plain decode steps from CUDA graphs (needs --no-hisparse; docs/cuda.md)",
+    )
     p.add_argument("--no-spec", action="store_true", help="plain decoding (no MTP speculation)")
     p.add_argument(
         "--num-steps",
