@@ -31,6 +31,7 @@ import torch
 from kernels import kv_fp8
 from kernels.kv_fp8 import KVCacheFormat
 from kernels.swap_in_policy import DEFAULT_POLICY
+from pipeline.memory.arena import arena_layout, key_pages_in
 
 if TYPE_CHECKING:
     from pipeline.model.config import ModelConfig
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 INT64, INT32 = 8, 4
 ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
 SLOT, LOCATION, REQUEST, FIXED = "device slot", "logical location", "request", "fixed"
+ARENA = "device arena (KV rows and indexer keys)"  # dynamic residency's one tensor for both
 
 
 def round_up(n: int, multiple: int) -> int:
@@ -198,6 +200,7 @@ def _structures(
     rows: int,
     max_len: int,
     dims: ModelDims,
+    arena: bool = False,
 ) -> tuple[Structure, ...]:
     layers, row, idx = dims.num_layers, dims.row_bytes, dims.key_bytes
     table = max_len * INT64
@@ -213,8 +216,14 @@ def _structures(
         add("token table", REQUEST, table, rows)
         return tuple(out)
     cols = hot + page
-    add("device KV rows", SLOT, layers * row, slots + page)
-    add("indexer keys (every logical location)", LOCATION, layers * idx, locations + page)
+    located = locations + page  # logical rows, page 0 included
+    if arena:  # dynamic residency: the keys are a view of the rows' memory (pipeline/memory/arena.py)
+        c, frames, view = arena_layout(row, idx, slots // page + 1, locations // page)
+        add(ARENA, SLOT, layers * row, frames * c * page)
+        located = view * page  # (a few key pages straddle two frames: never used)
+    else:
+        add("device KV rows", SLOT, layers * row, slots + page)
+        add("indexer keys (every logical location)", LOCATION, layers * idx, locations + page)
     add("device buffer slots", REQUEST, cols * INT64, rows)
     add("device buffer positions", REQUEST, layers * cols * INT32, rows)
     add("device buffer LRU", REQUEST, layers * hot * INT32, rows)
@@ -222,9 +231,9 @@ def _structures(
     add("host map", REQUEST, table, rows)
     if dims.mtp_layers:  # one all-resident pool for the draft layer, by logical location (the token table's)
         if not dims.draft_rows_on_host:
-            add("draft layer KV rows", LOCATION, row, locations + page)
+            add("draft layer KV rows", LOCATION, row, located)
         if not dims.draft_keys_on_host:
-            add("draft layer indexer keys", LOCATION, idx, locations + page)
+            add("draft layer indexer keys", LOCATION, idx, located)
     return tuple(out)
 
 
@@ -245,6 +254,16 @@ def unit_costs(*, hisparse: bool, page: int, hot: int, max_len: int, dims: Model
     return _costs(probe, page)
 
 
+def arena_bytes(
+    *, page: int, hot: int, slots: int, locations: int, rows: int, max_len: int, dims: ModelDims
+) -> int:
+    """Device bytes of a dynamic-residency memory layer (one arena for the rows and the keys) with
+    these pools: what ``pipeline.pool_sizes.dynamic_split`` fits to a budget."""
+    found = _structures(hisparse=True, page=page, hot=hot, slots=slots, locations=locations, rows=rows,
+                        max_len=max_len, dims=dims, arena=True)
+    return sum(s.num_bytes for s in found)
+
+
 def device_structures(plan: MemoryPlan, dims: ModelDims) -> tuple[Structure, ...]:
     """Every device tensor the memory layer allocates for ``plan``."""
     return _structures(
@@ -256,6 +275,7 @@ def device_structures(plan: MemoryPlan, dims: ModelDims) -> tuple[Structure, ...
         rows=plan.max_running_requests,
         max_len=plan.max_request_len,
         dims=dims,
+        arena=plan.hisparse and plan.residency == "dynamic",
     )
 
 
@@ -304,33 +324,74 @@ class LoadStep:
     requests: int
     full: int  # FULL rows: every position in a device slot (no hot buffer)
     hot: int  # HOT rows: the hot buffer over the host copy
-    device_slots: int  # device slots the requests hold (FULL contexts, HOT buffers)
+    device_slots: int  # KV rows the requests hold in the arena (FULL contexts, HOT buffers)
 
 
-def full_rows(plan: MemoryPlan, context: int, requests: int) -> int:
+@attrs.frozen
+class ArenaSpace:
+    """The device arena of a dynamic plan in whole frames (``pipeline.memory.arena``): what the
+    indexer keys of ``requests`` requests leave to KV rows. Frame 0 is reserved; the keys take the
+    lowest frames (a frame holds ``c * R / K`` key pages, less any that straddle two frames), the
+    rows whole frames of ``c`` pages from the rest."""
+
+    pages_per_frame: int  # c
+    num_frames: int  # frame 0 included
+    # key frames[n]: the fewest frames from frame 1 whose key pages number n or more
+    key_frames: tuple[int, ...]
+
+    @classmethod
+    def of(cls, plan: MemoryPlan, row_bytes: int, key_bytes: int) -> ArenaSpace:
+        page = plan.page_size
+        c, frames, _view = arena_layout(row_bytes, key_bytes, plan.device_tokens // page + 1,
+                                        plan.logical_tokens // page)
+        key_frames, held = [0], 0
+        for frame in range(1, frames):
+            pages = key_pages_in(frame, c, row_bytes, key_bytes, 1 << 62)
+            key_frames += [frame] * len(pages)  # the key pages held + 1 .. + len(pages) need ``frame`` frames
+            held += len(pages)
+            if held >= plan.logical_pages:
+                break
+        return cls(c, frames, tuple(key_frames))
+
+    def row_pages(self, key_pages: int) -> int:
+        """Physical pages left to KV rows once ``key_pages`` key pages are held."""
+        key_frames = self.key_frames[min(key_pages, len(self.key_frames) - 1)]
+        return (self.num_frames - 1 - key_frames) * self.pages_per_frame
+
+
+def full_rows(plan: MemoryPlan, context: int, requests: int, *, row_bytes: int, key_bytes: int) -> int:
     """FULL rows among ``requests`` requests of ``context`` tokens held at once (dynamic residency):
-    the most the device pool holds beside the others' hot buffers, and, while any request is HOT,
-    one prefill chunk's rows (as ``seats`` counts them). 0 in ``residency="always"``."""
+    the most the device arena holds beside every request's indexer keys, the others' hot buffers
+    and, while any request is HOT, one prefill chunk's rows (as ``seats`` counts them). Per layer a
+    FULL request of ``need`` positions holds ``need * (R + K)`` bytes of the arena, a HOT one
+    ``need * K + buffer_columns * R`` (``R``, ``K``: ``row_bytes``, ``key_bytes``), in whole frames
+    (``ArenaSpace``). 0 in ``residency="always"``."""
     if not plan.hisparse or plan.residency != "dynamic":
         return 0
+    return _full_rows(plan, context, requests, ArenaSpace.of(plan, row_bytes, key_bytes))
+
+
+def _full_rows(plan: MemoryPlan, context: int, requests: int, arena: ArenaSpace) -> int:
     page = plan.page_size
     need = round_up(context + plan.draft_tokens, page)
-    chunk = chunk_rows(hot=plan.hot, page_size=page, chunk=plan.prefill_chunk, num_tokens=context)
-    if requests * need <= plan.device_tokens:
+    rows = arena.row_pages(requests * need // page) * page  # KV rows the requests' keys leave
+    if requests * need <= rows:
         return requests
+    chunk = chunk_rows(hot=plan.hot, page_size=page, chunk=plan.prefill_chunk, num_tokens=context)
     extra = need - plan.buffer_columns  # what a FULL row holds beyond a HOT one
-    room = plan.device_tokens - chunk - requests * plan.buffer_columns
+    room = rows - chunk - requests * plan.buffer_columns
     return max(0, min(requests - 1, room // extra)) if extra > 0 else requests
 
 
-def load_steps(plan: MemoryPlan, context: int) -> list[LoadStep]:
+def load_steps(plan: MemoryPlan, context: int, *, row_bytes: int, key_bytes: int) -> list[LoadStep]:
     """How a dynamic engine moves from all-FULL to all-HOT as requests of ``context`` tokens arrive,
     from one request to the seats: one request, the most that are all FULL and one more, each load
-    where the FULL count falls, the first that is all HOT, and the seats."""
+    where the FULL count falls, the first that is all HOT, and the seats (``full_rows``)."""
     page = plan.page_size
     need = round_up(context + plan.draft_tokens, page)
     last = seats(plan, context).running
-    full = {k: full_rows(plan, context, k) for k in range(last + 1)}
+    arena = ArenaSpace.of(plan, row_bytes, key_bytes)
+    full = {k: _full_rows(plan, context, k, arena) for k in range(last + 1)}
     all_full = max(k for k in full if full[k] == k)
     all_hot = min((k for k in full if k and full[k] == 0), default=last)
     drops = {k for k in range(1, last + 1) if full[k] < full[k - 1]}
@@ -398,33 +459,45 @@ class DevicePlan:
             "host_bytes": dims.num_layers * plan.host_tokens * dims.row_bytes,
         }
 
+    def _held(self, *, slots: int, locations: int, rows: int) -> dict[str, int]:
+        """Device bytes of each structure that ``rows`` requests holding ``slots`` KV rows and
+        ``locations`` logical locations take (the arena holds the locations' indexer keys too)."""
+        units = {SLOT: slots, LOCATION: locations, REQUEST: rows}
+        keys = self.dims.num_layers * self.dims.key_bytes * locations
+        return {s.name: s.unit_bytes * units[s.unit] + (keys if s.name == ARENA else 0)
+                for s in self.structures}
+
     def request_bytes(self, context: int) -> dict[str, int]:
-        """Device bytes one request of ``context`` tokens holds in each structure (once decoding)."""
+        """Device bytes one request of ``context`` tokens holds in each structure (once decoding; a
+        HiSparse request HOT)."""
         plan = self.plan
         locations = round_up(context + plan.draft_tokens, plan.page_size)
         slots = plan.buffer_columns if plan.hisparse else locations
-        units = {SLOT: slots, LOCATION: locations, REQUEST: 1}
-        return {s.name: s.unit_bytes * units[s.unit] for s in self.structures}
+        return self._held(slots=slots, locations=locations, rows=1)
+
+    def load_steps(self, context: int) -> list[LoadStep]:
+        """Dynamic residency: ``load_steps`` of this plan's arena."""
+        return load_steps(self.plan, context, row_bytes=self.dims.row_bytes, key_bytes=self.dims.key_bytes)
 
     def full_seats(self, context: int) -> int:
-        """Dynamic residency: requests of ``context`` tokens that are all FULL at once (0 in
-        ``residency="always"``)."""
-        if self.plan.residency != "dynamic":
+        """Dynamic residency: the most requests of ``context`` tokens that are all FULL at once
+        (within the seats; 0 in ``residency="always"``)."""
+        if not self.plan.hisparse or self.plan.residency != "dynamic":
             return 0
-        need = round_up(context + self.plan.draft_tokens, self.plan.page_size)
-        return min(self.plan.device_tokens // need, self.seats(context).running)
+        arena = ArenaSpace.of(self.plan, self.dims.row_bytes, self.dims.key_bytes)
+        running = self.seats(context).running
+        return max(k for k in range(running + 1) if _full_rows(self.plan, context, k, arena) == k)
 
     def load_table(self, context: int) -> list[dict[str, int]]:
         """Dynamic residency: ``load_steps`` with the device bytes the requests hold at each load (the
-        FULL rows and HOT buffers, the indexer keys of every location, the rows' bookkeeping)."""
+        arena's FULL rows, HOT buffers and every location's indexer keys, and the rows' bookkeeping)."""
         plan = self.plan
-        costs = _costs(self.structures, plan.page_size)
         locations = round_up(context + plan.draft_tokens, plan.page_size)
         return [
             {**attrs.asdict(step),
-             "device_bytes": costs.total(slots=step.device_slots, locations=step.requests * locations,
-                                         rows=step.requests) - costs.fixed}
-            for step in load_steps(plan, context)
+             "device_bytes": sum(self._held(slots=step.device_slots, locations=step.requests * locations,
+                                            rows=step.requests).values())}
+            for step in self.load_steps(context)
         ]
 
     def largest(self, context: int) -> tuple[str, float]:

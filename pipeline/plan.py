@@ -27,7 +27,7 @@ from typing import Any, Literal
 import attrs
 
 from kernels.kv_fp8 import KV_CACHE_DTYPES
-from pipeline.capacity import DevicePlan, format_bytes, parse_bytes
+from pipeline.capacity import ARENA, ArenaSpace, DevicePlan, format_bytes, parse_bytes
 from pipeline.config import (
     DEFAULT_CHUNK,
     DEFAULT_HOT,
@@ -241,7 +241,31 @@ def describe(name: str, plan: DevicePlan, context: int) -> list[str]:
                  f"running at once: {s.running}")
     biggest, share = plan.largest(context)
     lines.append(f"  the largest structure of a request: {biggest} ({share:.0%} of its device bytes)")
-    return lines
+    return lines + describe_arena(plan)
+
+
+def describe_arena(plan: DevicePlan) -> list[str]:
+    """Dynamic residency: how the one device arena holds the KV rows and the indexer keys."""
+    if not any(s.name == ARENA for s in plan.structures):
+        return []
+    p = plan.plan
+    arena = ArenaSpace.of(p, plan.dims.row_bytes, plan.dims.key_bytes)
+    return [f"  the device arena: {arena.num_frames} frames of {arena.pages_per_frame} pages, the bytes of "
+            f"{p.device_tokens} KV rows and {p.logical_tokens} locations' indexer keys; the keys take frames "
+            "from the bottom, KV rows from the top, and a frame no page uses goes back to either"]
+
+
+def fewer_full(dynamic: DevicePlan, full: int, resident: int) -> str:
+    """Why dynamic residency runs fewer requests FULL than all-resident seats, where it does: what
+    it keeps for every seat outside the arena (an all-HOT load's memory)."""
+    if full >= resident:
+        return ""
+    held = dynamic.request_bytes(dynamic.plan.max_context_len)
+    draft = sum(v for k, v in held.items() if k.startswith("draft layer"))
+    if draft:
+        return ("; the draft layer's all-resident KV, outside the arena, is kept for every seat "
+                "(--draft-rows-on-host --draft-keys-on-host move it to the host)")
+    return "; the arena is cut into whole frames, and the keys' frames are kept for every request held"
 
 
 def describe_dynamic(plan: DevicePlan, context: int, *, pools: bool) -> list[str]:
@@ -253,10 +277,13 @@ def describe_dynamic(plan: DevicePlan, context: int, *, pools: bool) -> list[str
         title += (f": device pool {p.device_tokens} slots, {p.logical_tokens} logical locations, "
                   f"{p.max_running_requests} request rows; {format_bytes(plan.total_bytes)} in all")
     lines = [title if pools else f"{title}, as load grows:"]
-    lines.append("  a request is admitted FULL (its whole context in device slots, no swap-in) while the "
-                 "device pool holds it, HOT (its hot buffer) otherwise; under pressure FULL requests are "
-                 "demoted, largest first, and promoted back when memory returns (docs/residency.md)")
-    lines.append(f"  {'requests':>10} {'FULL':>6} {'HOT':>6} {'device slots':>13} {'device bytes held':>18}")
+    if pools:
+        lines += describe_arena(plan)
+    lines.append("  a request is admitted FULL (its whole context's KV rows in the arena, no swap-in) while "
+                 "the arena holds them beside every request's indexer keys, HOT (its hot buffer) otherwise; "
+                 "under pressure FULL requests are demoted, largest first, and promoted back when memory "
+                 "returns (docs/residency.md)")
+    lines.append(f"  {'requests':>10} {'FULL':>6} {'HOT':>6} {'KV rows':>13} {'device bytes held':>18}")
     for step in plan.load_table(context):
         lines.append(f"  {step['requests']:>10} {step['full']:>6} {step['hot']:>6} "
                      f"{step['device_slots']:>13} {format_bytes(step['device_bytes']):>18}")
@@ -302,7 +329,7 @@ def report(args: argparse.Namespace, model_cfg: Any) -> tuple[str, dict[str, obj
     lines.append(f"HiSparse seats {h} requests to resident's {r}" + (f" ({h / r:.2f}x)" if r else ""))
     full = dynamic.full_seats(context)
     lines.append(f"dynamic residency seats {dynamic.seats(context).running}, of which up to {full} "
-                 f"FULL at once (all-resident: {r})")
+                 f"FULL at once (all-resident: {r})" + fewer_full(dynamic, full, r))
     trades = trade_offs(configs.get("always", configs["hisparse"]), model_cfg, context, ratio)
     lines.append("what the knobs trade (HiSparse seats at this budget, the other knobs as given):")
     for knob, row in trades.items():

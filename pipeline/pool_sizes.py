@@ -24,7 +24,7 @@ from __future__ import annotations
 import attrs
 import structlog
 
-from pipeline.capacity import Costs, ModelDims, chunk_rows, format_bytes, round_up, unit_costs
+from pipeline.capacity import Costs, ModelDims, arena_bytes, chunk_rows, format_bytes, round_up, unit_costs
 from pipeline.errors import ConfigError
 
 log = structlog.get_logger("hispec.config")
@@ -337,15 +337,30 @@ def dynamic_split(budget: int, shape: Shape, dims: ModelDims, *, slots: int, row
 
     The logical pool is the least that holds the requests of max_context_len HiSparse's pools seat,
     and the device pool every whole page the budget has left once the rows and the logical pool are
-    paid (never fewer slots than HiSparse's). A location's indexer keys stay on the device whatever
-    the layout, so each seat costs its context's keys: ``seats * need * per_location + slots *
-    per_slot`` is fixed, and a smaller ratio (fewer seats) buys a larger device pool.
+    paid. The two are one arena on the device (``pipeline/memory/arena.py``): the keys' bytes are
+    the logical pool's share of it, which FULL rows use while no HOT row needs them. The arena loses
+    a little to whole frames (frame 0 reserved, key pages straddling two frames), and the draft
+    layer's pool is indexed by the keys' view, so the device pool is then trimmed, a page at a
+    time or more, until the whole layer fits the budget (never below one device buffer).
     """
     need = round_up(shape.max_len, shape.page)
     costs = shape.costs(dims)
     logical = max(1, min(rows, held_requests(shape, slots))) * need
     room = budget - costs.fixed - rows * costs.per_request - logical * costs.per_location
-    return max(slots, room // costs.per_slot // shape.page * shape.page), logical
+    device = max(slots, room // costs.per_slot // shape.page * shape.page)
+    least = round_up(shape.hot + shape.page, shape.page)
+
+    def over(tokens: int) -> int:
+        return arena_bytes(page=shape.page, hot=shape.hot, slots=tokens, locations=logical, rows=rows,
+                           max_len=shape.max_len, dims=dims) - budget
+
+    trimmed = False
+    while device > least and over(device) > 0:
+        device = max(least, device - round_up(-(-over(device) // costs.per_slot), shape.page))
+        trimmed = True
+    while trimmed and over(device + shape.page) <= 0:  # (a step may take more than it had to)
+        device += shape.page
+    return device, logical
 
 
 def best_ratio(

@@ -56,7 +56,7 @@ from kernels.kv_copy import copy_rows
 from kernels.kv_fp8 import KVCacheFormat
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_policy import near_margin
-from pipeline.capacity import MemoryPlan
+from pipeline.capacity import ARENA, MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
@@ -72,6 +72,7 @@ from pipeline.hisparse.transfer import (
 from pipeline.hisparse.verify import VerifyBuffers
 from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
 from pipeline.memory import release as resumable
+from pipeline.memory.arena import PHYSICAL
 from pipeline.memory.host_pool import HostRows, pins_for
 from pipeline.memory.interface import Layout, Residency, ResidencyChange, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
@@ -169,12 +170,17 @@ class HiSparseCoordinator:
         plan = self.plan
         n_rows = plan.max_running_requests
         self.rows = RequestRows(n_rows)
+        element = torch.empty(0, dtype=self.dtype).element_size()
         self.alloc = HiSparseAllocator(
             page_size=plan.page_size,
             logical_tokens=plan.logical_tokens,
             device_tokens=plan.device_tokens,
             num_rows=n_rows,
             max_len=plan.max_request_len,
+            # dynamic residency: the keys and the rows share one device arena (pipeline/memory/arena.py)
+            arena_bytes=(self.row_dim * element, self.index_dim * element)
+            if plan.residency == "dynamic"
+            else None,
         )
         self.host = HostPool(
             num_layers=self.num_layers,
@@ -191,9 +197,18 @@ class HiSparseCoordinator:
         self.device_kv = torch.zeros(
             self.num_layers, self.alloc.physical_rows, self.row_dim, dtype=self.dtype, device=self.device
         )
-        self.index_k = torch.zeros(
-            self.num_layers, self.alloc.logical_rows, self.index_dim, dtype=self.dtype, device=self.device
-        )
+        if self.alloc.arena is not None:  # the keys are the first bytes of each layer's rows
+            slab = self.alloc.physical_rows * self.row_dim
+            # the whole slab when it is a whole number of keys: a contiguous tensor, which the compiled
+            # CPU loops read fastest (only the first ``logical_rows`` locations are ever handed out)
+            rows = slab // self.index_dim if slab % self.index_dim == 0 else self.alloc.logical_rows
+            flat = self.device_kv.view(self.num_layers, -1)[:, : rows * self.index_dim]
+            self.index_k = flat.view(self.num_layers, rows, self.index_dim)
+            self.alloc.arena.frames.on_take = self._zero_frame
+        else:
+            self.index_k = torch.zeros(
+                self.num_layers, self.alloc.logical_rows, self.index_dim, dtype=self.dtype, device=self.device
+            )
         self.counters = LayerCounters(self.num_layers)
         self.mirror_tables()  # before the draft pool, which reads the token table's mirror
         self.draft = (
@@ -224,6 +239,13 @@ class HiSparseCoordinator:
         # coordinator's pools are freed at once, not by the cyclic collector (which an engine freezes)
         self.verify = VerifyBuffers(weakref.proxy(self))
         self.layouts = DynamicResidency(weakref.proxy(self), plan.residency)
+
+    def _zero_frame(self, frame: int) -> None:
+        """An arena frame changes hands: zero its bytes (rows and keys alike), so that neither side
+        reads the other's as its own."""
+        assert self.alloc.arena is not None
+        rows = self.alloc.arena.pages_per_frame * self.plan.page_size
+        self.device_kv[:, frame * rows : (frame + 1) * rows].zero_()
 
     def _host_stream(self, name: str) -> TransferStream:
         """A stream of copies to the host pool (through its rows' own stream when they are shared)."""
@@ -299,11 +321,35 @@ class HiSparseCoordinator:
             and self.host.allocator.num_free_pages + spare >= host
         ):
             return None
-        if self.layouts.dynamic:  # FULL while the pool holds the whole context
+        if self.layouts.dynamic:  # FULL while the arena holds the whole context
             full = self.layouts.full_pages(num_tokens)
-            if self.alloc.physical.can_allocate(full):
+            if self._fits(logical, full, chain=chain):
                 return chain, (full, logical, host), Layout.FULL
+            hot = self._fits(logical, physical, chain=chain, demote=True)
+            return (chain, needs, Layout.HOT) if hot else None
         return (chain, needs, Layout.HOT) if self.layouts.can_free(physical) else None
+
+    def _fits(
+        self, logical: int, physical: int, *, chain: Sequence[CachedPage] = (), demote: bool = False
+    ) -> bool:
+        """Whether ``logical`` and ``physical`` more device pages fit together, counting the cached
+        pages nobody (``chain`` aside) shares as free, and with ``demote`` the pages demotions would
+        free (an arena's two sides compete for its free frames)."""
+        cached = [] if self.cache is None else self.cache.evictable_pages(0, keep=chain)
+        freed = self.layouts.demotable_page_ids() if demote else []
+        return self.alloc.fits(logical, physical, freed_physical=freed, freed_logical=cached)
+
+    def _make_device_room(self, logical: int, physical: int) -> bool:
+        """Evict cached pages nobody shares, then demote FULL rows (the largest context first), until
+        ``logical`` and ``physical`` more device pages fit together; returns whether they do."""
+        while not self.alloc.fits(logical, physical):
+            if self.cache is not None and self.cache.evict(1):
+                continue
+            found = self.layouts.candidates()
+            if not found:
+                return False
+            self.layouts.demote(found[0][0])
+        return True
 
     def can_admit(
         self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
@@ -328,10 +374,15 @@ class HiSparseCoordinator:
         if admission is None:
             raise OutOfMemory("hisparse admission", -(-num_tokens // self.plan.page_size), self.free_pages())
         chain, (physical, logical, host), layout = admission
-        if not self.layouts.relieve(lambda: self.alloc.physical.can_allocate(physical)):
+        separate = self.alloc.arena is None
+        if separate and not self.layouts.relieve(lambda: self.alloc.physical.can_allocate(physical)):
             raise OutOfMemory("hisparse admission", physical, self.alloc.physical.num_free_pages)
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
             self.cache.share(chain, (logical, host), num_tokens if tokens is not None else 0)
+        if self.alloc.arena is not None and not self._make_device_room(logical, physical):
+            if self.cache is not None:
+                self.cache.unlock(chain)
+            raise OutOfMemory("hisparse admission", physical, self.alloc.physical.num_free_pages)
         try:
             row = self.rows.allocate()
         except BaseException:
@@ -624,6 +675,13 @@ class HiSparseCoordinator:
         if needs == (0, 0, 0):
             return needs
         logical, physical, host = needs
+        if self.alloc.arena is not None:  # cached pages nobody shares give way to either side
+            while self.cache is not None and not (
+                self.alloc.fits(logical, physical) and self.host.allocator.can_allocate(host)
+            ) and self.cache.evict(1):
+                pass
+            fits = self.alloc.fits(logical, physical) and self.host.allocator.can_allocate(host)
+            return needs if fits else None
         if self.cache is not None and self.alloc.physical.can_allocate(physical):
             self.cache.make_room((logical, host))  # cached pages nobody shares give way
         fits = (
@@ -649,6 +707,10 @@ class HiSparseCoordinator:
             return 0
         logical, physical, host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
         spare = 0 if self.cache is None else self.cache.evictable()
+        if self.alloc.arena is not None:  # both levels are device pages: only the host is apart
+            hosted = self.host.allocator.num_free_pages + spare >= host
+            short = hosted and not self.alloc.fits(logical, physical)
+            return max(1, physical) if short else 0
         others = (
             self.alloc.logical.num_free_pages + spare >= logical
             and self.host.allocator.num_free_pages + spare >= host
@@ -660,6 +722,9 @@ class HiSparseCoordinator:
         if self._room(row, new_tokens, speculative) is not None:
             return True
         short = self._short_of_device(row, new_tokens, speculative) if self.layouts.dynamic else 0
+        if short and self.alloc.arena is not None:
+            logical, physical, _host = self.decode_needs(row, new_tokens=new_tokens, speculative=speculative)
+            return self._fits(logical, physical, demote=True)
         return bool(short) and self.layouts.can_free(short)
 
     def ensure_capacity(self, row: int, *, new_tokens: int, speculative: bool) -> None:
@@ -1176,9 +1241,13 @@ class HiSparseCoordinator:
     def device_tensors(self) -> dict[str, torch.Tensor]:
         """Every device tensor, by its name in the memory plan (``pipeline.capacity``)."""
         b = self.buffers
+        pools = (
+            {ARENA: self.device_kv}
+            if self.alloc.arena is not None
+            else {"device KV rows": self.device_kv, "indexer keys (every logical location)": self.index_k}
+        )
         out = {
-            "device KV rows": self.device_kv,
-            "indexer keys (every logical location)": self.index_k,
+            **pools,
             "device buffer slots": b.locs,
             "device buffer positions": b.tokens,
             "device buffer LRU": b.lru,
@@ -1200,9 +1269,18 @@ class HiSparseCoordinator:
         return {
             "rows": self.rows.num_free,
             "logical_pages": self.alloc.logical.num_free_pages + spare,
-            "physical_pages": self.alloc.physical.num_free_pages,
+            "physical_pages": self._free_physical(),
             "host_pages": self.host.allocator.num_free_pages + spare,
         }
+
+    def _free_physical(self) -> int:
+        """Free physical pages, counting in an arena the frames that evicting the cached pages nobody
+        shares would give back."""
+        arena = self.alloc.arena
+        cached = [] if arena is None or self.cache is None else self.cache.evictable_pages(0)
+        if arena is None or not cached:
+            return self.alloc.physical.num_free_pages
+        return arena.free_pages_after(PHYSICAL, freed_logical=cached)
 
     def cache_stats(self) -> dict[str, float] | None:
         return None if self.cache is None else self.cache.stats()
@@ -1217,7 +1295,7 @@ class HiSparseCoordinator:
         held = 0 if self.cache is None else self.cache.held_pages()
         return {
             "request_rows": {"free": self.rows.num_free, "capacity": self.rows.num_rows},
-            "device": _pool(self.alloc.physical),
+            "device": _pool(self.alloc.physical, self._free_physical() - self.alloc.physical.num_free_pages),
             "logical": _pool(self.alloc.logical, spare, held),
             "host": _pool(self.host.allocator, spare, held),
         }

@@ -24,13 +24,19 @@ copies nothing from host::
   for the whole context plus the growth room (the buffer's own among them when the pool is short),
   every committed position copied from host into them and mapped.
 
+The physical pool (KV rows) and the logical pool (indexer keys) are the two sides of one device
+arena (``pipeline/memory/arena.py``): the frames FULL rows do not use hold the keys HOT rows need,
+and the other way round, so "fits" below always means both sides together
+(``HiSparseAllocator.fits``).
+
 The rules:
 
-* admission: FULL when the physical pool can give pages for the prompt plus ``GROWTH_PAGES`` (its
-  first decode steps without a new page); otherwise HOT, and when even a HOT admission does not
-  fit, decoding FULL rows are demoted, the largest context first, until it does;
-* growth: a row that cannot grow for want of device pages demotes decoding FULL rows, the largest
-  context first (the row itself included), until it can (``relieve``);
+* admission: FULL when the arena can give pages for the prompt plus ``GROWTH_PAGES`` (its first
+  decode steps without a new page) beside its locations; otherwise HOT, and when even a HOT
+  admission does not fit, cached pages nobody shares are evicted, then decoding FULL rows are
+  demoted, the largest context first, until it does;
+* growth: a row that cannot grow for want of device pages (rows or keys) demotes decoding FULL
+  rows, the largest context first (the row itself included), until it can (``relieve``);
 * promotion (``rebalance``, once per command that changed memory): at most one row per call, the
   smallest context first, only when the free physical pages left after it (its buffer's pages
   counted as given back) number at least the headroom (``headroom_pages``: an eighth of the pool,
@@ -51,6 +57,7 @@ import torch
 
 from kernels.kv_copy import copy_rows, copy_rows_unchecked
 from pipeline.memory import OutOfMemory, page_slots
+from pipeline.memory.arena import PHYSICAL
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
 
 log = structlog.get_logger(__name__)
@@ -159,6 +166,13 @@ class DynamicResidency:
         found.sort(key=lambda rf: (-c._mem[rf[0]].length, rf[0]))
         return found
 
+    def demotable_page_ids(self) -> list[int]:
+        """The device pages demoting every candidate would free."""
+        c = self.coord
+        return [
+            page for row, _ in self.candidates() for page in c._mem[row].full_pages[self._buffer_pages(row) :]
+        ]
+
     def demotable_pages(self) -> int:
         """Device pages demoting every candidate would free."""
         return sum(freed for _, freed in self.candidates())
@@ -231,7 +245,7 @@ class DynamicResidency:
         covered = c.alloc.req_to_token.covered_len(row)
         need = self.promotion_pages(row)
         held = len(c.buffers.pages(row))
-        if need > c.alloc.physical.num_free_pages + held:
+        if not c.alloc.fits(0, need, freed_physical=c.buffers.pages(row)):
             raise OutOfMemory("promotion", need, c.alloc.physical.num_free_pages + held)
         c.settle_backups(mem.backup)  # the newest column's backup reads the buffer about to go
         c.alloc.clear(c.req_to_token[row, :covered])  # (the mapped ones are the buffer's columns)
@@ -285,7 +299,10 @@ class DynamicResidency:
         if not waiting:
             return
         row = min(waiting, key=lambda r: (c._mem[r].length, r))
-        free = c.alloc.physical.num_free_pages + len(c.buffers.pages(row))  # its buffer given back
+        if c.alloc.arena is not None:  # its buffer given back (the free frames count for either side)
+            free = c.alloc.arena.free_pages_after(PHYSICAL, freed_physical=c.buffers.pages(row))
+        else:
+            free = c.alloc.physical.num_free_pages + len(c.buffers.pages(row))
         if free - self.promotion_pages(row) >= self.headroom_pages():
             self.promote(row)
 

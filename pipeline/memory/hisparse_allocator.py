@@ -6,7 +6,9 @@
                                    |
                                    +--> indexer keys (always on the device, indexed by location)
 
-The logical allocator is ``host_to_device_ratio`` times larger than the physical one. Page 0 of
+The logical allocator is ``host_to_device_ratio`` times larger than the physical one, or, under
+dynamic residency, both are the two sides of one device arena (``pipeline/memory/arena.py``: the
+indexer keys are a view of the KV rows' memory, handed out in frames). Page 0 of
 both is reserved: physical slot 0 is the sink that "no device copy" points at, and logical location 0
 is never a real token. ``logical_to_physical`` has one extra trailing entry fixed at -1, so that
 indexing it with -1 (an invalid location) yields -1.
@@ -18,9 +20,13 @@ docs/invariants.md).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import attrs
 import torch
 
+from pipeline.memory.arena import DeviceArena
 from pipeline.memory.paged import AllocatorSnapshot, OutOfMemory, PagedAllocator, PagedTable, page_slots
 from pipeline.memory.req_to_token import token_table
 
@@ -29,8 +35,8 @@ from pipeline.memory.req_to_token import token_table
 class HiSparseSnapshot:
     """Everything ``restore`` needs to undo a transaction."""
 
-    logical: AllocatorSnapshot
-    physical: AllocatorSnapshot
+    logical: Any  # AllocatorSnapshot (the arena's snapshot, both sides, under ``arena``)
+    physical: AllocatorSnapshot | None
     mapping: torch.Tensor
     table: torch.Tensor
     table_pages: tuple[tuple[int, ...], ...]
@@ -55,16 +61,26 @@ class HiSparseAllocator:
     device_tokens: int  # usable physical slots (page 0 extra)
     num_rows: int  # request rows
     max_len: int  # positions per request
-    logical: PagedAllocator = attrs.field(init=False)
-    physical: PagedAllocator = attrs.field(init=False)
+    # (bytes of a KV row, bytes of an indexer key), one layer: both levels share one device arena
+    arena_bytes: tuple[int, int] | None = None
+    arena: DeviceArena | None = attrs.field(init=False, default=None)
+    logical: Any = attrs.field(init=False)  # PagedAllocator, or the arena's ArenaSide
+    physical: Any = attrs.field(init=False)
     req_to_token: PagedTable = attrs.field(init=False)  # logical pages per request row
     # [logical rows + 1] int64; the last entry is -1 so that mapping[-1] == -1
     logical_to_physical: torch.Tensor = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         p = self.page_size
-        self.logical = PagedAllocator("logical", self.logical_tokens // p + 1, p, reserve_first_page=True)
-        self.physical = PagedAllocator("physical", self.device_tokens // p + 1, p, reserve_first_page=True)
+        if self.arena_bytes is not None:
+            row_bytes, key_bytes = self.arena_bytes
+            device_pages, logical_pages = self.device_tokens // p + 1, self.logical_tokens // p
+            self.arena = DeviceArena(p, row_bytes, key_bytes, device_pages, logical_pages)
+            self.logical, self.physical = self.arena.logical, self.arena.physical
+        else:
+            self.logical = PagedAllocator("logical", self.logical_tokens // p + 1, p, reserve_first_page=True)
+            device_pages = self.device_tokens // p + 1
+            self.physical = PagedAllocator("physical", device_pages, p, reserve_first_page=True)
         self.req_to_token = token_table(self.logical, self.num_rows, self.max_len)
         self.logical_to_physical = torch.zeros(self.logical.num_pages * p + 1, dtype=torch.int64)
         self.logical_to_physical[-1] = -1
@@ -79,9 +95,30 @@ class HiSparseAllocator:
 
     # --- allocation -----------------------------------------------------------------------------
 
+    def fits(
+        self,
+        logical: int,
+        physical: int,
+        *,
+        freed_physical: Iterable[int] = (),
+        freed_logical: Iterable[int] = (),
+    ) -> bool:
+        """Whether ``logical`` and ``physical`` more pages can be allocated together, once the pages
+        ``freed_*`` (allocated now) are freed. Separate pools answer each on its own; the two sides
+        of an arena compete for its free frames."""
+        if self.arena is not None:
+            arena = self.arena
+            return arena.fits(logical, physical, freed_physical=freed_physical, freed_logical=freed_logical)
+        return (
+            self.logical.num_free_pages + len(list(freed_logical)) >= logical
+            and self.physical.num_free_pages + len(list(freed_physical)) >= physical
+        )
+
     def can_alloc_prefill(self, row: int, num_tokens: int) -> bool:
         pages = -(-num_tokens // self.page_size)
-        return self.req_to_token.can_cover(row, num_tokens) and self.physical.can_allocate(pages)
+        if num_tokens > self.max_len:
+            return False
+        return self.fits(self.req_to_token.pages_needed(row, num_tokens), pages)
 
     def alloc_prefill(self, row: int, num_tokens: int, extra_pages: int = 0) -> PrefillAllocation:
         """Logical locations and physical slots for the prompt of an empty ``row``, bound 1:1, plus
@@ -94,7 +131,7 @@ class HiSparseAllocator:
         if self.req_to_token.covered_len(row):
             raise ValueError(f"request row {row} already holds locations")
         pages = -(-num_tokens // self.page_size)
-        if not self.physical.can_allocate(pages + extra_pages):
+        if not self.fits(self.req_to_token.pages_needed(row, num_tokens), pages + extra_pages):
             raise OutOfMemory(self.physical.name, pages + extra_pages, self.physical.num_free_pages)
         logical_pages = self.req_to_token.cover(row, num_tokens)
         physical_pages = self.physical.allocate(pages + extra_pages, row)
@@ -169,8 +206,8 @@ class HiSparseAllocator:
     def snapshot(self) -> HiSparseSnapshot:
         table = self.req_to_token
         return HiSparseSnapshot(
-            self.logical.snapshot(),
-            self.physical.snapshot(),
+            self.arena.snapshot() if self.arena is not None else self.logical.snapshot(),
+            None if self.arena is not None else self.physical.snapshot(),
             self.logical_to_physical.clone(),
             table.table.clone(),
             tuple(tuple(table.pages(r)) for r in range(self.num_rows)),
@@ -178,17 +215,24 @@ class HiSparseAllocator:
 
     def restore(self, snap: HiSparseSnapshot) -> None:
         """Undo everything since ``snap``: both allocators, the token table and the map."""
-        self.logical.restore(snap.logical)
-        self.physical.restore(snap.physical)
+        if self.arena is not None:
+            self.arena.restore(snap.logical)
+        else:
+            self.logical.restore(snap.logical)
+            self.physical.restore(snap.physical)
         self.logical_to_physical.copy_(snap.mapping)
         self.req_to_token.restore(snap.table, snap.table_pages)
 
     # --- checks ---------------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Invariants I1 and I2 (docs/invariants.md) for both levels and the map between them."""
-        self.logical.check_integrity()
-        self.physical.check_integrity()
+        """Invariants I1 and I2 (docs/invariants.md) for both levels and the map between them, and
+        I15 for an arena."""
+        if self.arena is not None:
+            self.arena.check_integrity()
+        else:
+            self.logical.check_integrity()
+            self.physical.check_integrity()
         self.req_to_token.check_integrity()
         mapping = self.logical_to_physical
         p = self.page_size

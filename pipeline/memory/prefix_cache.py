@@ -202,6 +202,11 @@ class PrefixCache:
         the leaves: an unreferenced entry's descendants are unreferenced too)."""
         return sum(1 for e in self.entries.values() if e.refs == 0)
 
+    def evictable_pages(self, pool: int, keep: Sequence[CachedPage] = ()) -> list[int]:
+        """The pages in pool ``pool`` of the entries eviction can free, ``keep`` aside."""
+        kept = {id(e) for e in keep}
+        return [e.pages[pool] for e in self.entries.values() if e.refs == 0 and id(e) not in kept]
+
     def evict(self, count: int) -> int:
         """Free up to ``count`` unreferenced entries (least recently used leaves first); returns how
         many were freed."""

@@ -8,9 +8,9 @@ tiny random model, the synchronous driver, which forms the same batches in every
 * demotions and promotions forced between the driver's steps, every decoding request at once, with
   speculation on and off (the oracle drafter: every accept length), with prompts prefilled in
   chunks beside the running batch, and with the prefix cache (requests that share cached pages);
-* demotions and promotions made by memory pressure, in a device pool as small as an all-resident
-  engine's that cannot seat the requests at once: the dynamic engine seats them together by
-  demoting, and promotes again once requests have finished.
+* demotions and promotions made by memory pressure, in device tensors no larger (in bytes) than
+  those of an all-resident engine that cannot seat the requests at once: the dynamic engine seats
+  them together by demoting, and promotes again once requests have finished.
 
 After every run (and, for requests served one after another, after every request) each pool is back
 at its initial free count.
@@ -50,6 +50,7 @@ def config(
     cache: bool = False,
     rows: int = 6,
     max_len: int = 320,
+    ratio: int = 4,
 ) -> EngineConfig:
     """float64, pages of PAGE; ``residency`` None: all-resident (``hisparse=None``)."""
     return EngineConfig(
@@ -60,7 +61,7 @@ def config(
         device_pool_tokens=pool,
         hisparse=None
         if residency is None
-        else HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=4, residency=residency),
+        else HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=ratio, residency=residency),
         # every turn a round (no adaptive rule), so both runs take the same forwards
         speculative=SpeculativeConfig(
             num_steps=num_steps, max_batch_size=None, timed=False, min_accept_length=None,
@@ -354,19 +355,39 @@ def test_prefix_cache_with_demotion_equals_resident(tiny_model):
 POOL = 128  # device slots: 32 pages of PAGE
 PRESSURE_CHUNK = 16  # prompts in chunks: the headroom a promotion leaves is one chunk's admission
 PRESSURE_LENS = (56, 52, 40)  # the first two fill an all-resident pool of POOL as they decode
+# A dynamic engine's device arena holds the KV rows and the indexer keys of every logical location
+# (pipeline/memory/arena.py): a device pool of POOL slots and ratio 4 would be an arena twice the
+# bytes of all-resident's rows and keys. These sizes keep every device tensor of the dynamic engine
+# within all-resident's bytes (asserted):
+SEAT_POOL, SEAT_RATIO = 40, 6
+# and an arena that seats the four growth requests FULL but cannot hold them all as they grow
+GROWTH_POOL = 68
+
+
+def device_bytes(model, cfg: EngineConfig) -> int:
+    """Bytes of every device tensor of the memory layer of an engine of ``cfg``."""
+    executor = Executor(cfg, model=model)
+    try:
+        return sum(t.numel() * t.element_size() for t in executor.memory.device_tensors().values())
+    finally:
+        executor.close()
 
 
 def test_pressure_demotes_to_seat_what_all_resident_cannot(tiny_model):
-    """A device pool of POOL slots, all-resident and dynamic alike. All-resident seats the first two
-    requests and the third waits for one of them to finish; the dynamic engine seats all three at
-    once by demoting (largest context first), promotes once requests have finished, and decodes
+    """All-resident with a device pool of POOL slots seats the first two requests and the third
+    waits for one of them to finish. A dynamic engine whose device tensors, all of them, take no
+    more bytes than all-resident's (its arena of KV rows and indexer keys included) seats all three
+    at once by demoting (largest context first), promotes once requests have finished, and decodes
     the tokens all-resident decodes."""
     plist = prompts(20, lens=PRESSURE_LENS)
     params = [greedy(8), greedy(8), greedy(40)]  # the third outlives the others: room returns
-    sizes = dict(pool=POOL, max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
-    want = run(tiny_model, config(None, **sizes), plist, params)
+    sizes = dict(max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
+    resident = config(None, pool=POOL, **sizes)
+    dynamic = config("dynamic", pool=SEAT_POOL, ratio=SEAT_RATIO, **sizes)
+    assert device_bytes(tiny_model, dynamic) <= device_bytes(tiny_model, resident)
+    want = run(tiny_model, resident, plist, params)
     assert want.most_live == 2, "all-resident must not seat the three at once"
-    got = run(tiny_model, config("dynamic", **sizes), plist, params)
+    got = run(tiny_model, dynamic, plist, params)
     assert got.outputs == want.outputs
     assert got.most_live == 3
     demoted, lengths = first_demotion(got.layouts)
@@ -384,20 +405,23 @@ def test_pressure_from_growth_demotes_and_promotes_after_finishes(tiny_model):
     plist = prompts(21, lens=(30, 26, 22, 18))
     params = [greedy(40), greedy(12), greedy(12), greedy(12)]
     want = run(tiny_model, config(None, pool=512, rows=4, chunk=PRESSURE_CHUNK), plist, params)
-    cfg = config("dynamic", pool=POOL, max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
+    cfg = config("dynamic", pool=GROWTH_POOL, max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
     executor = Executor(cfg, model=tiny_model)
     initial = executor.pool_counts()
     driver = SyncDriver(executor, check=True)
     reqs = [driver.submit(p, sp, f"req-{i}") for i, (p, sp) in enumerate(zip(plist, params))]
-    promoted_after_a_finish = False
+    promoted_after_a_finish = all_full = False
     promotions = finished = 0
     with structlog.testing.capture_logs() as logs:
         while driver.step():
+            layouts = [layout for layout, _ in decoding_layouts(executor).values()]
+            all_full |= layouts == [Layout.FULL] * len(reqs)
             now = executor.stats()["residency"]["promotions"]
             promoted_after_a_finish |= bool(finished) and now > promotions
             promotions, finished = now, sum(r.is_finished for r in reqs)
     assert [r.output_ids for r in reqs] == want.outputs
     figures = executor.stats()["residency"]
+    assert all_full, "the four requests never decoded FULL together"
     assert figures["demotions"] >= 1
     assert promoted_after_a_finish, "no promotion once requests had finished"
     moves = [e for e in logs if e["event"] in ("Demoted", "Promoted")]
@@ -416,8 +440,8 @@ async def test_the_engine_under_pressure_equals_resident(tiny_model):
     each command): all-resident's tokens, demotions and promotions counted, every pool back."""
     plist = prompts(21, lens=(30, 26, 22, 18))
     params = [greedy(40), greedy(12), greedy(12), greedy(12)]
-    sizes = dict(pool=POOL, max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
-    want = run(tiny_model, config(None, **sizes), plist, params).outputs
+    sizes = dict(max_len=POOL, rows=4, chunk=PRESSURE_CHUNK)
+    want = run(tiny_model, config(None, pool=POOL, **sizes), plist, params).outputs
     out: dict[int, list[int]] = {}
 
     async def consume(i: int) -> None:
@@ -427,7 +451,7 @@ async def test_the_engine_under_pressure_equals_resident(tiny_model):
         out[i] = tokens
 
     with quiet_logs():
-        async with Engine(config("dynamic", **sizes), model=tiny_model) as engine:
+        async with Engine(config("dynamic", pool=GROWTH_POOL, **sizes), model=tiny_model) as engine:
             async with anyio.create_task_group() as tg:
                 for i in range(len(plist)):
                     tg.start_soon(consume, i)

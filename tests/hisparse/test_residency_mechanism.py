@@ -19,10 +19,13 @@ from pipeline.config import HiSparseConfig
 from pipeline.driver import SyncDriver
 from pipeline.executor import Executor
 from pipeline.hisparse import residency as rules
+from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.logs import replay
 from pipeline.memory.interface import Layout, Residency
 from pipeline.sampling import SamplingParams
 from statemachines.request import Demoted, Promoted, State
+
+from tiny_models import build_tiny_model
 
 LENS = (5, 16, 40, 3 * HOT + 1)
 MOVES = {"Demoted": Demoted, "Promoted": Promoted}
@@ -31,8 +34,8 @@ OUTSIDER = 1000  # owner of the device pages a test takes to press the pool (no 
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-def dynamic(**kw) -> HiSparseConfig:
-    return HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=8, residency="dynamic", **kw)
+def dynamic(ratio: int = 8, **kw) -> HiSparseConfig:
+    return HiSparseConfig(device_buffer_size=HOT, host_to_device_ratio=ratio, residency="dynamic", **kw)
 
 
 def run(model, cfg, *, hook=None, lens=LENS):
@@ -130,11 +133,31 @@ def test_always_admits_every_row_hot(tiny_model, reference):
     }
 
 
-def test_pressure_demotes_and_keeps_the_tokens(tiny_model, reference):
-    """A pool that holds one long request whole: later ones are admitted by demotions."""
-    tokens, stats, events = run(tiny_model, config(hisparse=dynamic(), chunk=7, device_pool_tokens=96))
+def test_pressure_demotes_and_keeps_the_tokens(tiny_model, reference, monkeypatch):
+    """A device arena that holds the longest request whole (its KV rows and its indexer keys): later
+    ones are admitted by demotions."""
+    cfg = config(hisparse=dynamic(ratio=4), chunk=7, device_pool_tokens=48, max_context_len=192)
+    executor = Executor(cfg, model=tiny_model)
+    try:
+        longest = max(LENS) + PARAMS.max_new_tokens
+        memory = executor.memory
+        assert memory.alloc.fits(rules.pages_for(longest, PAGE), memory.layouts.full_pages(longest))
+    finally:
+        executor.close()
+    demoted_by_admissions = []
+    admit = HiSparseCoordinator.admit
+
+    def counting_admit(self, *args, **kwargs):
+        before = self.layouts.demotions
+        row = admit(self, *args, **kwargs)
+        demoted_by_admissions.append(self.layouts.demotions - before)
+        return row
+
+    monkeypatch.setattr(HiSparseCoordinator, "admit", counting_admit)
+    tokens, stats, events = run(tiny_model, cfg)
     assert tokens == reference
     assert stats["residency"]["demotions"] >= 1
+    assert any(demoted_by_admissions), "no admission demoted a row"
     assert any(isinstance(e, Demoted) and e.freed_bytes > 0 for _, e in events)
 
 
@@ -144,6 +167,15 @@ def test_pressure_demotes_and_keeps_the_tokens(tiny_model, reference):
 @pytest.fixture
 def memory(tiny_model):
     executor = Executor(config(hisparse=dynamic(), chunk=32, device_pool_tokens=128), model=tiny_model)
+    yield executor.memory
+    executor.close()
+
+
+@pytest.fixture
+def small_memory(tiny_model):
+    """A device arena that holds decoding rows of 52, 36 and 24 positions FULL with little room left."""
+    cfg = config(hisparse=dynamic(ratio=4), chunk=32, device_pool_tokens=64, max_context_len=256)
+    executor = Executor(cfg, model=tiny_model)
     yield executor.memory
     executor.close()
 
@@ -204,13 +236,15 @@ def test_a_short_row_keeps_its_positions_in_identity_columns(memory):
     memory.release(row)
 
 
-def test_admission_under_pressure_demotes_the_largest_first(memory):
+def test_admission_under_pressure_demotes_the_largest_first(small_memory):
+    memory = small_memory
     initial = memory.free_counts()
-    big, mid, small = (decode_ready(memory, n) for n in (40, 36, 24))
+    big, mid, small = (decode_ready(memory, n) for n in (52, 36, 24))
     assert {memory.layout(r) for r in (big, mid, small)} == {Layout.FULL}
     num_tokens = 40
-    hot_pages = memory._needs(num_tokens, False, 0)[0]
+    hot_pages, logical_pages, _ = memory._needs(num_tokens, False, 0)
     assert not memory.alloc.physical.can_allocate(hot_pages), "not even a HOT admission fits"
+    assert not memory.alloc.fits(logical_pages, hot_pages), "nor its rows and keys together"
     assert memory.can_admit(num_tokens)
     row = memory.admit(num_tokens)
     memory.check_integrity()
@@ -225,12 +259,18 @@ def test_admission_under_pressure_demotes_the_largest_first(memory):
 
 
 def test_a_row_that_cannot_grow_demotes(memory):
+    """The arena runs short of a FULL row's growth (its new KV rows and keys together): the row
+    can still decode, by demoting."""
     rows = [decode_ready(memory, 40), decode_ready(memory, 40)]
-    free = memory.alloc.physical.num_free_pages
-    memory.alloc.physical.allocate(free, OUTSIDER)  # the pool runs dry
     grow = rows[1]
     end = memory.length(grow)
     steps = len(memory._mem[grow].full_pages) * PAGE - end + 1  # its pages filled, then one more
+    logical, physical, _ = memory.decode_needs(grow, new_tokens=steps, speculative=False)
+    assert physical > 0
+    # The arena runs dry of the growth (the physical side takes the highest frames, the keys the
+    # lowest: taking every frame would leave the keys no room that any demotion could give back).
+    while memory.alloc.fits(logical, physical):
+        memory.alloc.physical.allocate(1, OUTSIDER)
     assert memory.can_decode(grow, new_tokens=steps)
     memory.ensure_capacity(grow, new_tokens=steps, speculative=False)
     assert [c.kind for c in memory.take_residency_changes()] == ["demoted"]
@@ -272,10 +312,16 @@ def test_a_promotion_counts_the_buffer_it_gives_back(memory):
     memory.release(row)
 
 
-def test_whole_prompt_prefill_leaves_a_headroom_promotions_can_meet(tiny_model):
-    """With whole prompts as chunks one HOT admission can be the whole small pool: the headroom stays
-    within a quarter of it, and a demoted row comes back once the hysteresis is waited out."""
-    executor = Executor(config(hisparse=dynamic(), chunk=None, device_pool_tokens=576), model=tiny_model)
+def test_whole_prompt_prefill_leaves_a_headroom_promotions_can_meet():
+    """With whole prompts as chunks one HOT admission can be most of a small arena: the headroom stays
+    within a quarter of it, and a demoted row comes back once the hysteresis is waited out.
+
+    The arena holds the indexer keys of every logical location besides the KV rows, so it is that
+    small only where a key is a small part of a row: a model whose rows are 4.5 keys wide (as
+    V3.2's, 576 and 128 values), ratio 1."""
+    model = build_tiny_model(kv_lora_rank=64)
+    cfg = config(hisparse=dynamic(ratio=1), chunk=None, device_pool_tokens=512, max_context_len=512)
+    executor = Executor(cfg, model=model)
     try:
         memory = executor.memory
         plan, pool = memory.plan, memory.alloc.physical.capacity_pages

@@ -18,6 +18,7 @@ from pipeline.capacity import (
     SLOT,
     MemoryPlan,
     ModelDims,
+    arena_bytes,
     full_rows,
     load_steps,
     round_up,
@@ -26,6 +27,8 @@ from pipeline.capacity import (
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.errors import ConfigError
 from pipeline.executor import Executor
+from pipeline.memory.arena import DeviceArena
+from pipeline.memory.paged import OutOfMemory
 from pipeline.pool_sizes import Shape
 from pipeline.startup import plan_engine
 
@@ -221,7 +224,9 @@ def test_dynamic_residency_seats_what_hisparse_seats_and_gives_the_rest_to_the_d
     assert (dynamic.max_running_requests, dynamic.host_to_device_ratio, dynamic.max_context_len) == (
         always.max_running_requests, always.host_to_device_ratio, always.max_context_len)
     need = round_up(d.max_request_len, page_size)
-    unit = {u: sum(s.unit_bytes for s in dynamic.device.structures if s.unit == u) for u in (SLOT, LOCATION)}
+    # the budget is split at the separate pools' unit costs (HiSparse's structures): the arena then
+    # takes the bytes of both pools
+    unit = {u: sum(s.unit_bytes for s in always.device.structures if s.unit == u) for u in (SLOT, LOCATION)}
 
     def slots_left(seated: int) -> int:  # the device pool the budget pays for beside ``seated`` seats
         spent = page_size * (unit[SLOT] + unit[LOCATION]) + dynamic.max_running_requests * _row_bytes(
@@ -231,9 +236,41 @@ def test_dynamic_residency_seats_what_hisparse_seats_and_gives_the_rest_to_the_d
     held = seats(a, context).running
     assert seats(d, context).running == held
     assert d.logical_tokens == d.host_tokens == max(1, held) * need
-    assert d.device_tokens == max(a.device_tokens, slots_left(held)) and d.device_tokens % page_size == 0
+    # every whole page the budget pays for, less what the arena's whole frames and the draft pool
+    # over the keys' view take (then one page more would not fit)
+    paid = max(a.device_tokens, slots_left(held))
+    assert d.device_tokens % page_size == 0 and d.device_tokens <= paid
+    if d.device_tokens < paid:
+        more = arena_bytes(
+            page=page_size, hot=d.hot, slots=d.device_tokens + page_size, locations=d.logical_tokens,
+            rows=dynamic.max_running_requests, max_len=d.max_request_len, dims=dynamic.device.dims,
+        )
+        assert more > budget, "the device pool was trimmed more than the budget needs"
     assert dynamic.device.total_bytes <= budget
-    assert dynamic.device.full_seats(context) == min(held, d.device_tokens // need)
+    full = dynamic.device.full_seats(context)
+    dims = dynamic.device.dims
+    assert full >= min(held, d.device_tokens // need)  # the keys' idle bytes only add FULL room
+    assert _arena_holds(d, dims, context, requests=full, full=full)
+    assert full == held or not _arena_holds(d, dims, context, requests=full + 1, full=full + 1)
+
+
+def _arena_holds(plan: MemoryPlan, dims: ModelDims | tuple[int, int], context: int, *, requests: int,
+                 full: int) -> bool:
+    """Whether a ``DeviceArena`` of ``plan`` hands out the pages of ``requests`` requests of
+    ``context`` tokens, ``full`` of them FULL: every request's indexer keys, the FULL ones' rows,
+    the others' hot buffers and, while any is HOT, one prefill chunk's rows."""
+    row_bytes, key_bytes = dims if isinstance(dims, tuple) else (dims.row_bytes, dims.key_bytes)
+    page = plan.page_size
+    need = round_up(context + plan.draft_tokens, page)
+    arena = DeviceArena(page, row_bytes, key_bytes, plan.device_tokens // page + 1, plan.logical_pages)
+    chunk = plan.chunk_area(context) if full < requests else 0
+    rows = full * need + (requests - full) * plan.buffer_columns + chunk
+    try:
+        arena.logical.allocate(requests * need // page, owner=0)
+        arena.physical.allocate(rows // page, owner=0)
+    except OutOfMemory:
+        return False
+    return True
 
 
 def _row_bytes(plan) -> int:
@@ -258,26 +295,27 @@ def _dynamic_plan(device_tokens: int, *, residency: str = "dynamic") -> MemoryPl
                       residency=residency)
 
 
-@given(device_tokens=st.integers(2, 400).map(lambda n: n * 16))
-def test_the_load_table_fills_the_device_pool_with_full_rows(device_tokens):
-    """At each load the FULL rows are the most the device pool holds beside the others' buffers
-    (and one prefill chunk's rows while any is HOT); the table runs from one request to the seats,
-    all FULL first; with residency "always" none is FULL."""
-    plan, context, need, chunk = _dynamic_plan(device_tokens), 2048, 2048, 512 - 16
-    running = seats(plan, context).running
+BUNDLED = {"row_bytes": 80 * 4, "key_bytes": 32 * 4}  # the bundled model's rows and keys, float32
 
-    def fits(full, requests):
-        if full == requests:
-            return full * need <= device_tokens
-        return full * need + (requests - full) * 144 + chunk <= device_tokens
+
+@settings(max_examples=30, deadline=None)
+@given(device_tokens=st.integers(2, 400).map(lambda n: n * 16))
+def test_the_load_table_fills_the_device_arena_with_full_rows(device_tokens):
+    """At each load the FULL rows are the most the device arena hands out beside every request's
+    indexer keys, the others' buffers (and one prefill chunk's rows while any is HOT), as a
+    ``DeviceArena`` of the plan allocates them; the table runs from one request to the seats, all
+    FULL first; with residency "always" none is FULL."""
+    plan, context, need = _dynamic_plan(device_tokens), 2048, 2048
+    running = seats(plan, context).running
+    dims = (BUNDLED["row_bytes"], BUNDLED["key_bytes"])
 
     for requests in range(1, running + 1):
-        full = full_rows(plan, context, requests)
+        full = full_rows(plan, context, requests, **BUNDLED)
         assert 0 <= full <= requests
-        assert fits(full, requests)
-        assert full == requests or not fits(full + 1, requests)
-        assert full_rows(_dynamic_plan(device_tokens, residency="always"), context, requests) == 0
-    steps = load_steps(plan, context)
+        assert _arena_holds(plan, dims, context, requests=requests, full=full)
+        assert full == requests or not _arena_holds(plan, dims, context, requests=requests, full=full + 1)
+        assert full_rows(_dynamic_plan(device_tokens, residency="always"), context, requests, **BUNDLED) == 0
+    steps = load_steps(plan, context, **BUNDLED)
     if running:
         assert steps[0].requests == 1 and steps[-1].requests == running
         assert [s.requests for s in steps] == sorted({s.requests for s in steps})
@@ -287,9 +325,11 @@ def test_the_load_table_fills_the_device_pool_with_full_rows(device_tokens):
 
 
 def test_the_load_table_of_the_bundled_model_at_32mb():
-    """docs/residency.md's table: two requests FULL, a third sends one of them HOT, all HOT from 16."""
-    steps = [(s.requests, s.full, s.hot) for s in load_steps(_dynamic_plan(4592), 2048)]
-    assert steps == [(1, 1, 0), (2, 2, 0), (3, 1, 2), (16, 0, 16), (24, 0, 24)]
+    """docs/residency.md's table: eight requests FULL (all-resident's seats), then every two more
+    send one FULL request HOT, all HOT from 23."""
+    steps = [(s.requests, s.full, s.hot) for s in load_steps(_dynamic_plan(4592), 2048, **BUNDLED)]
+    assert steps == [(1, 1, 0), (8, 8, 0), (9, 7, 2), (11, 6, 5), (13, 5, 8), (15, 4, 11), (17, 3, 14),
+                     (19, 2, 17), (21, 1, 20), (23, 0, 23), (24, 0, 24)]
 
 
 async def _run(model, cfg, prompts, new_tokens):
@@ -444,8 +484,9 @@ def test_hispec_plan_prints_the_seats_and_what_caps_them(capsys, tmp_path):
 
 def test_hispec_plan_prints_how_dynamic_residency_moves_between_the_layouts(capsys, tmp_path):
     """The bundled model at 32 MB, 2,048-token requests, no speculation (docs/residency.md): the
-    dynamic engine seats HiSparse's 24 with two FULL at once; at ratio 1 it is all-resident's 8,
-    all FULL. ``--residency dynamic`` makes the HiSparse section the dynamic engine's."""
+    dynamic engine seats HiSparse's 24 and runs all-resident's 8 FULL at once, whatever the ratio
+    (the keys of the seats not held are KV rows' room in the arena). ``--residency dynamic`` makes
+    the HiSparse section the dynamic engine's."""
     import json
 
     from pipeline.cli import main as cli
@@ -454,34 +495,35 @@ def test_hispec_plan_prints_how_dynamic_residency_moves_between_the_layouts(caps
     argv = ["plan", "--device-memory", "32MB", "--context", "2048", "--no-spec", "--json", str(out_json)]
     assert cli(argv) == 0
     out = capsys.readouterr().out
-    assert "dynamic residency seats 24, of which up to 2 FULL at once (all-resident: 8)" in out
+    assert "dynamic residency seats 24, of which up to 8 FULL at once (all-resident: 8)\n" in out
     assert 'dynamic residency (hisparse.residency="dynamic"): device pool 4592 slots' in out
+    assert "the device arena: 758 frames of 2 pages, the bytes of 4592 KV rows and 49152 locations'" in out
     payload = json.loads(out_json.read_text())
     dynamic = payload["plans"]["dynamic"]
     assert (dynamic["residency"], payload["plans"]["hisparse"]["residency"]) == ("dynamic", "always")
     assert dynamic["seats"] == payload["plans"]["hisparse"]["seats"] == 24
     assert dynamic["total_bytes"] <= 32 * 10**6 and dynamic["logical_tokens"] == 24 * 2048
-    assert [(s["requests"], s["full"], s["hot"]) for s in dynamic["load_steps"]] == [
-        (1, 1, 0), (2, 2, 0), (3, 1, 2), (16, 0, 16), (24, 0, 24)]
+    assert [(s["requests"], s["full"], s["hot"]) for s in dynamic["load_steps"]][:4] == [
+        (1, 1, 0), (8, 8, 0), (9, 7, 2), (11, 6, 5)]
     # a FULL request holds what a resident one does in rows and keys, and a HiSparse request row
     resident = payload["plans"]["resident"]["request_bytes"]
     row_parts = ("token", "host", "device buffer")
     row = sum(v for k, v in dynamic["request_bytes"].items() if k.startswith(row_parts))
     assert dynamic["load_steps"][0]["device_bytes"] == sum(resident.values()) - resident["token table"] + row
     trades = payload["dynamic_trade_offs"]
-    assert trades["1"] == [8, 8] and trades["11"] == [24, 2]
+    assert trades["1"] == [8, 8] and trades["11"] == [24, 8]
     assert cli([*argv[:-2], "--residency", "dynamic"]) == 0
     out = capsys.readouterr().out
     assert "host_to_device_ratio 11, chosen for the budget, residency dynamic): device pool 4592 slots" in out
-    assert "dynamic residency seats 24, of which up to 2 FULL at once" in out
-    # at 11 MB HiSparse's 8 seats leave no room for a FULL request of 2,048 tokens; ratio 8 buys one
+    assert "dynamic residency seats 24, of which up to 8 FULL at once" in out
+    # at 11 MB dynamic residency runs all-resident's 2 FULL beside HiSparse's 8 seats, at every ratio
     small = ["plan", "--device-memory", "11MB", "--context", "2048", "--no-spec", "--json", str(out_json)]
     assert cli(small) == 0
     out = capsys.readouterr().out
     assert "HiSparse seats 8 requests to resident's 2 (4.00x)" in out
-    assert "dynamic residency seats 8, of which up to 0 FULL at once (all-resident: 2)" in out
+    assert "dynamic residency seats 8, of which up to 2 FULL at once (all-resident: 2)\n" in out
     trades = json.loads(out_json.read_text())["dynamic_trade_offs"]
-    assert (trades["8"], trades["10"]) == ([7, 1], [8, 0])
+    assert (trades["1"], trades["8"], trades["10"]) == ([2, 2], [7, 2], [8, 2])
 
 
 def test_bench_capacity_gives_every_variant_the_same_budget():
