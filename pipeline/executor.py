@@ -250,9 +250,18 @@ class Executor:
             token_ids, params, vocab_size=self.model.cfg.vocab_size, max_context_len=self.plan.max_context_len
         )
 
-    def can_admit(self, num_tokens: int, tokens: Seq[int] | None = None) -> bool:
-        """Room for a prompt of ``num_tokens`` (``tokens``: the prompt, which may share cached pages)."""
-        return self.memory.can_admit(num_tokens, speculative=self.speculative, tokens=self._cacheable(tokens))
+    def can_admit(self, num_tokens: int, tokens: Seq[int] | None = None, final: int | None = None) -> bool:
+        """Room for a prompt of ``num_tokens`` (``tokens``: the prompt, which may share cached pages;
+        ``final``: the most positions the request can reach, ``_final``)."""
+        return self.memory.can_admit(
+            num_tokens, speculative=self.speculative, tokens=self._cacheable(tokens), final=final
+        )
+
+    def _final(self, seq: NewSequence) -> int:
+        """The most positions ``seq`` can reach: its prompt, its ``max_new_tokens`` and one round's
+        drafts (the memory's hint for what to keep room for)."""
+        prompt = len(seq.token_ids) if seq.num_prompt_tokens is None else seq.num_prompt_tokens
+        return prompt + seq.params.max_new_tokens + self.draft_tokens
 
     def _cacheable(self, tokens: Seq[int] | None) -> Seq[int] | None:
         return tokens if self.config.prefix_cache else None
@@ -266,7 +275,7 @@ class Executor:
         for seq in sequences:
             if seq.request_id in self.seqs or seq.request_id in self.failed_admissions:
                 raise ValueError(f"request {seq.request_id!r} is already admitted")
-            if not self.can_admit(len(seq.token_ids), seq.token_ids):
+            if not self.can_admit(len(seq.token_ids), seq.token_ids, self._final(seq)):
                 break
             try:
                 cached[seq.request_id] = self._admit_one(seq)
@@ -281,7 +290,9 @@ class Executor:
         """Allocate and register one request; returns its positions found in the prefix cache. All or
         nothing: on an error its row goes back before the error propagates."""
         tokens = self._cacheable(seq.token_ids)
-        row = self.memory.admit(len(seq.token_ids), speculative=self.speculative, tokens=tokens)
+        row = self.memory.admit(
+            len(seq.token_ids), speculative=self.speculative, tokens=tokens, final=self._final(seq)
+        )
         try:
             new = self.requests.register(seq, row)
             self.mtp.on_admit(new, self.memory, self._draft_extend)

@@ -102,6 +102,7 @@ class RowMemory:
     # for a HOT row; a FULL row's newest partial page waits for its page to fill or for the row's
     # demotion (``commit_runs``, ``flush_backup``)
     backed: int = 0
+    final: int = 0  # the most positions it can reach (``admit``'s hint; 0: unknown)
 
 
 @attrs.frozen
@@ -310,7 +311,9 @@ class HiSparseCoordinator:
     ) -> tuple[list[CachedPage], tuple[int, int, int], Layout] | None:
         """(the cached chain it shares, its (physical, logical, host) page needs, its layout) when a
         prompt fits, counting the cached pages nobody else shares as free and, for a HOT admission,
-        the pages demotions would free; None when it does not."""
+        the pages demotions would free; None when it does not. (A FULL admission is optimistic: it
+        needs room for the prompt and one page of growth, and growth past what the arena holds
+        demotes; ``final`` is kept for promotions, which are not: ``DynamicResidency.rebalance``.)"""
         if not self.rows.can_allocate():
             return None
         chain = self._match(tokens)
@@ -352,14 +355,24 @@ class HiSparseCoordinator:
         return True
 
     def can_admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> bool:
         """Room for a prompt (``tokens``, when given, may share cached pages): a row, its buffer and
         chunk rows, locations and its host copy; unreferenced cached pages count as free."""
         return self._admission(num_tokens, speculative, tokens) is not None
 
     def admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> int:
         """A row holding everything its prompt needs to reach decode (locations and host pages for
         every position, the device buffer, one chunk's rows); raises ``OutOfMemory`` (nothing
@@ -391,7 +404,8 @@ class HiSparseCoordinator:
             raise
         # from here on the row owns what it gets, and ``release`` gives back whatever that is
         mem = self._mem[row] = RowMemory(
-            length=0, residency=Residency.PREFILL, shared=chain, speculative=speculative
+            length=0, residency=Residency.PREFILL, shared=chain, speculative=speculative,
+            final=min(final or 0, self.plan.max_request_len),
         )
         try:
             if chain:

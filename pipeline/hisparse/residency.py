@@ -38,8 +38,11 @@ The rules:
 * growth: a row that cannot grow for want of device pages (rows or keys) demotes decoding FULL
   rows, the largest context first (the row itself included), until it can (``relieve``);
 * promotion (``rebalance``, once per command that changed memory): at most one row per call, the
-  smallest context first, only when the free physical pages left after it (its buffer's pages
-  counted as given back) number at least the headroom (``headroom_pages``: an eighth of the pool,
+  smallest context first, only when the arena, its buffer's pages counted as given back, holds its
+  pages and, beside them, every request's growth to its final length (``reserved``: the prompt,
+  ``max_new_tokens`` and a round's drafts, ``admit``'s hint) and the headroom, so that growth does
+  not demote again what was just promoted (admission, by contrast, is optimistic: a request that
+  stops early never needed its reserve) (``headroom_pages``: an eighth of the pool,
   and at least what a HOT admission of one prefill chunk holds, but never more than a quarter of the
   pool: with whole prompts as chunks one admission can be the whole pool, and nothing would ever be
   promoted), and never a row demoted less than ``PROMOTE_AFTER`` decode steps ago (hysteresis;
@@ -57,7 +60,6 @@ import torch
 
 from kernels.kv_copy import copy_rows, copy_rows_unchecked
 from pipeline.memory import OutOfMemory, page_slots
-from pipeline.memory.arena import PHYSICAL
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
 
 log = structlog.get_logger(__name__)
@@ -165,6 +167,23 @@ class DynamicResidency:
                 found.append((row, freed))
         found.sort(key=lambda rf: (-c._mem[rf[0]].length, rf[0]))
         return found
+
+    def reserved(self, exclude: int | None = None) -> tuple[int, int]:
+        """(logical, physical) pages the live requests still need to grow to their final lengths
+        (``admit``'s hint; rows without one count nothing): every row's locations, and a FULL row's
+        device pages. A FULL admission or a promotion leaves room for them, so that growth does not
+        demote what it just made FULL."""
+        c = self.coord
+        page = c.plan.page_size
+        logical = physical = 0
+        for row, mem in c._mem.items():
+            if row == exclude or not mem.final or row in c._leaving:
+                continue
+            need = pages_for(mem.final, page)
+            logical += max(0, need - c.alloc.req_to_token.covered_len(row) // page)
+            if mem.layout is Layout.FULL:
+                physical += max(0, need - len(mem.full_pages))
+        return logical, physical
 
     def demotable_page_ids(self) -> list[int]:
         """The device pages demoting every candidate would free."""
@@ -299,11 +318,19 @@ class DynamicResidency:
         if not waiting:
             return
         row = min(waiting, key=lambda r: (c._mem[r].length, r))
-        if c.alloc.arena is not None:  # its buffer given back (the free frames count for either side)
-            free = c.alloc.arena.free_pages_after(PHYSICAL, freed_physical=c.buffers.pages(row))
-        else:
-            free = c.alloc.physical.num_free_pages + len(c.buffers.pages(row))
-        if free - self.promotion_pages(row) >= self.headroom_pages():
+        if c.alloc.arena is None:
+            free = c.alloc.physical.num_free_pages + len(c.buffers.pages(row))  # its buffer given back
+            if free - self.promotion_pages(row) >= self.headroom_pages():
+                self.promote(row)
+            return
+        # the arena: its pages and its growth to its final length, every other request's growth,
+        # and the headroom, its buffer given back (the free frames count for either side)
+        page, final = c.plan.page_size, c._mem[row].final
+        grow_l, grow_p = self.reserved(exclude=row)
+        own_l = max(0, pages_for(final, page) - c.alloc.req_to_token.covered_len(row) // page)
+        need = max(self.promotion_pages(row), pages_for(final, page))
+        physical = need + grow_p + self.headroom_pages()
+        if c.alloc.fits(grow_l + own_l, physical, freed_physical=c.buffers.pages(row)):
             self.promote(row)
 
     # --- tables and checks ----------------------------------------------------------------------

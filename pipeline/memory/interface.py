@@ -89,13 +89,23 @@ class KVMemory(Protocol):
     # --- admission and prefill ------------------------------------------------------------------
 
     def can_admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> bool:
         """Whether ``admit`` would succeed now (changes nothing)."""
         ...
 
     def admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> int:
         """A free row holding everything its prompt needs to reach decode: locations for every
         position, its host copy, the device rows of one prefill chunk and (HiSparse) the device
@@ -103,7 +113,9 @@ class KVMemory(Protocol):
         memory. Raises ``OutOfMemory`` and changes nothing when a pool is short; any other error on
         the way also leaves nothing allocated (all or nothing). With ``tokens``
         (the prompt) and a prefix cache, the longest cached prefix is shared: ``length(row)`` says
-        how many positions that is (computed already); cached pages nobody shares count as free."""
+        how many positions that is (computed already); cached pages nobody shares count as free.
+        ``final``: the most positions the request can reach (its prompt, ``max_new_tokens`` and a
+        round's drafts), a hint dynamic residency reserves room for (None: unknown)."""
         ...
 
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:

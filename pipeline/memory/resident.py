@@ -98,14 +98,24 @@ class ResidentMemory:
         return (chain, need) if self.allocator.num_free_pages + spare >= need else None
 
     def can_admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> bool:
         """A row and pages for the prompt (``tokens``, when given, may share cached pages, and
         cached pages nobody shares count as free)."""
         return self._admission(num_tokens, tokens) is not None
 
     def admit(
-        self, num_tokens: int, *, speculative: bool = False, tokens: Sequence[int] | None = None
+        self,
+        num_tokens: int,
+        *,
+        speculative: bool = False,
+        tokens: Sequence[int] | None = None,
+        final: int | None = None,
     ) -> int:
         """A row and locations for the prompt; the longest cached prefix of ``tokens`` is shared
         (its positions count as computed). All or nothing: when anything on the way raises, what

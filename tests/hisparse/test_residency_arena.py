@@ -107,3 +107,20 @@ def test_at_one_budget_dynamic_seats_what_hisparse_seats(tiny_model):
     assert most_live == min(most_hisparse, hisparse_seats) > most_resident, seated
     assert most_full > resident_seats, (most_full, resident_seats)
     assert figures is not None and figures["demotions"] >= most_live - resident_seats, figures
+
+
+def test_the_executor_tells_the_memory_how_far_each_request_can_grow(tiny_model):
+    """``admit``'s ``final`` hint (what promotions keep room for): the prompt, ``max_new_tokens``
+    and a round's drafts."""
+    executor = Executor(config("dynamic"), model=tiny_model)
+    driver = SyncDriver(executor, check=True)
+    params = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+    driver.submit(prompts(1)[0], params, "req-0")
+    with quiet_logs():
+        driver.step()
+    (seq,) = executor.seqs.values()
+    assert executor.memory._mem[seq.row].final == PROMPT + NEW + executor.draft_tokens
+    with quiet_logs():
+        while driver.step():
+            pass
+    executor.close()

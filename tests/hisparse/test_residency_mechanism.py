@@ -420,3 +420,50 @@ def test_the_one_call_serves_full_rows_like_the_steps(tiny_model, monkeypatch, n
     assert len(logits) == len(ref_logits) and all(torch.equal(a, b) for a, b in zip(logits, ref_logits))
     assert paged > 0 and ref_paged == 0
     assert split > 0 and ref_split == 0, "the mixed batches run compiled (two calls a layer)"
+
+
+def _decode_ready_final(memory, num_tokens: int, final: int) -> int:
+    """``decode_ready`` of a request that can reach ``final`` positions (``admit``'s hint)."""
+    row = memory.admit(num_tokens, final=final)
+    memory.prefill_targets(row, 0, num_tokens)
+    memory.commit_prefill(row, 0, num_tokens, final=True)
+    memory.start_staging(row, num_tokens)
+    memory.wait_staging()
+    assert memory.collect_ready([row]) == [row]
+    return row
+
+
+@pytest.mark.parametrize("final", [0, 40, 200])
+def test_a_promotion_keeps_room_for_every_request_to_grow_to_its_final_length(memory, final):
+    """Promotion is not optimistic: a demoted row comes back only when the arena holds it beside
+    every live request's growth to its final length (``reserved``) and the headroom. Memory that
+    holds the promotion and the headroom now but not a row's growth to come keeps the row HOT
+    (its growth would demote it again); without the hint (``final`` 0) the row is promoted."""
+    row = _decode_ready_final(memory, 40, final)
+    other = _decode_ready_final(memory, 8, final and final // 2)
+    memory.demote(row)
+    for _ in range(rules.PROMOTE_AFTER):
+        memory.layouts.step()
+    page = memory.plan.page_size
+    need = memory.layouts.promotion_pages(row) + memory.layouts.headroom_pages()
+    grow_l, grow_p = memory.layouts.reserved(exclude=row)
+    own_l = max(0, rules.pages_for(final, page) - memory.alloc.req_to_token.covered_len(row) // page)
+    growth = max(0, rules.pages_for(final, page) - memory.layouts.promotion_pages(row))
+    # leave the arena exactly the promotion and the headroom (its buffer given back), no more
+    buffer = memory.buffers.pages(row)
+    hog = []
+    while memory.alloc.fits(0, need + 1, freed_physical=buffer):
+        hog += memory.alloc.physical.allocate(1, OUTSIDER)
+    assert memory.alloc.fits(0, need, freed_physical=buffer)
+    reserve_fits = memory.alloc.fits(grow_l + own_l, need + growth + grow_p, freed_physical=buffer)
+    memory.rebalance()
+    if final == 0:
+        assert memory.layout(row) is Layout.FULL, "no hint: promoted when the promotion and headroom fit"
+    else:
+        assert not reserve_fits and memory.layout(row) is Layout.HOT, "promoted into room its growth needs"
+    memory.alloc.physical.free(hog, OUTSIDER)
+    memory.rebalance()
+    assert memory.layout(row) is Layout.FULL
+    memory.check_integrity()
+    for r in (row, other):
+        memory.release(r)
