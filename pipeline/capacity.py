@@ -379,8 +379,10 @@ def _full_rows(plan: MemoryPlan, context: int, requests: int, arena: ArenaSpace)
         return requests
     chunk = chunk_rows(hot=plan.hot, page_size=page, chunk=plan.prefill_chunk, num_tokens=context)
     extra = need - plan.buffer_columns  # what a FULL row holds beyond a HOT one
+    if extra <= 0:  # a FULL row holds no more than a HOT one: as many FULL as the rows hold
+        return rows // need
     room = rows - chunk - requests * plan.buffer_columns
-    return max(0, min(requests - 1, room // extra)) if extra > 0 else requests
+    return max(0, min(requests - 1, room // extra))
 
 
 def load_steps(plan: MemoryPlan, context: int, *, row_bytes: int, key_bytes: int) -> list[LoadStep]:

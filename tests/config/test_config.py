@@ -781,6 +781,7 @@ WRONG_TYPES = {
     "tensor_parallel_size": [1.0, "2", None, True],
     "shared_host_pool": [1, "yes", None],
     "freeze_gc": [1, "yes", None],
+    "cuda_graphs": [1, "yes", None],
 }
 HS_WRONG_TYPES = {
     "device_buffer_size": [128.0, "128", True, [128]],
