@@ -319,10 +319,10 @@ class HiSparseCoordinator:
         chain = self._match(tokens)
         needs = physical, logical, host = self._needs(num_tokens, speculative, len(chain))
         spare = 0 if self.cache is None else self.cache.spare(chain)
-        if not (
-            self.alloc.logical.num_free_pages + spare >= logical
-            and self.host.allocator.num_free_pages + spare >= host
-        ):
+        if self.host.allocator.num_free_pages + spare < host:
+            return None
+        # (in an arena the logical side grows into the frames demotions free: ``_fits`` answers)
+        if self.alloc.arena is None and self.alloc.logical.num_free_pages + spare < logical:
             return None
         if self.layouts.dynamic:  # FULL while the arena holds the whole context
             full = self.layouts.full_pages(num_tokens)
@@ -339,8 +339,8 @@ class HiSparseCoordinator:
         pages nobody (``chain`` aside) shares as free, and with ``demote`` the pages demotions would
         free (an arena's two sides compete for its free frames)."""
         cached = [] if self.cache is None else self.cache.evictable_pages(0, keep=chain)
-        freed = self.layouts.demotable_page_ids() if demote else []
-        return self.alloc.fits(logical, physical, freed_physical=freed, freed_logical=cached)
+        moves = self.layouts.demotion_moves() if demote else []
+        return self.alloc.fits(logical, physical, freed_logical=cached, moves=moves)
 
     def _make_device_room(self, logical: int, physical: int) -> bool:
         """Evict cached pages nobody shares, then demote FULL rows (the largest context first), until
@@ -391,7 +391,8 @@ class HiSparseCoordinator:
         if separate and not self.layouts.relieve(lambda: self.alloc.physical.can_allocate(physical)):
             raise OutOfMemory("hisparse admission", physical, self.alloc.physical.num_free_pages)
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
-            self.cache.share(chain, (logical, host), num_tokens if tokens is not None else 0)
+            # (an arena's logical pages come next, with evictions and demotions: ``_make_device_room``)
+            self.cache.share(chain, (logical if separate else 0, host), num_tokens if tokens is not None else 0)
         if self.alloc.arena is not None and not self._make_device_room(logical, physical):
             if self.cache is not None:
                 self.cache.unlock(chain)

@@ -10,16 +10,19 @@ rows stay until it is demoted, so a decode step backs up its positions only when
 and the newest partial page (at most a page of rows per layer) is copied by the demotion. A demotion
 copies nothing from host::
 
-    FULL pages  | 0 .. HOT/P-1: positions [0, HOT) | HOT/P          | the rest
-    after demotion  identity hot columns           | newest + draft | freed, their map cleared
+    FULL row           | positions [0, HOT) | ... | newest | ...       (its pages, wherever they lie)
+    after demotion     | identity hot columns     | newest + draft zone (the buffer's pages: the
+                                                                        physical side's highest)
 
 * **Demotion** (FULL -> HOT, ``demote``): backs up the newest partial page and waits for the row's
-  backups (its host copy is complete before any device row is dropped), keeps the pages of
-  positions ``[0, HOT)`` as the buffer's identity hot columns and the next page as its newest
-  column and draft zone, frees the rest, and clears the row's map. The newest token's row is
-  copied into the newest column (one device row per layer) so that it is never evicted, as in every
-  long HOT row. A row no longer than HOT keeps the pages its buffer needs (identity columns), so
-  only longer rows free anything.
+  backups (its host copy is complete before any device row is dropped), clears the row's map,
+  frees its pages and takes the buffer's pages back, the physical side's highest free pages
+  (``ArenaSide.allocate``: out of the frames the indexer keys use, where it can); the rows of
+  positions ``[0, HOT)`` (identity hot columns) and the newest token (the newest column, so that it
+  is never evicted, as in every long HOT row) move there through one device copy. A buffer left in
+  place would hold frames low in the arena that the keys of every HOT row need at high load. A row
+  no longer than HOT keeps as many pages as its buffer needs (identity columns), so only longer rows
+  free anything.
 * **Promotion** (HOT -> FULL, ``promote``): the buffer freed (the host copy is complete), then pages
   for the whole context plus the growth room (the buffer's own among them when the pool is short),
   every committed position copied from host into them and mapped.
@@ -58,7 +61,7 @@ import attrs
 import structlog
 import torch
 
-from kernels.kv_copy import copy_rows, copy_rows_unchecked
+from kernels.kv_copy import copy_rows
 from pipeline.memory import OutOfMemory, page_slots
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
 
@@ -185,12 +188,17 @@ class DynamicResidency:
                 physical += max(0, need - len(mem.full_pages))
         return logical, physical
 
-    def demotable_page_ids(self) -> list[int]:
-        """The device pages demoting every candidate would free."""
+    def demotion_moves(self) -> list[tuple[list[int], int]]:
+        """Each candidate's (device pages, how many its buffer keeps), in the order ``relieve``
+        demotes them: what ``HiSparseAllocator.fits`` needs to foresee the arena after every
+        demotion (``demote`` frees a row's pages and takes its buffer's back, the highest first)."""
         c = self.coord
-        return [
-            page for row, _ in self.candidates() for page in c._mem[row].full_pages[self._buffer_pages(row) :]
-        ]
+        return [(c._mem[row].full_pages, self._kept_pages(row)) for row, _ in self.candidates()]
+
+    def _kept_pages(self, row: int) -> int:
+        """Pages a FULL row keeps as its buffer when demoted (a short row's buffer grows later, as a
+        HOT row's does)."""
+        return min(self._buffer_pages(row), len(self.coord._mem[row].full_pages))
 
     def demotable_pages(self) -> int:
         """Device pages demoting every candidate would free."""
@@ -221,23 +229,34 @@ class DynamicResidency:
         c.settle_backups(mem.backup)  # the host copy is complete before any device row is dropped
         assert bool((c.host.req_to_host[row, : mem.length] >= 0).all()), f"row {row}: host copy incomplete"
         page = c.plan.page_size
-        keep_n = self._buffer_pages(row)
-        keep, surplus = mem.full_pages[:keep_n], mem.full_pages[keep_n:]
+        pages = mem.full_pages
+        keep_n = self._kept_pages(row)
         newest = mem.length - 1
-        if mem.length > c.hot:  # the newest token into the newest column (device to device)
-            src = full_slots(mem.full_pages, page, newest, newest + 1).to(c.device)
-            dst = torch.tensor([keep[c.hot // page] * page], dtype=torch.int64, device=c.device)
-            if int(src[0]) != int(dst[0]):
-                copy_rows_unchecked(c.device_kv, dst, c.device_kv, src)
+        # what the buffer keeps: positions [0, HOT) in their identity columns, and a long row's newest
+        # token in the newest column
+        kept = min(mem.length, c.hot)
+        src = full_slots(pages, page, 0, kept)
+        if mem.length > c.hot:
+            src = torch.cat([src, full_slots(pages, page, newest, newest + 1)])
         c.alloc.clear(c.req_to_token[row, : c.alloc.req_to_token.covered_len(row)])
         c.set_full(row, None)
+        # The buffer's pages are the physical side's highest free pages once the row's are free (its
+        # own, mostly): a buffer left where the row's first pages happened to lie would pin frames
+        # the keys of every HOT row need. Their rows move through a copy, so that a page that is
+        # both a source and a destination is read before it is written.
+        rows = c.device_kv[:, src.to(c.device)].clone()
+        c.alloc.free_physical(row, pages)
+        keep = c.alloc.alloc_physical(row, keep_n)
+        dst = page_slots(keep, page)[:kept]
+        if mem.length > c.hot:
+            dst = torch.cat([dst, torch.tensor([keep[c.hot // page] * page], dtype=torch.int64)])
+        if not torch.equal(src, dst):
+            c.device_kv[:, dst.to(c.device)] = rows
         c.buffers.assign(row, keep)
         if mem.length > c.hot:
             c.buffers.tokens[:, row, c.buffers.newest] = newest
-        if surplus:
-            c.alloc.free_physical(row, surplus)
         mem.demoted_at = self.tick
-        freed = len(surplus) * self.page_bytes()
+        freed = (len(pages) - keep_n) * self.page_bytes()
         self.demotions += 1
         self.demoted_bytes += freed
         self._changes.append(ResidencyChange(row, "demoted", freed))

@@ -19,8 +19,15 @@ picked so that few key pages straddle two frames; those are never handed out). A
 frame when its held frames have no free page left, and gives a frame back as soon as none of its
 pages is allocated, so the free frames are what either side can grow into. The physical side takes
 the highest free frame and the logical side the lowest (the keys are a prefix of each layer's
-bytes), so the two meet in the middle. A frame changing hands is zeroed (``on_take``): neither side
-ever reads the other's bytes as its own.
+bytes), so the two meet in the middle. Within its frames the physical side hands out its highest
+free pages, and takes a free frame without key pages before it uses a free page of a frame with
+some: a KV row low in the arena keeps its whole frame from the keys, which at high load (every
+request HOT) need the keys' whole view. A frame changing hands is zeroed (``on_take``): neither
+side ever reads the other's bytes as its own.
+
+Known rounding: frame 0 holds ``c`` physical pages and a frame of key pages where separate pools
+reserve one page each, and the arena is whole frames; so a device pool that HiSparse's buffers fill
+to within two frames holds one request fewer in the arena, at the seats, than the plan counts.
 
 Frame 0 is reserved: it holds physical page 0 (the sink "no device copy" points at) and logical
 page 0 (location 0 is never a real token).
@@ -235,19 +242,28 @@ class ArenaSide:
         return 0 <= num_pages <= self.num_free_pages
 
     def allocate(self, num_pages: int, owner: int) -> list[int]:
-        """Hand ``num_pages`` pages to ``owner``, the lowest pages of held frames first, then free
-        frames in this side's order; raises ``OutOfMemory`` and changes nothing if short."""
+        """Hand ``num_pages`` pages to ``owner``: free pages of held frames first, taking free frames
+        in this side's order when they are too few; the logical side's lowest pages, the physical
+        side's highest (in order), and the physical side takes a free frame without key pages rather
+        than use a free page of a frame that has some (a row in such a frame keeps it from the
+        keys). Raises ``OutOfMemory`` and changes nothing if short."""
         if owner < 0:
             raise ValueError(f"{self.name}: owner must be a request row >= 0, got {owner}")
         if not self.can_allocate(num_pages):
             raise OutOfMemory(self.name, num_pages, self.num_free_pages)
         while len(self._free) < num_pages:
-            frame = self.frames.first_free(self.side)
-            self.frames.take(frame, self.side)
-            for page in self.frame_pages[frame]:
-                self._owner[page] = FREE
-                self._free.add(page)
-        pages = sorted(self._free)[:num_pages] if num_pages else []
+            self._take(self.frames.first_free(self.side))
+        free = sorted(self._free)
+        if self.side == LOGICAL or not num_pages:
+            pages = free[:num_pages]
+        else:
+            while self.frames.counts[LOGICAL][self._frame_of[free[-num_pages]]] and self.frames.num_free:
+                top = self.frames.first_free(PHYSICAL)
+                if self.frames.counts[LOGICAL][top]:
+                    break  # every free frame has key pages
+                self._take(top)
+                free = sorted(self._free)
+            pages = free[-num_pages:]
         mine = self._owned.setdefault(owner, set())
         for page in pages:
             self._free.discard(page)
@@ -257,6 +273,13 @@ class ArenaSide:
         if not mine:
             self._owned.pop(owner, None)
         return pages
+
+    def _take(self, frame: int) -> None:
+        """Take the free ``frame``: its pages are free pages of a held frame."""
+        self.frames.take(frame, self.side)
+        for page in self.frame_pages[frame]:
+            self._owner[page] = FREE
+            self._free.add(page)
 
     def check_owned(self, pages: Iterable[int], owner: int) -> None:
         seen: set[int] = set()
@@ -425,22 +448,71 @@ class DeviceArena:
         return self.logical.num_pages * self.page_size
 
     def _after(
-        self, freed_physical: Iterable[int], freed_logical: Iterable[int]
+        self,
+        freed_physical: Iterable[int],
+        freed_logical: Iterable[int],
+        moves: Iterable[tuple[Iterable[int], int]] = (),
     ) -> tuple[list[int], set[int]]:
         """(free pages of held frames per side, free frames) once the allocated pages ``freed_*`` are
-        freed (changes nothing)."""
+        freed, then each of ``moves`` made in turn: its physical pages freed and as many as it keeps
+        allocated again (a demotion: ``ArenaSide.allocate``'s order, the highest first). Changes
+        nothing."""
         used = list(self.frames.used)
-        holes = [len(self.physical._free), len(self.logical._free)]
-        emptied = []
-        for side, pages in ((self.physical, freed_physical), (self.logical, freed_logical)):
+        free = set(self.frames.free_frames(PHYSICAL))
+        physical, logical = self.physical, self.logical
+        holes = {}  # physical side: free pages per held frame
+        for page in physical._free:
+            frame = physical.frame_of(page)
+            holes[frame] = holes.get(frame, 0) + 1
+        logical_holes = len(logical._free)
+
+        def release(side: ArenaSide, pages: Iterable[int]) -> None:
+            nonlocal logical_holes
             for page in pages:
                 frame = side.frame_of(page)
                 used[frame] -= 1
-                holes[side.side] += 1
+                if side is physical:
+                    holes[frame] = holes.get(frame, 0) + 1
+                else:
+                    logical_holes += 1
                 if used[frame] == 0:  # the frame goes back whole
-                    emptied.append(frame)
-                    holes[side.side] -= len(side.frame_pages[frame])
-        return holes, set(self.frames.free_frames(PHYSICAL)) | set(emptied)
+                    free.add(frame)
+                    if side is physical:
+                        del holes[frame]
+                    else:
+                        logical_holes -= len(side.frame_pages[frame])
+
+        release(physical, freed_physical)
+        release(logical, freed_logical)
+        keyed = self.frames.counts[LOGICAL]
+
+        def lowest_taken(keep: int) -> int:  # the frame of the lowest of the ``keep`` highest holes
+            for frame in sorted(holes, reverse=True):
+                keep -= holes[frame]
+                if keep <= 0:
+                    return frame
+            return -1
+
+        for pages, keep in moves:  # ``ArenaSide.allocate``'s choices, made on the counts
+            release(physical, pages)
+            while sum(holes.values()) < keep and free:
+                frame = max(free)
+                free.discard(frame)
+                holes[frame] = len(physical.frame_pages[frame])
+            while keep and free and keyed[lowest_taken(keep)] and not keyed[max(free)]:
+                frame = max(free)
+                free.discard(frame)
+                holes[frame] = len(physical.frame_pages[frame])
+            for frame in sorted(holes, reverse=True):  # and its pages, the highest first
+                if keep <= 0:
+                    break
+                took = min(keep, holes[frame])
+                keep -= took
+                used[frame] += took
+                holes[frame] -= took
+                if not holes[frame]:
+                    del holes[frame]
+        return [sum(holes.values()), logical_holes], free
 
     def free_pages_after(
         self, side: int, *, freed_physical: Iterable[int] = (), freed_logical: Iterable[int] = ()
@@ -457,12 +529,13 @@ class DeviceArena:
         *,
         freed_physical: Iterable[int] = (),
         freed_logical: Iterable[int] = (),
+        moves: Iterable[tuple[Iterable[int], int]] = (),
     ) -> bool:
         """Whether ``logical`` logical pages and ``physical`` physical pages can be allocated together,
-        once the allocated pages ``freed_*`` are freed (what demotions or evictions would give back):
-        the physical side takes the highest free frames, the logical side the lowest with key pages,
-        and the two must not need the same frame."""
-        holes, free = self._after(freed_physical, freed_logical)
+        once the allocated pages ``freed_*`` are freed and ``moves`` made (``_after``: what evictions
+        and demotions would give back): the physical side takes the highest free frames, the logical
+        side the lowest with key pages, and the two must not need the same frame."""
+        holes, free = self._after(freed_physical, freed_logical, moves)
         high = sorted(free, reverse=True)
         low = [f for f in sorted(free) if self.logical.frame_pages[f]]
         need_p = self._frames_for(self.physical, physical - holes[PHYSICAL], high)

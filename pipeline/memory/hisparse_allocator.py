@@ -102,16 +102,20 @@ class HiSparseAllocator:
         *,
         freed_physical: Iterable[int] = (),
         freed_logical: Iterable[int] = (),
+        moves: Iterable[tuple[Iterable[int], int]] = (),
     ) -> bool:
         """Whether ``logical`` and ``physical`` more pages can be allocated together, once the pages
-        ``freed_*`` (allocated now) are freed. Separate pools answer each on its own; the two sides
+        ``freed_*`` (allocated now) are freed and each of ``moves`` (physical pages, how many of them
+        are allocated again: a demotion) made. Separate pools answer each on its own; the two sides
         of an arena compete for its free frames."""
         if self.arena is not None:
-            arena = self.arena
-            return arena.fits(logical, physical, freed_physical=freed_physical, freed_logical=freed_logical)
+            return self.arena.fits(
+                logical, physical, freed_physical=freed_physical, freed_logical=freed_logical, moves=moves
+            )
+        moved = sum(len(list(pages)) - keep for pages, keep in moves)
         return (
             self.logical.num_free_pages + len(list(freed_logical)) >= logical
-            and self.physical.num_free_pages + len(list(freed_physical)) >= physical
+            and self.physical.num_free_pages + len(list(freed_physical)) + moved >= physical
         )
 
     def can_alloc_prefill(self, row: int, num_tokens: int) -> bool:

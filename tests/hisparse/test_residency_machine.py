@@ -227,8 +227,11 @@ class ResidencyMachine(ExecutorMachine):
         assert coord.layout(row) is Layout.HOT
         # the host copy is complete before any device row is dropped: no copy waited for here
         self.check_host_kv_of(rid, "right after its demotion: ")
-        assert after and after <= before, f"{rid}: a demotion keeps some of its pages and takes none"
-        assert freed == len(before - after) * self.page_bytes(), (freed, len(before - after))
+        assert after, f"{rid}: a demotion keeps its buffer's pages"
+        assert freed == (len(before) - len(after)) * self.page_bytes(), (freed, len(before), len(after))
+        if coord.alloc.arena is not None:  # the physical side's highest free pages: none left above
+            holes = set(coord.alloc.arena.physical.snapshot()[0])
+            assert not holes or max(holes) < min(after), f"{rid}: its buffer left free pages above it"
         self.layouts[rid] = RowModel(Layout.HOT, demoted_at=self.ticks)
         self.moves["demotions"] += 1
         self.check_model("after a demotion: ")

@@ -100,9 +100,10 @@ def test_a_frame_is_zeroed_once_when_it_changes_hands_and_never_when_taken_back(
     top = [arena.frames.num_frames - 1, arena.frames.num_frames - 2]
     assert taken == top, "two frames, the highest first"
     assert {arena.physical.frame_of(p) for p in rows} == set(top)
-    arena.physical.free(rows[:1], 0)
-    assert arena.frames.holder[arena.physical.frame_of(rows[0])] == PHYSICAL, "its frame stays held"
-    arena.physical.take(rows[:1], 0)
+    assert rows == sorted(rows) and arena.physical.frame_of(rows[0]) == top[1], "the highest pages, in order"
+    arena.physical.free(rows[-1:], 0)
+    assert arena.frames.holder[arena.physical.frame_of(rows[-1])] == PHYSICAL, "its frame stays held"
+    arena.physical.take(rows[-1:], 0)
     arena.physical.free(rows, 0)  # both frames go free
     arena.physical.take(rows, 0)  # the free undone: its bytes are the row's own
     assert taken == top
@@ -286,6 +287,38 @@ class ArenaMachine(RuleBasedStateMachine):
             assert done == answer, f"fits said {answer}, allocating {order} {'did' if done else 'did not'}"
             self.arena.restore(snap)
             assert self.arena.snapshot() == snap
+
+    @precondition(lambda self: any(s == PHYSICAL and pages for (s, _), pages in self.owned.items()))
+    @rule(data=st.data())
+    def fits_after_demotions(self, data) -> None:
+        """``fits`` with ``moves`` (demotions: an owner's physical pages freed, then as many as it
+        keeps allocated to it again) answers what making the moves in turn and then allocating
+        does, in either order; checked on a snapshot, restored after."""
+        owners = sorted({o for (s, o), pages in self.owned.items() if s == PHYSICAL and pages})
+        chosen = data.draw(st.lists(st.sampled_from(owners), min_size=1, unique=True))
+        moves = [
+            (sorted(self.owned[PHYSICAL, o]), data.draw(st.integers(0, len(self.owned[PHYSICAL, o]))))
+            for o in chosen
+        ]
+        logical, physical = (data.draw(st.integers(0, self._side(side).num_free_pages + 3)) for side in SIDES[::-1])
+        answer = self.arena.fits(logical, physical, moves=moves)
+        for order in ((LOGICAL, logical), (PHYSICAL, physical)), ((PHYSICAL, physical), (LOGICAL, logical)):
+            snap = self.arena.snapshot()
+            for owner, (pages, keep) in zip(chosen, moves):
+                self.arena.physical.free(pages, owner)
+                kept = self.arena.physical.allocate(keep, owner)
+                free = set(self.arena.physical.snapshot()[0])
+                assert not free or not kept or max(free) < min(kept), "the highest free pages"
+            try:
+                for side, n in order:
+                    self._side(side).allocate(n, TRIAL)
+                done = True
+            except OutOfMemory:
+                done = False
+            assert done == answer, f"fits said {answer} after {moves}, allocating {order}: {done}"
+            self.arena.restore(snap)
+            assert self.arena.snapshot() == snap
+        self.taken.clear()  # (the trials' frames: undone with the snapshot)
 
     # --- checks ---------------------------------------------------------------------------------
 
