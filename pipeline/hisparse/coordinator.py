@@ -392,7 +392,8 @@ class HiSparseCoordinator:
             raise OutOfMemory("hisparse admission", physical, self.alloc.physical.num_free_pages)
         if self.cache is not None:  # without tokens it matched nothing, and looked nothing up
             # (an arena's logical pages come next, with evictions and demotions: ``_make_device_room``)
-            self.cache.share(chain, (logical if separate else 0, host), num_tokens if tokens is not None else 0)
+            looked_up = num_tokens if tokens is not None else 0
+            self.cache.share(chain, (logical if separate else 0, host), looked_up)
         if self.alloc.arena is not None and not self._make_device_room(logical, physical):
             if self.cache is not None:
                 self.cache.unlock(chain)

@@ -460,7 +460,7 @@ class DeviceArena:
         used = list(self.frames.used)
         free = set(self.frames.free_frames(PHYSICAL))
         physical, logical = self.physical, self.logical
-        holes = {}  # physical side: free pages per held frame
+        holes: dict[int, int] = {}  # physical side: free pages per held frame
         for page in physical._free:
             frame = physical.frame_of(page)
             holes[frame] = holes.get(frame, 0) + 1

@@ -300,7 +300,9 @@ class ArenaMachine(RuleBasedStateMachine):
             (sorted(self.owned[PHYSICAL, o]), data.draw(st.integers(0, len(self.owned[PHYSICAL, o]))))
             for o in chosen
         ]
-        logical, physical = (data.draw(st.integers(0, self._side(side).num_free_pages + 3)) for side in SIDES[::-1])
+        logical, physical = (
+            data.draw(st.integers(0, self._side(side).num_free_pages + 3)) for side in SIDES[::-1]
+        )
         answer = self.arena.fits(logical, physical, moves=moves)
         for order in ((LOGICAL, logical), (PHYSICAL, physical)), ((PHYSICAL, physical), (LOGICAL, logical)):
             snap = self.arena.snapshot()

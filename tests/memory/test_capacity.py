@@ -321,7 +321,8 @@ def test_the_load_table_fills_the_device_arena_with_full_rows(device_tokens):
             # device pool HiSparse's buffers fill to within two frames holds one request fewer at
             # the seats (docs/residency.md)
             arena = ArenaSpace.of(plan, *dims)
-            short = -(-(requests * 144 + plan.chunk_area(context)) // 16) - arena.row_pages(requests * need // 16)
+            rows = requests * 144 + plan.chunk_area(context)
+            short = -(-rows // 16) - arena.row_pages(requests * need // 16)
             assert requests == running and full == 0 and 0 < short <= 2 * arena.pages_per_frame, short
             assert _arena_holds(plan, dims, context, requests=requests - 1, full=0)
             continue
