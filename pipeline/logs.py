@@ -97,7 +97,12 @@ def configure_logging(
         *processors,
     ]
     if json is False:
-        chain.append(structlog.dev.ConsoleRenderer(colors=bool(getattr(out, "isatty", lambda: False)())))
+        # Python's plain traceback: rich's (structlog's default when rich is installed) renders every
+        # frame's locals, which here are tensors and request contents: slow (seconds an error) and
+        # more than a log should carry
+        colors = bool(getattr(out, "isatty", lambda: False)())
+        plain = structlog.dev.plain_traceback
+        chain.append(structlog.dev.ConsoleRenderer(colors=colors, exception_formatter=plain))
     else:
         chain += [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
     structlog.configure(
