@@ -62,9 +62,13 @@ class ShadowedMachine(RuleBasedStateMachine):
         # shadow's whole prompt (equal tokens, not equal bits): both run without the cache
         assert not self.config.prefix_cache and not self.shadow_config.prefix_cache
         self.unisolated = mock.patch.object(executor_module, "isolate", forward_unisolated)
-        self.unisolated.start()
-        self.streams = self.make_streams()
-        self.executor = Executor(self.config, model=self.model, transfer=self.streams)
+        self.unisolated.start()  # (stopped by ``teardown``, or here if the machine cannot start)
+        try:
+            self.streams = self.make_streams()
+            self.executor = Executor(self.config, model=self.model, transfer=self.streams)
+        except BaseException:
+            self.unisolated.stop()
+            raise
         self.executor.memory.mirror_tables(separate=True)  # a missed mirror update shows
         self.shadow = Executor(self.shadow_config, model=self.model)
         self.initial = self.executor.pool_counts()

@@ -984,11 +984,13 @@ class HiSparseCoordinator:
             self._redo_backup(backup, error)
             return
         why = _copy_failure("backup", error)
-        for row in backup.rows:
-            if row in self._mem and row not in self._lost:
-                log.error("hisparse.backup_failed", row=row, error=why)
-                self._lost.add(row)
-                self._backup_failures[row] = why
+        lost = [row for row in backup.rows if row in self._mem and row not in self._lost]
+        for row in lost:
+            log.error("hisparse.backup_failed", row=row, error=why)
+            self._lost.add(row)
+            self._backup_failures[row] = why
+        if not lost:  # its rows had failed already, or ended: nothing is lost that was not before
+            log.warning("hisparse.backup_dropped", rows=list(backup.rows), error=why)
 
     def _redo_backup(self, backup: Backup, error: BaseException) -> None:
         """A backup failed: copy each row's part again, on its own, and wait for it (its source rows

@@ -78,8 +78,12 @@ class ChunkedSchedulerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.unisolated = mock.patch.object(executor_module, "isolate", forward_unisolated)
-        self.unisolated.start()
-        self.executor = Executor(CONFIG, model=MODEL)
+        self.unisolated.start()  # (stopped by ``teardown``, or here if the machine cannot start)
+        try:
+            self.executor = Executor(CONFIG, model=MODEL)
+        except BaseException:
+            self.unisolated.stop()
+            raise
         # distinct mirrors: the coordinator's check compares them with the tables, so a missed update shows
         self.executor.memory.mirror_tables(separate=True)
         self.initial = self.executor.pool_counts()
