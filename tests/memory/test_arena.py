@@ -278,15 +278,20 @@ class ArenaMachine(RuleBasedStateMachine):
                 for page in freed[side]:
                     alloc.free([page], alloc.owner_of(page))
             assert {side: self._side(side).num_free_pages for side in SIDES} == after
-            try:
-                for side, n in order:
-                    self._side(side).allocate(n, TRIAL)
-                done = True
-            except OutOfMemory:
-                done = False
+            done = self._allocate_then_restore(order, snap)
             assert done == answer, f"fits said {answer}, allocating {order} {'did' if done else 'did not'}"
-            self.arena.restore(snap)
-            assert self.arena.snapshot() == snap
+
+    def _allocate_then_restore(self, order, snap) -> bool:
+        """Whether allocating ``order``'s (side, pages) in turn succeeds; the arena back at ``snap``."""
+        try:
+            for side, n in order:
+                self._side(side).allocate(n, TRIAL)
+            done = True
+        except OutOfMemory:
+            done = False
+        self.arena.restore(snap)
+        assert self.arena.snapshot() == snap
+        return done
 
     @precondition(lambda self: any(s == PHYSICAL and pages for (s, _), pages in self.owned.items()))
     @rule(data=st.data())
@@ -311,15 +316,8 @@ class ArenaMachine(RuleBasedStateMachine):
                 kept = self.arena.physical.allocate(keep, owner)
                 free = set(self.arena.physical.snapshot()[0])
                 assert not free or not kept or max(free) < min(kept), "the highest free pages"
-            try:
-                for side, n in order:
-                    self._side(side).allocate(n, TRIAL)
-                done = True
-            except OutOfMemory:
-                done = False
+            done = self._allocate_then_restore(order, snap)
             assert done == answer, f"fits said {answer} after {moves}, allocating {order}: {done}"
-            self.arena.restore(snap)
-            assert self.arena.snapshot() == snap
         self.taken.clear()  # (the trials' frames: undone with the snapshot)
 
     # --- checks ---------------------------------------------------------------------------------
