@@ -625,7 +625,7 @@ class HiSparseCoordinator:
 
     def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``[T]`` bool (CPU): whether each of ``rows`` (request rows) is FULL; None when no row is."""
-        full = self.full_rows()
+        full = {row for row, mem in self._mem.items() if mem.layout is Layout.FULL}
         if not full:
             return None
         return torch.tensor([row in full for row in rows.tolist()], dtype=torch.bool)
@@ -774,60 +774,43 @@ class HiSparseCoordinator:
         """Where each row's next token (position = its length) writes; raises ``OutOfMemory``.
 
         While short the token goes to its identity column; once long it replaces the newest column,
-        after the backup that reads the previous newest token has completed.
+        after the backup that reads the previous newest token has completed. A FULL row's token
+        (dynamic residency) goes to its position's slot in its own pages.
         """
         for row in rows:  # (all first: a row's room may demote another row of the batch)
             self.ensure_capacity(row, new_tokens=1, speculative=False)
-        if self.layouts.dynamic and any(self._mem[row].layout is Layout.FULL for row in rows):
-            return self._prepare_mixed(rows)
-        return self._prepare_hot(rows)
-
-    def _prepare_mixed(self, rows: list[int]) -> WriteTargets:
-        """``prepare_decode`` of a batch holding FULL rows: those write at their own slot."""
-        full = [i for i, row in enumerate(rows) if self._mem[row].layout is Layout.FULL]
-        if len(full) == len(rows):
-            return self._prepare_full(rows)
-        hot = [i for i in range(len(rows)) if i not in set(full)]
-        locs = torch.empty(len(rows), dtype=torch.int64)
-        slots = torch.empty(len(rows), dtype=torch.int64)
-        for part, idx in ((self._prepare_hot([rows[i] for i in hot]), hot),
-                          (self._prepare_full([rows[i] for i in full]), full)):
-            locs[idx], slots[idx] = part.locs.cpu(), part.slots.cpu()
-        return WriteTargets(locs.to(self.device), slots.to(self.device))
-
-    def _prepare_full(self, rows: list[int]) -> WriteTargets:
-        """``prepare_decode`` of FULL rows (their room taken): each token at its position's slot."""
         page = self.plan.page_size
-        positions = [self._mem[row].length for row in rows]
-        slots = torch.tensor(
-            [self._mem[row].full_pages[pos // page] * page + pos % page for row, pos in zip(rows, positions)],
-            dtype=torch.int64,
-        )
-        locs = self.req_to_token[torch.tensor(rows), torch.tensor(positions)]
-        self.alloc.bind(locs, slots)
-        return WriteTargets(locs.to(self.device), slots.to(self.device))
-
-    def _prepare_hot(self, rows: list[int]) -> WriteTargets:
-        """``prepare_decode`` of HOT rows (their room taken)."""
         positions, cols, long_rows, long_positions = [], [], [], []
-        for row in rows:
+        at_slot: dict[int, int] = {}  # FULL rows (dynamic residency): batch index -> their own slot
+        for i, row in enumerate(rows):
             mem = self._mem[row]
             pos = mem.length
+            positions.append(pos)
+            if mem.layout is Layout.FULL:
+                at_slot[i] = mem.full_pages[pos // page] * page + pos % page
+                cols.append(0)  # (a column read and overwritten below)
+                continue
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:
                 self.order_backups(mem.backup)  # the previous newest token's copy reads this column
                 long_rows.append(row)
                 long_positions.append(pos)
-            positions.append(pos)
             cols.append(col)
         if long_rows:  # their newest columns change hands, all at once
             self._replace_newest(long_rows, long_positions)
         # one lookup and one bind for the whole step (the rows' locations are disjoint)
         row_t = torch.tensor(rows, dtype=torch.int64)
         locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
-        slots = self.buffers.locs[
-            row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)
-        ]
+        if len(at_slot) == len(rows):  # every row FULL: no buffer column
+            slots = torch.tensor(list(at_slot.values()), dtype=torch.int64, device=self.device)
+        else:
+            slots = self.buffers.locs[
+                row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)
+            ]
+            if at_slot:
+                slots[torch.tensor(list(at_slot), device=self.device)] = torch.tensor(
+                    list(at_slot.values()), dtype=slots.dtype, device=self.device
+                )
         self.alloc.bind(locs, slots.cpu())
         return WriteTargets(locs.to(self.device), slots)
 

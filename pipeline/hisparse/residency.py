@@ -127,6 +127,7 @@ class DynamicResidency:
     _changes: list[ResidencyChange] = attrs.Factory(list)  # not yet taken
     # ``page_table``'s last answer, kept while no FULL row's pages change (``set_full`` forgets it)
     _table: torch.Tensor | None = None
+    _headroom: int | None = None  # ``headroom_pages``, once found
 
     @property
     def dynamic(self) -> bool:
@@ -265,7 +266,13 @@ class DynamicResidency:
     # --- promotion ------------------------------------------------------------------------------
 
     def headroom_pages(self) -> int:
-        """Free physical pages a promotion must leave (module docstring)."""
+        """Free physical pages a promotion must leave (module docstring); the same all the engine's
+        life (found once)."""
+        if self._headroom is None:
+            self._headroom = self._find_headroom()
+        return self._headroom
+
+    def _find_headroom(self) -> int:
         c = self.coord
         page = c.plan.page_size
         chunk = c.plan.prefill_chunk or c.plan.max_request_len
@@ -345,11 +352,13 @@ class DynamicResidency:
         # the arena: its pages and its growth to its final length, every other request's growth,
         # and the headroom, its buffer given back (the free frames count for either side)
         page, final = c.plan.page_size, c._mem[row].final
+        need = max(self.promotion_pages(row), pages_for(final, page)) + self.headroom_pages()
+        buffer = c.buffers.pages(row)
+        if c.alloc.physical.num_free_pages + len(buffer) < need:  # short before the keys count (cheap)
+            return
         grow_l, grow_p = self.reserved(exclude=row)
         own_l = max(0, pages_for(final, page) - c.alloc.req_to_token.covered_len(row) // page)
-        need = max(self.promotion_pages(row), pages_for(final, page))
-        physical = need + grow_p + self.headroom_pages()
-        if c.alloc.fits(grow_l + own_l, physical, freed_physical=c.buffers.pages(row)):
+        if c.alloc.fits(grow_l + own_l, need + grow_p, freed_physical=buffer):
             self.promote(row)
 
     # --- tables and checks ----------------------------------------------------------------------

@@ -426,6 +426,7 @@ class DeviceArena:
     frames: Frames = attrs.field(init=False)
     physical: ArenaSide = attrs.field(init=False)
     logical: ArenaSide = attrs.field(init=False)
+    _keys_per_frame: int = attrs.field(init=False)  # the most key pages in one frame
 
     def __attrs_post_init__(self) -> None:
         c, num_frames, view = arena_layout(
@@ -438,6 +439,7 @@ class DeviceArena:
         p = self.page_size
         self.physical = ArenaSide("physical", PHYSICAL, self.frames, num_frames * c, p, physical)
         self.logical = ArenaSide("logical", LOGICAL, self.frames, view, p, logical)
+        self._keys_per_frame = max(1, max(len(r) for r in logical))
 
     @property
     def physical_rows(self) -> int:
@@ -535,6 +537,13 @@ class DeviceArena:
         once the allocated pages ``freed_*`` are freed and ``moves`` made (``_after``: what evictions
         and demotions would give back): the physical side takes the highest free frames, the logical
         side the lowest with key pages, and the two must not need the same frame."""
+        freed_physical, freed_logical, moves = list(freed_physical), list(freed_logical), list(moves)
+        if not (freed_physical or freed_logical or moves) and (
+            physical <= len(self.physical._free) and logical <= len(self.logical._free)
+        ):  # the usual step: the held frames' free pages suffice, no frame changes hands
+            return True
+        if not (freed_logical or moves) and physical > self._physical_bound(logical, len(freed_physical)):
+            return False  # (a promotion's usual answer, found without ``_after``)
         holes, free = self._after(freed_physical, freed_logical, moves)
         high = sorted(free, reverse=True)
         low = [f for f in sorted(free) if self.logical.frame_pages[f]]
@@ -543,6 +552,16 @@ class DeviceArena:
         if need_p is None or need_l is None:
             return False
         return not set(high[:need_p]) & set(low[:need_l])
+
+    def _physical_bound(self, logical: int, freed_physical: int) -> int:
+        """At most how many physical pages the arena can give beside ``logical`` logical pages once
+        ``freed_physical`` physical pages are freed: the logical side needs at least ``short``
+        frames beyond its holes, and every other free frame (those the freed pages empty included)
+        gives the physical side at most a frame's pages."""
+        short = logical - len(self.logical._free)
+        frames = -(-short // self._keys_per_frame) if short > 0 else 0
+        spare_frames = self.frames.num_free - frames
+        return len(self.physical._free) + freed_physical + self.pages_per_frame * spare_frames
 
     @staticmethod
     def _frames_for(side: ArenaSide, short: int, order: list[int]) -> int | None:
