@@ -441,7 +441,9 @@ class HiSparseBackend:
         batch, steps = top3.shape[:2]
         result = first if first is not None else self.coord.swap_in(layer, top3, seq_lens, rows, near=near3)
         flat = result.slots.reshape(batch * steps, -1)
-        if result.all_steps_done(steps):
+        # ``hot >= S * top_k``: one call resolves every step (``kernels.swap_in``), known without a
+        # read of its step counts (a plain decode step's case: no CPU wait on the device)
+        if self.coord.hot >= steps * top3.shape[-1] or result.all_steps_done(steps):
             yield torch.arange(batch * steps, device=top3.device), flat
             return
         pending = torch.ones(batch, steps, dtype=torch.bool, device=top3.device)

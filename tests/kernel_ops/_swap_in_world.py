@@ -158,6 +158,8 @@ def assert_same(world_a: World, res_a: SwapInResult, world_b: World, res_b: Swap
     for res in (res_a, res_b):  # a result that says whether every step was handled says it right
         if res.complete is not None:
             assert res.complete == bool((res.steps_done == steps).all()), f"{label}: complete is wrong"
+        if world_a.hot >= steps * world_a.top_k_pos.shape[-1]:  # what a decode step counts on unread
+            assert bool((res.steps_done == steps).all()), f"{label}: hot >= S * top_k, yet a step stopped"
 
 
 def assert_canaries(before: World, after: World) -> None:
