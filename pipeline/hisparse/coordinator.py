@@ -1094,10 +1094,14 @@ class HiSparseCoordinator:
         rows: torch.Tensor,
     ) -> None:
         """Count one swap-in call of ``layer`` (this method's or the compiled attention's, which
-        runs the same loop) and report any unrecoverable miss."""
-        self.counters.add_swap_in(layer, result)
-        if self.counters.last_unrecoverable:
+        runs the same loop) and report any unrecoverable miss: at once, or, where the counts stay on
+        the device until read (``LayerCounters``), when they are read (the call's own tensors,
+        which no later call writes, say where)."""
+
+        def report() -> None:
             self._log_unrecoverable(layer, top_k_pos, seq_lens, rows, result)
+
+        self.counters.add_swap_in(layer, result, report)
 
     def compiled_pools(self) -> hisparse_attend_numba.Pools | None:
         """The views ``kernels.hisparse_attend_numba`` reads, when every pool and table is in CPU

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -12,45 +12,114 @@ from kernels.swap_in import SwapInResult
 
 @attrs.define(eq=False)
 class LayerCounters:
-    """Running totals since the engine started, one entry per layer."""
+    """Running totals since the engine started, one entry per layer.
+
+    A swap-in whose counts are on a device (no ``totals`` handed over) is added there, into one
+    ``[layers, 4]`` tensor, and read back at the first read of any figure (``settle``): one
+    device->host read per step instead of one per layer, and none inside the forward (the decode
+    step's own read of its sampled tokens has waited for the device already). Its unrecoverable
+    check (``add_swap_in``'s ``on_unrecoverable``) runs then too."""
 
     num_layers: int
-    hits: list[int] = attrs.field(init=False)  # top-k entries resolved without a copy
-    misses: list[int] = attrs.field(init=False)  # rows loaded host -> device
-    unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
-    h2d_bytes: list[int] = attrs.field(init=False)
+    # keep swap-in counts on their device until read: None = wherever they are not on the CPU (where
+    # a read costs nothing); True / False force it
+    defer: bool | None = None
+    _hits: list[int] = attrs.field(init=False)  # top-k entries resolved without a copy
+    _misses: list[int] = attrs.field(init=False)  # rows loaded host -> device
+    _unrecoverable: list[int] = attrs.field(init=False)  # valid positions with no copy anywhere (a bug)
+    _h2d_bytes: list[int] = attrs.field(init=False)
     d2h_bytes: list[int] = attrs.field(init=False)  # staging copies and backups
     # a prefill chunk's earlier positions found on the device
     prefill_hits: list[int] = attrs.field(init=False)
     prefill_loads: list[int] = attrs.field(init=False)  # rows a prefill loaded host -> device
     prefill_h2d_bytes: list[int] = attrs.field(init=False)
-    last_unrecoverable: int = 0  # unrecoverable entries of the latest swap-in call
+    # deferred swap-in counts: [layers, 4] int64 (hits, misses, unrecoverable, bytes) on their device
+    _pending: torch.Tensor | None = attrs.field(default=None, init=False)
+    _dirty: bool = attrs.field(default=False, init=False)  # counts added since the last ``settle``
+    # the unrecoverable checks of the deferred calls: (layer, check), run by ``settle`` for a layer
+    # whose calls left any
+    _checks: list[tuple[int, Callable[[], None]]] = attrs.field(factory=list, init=False)
 
     def __attrs_post_init__(self) -> None:
-        self.hits = [0] * self.num_layers
-        self.misses = [0] * self.num_layers
-        self.unrecoverable = [0] * self.num_layers
-        self.h2d_bytes = [0] * self.num_layers
+        self._hits = [0] * self.num_layers
+        self._misses = [0] * self.num_layers
+        self._unrecoverable = [0] * self.num_layers
+        self._h2d_bytes = [0] * self.num_layers
         self.d2h_bytes = [0] * self.num_layers
         self.prefill_hits = [0] * self.num_layers
         self.prefill_loads = [0] * self.num_layers
         self.prefill_h2d_bytes = [0] * self.num_layers
 
-    def add_swap_in(self, layer: int, result: SwapInResult) -> None:
+    @property
+    def hits(self) -> list[int]:
+        self.settle()
+        return self._hits
+
+    @property
+    def misses(self) -> list[int]:
+        self.settle()
+        return self._misses
+
+    @property
+    def unrecoverable(self) -> list[int]:
+        self.settle()
+        return self._unrecoverable
+
+    @property
+    def h2d_bytes(self) -> list[int]:
+        self.settle()
+        return self._h2d_bytes
+
+    def add_swap_in(
+        self, layer: int, result: SwapInResult, on_unrecoverable: Callable[[], None] | None = None
+    ) -> None:
+        """Count one swap-in call of ``layer``; ``on_unrecoverable()`` runs when the call left a valid
+        position unresolved (at once, or at ``settle`` for a deferred call: it must not depend on
+        state the next calls change)."""
         totals: Sequence[int] | None = result.totals
-        if totals is None:  # one device->host read of four scalars
-            sums = [
+        if totals is None:
+            sums = torch.stack([
                 result.hits.sum(),
                 result.misses.sum(),
                 result.unrecoverable.sum(),
                 result.bytes_copied.sum(),
-            ]
-            totals = torch.stack(sums).tolist()
-        self.hits[layer] += int(totals[0])
-        self.misses[layer] += int(totals[1])
-        self.unrecoverable[layer] += int(totals[2])
-        self.h2d_bytes[layer] += int(totals[3])
-        self.last_unrecoverable = int(totals[2])
+            ]).to(torch.int64)
+            device = sums.device
+            if self.defer or (self.defer is None and device.type != "cpu"):
+                if self._pending is None or self._pending.device != device:
+                    self.settle()
+                    self._pending = torch.zeros(self.num_layers, 4, dtype=torch.int64, device=device)
+                self._pending[layer] += sums  # (the same tensor all along: a graph may record this)
+                self._dirty = True
+                if on_unrecoverable is not None:
+                    self._checks.append((layer, on_unrecoverable))
+                return
+            totals = sums.tolist()  # (a CPU tensor: nothing to wait for)
+        self._add(layer, totals)
+        if int(totals[2]) and on_unrecoverable is not None:
+            on_unrecoverable()
+
+    def _add(self, layer: int, totals: Sequence[int]) -> None:
+        self._hits[layer] += int(totals[0])
+        self._misses[layer] += int(totals[1])
+        self._unrecoverable[layer] += int(totals[2])
+        self._h2d_bytes[layer] += int(totals[3])
+
+    def settle(self) -> None:
+        """Read the deferred swap-in counts (one device->host read) into the totals and run the
+        unrecoverable checks of the layers that left any; nothing when none is pending."""
+        pending, checks = self._pending, self._checks
+        if pending is None or not self._dirty:
+            return
+        table = pending.tolist()
+        with torch.inference_mode():  # (made inside a forward, it is an inference tensor)
+            pending.zero_()
+        self._dirty, self._checks = False, []
+        for layer, totals in enumerate(table):
+            self._add(layer, totals)
+        for layer, check in checks:
+            if table[layer][2]:
+                check()
 
     def add_prefill_loads(self, layer: int, hits: int, loads: int, h2d_bytes: int) -> None:
         """Rows a prefill brought to the device outside ``kernels.swap_in``: a chunk's grouped reads of

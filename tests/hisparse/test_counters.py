@@ -7,12 +7,17 @@
   summed over the recorded top-k trace (decode and verify records, the fast-path steps of a short
   request included: swap-in counts their entries as hits, ``kernels/swap_in.py``), and no entry is
   unrecoverable;
-* ``hit_rate == hits / (hits + misses)``; the stats dict carries the same per-layer lists.
+* ``hit_rate == hits / (hits + misses)``; the stats dict carries the same per-layer lists;
+* the same where the swap-in counts stay on the device until read (``LayerCounters.defer``, what a
+  GPU does: one read per step, none inside the forward), forced here on the CPU.
 
 The prompts are several times longer than HOT, so nearly every step takes the long path and misses.
 """
 
 from __future__ import annotations
+
+import attrs
+import pytest
 
 from pipeline.config import EngineConfig, HiSparseConfig, SpeculativeConfig
 from pipeline.driver import prefill_whole
@@ -70,13 +75,28 @@ def _start(executor: Executor) -> None:
     assert executor.collect_ready() == list(PROMPTS)
 
 
-def test_decode_counters_add_up(tiny_model, tmp_path):
+def _defer(executor: Executor, monkeypatch) -> None:
+    """Counts on the device until read: every swap-in hands over no Python totals (as the GPU's
+    kernels do), and the counters keep them in a tensor until a figure is read."""
+    from pipeline.hisparse import coordinator
+
+    real = coordinator.swap_in
+    monkeypatch.setattr(coordinator, "swap_in", lambda *a, **k: attrs.evolve(real(*a, **k), totals=None))
+    executor.memory.counters.defer = True
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["read-per-call", "deferred"])
+def test_decode_counters_add_up(tiny_model, tmp_path, monkeypatch, deferred):
     path = tmp_path / "topk.jsonl"
     executor = Executor(_config(None), model=tiny_model, trace_path=str(path))
     _start(executor)
+    if deferred:
+        _defer(executor, monkeypatch)
     steps = 24  # the short request outgrows HOT on the way
     for _ in range(steps):
         assert set(executor.decode(list(PROMPTS)).tokens) == set(PROMPTS)
+        # the step's counts were not read inside it (deferred) or were (read per call)
+        assert executor.memory.counters._dirty == deferred
     _check_counters(executor, {rid: len(p) + steps for rid, p in PROMPTS.items()}, path, phase="decode")
     executor.close()
 
@@ -99,3 +119,31 @@ def test_verify_counters_add_up(tiny_model, tmp_path):
             committed[rid] += len(result.tokens[rid])  # accepted drafts and the bonus token
     _check_counters(executor, committed, path, phase="verify")
     executor.close()
+
+
+def test_deferred_counts_settle_once_and_check_only_lossy_layers():
+    """``LayerCounters`` with ``defer``: nothing is added until a figure is read; the read adds every
+    layer's sums at once and runs the unrecoverable check of the calls of a layer that left any."""
+    import torch
+
+    from kernels.swap_in_result import SwapInResult
+    from pipeline.hisparse.counters import LayerCounters
+
+    def result(hits: int, misses: int, lost: int) -> SwapInResult:
+        counts = torch.tensor([[1, hits, misses, lost], [1, 1, 0, 0]], dtype=torch.int32)
+        return SwapInResult(slots=torch.zeros(2, 1, 1, dtype=torch.int32), counts=counts, row_bytes=10)
+
+    counters = LayerCounters(3, defer=True)
+    checked: list[str] = []
+    counters.add_swap_in(0, result(2, 3, 0), lambda: checked.append("clean"))
+    counters.add_swap_in(2, result(0, 1, 1), lambda: checked.append("lossy"))
+    counters.add_swap_in(2, result(1, 0, 0), lambda: checked.append("same layer"))
+    assert checked == [] and counters._dirty  # nothing read yet
+    assert counters.hits == [3, 0, 3]  # (the first read settles; each result has a second request, 1 hit)
+    assert checked == ["lossy", "same layer"]  # a lossy layer's calls look again; a clean one's do not
+    assert counters.misses == [3, 0, 1] and counters.unrecoverable == [0, 0, 1]
+    assert counters.h2d_bytes == [30, 0, 10] and not counters._dirty
+    assert counters.hits == [3, 0, 3] and checked == ["lossy", "same layer"]  # read once, added once
+    immediate = LayerCounters(3, defer=False)
+    immediate.add_swap_in(2, result(0, 1, 1), lambda: checked.append("at once"))
+    assert checked[-1] == "at once" and immediate.unrecoverable == [0, 0, 1]
