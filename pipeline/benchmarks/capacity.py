@@ -17,6 +17,11 @@ each variant's median run (by tokens/s), and the tokens/s ratios that matter (Hi
 against resident, dynamic against HiSparse and against the better of resident and HiSparse, speculation
 on against off) are paired repeat by repeat and given as median and range.
 
+``--interleaved-steps N`` then times the decode step alone at each load (the given one and the sweep's):
+one executor per variant holds the same requests, and N rounds of one decode step each, in alternating
+order, give each variant's median step time and the per-step ratios, paired round by round against the
+first variant that seats the load (drift between runs, this benchmark's noise, cancels there).
+
 ``--sweep N,N,...`` repeats the run for each number of requests at the same budget, prints the ratios
 at each load with whether resident seats it (and whether HiSparse does), and plots output tokens/s
 against the requests offered and against the mean running requests for each variant (``--plot``,
@@ -61,6 +66,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
                         help="measure from the first run (default: one short unmeasured run of each variant)")
+    parser.add_argument(
+        "--interleaved-steps", type=int, default=0, metavar="N",
+        help="also time N decode steps of each variant's executor, interleaved step by step, at each load "
+        "every variant seats at once (the decode step alone, drift cancelled)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="bench-capacity.json")
     parser.add_argument("-v", "--verbose", action="store_true", help="print an error's traceback too")
@@ -166,6 +176,73 @@ def run_alternating(
         for name in names if repeat % 2 == 0 else names[::-1]:
             runs[name].append(anyio.run(run_once, configs[name], prompts, new_tokens, *built))
     return runs
+
+
+def interleaved_steps(
+    args: argparse.Namespace, variants: list[str], count: int, steps: int
+) -> dict[str, Any] | None:
+    """``count`` requests decoding on one executor per variant (admitted one at a time, so that a
+    dynamic one demotes as it must), then ``steps`` decode steps of each, interleaved step by step in
+    alternating order: each variant's median step time and the paired per-step ratios against the
+    first variant that seats them (median and quartiles). A variant that cannot seat them all at
+    once is left out (``unseated``); None where fewer than two remain. A machine's drift between
+    runs cancels here: the steps of a round are taken within milliseconds of each other."""
+    from pipeline.driver import prefill_whole
+    from pipeline.executor import Executor, NewSequence
+    from pipeline.sampling import SamplingParams
+
+    prompts = held_out_prompts(count, args.prompt_len, args.seed)
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    ids = [f"r{i}" for i in range(count)]
+    executors: dict[str, Any] = {}
+    unseated: list[str] = []
+    try:
+        for variant in variants:
+            executor = executors[variant] = Executor(variant_config(args, variant))
+            ready: list[str] = []
+            for rid, prompt in zip(ids, prompts):
+                prefill_whole(executor, [NewSequence(rid, tuple(prompt), params)])
+                executor.wait_staging()
+                ready += executor.collect_ready()
+            if sorted(ready) != sorted(ids):
+                unseated.append(variant)
+                executors.pop(variant).close()
+        variants = [v for v in variants if v not in unseated]
+        if len(variants) < 2:
+            return None
+        steps = min(steps, args.new_tokens - 1)
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        for i in range(steps):
+            for variant in variants if i % 2 == 0 else variants[::-1]:
+                start = time.perf_counter()
+                executors[variant].decode(ids)
+                times[variant].append(time.perf_counter() - start)
+    finally:
+        for executor in executors.values():
+            executor.close()
+    base = variants[0]
+    out: dict[str, Any] = {
+        "steps": steps,
+        "median_step_s": {v: statistics.median(t) for v, t in times.items()},
+        "unseated": unseated,
+    }
+    for variant in variants[1:]:
+        paired = sorted(a / b for a, b in zip(times[variant], times[base]))
+        q1, q2, q3 = statistics.quantiles(paired, n=4)
+        out[f"{variant} / {base}"] = {"median": q2, "q1": q1, "q3": q3}
+    return out
+
+
+def print_steps(count: int, found: dict[str, Any] | None) -> None:
+    if found is None:
+        print(f"decode steps at {count} requests: fewer than two variants seat them all at once")
+        return
+    medians = ", ".join(f"{v} {s * 1e3:.2f} ms" for v, s in found["median_step_s"].items())
+    left = f"; not seated at once: {', '.join(found['unseated'])}" if found["unseated"] else ""
+    print(f"decode steps at {count} requests ({found['steps']} interleaved rounds): median {medians}{left}")
+    for name, r in found.items():
+        if " / " in name:
+            print(f"  step time {name}: {r['median']:.3f} (quartiles {r['q1']:.3f}-{r['q3']:.3f})")
 
 
 def warm_up(args: argparse.Namespace, variants: list[str]) -> None:
@@ -395,6 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         plot({n: point["results"] for n, point in sweep.items()}, args.plot, title)
         print(f"plot: {args.plot}")
         payload["sweep"] = sweep_json(sweep)
+    if args.interleaved_steps:
+        payload["steps"] = {}
+        for n in sorted({args.requests, *sweep_counts}):
+            step_times = interleaved_steps(args, variants, n, args.interleaved_steps)
+            print_steps(n, step_times)
+            payload["steps"][n] = step_times
     write_json(args.out, payload)
     return 0
 

@@ -4,6 +4,8 @@ requests of all-resident KV, with the same greedy tokens."""
 
 from __future__ import annotations
 
+import argparse
+
 import anyio
 import attrs
 import pytest
@@ -685,3 +687,26 @@ def test_a_fraction_of_free_cuda_memory_is_the_budget(monkeypatch):
     resolved = plan_engine(cfg, read_model_config("tiny"), log_choices=False)
     assert resolved.device_memory_bytes == resolved.device.budget == 8 * 10**6
     assert resolved.max_running_requests >= 1
+
+
+def test_bench_capacity_interleaves_decode_steps_of_the_variants_that_seat_the_load():
+    """``--interleaved-steps``: every variant's executor holds the same requests and their decode
+    steps alternate; the per-step ratios pair each variant with the first that seats the load, and a
+    variant that cannot seat it at once is named and left out (at 2 MB, 280-token prompts admitted
+    one by one: resident holds 3 at once, HiSparse and dynamic 4, none 5)."""
+    from pipeline.benchmarks import capacity as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_args(parser)
+    args = parser.parse_args(["--device-memory", "2MB", "--prompt-len", "280", "--new-tokens", "20"])
+    variants = ["resident", "hisparse", "dynamic"]
+    both = bench.interleaved_steps(args, variants, 2, steps=6)
+    assert both is not None and both["steps"] == 6 and both["unseated"] == []
+    assert set(both["median_step_s"]) == set(variants) and all(s > 0 for s in both["median_step_s"].values())
+    assert set(both) - {"steps", "median_step_s", "unseated"} == {"hisparse / resident", "dynamic / resident"}
+    for ratio in ("hisparse / resident", "dynamic / resident"):
+        assert 0 < both[ratio]["q1"] <= both[ratio]["median"] <= both[ratio]["q3"]
+    beyond = bench.interleaved_steps(args, variants, 4, steps=4)
+    assert beyond is not None and beyond["unseated"] == ["resident"] and "dynamic / hisparse" in beyond
+    assert bench.interleaved_steps(args, ["resident", "dynamic"], 4, steps=4) is None
+    assert bench.interleaved_steps(args, variants, 5, steps=4) is None
