@@ -67,6 +67,11 @@ class DeviceBuffers:
             return self.columns
         return min(round_up(length, self.page_size), self.hot)
 
+    def slot_of(self, row: int, col: int) -> int:
+        """``locs[row, col]`` found on the host, from the row's pages (no read of the device table)."""
+        page = self._pages[row][col // self.page_size]
+        return page * self.page_size + col % self.page_size
+
     def column_of(self, position: int) -> int:
         """Where a decode step writes ``position``: its identity column, or the newest column."""
         return position if position < self.hot else self.newest

@@ -780,39 +780,29 @@ class HiSparseCoordinator:
         for row in rows:  # (all first: a row's room may demote another row of the batch)
             self.ensure_capacity(row, new_tokens=1, speculative=False)
         page = self.plan.page_size
-        positions, cols, long_rows, long_positions = [], [], [], []
-        at_slot: dict[int, int] = {}  # FULL rows (dynamic residency): batch index -> their own slot
-        for i, row in enumerate(rows):
+        positions, slots, long_rows, long_positions = [], [], [], []
+        for row in rows:
             mem = self._mem[row]
             pos = mem.length
             positions.append(pos)
-            if mem.layout is Layout.FULL:
-                at_slot[i] = mem.full_pages[pos // page] * page + pos % page
-                cols.append(0)  # (a column read and overwritten below)
+            if mem.layout is Layout.FULL:  # (dynamic residency) its position's slot in its own pages
+                slots.append(mem.full_pages[pos // page] * page + pos % page)
                 continue
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:
                 self.order_backups(mem.backup)  # the previous newest token's copy reads this column
                 long_rows.append(row)
                 long_positions.append(pos)
-            cols.append(col)
+            slots.append(self.buffers.slot_of(row, col))
         if long_rows:  # their newest columns change hands, all at once
             self._replace_newest(long_rows, long_positions)
-        # one lookup and one bind for the whole step (the rows' locations are disjoint)
-        row_t = torch.tensor(rows, dtype=torch.int64)
-        locs = self.req_to_token[row_t, torch.tensor(positions, dtype=torch.int64)]
-        if len(at_slot) == len(rows):  # every row FULL: no buffer column
-            slots = torch.tensor(list(at_slot.values()), dtype=torch.int64, device=self.device)
-        else:
-            slots = self.buffers.locs[
-                row_t.to(self.device), torch.tensor(cols, dtype=torch.int64, device=self.device)
-            ]
-            if at_slot:
-                slots[torch.tensor(list(at_slot), device=self.device)] = torch.tensor(
-                    list(at_slot.values()), dtype=slots.dtype, device=self.device
-                )
-        self.alloc.bind(locs, slots.cpu())
-        return WriteTargets(locs.to(self.device), slots)
+        # one lookup and one bind for the whole step (the rows' locations are disjoint); the slots
+        # are found on the host, from the rows' pages, so nothing is read back from the device
+        row_t, pos_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        locs = self.req_to_token[row_t, pos_t]
+        host_slots = torch.tensor(slots, dtype=torch.int64)
+        self.alloc.bind(locs, host_slots)
+        return WriteTargets(locs.to(self.device), host_slots.to(self.device))
 
     def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
         """The newest columns of ``rows`` (distinct) are about to be overwritten: the tokens they
