@@ -96,13 +96,14 @@ class VerifyBuffers:
             coord.ensure_capacity(row, new_tokens=d, speculative=True)
         full = [i for i, row in enumerate(rows) if coord._mem[row].layout is Layout.FULL]
         if not full:
-            return VerifyLayout(self._bind_hot(rows, d), d, tuple(rows))
+            locs, slots = self._bind_hot(rows, d)
+            return VerifyLayout(WriteTargets(locs.to(coord.device), slots.to(coord.device)), d, tuple(rows))
         hot = [i for i in range(len(rows)) if i not in set(full)]
         locs = torch.empty(len(rows), d, dtype=torch.int64)
         slots = torch.empty(len(rows), d, dtype=torch.int64)
         if hot:
-            part = self._bind_hot([rows[i] for i in hot], d)
-            locs[hot], slots[hot] = part.locs.cpu().reshape(-1, d), part.slots.cpu().reshape(-1, d)
+            part_locs, part_slots = self._bind_hot([rows[i] for i in hot], d)
+            locs[hot], slots[hot] = part_locs.reshape(-1, d), part_slots.reshape(-1, d)
         page = coord.plan.page_size
         for i in full:  # each verify token at its position's own slot
             mem = coord._mem[rows[i]]
@@ -112,8 +113,10 @@ class VerifyBuffers:
         targets = WriteTargets(locs.reshape(-1).to(coord.device), slots.reshape(-1).to(coord.device))
         return VerifyLayout(targets, d, tuple(rows))
 
-    def _bind_hot(self, rows: list[int], d: int) -> WriteTargets:
-        """Bind the verify tokens of HOT rows (their room taken) to their columns."""
+    def _bind_hot(self, rows: list[int], d: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bind the verify tokens of HOT rows (their room taken) to their columns; returns their
+        locations and slots (``[B * D]`` each, host tensors: the slots are found from the rows'
+        pages, ``DeviceBuffers.slot_of``, so nothing is read back from the device)."""
         coord = self.coord
         hot, buffers = coord.hot, coord.buffers
         lengths = []
@@ -124,14 +127,16 @@ class VerifyBuffers:
         row_t = torch.tensor(rows, dtype=torch.int64)
         step = torch.arange(d)
         positions = torch.tensor(lengths, dtype=torch.int64)[:, None] + step  # [B, D]
-        cols = torch.where(positions < hot, positions, hot + 1 + step).to(buffers.device)
+        host_cols = torch.where(positions < hot, positions, hot + 1 + step)
+        cols = host_cols.to(buffers.device)
         row_d = row_t.to(buffers.device)[:, None]
         buffers.tokens[:, row_d, hot + 1 :] = -1
         buffers.tokens[:, row_d, cols] = positions.to(torch.int32).to(buffers.device)
         locs = coord.req_to_token[row_t[:, None], positions].reshape(-1)
-        slots = buffers.locs[row_d, cols].reshape(-1)
-        coord.alloc.bind(locs, slots.cpu())
-        return WriteTargets(locs.to(coord.device), slots.to(coord.device))
+        pairs = zip(rows, host_cols.tolist())
+        slots = torch.tensor([buffers.slot_of(row, c) for row, cs in pairs for c in cs], dtype=torch.int64)
+        coord.alloc.bind(locs, slots)
+        return locs, slots
 
     def finalize(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
         """Commit ``accepted[i]`` verify tokens of ``rows[i]`` (the bonus included, >= 1).
