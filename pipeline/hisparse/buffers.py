@@ -34,6 +34,10 @@ class DeviceBuffers:
     tokens: torch.Tensor = attrs.field(init=False)  # [L, N, HOT+P] int32, -1 = empty
     lru: torch.Tensor = attrs.field(init=False)  # [L, N, HOT] int32, least recent first
     _pages: list[list[int]] = attrs.field(init=False)  # physical pages per row, column order
+    # per row, the position its newest column holds in every layer (-1: none): a host copy of
+    # ``tokens[:, r, newest]``, which only the coordinator writes (``record_newest``), so that it is
+    # never read back from the device
+    _newest: list[int] = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         cols = self.columns
@@ -45,6 +49,7 @@ class DeviceBuffers:
             self.num_layers, self.num_rows, 1
         )
         self._pages = [[] for _ in range(self.num_rows)]
+        self._newest = [-1] * self.num_rows
 
     @property
     def columns(self) -> int:
@@ -67,6 +72,16 @@ class DeviceBuffers:
             return self.columns
         return min(round_up(length, self.page_size), self.hot)
 
+    def newest_of(self, rows: list[int]) -> list[int]:
+        """The position each row's newest column holds (-1: none), from the host copy."""
+        return [self._newest[row] for row in rows]
+
+    def record_newest(self, rows: list[int], positions: list[int]) -> None:
+        """The newest columns of ``rows`` now hold ``positions`` in every layer: the caller wrote
+        ``tokens`` (or writes it before the device reads it); this keeps the host copy."""
+        for row, pos in zip(rows, positions):
+            self._newest[row] = pos
+
     def slot_of(self, row: int, col: int) -> int:
         """``locs[row, col]`` found on the host, from the row's pages (no read of the device table)."""
         page = self._pages[row][col // self.page_size]
@@ -84,6 +99,7 @@ class DeviceBuffers:
         self.lru[:, row] = torch.arange(self.hot, dtype=torch.int32, device=self.device)
         self.tokens[:, row, : self.hot] = torch.arange(self.hot, dtype=torch.int32, device=self.device)
         self.tokens[:, row, self.hot :] = -1
+        self._newest[row] = -1
         self.grow(row, pages)
 
     def grow(self, row: int, pages: list[int]) -> None:
@@ -101,6 +117,7 @@ class DeviceBuffers:
         pages, self._pages[row] = self._pages[row], []
         self.locs[row] = -1
         self.tokens[:, row] = -1
+        self._newest[row] = -1
         self.lru[:, row] = torch.arange(self.hot, dtype=torch.int32, device=self.device)
         return pages
 
@@ -112,6 +129,11 @@ class DeviceBuffers:
         assert bool((self.locs[row, cap:] == -1).all()), f"row {row}: slots recorded beyond capacity {cap}"
         assert cap in {0, self.columns} or (cap % self.page_size == 0 and cap <= self.hot), f"capacity {cap}"
         hot_ids = torch.arange(self.hot, dtype=torch.int32, device=self.device)
+        if cap == self.columns:  # the host copy of the newest column says what every layer holds
+            in_layers = self.tokens[:, row, self.newest].tolist()
+            assert in_layers == [self._newest[row]] * self.num_layers, (
+                f"row {row}: newest column holds {in_layers}, its host copy says {self._newest[row]}"
+            )
         for layer in range(self.num_layers):
             order = self.lru[layer, row]
             assert torch.equal(torch.sort(order).values, hot_ids), (

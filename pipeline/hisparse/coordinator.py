@@ -807,15 +807,16 @@ class HiSparseCoordinator:
     def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
         """The newest columns of ``rows`` (distinct) are about to be overwritten: the tokens they
         hold keep only their host copies, and each column holds its row's next position in every
-        layer (one read of the held tokens, one clear, one write)."""
-        newest = self.buffers.newest
-        row_t = torch.tensor(rows, dtype=torch.int64)
-        held = self.buffers.tokens[0, row_t.to(self.device), newest].cpu().long()
-        kept = held >= 0
-        if bool(kept.any()):
-            self.alloc.clear(self.req_to_token[row_t[kept], held[kept]])
+        layer (the held tokens from the buffers' host copy, one clear, one write)."""
+        buffers = self.buffers
+        kept = [(row, pos) for row, pos in zip(rows, buffers.newest_of(rows)) if pos >= 0]  # (host copy)
+        if kept:
+            held_rows, held = zip(*kept)
+            self.alloc.clear(self.req_to_token[torch.tensor(held_rows), torch.tensor(held)])
+        row_d = torch.tensor(rows, dtype=torch.int64, device=self.device)
         new = torch.tensor(positions, dtype=torch.int32, device=self.device)
-        self.buffers.tokens[:, row_t.to(self.device), newest] = new
+        buffers.tokens[:, row_d, buffers.newest] = new
+        buffers.record_newest(rows, positions)
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
         """The forward wrote ``num_new[i]`` new positions of ``rows[i]`` at ``slots``: commit them and

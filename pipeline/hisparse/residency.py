@@ -256,6 +256,7 @@ class DynamicResidency:
         c.buffers.assign(row, keep)
         if mem.length > c.hot:
             c.buffers.tokens[:, row, c.buffers.newest] = newest
+            c.buffers.record_newest([row], [newest])
         mem.demoted_at = self.tick
         freed = (len(pages) - keep_n) * self.page_bytes()
         self.demotions += 1

@@ -240,12 +240,11 @@ class VerifyBuffers:
         if not committed:
             return failed
         # what the steps read, gathered for all rows: each newest column's token and every verify
-        # location, then each row's newest column and the hot columns of the accepted positions
-        # below HOT (two transfers from the device, besides the verify slots above)
+        # location, then the slots of each row's newest column and of the hot columns of the
+        # accepted positions below HOT (none read from the device: the buffers' host copies)
         newest = buffers.newest
-        row_t = torch.tensor(committed, dtype=torch.int64)
-        row_d = row_t.to(buffers.device)
-        held = buffers.tokens[0, row_d, newest].tolist()
+        row_d = torch.tensor(committed, dtype=torch.int64).to(buffers.device)
+        held = buffers.newest_of(committed)
         pos_rows = [row for row in committed for _ in range(d)]
         pos = [start + j for start in starts for j in range(d)]
         locs = coord.req_to_token[torch.tensor(pos_rows), torch.tensor(pos)].tolist()
@@ -257,9 +256,7 @@ class VerifyBuffers:
         ]
         col_rows = committed + [row for row, _ in short]
         cols = [newest] * len(committed) + [p for _, p in short]
-        found = buffers.locs[
-            torch.tensor(col_rows, device=buffers.device), torch.tensor(cols, device=buffers.device)
-        ].tolist()
+        found = [buffers.slot_of(row, col) for row, col in zip(col_rows, cols)]
         newest_slots, hot_slots = found[: len(committed)], iter(found[len(committed) :])
         # 1., 2. and 4.'s mappings as one write (the locations are distinct): every verify location
         # cleared, the accepted ones below HOT at their hot column, the last accepted one at the
@@ -302,6 +299,7 @@ class VerifyBuffers:
         zone = torch.full((len(committed), buffers.tokens.shape[-1] - newest), -1, dtype=buffers.tokens.dtype)
         zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
         buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
+        buffers.record_newest(committed, last_positions)
         for row, start, count in zip(committed, starts, counts):
             coord._mem[row].length = coord._mem[row].backed = start + count
         backed = torch.tensor(

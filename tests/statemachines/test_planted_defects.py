@@ -13,7 +13,8 @@ loaded (hypothesis also draws constants found in them).
   ``collect_ready``, and the allocator's ``alloc_device_buffer``);
 * (c) verify binding writes no position into the verify tokens' columns;
 * (d) the allocator's logical-to-physical map not zeroed when a row's locations are freed;
-* (e) an edge removed from the request lifecycle's table.
+* (e) an edge removed from the request lifecycle's table;
+* (f) the host copy of a newest column not kept (what decode and finalize read instead of the device).
 """
 
 from __future__ import annotations
@@ -127,6 +128,16 @@ def test_verify_columns_without_positions_are_caught(monkeypatch):
     monkeypatch.setattr(VerifyBuffers, "prepare", prepare)
     error = run_until_it_fails(spec_machine(), examples=100, steps=40)
     assert "verify column" in str(error), error
+
+
+def test_a_stale_host_copy_of_the_newest_column_is_caught(monkeypatch):
+    """(f): the newest columns are written, but their host copy (``DeviceBuffers.record_newest``)
+    is not kept."""
+    from pipeline.hisparse.buffers import DeviceBuffers
+
+    monkeypatch.setattr(DeviceBuffers, "record_newest", lambda self, rows, positions: None)
+    error = run_until_it_fails(executor_machine(), examples=100, steps=30)
+    assert "host copy" in str(error), error
 
 
 def test_map_not_zeroed_when_locations_are_freed_is_caught(monkeypatch):
