@@ -210,7 +210,7 @@ def interleaved_steps(
         variants = [v for v in variants if v not in unseated]
         if len(variants) < 2:
             return None
-        steps = min(steps, args.new_tokens - 1)
+        steps = max(1, min(steps, args.new_tokens - 1))
         times: dict[str, list[float]] = {v: [] for v in variants}
         for i in range(steps):
             for variant in variants if i % 2 == 0 else variants[::-1]:
@@ -228,7 +228,7 @@ def interleaved_steps(
     }
     for variant in variants[1:]:
         paired = sorted(a / b for a, b in zip(times[variant], times[base]))
-        q1, q2, q3 = statistics.quantiles(paired, n=4)
+        q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
         out[f"{variant} / {base}"] = {"median": q2, "q1": q1, "q3": q3}
     return out
 
