@@ -235,7 +235,7 @@ def interleaved_steps(
 
 def print_steps(count: int, found: dict[str, Any] | None) -> None:
     if found is None:
-        print(f"decode steps at {count} requests: fewer than two variants seat them all at once")
+        print(f"decode steps at {count} requests: fewer than two variants hold them all decoding at once")
         return
     medians = ", ".join(f"{v} {s * 1e3:.2f} ms" for v, s in found["median_step_s"].items())
     left = f"; not seated at once: {', '.join(found['unseated'])}" if found["unseated"] else ""
