@@ -97,7 +97,8 @@ class VerifyBuffers:
         full = [i for i, row in enumerate(rows) if coord._mem[row].layout is Layout.FULL]
         if not full:
             locs, slots = self._bind_hot(rows, d)
-            return VerifyLayout(WriteTargets(locs.to(coord.device), slots.to(coord.device)), d, tuple(rows))
+            targets = WriteTargets(locs.to(coord.device), slots.to(coord.device))
+            return VerifyLayout(targets, d, tuple(rows), tuple(slots.tolist()))
         hot = [i for i in range(len(rows)) if i not in set(full)]
         locs = torch.empty(len(rows), d, dtype=torch.int64)
         slots = torch.empty(len(rows), d, dtype=torch.int64)
@@ -111,7 +112,7 @@ class VerifyBuffers:
             slots[i] = full_slots(mem.full_pages, page, mem.length, mem.length + d)
         coord.alloc.bind(locs[full].reshape(-1), slots[full].reshape(-1))
         targets = WriteTargets(locs.reshape(-1).to(coord.device), slots.reshape(-1).to(coord.device))
-        return VerifyLayout(targets, d, tuple(rows))
+        return VerifyLayout(targets, d, tuple(rows), tuple(slots.reshape(-1).tolist()))
 
     def _bind_hot(self, rows: list[int], d: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Bind the verify tokens of HOT rows (their room taken) to their columns; returns their
@@ -150,7 +151,11 @@ class VerifyBuffers:
         d = layout.draft_tokens
         if rows:
             self.coord.layouts.step()  # a decode step (the promotion's hysteresis counts them)
-        verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
+        if layout.host_slots is not None:  # (found on the host by ``prepare``: no read-back)
+            flat = layout.host_slots
+            verify_slots = [list(flat[i * d : (i + 1) * d]) for i in range(len(rows))]
+        else:
+            verify_slots = layout.targets.slots.cpu().reshape(len(rows), d).tolist()
         lost = self.coord.take_backup_failures(list(rows))  # an earlier backup failed: it cannot go on
         full = [i for i, row in enumerate(rows) if self.coord._mem[row].layout is Layout.FULL]
         if not full:

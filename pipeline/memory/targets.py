@@ -21,3 +21,6 @@ class VerifyLayout:
     targets: WriteTargets  # [B * D]
     draft_tokens: int  # D
     rows: tuple[int, ...] = ()  # the request rows, in the order of ``targets``
+    # ``targets.slots`` as host numbers, where the memory found them on the host (HiSparse): what
+    # finalize reads instead of the device; None: read them back
+    host_slots: tuple[int, ...] | None = None

@@ -174,6 +174,8 @@ def _sub_layout(layout, items, d: int):
     keep = [rows_in_layout.index(seq.row) for seq, *_ in items]
     if keep == list(range(len(rows_in_layout))):
         return layout
-    idx = torch.tensor([i * d + j for i in keep for j in range(d)], device=layout.targets.locs.device)
+    flat = [i * d + j for i in keep for j in range(d)]
+    idx = torch.tensor(flat, device=layout.targets.locs.device)
     targets = WriteTargets(layout.targets.locs[idx], layout.targets.slots[idx])
-    return VerifyLayout(targets, d, tuple(rows_in_layout[i] for i in keep))
+    host = None if layout.host_slots is None else tuple(layout.host_slots[k] for k in flat)
+    return VerifyLayout(targets, d, tuple(rows_in_layout[i] for i in keep), host)

@@ -78,7 +78,8 @@ class SpecMachine(ShadowedMachine):
             assert demoting or not self.executor.memory.can_decode(row, new_tokens=d, speculative=True), rid
         for rid in refused:
             self.end_request(rid)
-        assert not self.executor.draft(runnable).failed
+        drafted = self.executor.draft(runnable)
+        assert not drafted.failed, drafted.failed
         self.shadow.reserve(runnable, new_tokens=d, speculative=True)
         self.shadow.draft(runnable)
         for rid in runnable:
@@ -90,7 +91,7 @@ class SpecMachine(ShadowedMachine):
     def verify(self) -> None:
         ids = [r for r, p in self.phase.items() if p == "drafted"]
         result = self.executor.verify(ids)
-        assert not result.failed
+        assert not result.failed, result.failed  # (the reasons whole: a check inside a step fails it)
         assert result.tokens == self.shadow.verify(ids).tokens, "HiSparse changed the answer"
         hot, d = self.executor.memory.hot, self.executor.draft_tokens
         for rid in ids:
@@ -107,6 +108,8 @@ class SpecMachine(ShadowedMachine):
         slot, every other draft-zone column is empty and nothing else changed."""
         layout = self.prepare(rows, draft_tokens)
         coord = self.executor.memory
+        # the slots finalize reads on the host are the ones the forward writes
+        assert layout.host_slots == tuple(layout.targets.slots.tolist()), "host and device slots differ"
         by_row = {self.executor.seqs[rid].row: rid for rid in self.models}
         models = {rid: attrs.evolve(m, device=dict(m.device)) for rid, m in self.models.items()}
         tokens = coord.buffers.tokens.cpu()
