@@ -20,7 +20,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from pipeline.memory import page_slots, round_up
+from pipeline.memory import page_slot, page_slots, round_up
 
 
 @attrs.define(eq=False)
@@ -84,8 +84,7 @@ class DeviceBuffers:
 
     def slot_of(self, row: int, col: int) -> int:
         """``locs[row, col]`` found on the host, from the row's pages (no read of the device table)."""
-        page = self._pages[row][col // self.page_size]
-        return page * self.page_size + col % self.page_size
+        return page_slot(self._pages[row], self.page_size, col)
 
     def column_of(self, position: int) -> int:
         """Where a decode step writes ``position``: its identity column, or the newest column."""

@@ -70,7 +70,7 @@ from pipeline.hisparse.transfer import (
     make_transfer_stream,
 )
 from pipeline.hisparse.verify import VerifyBuffers
-from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slots
+from pipeline.memory import HiSparseAllocator, HostPool, OutOfMemory, RequestRows, page_slot, page_slots
 from pipeline.memory import release as resumable
 from pipeline.memory.arena import PHYSICAL
 from pipeline.memory.host_pool import HostRows, pins_for
@@ -786,7 +786,7 @@ class HiSparseCoordinator:
             pos = mem.length
             positions.append(pos)
             if mem.layout is Layout.FULL:  # (dynamic residency) its position's slot in its own pages
-                slots.append(mem.full_pages[pos // page] * page + pos % page)
+                slots.append(page_slot(mem.full_pages, page, pos))
                 continue
             col = self.buffers.column_of(pos)
             if col == self.buffers.newest:

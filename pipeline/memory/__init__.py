@@ -10,6 +10,7 @@ from pipeline.memory.paged import (
     PagedAllocator,
     PagedTable,
     PoolError,
+    page_slot,
     page_slots,
     round_up,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "PoolError",
     "PrefillAllocation",
     "RequestRows",
+    "page_slot",
     "page_slots",
     "round_up",
     "token_table",

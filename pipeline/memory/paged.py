@@ -11,7 +11,7 @@ it keep page 0 reserved: it is never handed out.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import torch
@@ -211,6 +211,12 @@ def page_slots(pages: Iterable[int], page_size: int) -> torch.Tensor:
     """``[len(pages) * page_size]`` int64: every slot of ``pages``, in order."""
     base = torch.tensor(list(pages), dtype=torch.int64)
     return (base[:, None] * page_size + torch.arange(page_size)).reshape(-1)
+
+
+def page_slot(pages: Sequence[int], page_size: int, index: int) -> int:
+    """The slot of entry ``index`` of ``pages`` laid end to end (``page_slots(pages)[index]``, as a
+    number: a step's few slots found without a tensor)."""
+    return pages[index // page_size] * page_size + index % page_size
 
 
 def round_up(n: int, multiple: int) -> int:
