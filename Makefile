@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	# On CPU-only hosts this takes the CPU wheel that lies on disk; it never downloads a CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev]'
+	# the CPU's compiled loops, once per install (numba's cache), so no first request waits for them
+	$(BIN)/python -m pipeline.precompile
 	touch $(STAMP)
 
 venv: $(STAMP)
