@@ -301,9 +301,9 @@ class EngineConfig:
     # runs: its ops and compiled loops let go of the GIL), False on the event loop itself, between
     # its other work (each command holds the loop for its whole length; no hand-off to the thread)
     executor_thread: bool | None = None
-    # plain decode steps replayed from CUDA graphs, one per padded batch size (pipeline/graphs.py);
-    # all-resident memory only (HiSparse's swap-in still reads counts back per layer: docs/cuda.md,
-    # "CUDA graphs"). Off by default until a device has run the capture; on a CPU the same fixed-size
+    # plain decode steps replayed from CUDA graphs, one per padded batch size (all-resident) or per
+    # batch size (HiSparse; a batch with a FULL row runs eagerly): pipeline/graphs.py, docs/cuda.md,
+    # "CUDA graphs". Off by default until a device has run the capture; on a CPU the same fixed-size
     # inputs run eagerly
     cuda_graphs: bool = False
     # ranks of tensor parallelism: the engine's process is rank 0 and spawns the others
@@ -373,9 +373,6 @@ class EngineConfig:
         _require_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         _require(isinstance(self.cuda_graphs, bool), "cuda_graphs", self.cuda_graphs, "must be True or False")
         if self.cuda_graphs:
-            _require(self.hisparse is None, "cuda_graphs", self.cuda_graphs,
-                     "covers the all-resident memory only: set hisparse=None (HiSparse's swap-in reads its "
-                     "round count and counters back per layer; docs/cuda.md, \"CUDA graphs\")")
             _require(self.tensor_parallel_size == 1, "cuda_graphs", self.cuda_graphs,
                      "runs in one process only: set tensor_parallel_size=1")
         _require(isinstance(self.shared_host_pool, bool), "shared_host_pool", self.shared_host_pool,

@@ -46,6 +46,7 @@ from pipeline.config import EngineConfig
 from pipeline.finish import finish_decode, finish_prefill
 from pipeline.forward import Chunk, DecodeOut, Forwards, PrefillOut
 from pipeline.graphs import DecodeGraphs
+from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.transfer import TransferStream
 from pipeline.isolation import isolate
 from pipeline.isolation import reason as _reason
@@ -117,8 +118,8 @@ class Executor:
         self.memory, self.trace = started.memory, started.trace
         # fixed-size decode inputs, replayed from CUDA graphs on CUDA (``EngineConfig.cuda_graphs``)
         self.graphs: DecodeGraphs | None = None
-        if config.cuda_graphs:  # (the config allows it with the all-resident memory only)
-            assert isinstance(self.memory, ResidentMemory)
+        if config.cuda_graphs:  # (the config allows it in one process only)
+            assert isinstance(self.memory, ResidentMemory | HiSparseCoordinator)
             self.graphs = DecodeGraphs(self.model, self.memory)
         spec = self.plan.speculative
         self.num_steps = 0 if spec is None else spec.num_steps  # draft tokens per round; 0 = plain

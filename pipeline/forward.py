@@ -51,7 +51,7 @@ class Forwards:
     trace: TopKTrace | None
     labels: dict[int, str] | None  # row -> request id, for the trace
     keep_hidden: bool  # a prefill returns each chunk's hidden states (the draft extend's input)
-    # decode over fixed-size inputs (CUDA graphs where captured; all-resident memory only), None: off
+    # decode over fixed-size inputs (CUDA graphs where captured), None: off
     graphs: DecodeGraphs | None = None
 
     def prefill(self, items: list[Chunk]) -> list[PrefillOut]:
@@ -64,7 +64,7 @@ class Forwards:
 
     def decode(self, seqs: list[Sequence]) -> list[DecodeOut]:
         graphs = self.graphs
-        if graphs is not None and self.trace is None and graphs.covers(len(seqs)):
+        if graphs is not None and self.trace is None and graphs.covers([s.row for s in seqs]):
             return self.decode_static(seqs, graphs)
         batch = self.decode_batch(seqs)
         hidden = self.model(batch.ids, batch.positions, batch.backend)  # [B, D]
@@ -77,7 +77,8 @@ class Forwards:
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
         positions = [self.memory.length(r) for r in row_list]
-        hidden = graphs.forward(row_list, positions, [s.next_token for s in seqs], targets.locs)  # [B, D]
+        ids = [s.next_token for s in seqs]
+        hidden = graphs.forward(row_list, positions, ids, targets.locs, targets.slots)  # [B, D]
         return self.decode_outputs(seqs, targets.slots, hidden)
 
     def mixed(self, seqs: list[Sequence], chunks: list[Chunk]) -> list[DecodeOut | PrefillOut]:

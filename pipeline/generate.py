@@ -119,7 +119,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, *, max_new_tokens: int) -> 
     )
     p.add_argument(
         "--cuda-graphs", action="store_true",
-        help="replay plain decode steps from CUDA graphs (needs --no-hisparse; docs/cuda.md)",
+        help="replay plain decode steps from CUDA graphs (docs/cuda.md)",
     )
     p.add_argument("--log-json", metavar="FILE", help="write every log event to FILE as JSON lines")
     p.add_argument("-v", "--verbose", action="store_true", help="lifecycle events and tracebacks on stderr")

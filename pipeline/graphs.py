@@ -15,11 +15,20 @@ A padding token attends over request a's context and writes its rows to the sink
 discarded. It records request a's own location in the token table once more (a duplicate index
 with one value), so no other request's table row changes.
 
+HiSparse memory is not padded: a padding token of request a would run a second swap-in of a's row
+in the same call (the kernel takes each row once), so its buckets are the exact batch sizes up to
+the largest bucket, and its buffers hold one more column, ``slots`` (the device slot of each
+token's MLA row, which ``prepare_decode`` chose: an identity or newest column of the row's hot
+buffer). A batch with a FULL row (dynamic residency) runs eagerly. Inside the forward the step's
+swap-in makes one call a layer (``HOT >= top_k``: one call resolves a decode step) and adds its
+counts on the device (``LayerCounters``); a replay runs no Python, so after it the counters are
+told (``replayed``), and the warm-up steps' counts are taken back (``snapshot`` / ``restore``).
+
 ``CaptureAudit`` lists every op in a call that a graph cannot record (a read back to the host, an
 output whose size depends on values, a copy between host and device), with where it was called;
 ``DecodeGraphs`` captures a bucket only when the audit of its first warm-up step is clean, and runs
-every other step eagerly: HiSparse (its swap-in reads counts back per layer), a traced step, a batch
-above the largest bucket. On a CPU nothing is captured, but the fixed-size inputs run the same way,
+every other step eagerly: a traced step, a batch above the largest bucket, a HiSparse batch with a
+FULL row. On a CPU nothing is captured, but the fixed-size inputs run the same way,
 so their results are checked there.
 """
 
@@ -39,6 +48,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.indexer_topk import indexer_topk
+from pipeline.hisparse.coordinator import HiSparseCoordinator
+from pipeline.memory.interface import Layout
 from pipeline.memory.resident import ResidentMemory
 from pipeline.model import DeepseekV32
 from pipeline.model.attention_api import AttentionInputs
@@ -197,6 +208,7 @@ class StaticDecodeInputs:
     block: Tensor  # [3, size] int64 device: rows, positions, ids
     locs: Tensor  # [size] int64 device: where each token's rows are written (pad: the sink, 0)
     table_locs: Tensor  # [size] int64 device: what req_to_token records (pad: the first token's)
+    slots: Tensor  # [size] int64 device: the device slot of each token's MLA row (HiSparse; unpadded)
     _host: Tensor  # [3, size] int64 host, the block's source
     _host_values: np.ndarray = attrs.field(init=False)  # its numpy view (made once)
     _copied: Any = None  # the CUDA event of the last copy out of ``_host`` (None: nothing in flight)
@@ -209,8 +221,8 @@ class StaticDecodeInputs:
         pinned = device.type == "cuda"
         host = torch.zeros(3, size, dtype=torch.int64, pin_memory=pinned)
         block = torch.zeros(3, size, dtype=torch.int64, device=device)
-        locs, table_locs = (torch.zeros(size, dtype=torch.int64, device=device) for _ in range(2))
-        return cls(size, block, locs, table_locs, host)
+        locs, table_locs, slots = (torch.zeros(size, dtype=torch.int64, device=device) for _ in range(3))
+        return cls(size, block, locs, table_locs, slots, host)
 
     @property
     def rows(self) -> Tensor:
@@ -224,12 +236,17 @@ class StaticDecodeInputs:
     def ids(self) -> Tensor:
         return self.block[2]
 
-    def fill(self, rows: list[int], positions: list[int], ids: list[int], locs: Tensor) -> None:
+    def fill(
+        self, rows: list[int], positions: list[int], ids: list[int], locs: Tensor, slots: Tensor | None = None
+    ) -> None:
         """Write a batch of ``len(rows)`` (1 to ``size``) tokens; ``locs [n]``: their write locations
-        on the device. Padding repeats the first token's row and position, with token id 0."""
+        on the device, ``slots [n]`` their MLA rows' device slots (HiSparse: ``n == size``). Padding
+        repeats the first token's row and position, with token id 0."""
         n = len(rows)
         if not 0 < n <= self.size or len(positions) != n or len(ids) != n or locs.shape != (n,):
             raise ValueError(f"a batch of {n} tokens does not fit a bucket of {self.size}")
+        if slots is not None and (slots.shape != (n,) or n != self.size):
+            raise ValueError(f"slots of {tuple(slots.shape)} for a batch of {n} in a bucket of {self.size}")
         if self._copied is not None:
             self._copied.synchronize()  # the last copy has read the host block
         pad = self.size - n
@@ -242,6 +259,8 @@ class StaticDecodeInputs:
             self._copied.record()
         self.locs[:n].copy_(locs)
         self.table_locs[:n].copy_(locs)
+        if slots is not None:
+            self.slots.copy_(slots)
         if pad:
             self.locs[n:].zero_()
             self.table_locs[n:].copy_(locs[:1].expand(pad))
@@ -303,22 +322,26 @@ def static_moe(model: DeepseekV32) -> Iterator[None]:
 @attrs.define(eq=False)
 class _Bucket:
     inputs: StaticDecodeInputs
-    backend: PaddedResidentBackend
+    backend: PaddedResidentBackend | None  # all-resident (HiSparse: one backend per step)
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     hidden: Tensor | None = None  # [size, D] the graph's output buffer
+    # HiSparse: the unrecoverable-miss checks the recorded swap-ins registered, over the graph's own
+    # tensors (``LayerCounters.replayed`` takes them after each replay)
+    checks: list[tuple[int, Callable[[], None]]] = attrs.field(factory=list)
 
 
 @attrs.define(eq=False)
 class DecodeGraphs:
-    """Decode forwards of the all-resident memory over fixed-size inputs, one bucket per padded
-    batch size, replayed from CUDA graphs where ``capture`` (CUDA) and the bucket's audit allow.
+    """Decode forwards over fixed-size inputs, one bucket per padded batch size (all-resident) or
+    per batch size (HiSparse), replayed from CUDA graphs where ``capture`` (CUDA) and the bucket's
+    audit allow.
 
     Not covered, so run eagerly by the caller: a batch above the largest bucket, a traced step
-    (``TopKTrace`` reads the top-k per layer), HiSparse memory (its swap-in reads its round count
-    and counters back per layer: ``docs/cuda.md``, "CUDA graphs")."""
+    (``TopKTrace`` reads the top-k per layer), a HiSparse batch with a FULL row (dynamic residency:
+    its slots come from a page table built per forward)."""
 
     model: DeepseekV32
-    memory: ResidentMemory
+    memory: ResidentMemory | HiSparseCoordinator
     buckets: tuple[int, ...] = BUCKETS
     capture: bool = attrs.field(default=None)  # None: on CUDA
     refused: dict[int, str] = attrs.field(factory=dict)  # bucket -> why it runs eagerly
@@ -326,31 +349,44 @@ class DecodeGraphs:
     _pool: Any = attrs.field(default=None, init=False)  # the graphs' private memory pool
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.memory, ResidentMemory):
-            raise TypeError(
-                "decode graphs cover the all-resident memory only (HiSparse is not capturable yet)"
-            )
+        if not isinstance(self.memory, ResidentMemory | HiSparseCoordinator):
+            raise TypeError(f"decode graphs cover the all-resident and HiSparse memories, not {self.memory}")
         if self.capture is None:
             self.capture = self.memory.device.type == "cuda"
 
-    def covers(self, num_rows: int) -> bool:
-        return num_rows > 0 and bucket_for(num_rows, self.buckets) is not None
+    @property
+    def padded(self) -> bool:
+        """Whether a batch is padded to its bucket (all-resident) or has a bucket of its size (HiSparse)."""
+        return isinstance(self.memory, ResidentMemory)
+
+    def covers(self, rows: list[int]) -> bool:
+        """Whether a decode batch of these request rows goes through the fixed-size inputs."""
+        if not rows or bucket_for(len(rows), self.buckets) is None:
+            return False
+        memory = self.memory
+        return isinstance(memory, ResidentMemory) or all(memory.layout(r) is Layout.HOT for r in rows)
 
     def captured(self) -> list[int]:
         return sorted(b for b, step in self._buckets.items() if step.graph is not None)
 
-    def forward(self, rows: list[int], positions: list[int], ids: list[int], locs: Tensor) -> Tensor:
+    def forward(
+        self, rows: list[int], positions: list[int], ids: list[int], locs: Tensor, slots: Tensor
+    ) -> Tensor:
         """The final-normed hidden states ``[n, D]`` of one decode token per row (a tensor of its
-        own: the graph's output buffer is overwritten by the next replay)."""
-        size = bucket_for(len(rows), self.buckets)
-        if size is None:
-            raise ValueError(f"a batch of {len(rows)} is above the largest bucket {max(self.buckets)}")
+        own: the graph's output buffer is overwritten by the next replay); ``locs``, ``slots``: the
+        step's ``WriteTargets``."""
+        if not self.covers(rows):
+            raise ValueError(f"a batch of {len(rows)} rows is not covered (buckets {self.buckets})")
+        size = bucket_for(len(rows), self.buckets) if self.padded else len(rows)
+        assert size is not None
         step = self._bucket(size)
-        step.inputs.fill(rows, positions, ids, locs)
+        step.inputs.fill(rows, positions, ids, locs, None if self.padded else slots)
         if self.capture and step.graph is None and size not in self.refused:
-            self._capture(size, step)
+            return self._capture(size, step)[: len(rows)]
         if step.graph is not None:
             step.graph.replay()
+            if isinstance(self.memory, HiSparseCoordinator):
+                self.memory.counters.replayed(step.checks)
             assert step.hidden is not None
             return step.hidden[: len(rows)].clone()
         return self._body(step)[: len(rows)]
@@ -358,48 +394,72 @@ class DecodeGraphs:
     def _bucket(self, size: int) -> _Bucket:
         step = self._buckets.get(size)
         if step is None:
-            inputs = StaticDecodeInputs.allocate(size, self.memory.device)
-            table = self.memory.store.req_to_token
-            backend = PaddedResidentBackend(
-                self.memory.store, table_locs=inputs.table_locs, max_seq_len=table.shape[1]
-            )
+            memory = self.memory
+            inputs = StaticDecodeInputs.allocate(size, memory.device)
+            backend = None
+            if isinstance(memory, ResidentMemory):
+                table = memory.store.req_to_token
+                backend = PaddedResidentBackend(
+                    memory.store, table_locs=inputs.table_locs, max_seq_len=table.shape[1]
+                )
             step = self._buckets[size] = _Bucket(inputs, backend)
         return step
 
     def _body(self, step: _Bucket) -> Tensor:
-        """The step a graph records: the table write, every layer, the final norm."""
-        inputs = step.inputs
-        step.backend.begin(ForwardLayout(inputs.rows, inputs.positions, inputs.locs))
-        return self.model(inputs.ids, inputs.positions, step.backend)
+        """The step a graph records: the table write (all-resident), every layer, the final norm."""
+        inputs, memory = step.inputs, self.memory
+        if isinstance(memory, ResidentMemory):
+            assert step.backend is not None
+            step.backend.begin(ForwardLayout(inputs.rows, inputs.positions, inputs.locs))
+            return self.model(inputs.ids, inputs.positions, step.backend)
+        backend = memory.backend(inputs.rows, inputs.positions, inputs.locs, inputs.slots, steps=1)
+        backend.max_seq_len = memory.req_to_token_device.shape[1]
+        return self.model(inputs.ids, inputs.positions, backend)
 
-    def _capture(self, size: int, step: _Bucket) -> None:
-        """Warm up on a side stream (the first step audited), then record the step, as
-        ``torch.cuda.graphs`` asks. Each warm-up step writes what the step itself writes. A bucket
-        whose audit finds anything, or whose capture fails, is refused (logged once) and runs
-        eagerly from then on."""
+    def _capture(self, size: int, step: _Bucket) -> Tensor:
+        """Run the step on a side stream (audited), warm up, then record it, as ``torch.cuda.graphs``
+        asks; returns the step's hidden states (the first run's: this step is not replayed). Each
+        warm-up writes what the step itself writes. A bucket whose audit finds anything, or whose
+        capture fails, is refused (logged once) and runs eagerly from then on. HiSparse: the swap-in
+        counts of the warm-ups are taken back, so that the step is counted once, as an eager one."""
+        counters = self.memory.counters if isinstance(self.memory, HiSparseCoordinator) else None
+        out: list[Tensor] = []
         with static_moe(self.model):
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
-                findings = audit(lambda: self._body(step))
-                for _ in range(WARM_UP_STEPS if not findings else 0):
-                    self._body(step)
+                findings = audit(lambda: out.append(self._body(step)))
+                counted = None if counters is None else counters.snapshot()
+                try:
+                    for _ in range(WARM_UP_STEPS if not findings else 0):
+                        self._body(step)
+                finally:
+                    if counters is not None and counted is not None:
+                        counters.restore(counted)
             torch.cuda.current_stream().wait_stream(side)
+            hidden = out[0]  # (made on the side stream, read on this one: not reused before that read)
+            hidden.record_stream(torch.cuda.current_stream())
             if findings:
                 first = findings[0]
                 self._refuse(size, f"{len(findings)} uncapturable ops, first {first.op} at {first.site}")
-                return
+                return hidden
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
+            recording = None if counters is None else counters.snapshot()
             try:
                 with torch.cuda.graph(graph, pool=self._pool):
-                    hidden = self._body(step)
+                    recorded = self._body(step)
             except Exception as exc:  # the capture is abandoned; eager steps still run
                 self._refuse(size, f"{type(exc).__name__}: {exc}")
-                return
-        step.graph, step.hidden = graph, hidden
+                return hidden
+            finally:
+                if counters is not None and recording is not None:
+                    # recorded, not run: each replay counts its own (``replayed``), with these checks
+                    step.checks = counters.restore(recording)
+        step.graph, step.hidden = graph, recorded
         log.info("graphs.captured", bucket=size)
+        return hidden
 
     def _refuse(self, size: int, why: str) -> None:
         self.refused[size] = why

@@ -396,40 +396,49 @@ def graph_run(executor, graphs, prompts: list[list[int]], new_tokens: int, tag: 
 
 
 def decode_graphs(p: Profile, model, device: torch.device, seed: int) -> dict[str, Any]:
-    """The all-resident decode captured for buckets 1, 2 and 4 (``pipeline/graphs.py``), replayed
-    beside the eager step on the same executor settings: equal tokens, and decode tokens/s of each."""
+    """Plain decode captured (``pipeline/graphs.py``) for batches of 1, 2 and 3, all-resident (buckets
+    1, 2 and 4, 3 padded) and HiSparse (one graph per batch size), each replayed beside the eager step
+    on the same executor settings: equal tokens, equal swap-in misses, and decode tokens/s of each."""
     if device.type != "cuda":
         return {"skipped": "no CUDA"}
     from pipeline.executor import Executor
     from pipeline.graphs import DecodeGraphs
+    from pipeline.hisparse.coordinator import HiSparseCoordinator
     from pipeline.memory.resident import ResidentMemory
 
     context = min(GRAPH_CONTEXT, p.context)
     pool = -(-(max(GRAPH_BATCHES) * (context + 2 * p.page)) // p.page) * p.page
-    cfg = attrs.evolve(decode_configs(p, device)["resident"], max_context_len=context + p.page,
-                       max_running_requests=max(GRAPH_BATCHES), device_pool_tokens=pool)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 1000, (context - p.new_tokens,), generator=gen).tolist()
                for _ in range(max(GRAPH_BATCHES))]
-    eager, captured = Executor(cfg, model=model), Executor(cfg, model=model)
-    memory = captured.memory
-    assert isinstance(memory, ResidentMemory)  # (hisparse=None)
-    graphs = DecodeGraphs(captured.model, memory, buckets=(1, 2, 4))
-    out: dict[str, Any] = {"context": context, "new_tokens": p.new_tokens, "batches": {}}
-    try:
-        for n in GRAPH_BATCHES:
-            graph_run(eager, None, prompts[:n], 2, f"warm-eager{n}")  # the first calls of every kernel
-            graph_run(captured, graphs, prompts[:n], 2, f"warm-graph{n}")  # the capture
-            eager_s, eager_tokens = graph_run(eager, None, prompts[:n], p.new_tokens, f"eager{n}")
-            graph_s, graph_tokens = graph_run(captured, graphs, prompts[:n], p.new_tokens, f"graph{n}")
-            out["batches"][n] = {"equal": graph_tokens == eager_tokens,
-                                 "eager_tokens_per_s": n * p.new_tokens / eager_s,
-                                 "graph_tokens_per_s": n * p.new_tokens / graph_s}
-    finally:
-        eager.close()
-        captured.close()
-    out["captured"], out["refused"] = graphs.captured(), dict(graphs.refused)
-    out["equal"] = all(b["equal"] for b in out["batches"].values())
+    out: dict[str, Any] = {"context": context, "new_tokens": p.new_tokens, "memories": {}}
+    for name, base in decode_configs(p, device).items():
+        cfg = attrs.evolve(base, max_context_len=context + p.page, max_running_requests=max(GRAPH_BATCHES),
+                           device_pool_tokens=pool)
+        eager, captured = Executor(cfg, model=model), Executor(cfg, model=model)
+        memory = captured.memory
+        assert isinstance(memory, ResidentMemory | HiSparseCoordinator)
+        graphs = DecodeGraphs(captured.model, memory, buckets=(1, 2, 4))
+        batches: dict[int, dict[str, Any]] = {}
+        try:
+            for n in GRAPH_BATCHES:
+                graph_run(eager, None, prompts[:n], 2, f"warm-eager{n}")  # the first calls of every kernel
+                graph_run(captured, graphs, prompts[:n], 2, f"warm-graph{n}")  # the capture
+                misses = [e.memory.transfer_totals().swap_in[1] for e in (eager, captured)]
+                eager_s, eager_tokens = graph_run(eager, None, prompts[:n], p.new_tokens, f"eager{n}")
+                graph_s, graph_tokens = graph_run(captured, graphs, prompts[:n], p.new_tokens, f"graph{n}")
+                after = [e.memory.transfer_totals().swap_in[1] for e in (eager, captured)]
+                batches[n] = {"equal": graph_tokens == eager_tokens,
+                              "misses_equal": after[0] - misses[0] == after[1] - misses[1],
+                              "eager_tokens_per_s": n * p.new_tokens / eager_s,
+                              "graph_tokens_per_s": n * p.new_tokens / graph_s}
+        finally:
+            eager.close()
+            captured.close()
+        out["memories"][name] = {"batches": batches, "captured": graphs.captured(),
+                                 "refused": dict(graphs.refused)}
+    out["equal"] = all(b["equal"] and b["misses_equal"]
+                       for m in out["memories"].values() for b in m["batches"].values())
     return out
 
 
@@ -437,15 +446,17 @@ def graph_rows(graph: dict[str, Any] | None) -> list[list[object]]:
     if graph is None:
         return []
     if "skipped" in graph:
-        return [["decode graphs, buckets 1, 2, 4", f"skipped: {graph['skipped']}", "", "", ""]]
+        return [["decode graphs, batches 1, 2, 3", f"skipped: {graph['skipped']}", "", "", ""]]
     rows: list[list[object]] = []
-    for n, b in graph["batches"].items():
-        note = f"tokens equal: {b['equal']}; captured {graph['captured']}"
-        if graph["refused"]:
-            note += f"; eager: {graph['refused']}"
-        graph_tps, eager_tps = b["graph_tokens_per_s"], b["eager_tokens_per_s"]
-        rows.append([f"graph decode tok/s, {n} requests, {graph['context']} tokens", graph_tps,
-                     f"eager {eager_tps:.3g}", graph_tps / eager_tps, note])
+    for name, memory in graph["memories"].items():
+        for n, b in memory["batches"].items():
+            note = (f"tokens equal: {b['equal']}; misses equal: {b['misses_equal']}; "
+                    f"captured {memory['captured']}")
+            if memory["refused"]:
+                note += f"; eager: {memory['refused']}"
+            graph_tps, eager_tps = b["graph_tokens_per_s"], b["eager_tokens_per_s"]
+            rows.append([f"{name} graph decode tok/s, {n} requests, {graph['context']} tokens", graph_tps,
+                         f"eager {eager_tps:.3g}", graph_tps / eager_tps, note])
     return rows
 
 
@@ -688,7 +699,7 @@ def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> di
     out["swap_in"] = budget.run("swap-in", 30 if cuda else 5, lambda: swap_in_bandwidth(p, model.cfg, device))
     out["decode"] = decode = budget.run("decode", 60 if cuda else 10,
                                         lambda: decode_ratio(p, model, device, budget, seed))
-    out["graphs"] = budget.run("decode graphs", 40 if cuda else 0,
+    out["graphs"] = budget.run("decode graphs", 80 if cuda else 0,
                                lambda: decode_graphs(p, model, device, seed))
     prefill = decode["prefill_s_per_request"] if decode is not None else None
     out["budget"] = budget.run("budget", 40 if cuda else 8,

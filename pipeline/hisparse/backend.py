@@ -121,6 +121,9 @@ class HiSparseBackend:
     # trace records them): ``near_margin`` of them, ``last_near [T, margin]`` int32, -1 padded
     near_margin: int = 0
     last_near: torch.Tensor | None = None
+    # the indexer scores up to this many positions, a size fixed at capture (``pipeline/graphs.py``);
+    # None: the batch's longest context, which the Triton indexer reads back
+    max_seq_len: int | None = None
     # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
     # the same for every layer of the forward, so found once
     _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
@@ -164,6 +167,7 @@ class HiSparseBackend:
             self.positions + 1,
             inputs.top_k + self.near_margin,
             inputs.index_scale,
+            max_seq_len=self.max_seq_len,
             check=False,
         )  # [T, K + margin] int32 positions; the first K are the selection (contract order)
         if self.near_margin:

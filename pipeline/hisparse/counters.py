@@ -121,6 +121,37 @@ class LayerCounters:
             if table[layer][2]:
                 check()
 
+    # --- a CUDA graph's swap-ins (``pipeline/graphs.py``) -------------------------------------------
+
+    def snapshot(self) -> tuple[torch.Tensor | None, bool, int]:
+        """The deferred counts as they are now, before a capture's warm-up steps (which run the same
+        step again) and its recording (``restore``)."""
+        pending = None if self._pending is None else self._pending.clone()
+        return pending, self._dirty, len(self._checks)
+
+    def restore(self, snap: tuple[torch.Tensor | None, bool, int]) -> list[tuple[int, Callable[[], None]]]:
+        """Back to ``snap``: the deferred counts written in place (a recorded graph adds into this very
+        tensor), the checks registered since dropped and returned (the last ones, the recording's,
+        are what each replay's calls register: ``replayed``)."""
+        pending, dirty, num_checks = snap
+        if self._pending is not None:
+            with torch.inference_mode():
+                if pending is None:
+                    self._pending.zero_()
+                else:
+                    self._pending.copy_(pending)
+        self._dirty = dirty
+        since, self._checks = self._checks[num_checks:], self._checks[:num_checks]
+        return since
+
+    def replayed(self, checks: list[tuple[int, Callable[[], None]]]) -> None:
+        """A graph replay has added its swap-ins' counts on the device: read them at the next
+        ``settle``, with ``checks`` (the recorded calls', over the graph's own tensors)."""
+        if self._pending is None:
+            return
+        self._dirty = True
+        self._checks.extend(checks)
+
     def add_prefill_loads(self, layer: int, hits: int, loads: int, h2d_bytes: int) -> None:
         """Rows a prefill brought to the device outside ``kernels.swap_in``: a chunk's grouped reads of
         earlier positions, a prefix-cache hit's identity columns. Counted apart from the decode and

@@ -152,6 +152,29 @@ def test_fp8_kv_hisparse_equals_resident(device, sizes, model_case, num_steps):
     assert hisparse.misses > 0
 
 
+@pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
+def test_decode_graphs_replay_the_eager_tokens(device, hisparse):
+    """``cuda_graphs``: plain decode steps captured (all-resident: padded buckets; HiSparse: one graph
+    per batch size, its swap-in inside) and replayed give the eager tokens, and HiSparse counts
+    each step's swap-ins once (the capture's warm-up runs are taken back)."""
+    model = model_for(TINY, torch.float32, device)
+    batch = prompts_of(TINY)
+    eager = serve(model, config(TINY, device, hisparse=hisparse, num_steps=None), batch, TINY.new_tokens)
+    cfg = config(TINY, device, hisparse=hisparse, num_steps=None, cuda_graphs=True)
+    executor = Executor(cfg, model=model)
+    initial = executor.pool_counts()
+    reqs = SyncDriver(executor, check=True).generate(
+        batch, SamplingParams(max_new_tokens=TINY.new_tokens, ignore_eos=True)
+    )
+    graphs = executor.graphs
+    assert graphs is not None and graphs.refused == {} and graphs.captured() == [len(batch)]
+    counters = executor.memory.counters_dict()
+    assert executor.pool_counts() == initial
+    executor.close()
+    assert [list(r.output_ids) for r in reqs] == eager.outputs
+    assert (sum(counters["misses"]) if counters else 0) == eager.misses
+
+
 def test_async_engine_on_device_equals_driver(device):
     """The async engine (its executor in a thread of its own on CUDA) serves concurrent requests as
     the synchronous driver does, and gives every pool back."""

@@ -9,7 +9,11 @@ fails here, and so does a removed one until the list is updated.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -30,6 +34,7 @@ from pipeline.graphs import (
     audit,
     bucket_for,
     classify,
+    static_moe,
 )
 from pipeline.model import fused
 from pipeline.sampling import SamplingParams
@@ -49,23 +54,37 @@ class Recorded(DecodeGraphs):
     sizes: list[int] = attrs.field(factory=list)
     audit_size: int = 0
     findings: list[Finding] = attrs.field(factory=list)
+    audited: bool = False
+    # what the audited step runs under (``cuda_kernels``: the kernels a CUDA step takes)
+    kernels: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    _auditing: bool = False
 
     def forward(self, rows, *args):
         self.sizes.append(len(rows))
-        if len(rows) != self.audit_size or self.findings:
-            return DecodeGraphs.forward(self, rows, *args)
+        self._auditing = len(rows) == self.audit_size and not self.audited
+        return DecodeGraphs.forward(self, rows, *args)
+
+    def _body(self, step):
+        """The step a capture records (not the inputs' fill, nor a bucket's first allocation)."""
+        if not self._auditing:
+            return DecodeGraphs._body(self, step)
+        self._auditing, self.audited = False, True
         out: list = []
-        self.findings.extend(audit(lambda: out.append(DecodeGraphs.forward(self, rows, *args))))
+        with self.kernels():
+            self.findings.extend(audit(lambda: out.append(DecodeGraphs._body(self, step))))
         return out[0]
 
 
-def run(model, buckets: tuple[int, ...] | None = None, audit_size: int = 0):
-    """Greedy outputs of the all-resident engine, and (with ``buckets``) its decode steps through
-    ``Recorded`` graphs of those buckets, which it returns too."""
-    executor = Executor(config(hisparse=False, max_running_requests=8), model=model)
+def run(model, buckets: tuple[int, ...] | None = None, audit_size: int = 0, *, cfg=None, counters=None,
+        kernels=contextlib.nullcontext):
+    """Greedy outputs of the engine (all-resident unless ``cfg``), and (with ``buckets``) its decode
+    steps through ``Recorded`` graphs of those buckets, which it returns too; ``counters``: a dict
+    the HiSparse transfer counters are written to."""
+    executor = Executor(cfg or config(hisparse=False, max_running_requests=8), model=model)
     graphs = None
     if buckets is not None:
-        graphs = Recorded(executor.model, executor.memory, buckets=buckets, audit_size=audit_size)
+        graphs = Recorded(executor.model, executor.memory, buckets=buckets, audit_size=audit_size,
+                          kernels=kernels)
         plain = executor._forwards
         executor._forwards = lambda: attrs.evolve(plain(), graphs=graphs)
     driver = SyncDriver(executor)
@@ -73,6 +92,8 @@ def run(model, buckets: tuple[int, ...] | None = None, audit_size: int = 0):
     reqs = [driver.submit(p, SamplingParams(max_new_tokens=n, ignore_eos=True), request_id=f"r{i}")
             for i, (p, n) in enumerate(zip(prompts, NEW_TOKENS))]
     driver.run()
+    if counters is not None:
+        counters.update(executor.memory.counters.as_dict())
     executor.close()
     return {r.request_id: list(r.output_ids) for r in reqs}, graphs
 
@@ -114,6 +135,106 @@ def test_audit_of_a_decode_step_lists_the_documented_blockers(torch_path):
     assert graphs.findings, "the step of 3 was audited"
     assert {(f.op, f.site) for f in graphs.findings} == documented_blockers()
     assert all(f.stack[-1].startswith(f.site.split(":")[0]) for f in graphs.findings)
+
+
+# --- HiSparse ---------------------------------------------------------------------------------------
+
+
+def hisparse(residency: str = "always", dtype: str = "float64", **fields):
+    cfg = config(hisparse=True, max_running_requests=8)
+    assert cfg.hisparse is not None
+    return attrs.evolve(cfg, dtype=dtype, hisparse=attrs.evolve(cfg.hisparse, residency=residency, **fields))
+
+
+def test_hisparse_static_inputs_decode_the_eager_tokens_at_exact_sizes(tiny_model):
+    """HiSparse is not padded (a padding token would swap its request's row in twice in one call):
+    each batch size is its own bucket, and the tokens and transfer counts are the eager step's."""
+    eager_counts: dict = {}
+    static_counts: dict = {}
+    eager, _ = run(tiny_model, cfg=hisparse(), counters=eager_counts)
+    static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=hisparse(), counters=static_counts)
+    assert static == eager
+    assert sorted(set(graphs.sizes)) == [1, 2, 3, 4, 5]
+    assert sorted(graphs._buckets) == [1, 2, 3, 4, 5]  # (no padding)
+    assert static_counts == eager_counts and sum(eager_counts["misses"]) > 0  # (swap-ins that load)
+
+
+def test_a_batch_with_a_full_row_runs_eagerly(tiny_model):
+    """Dynamic residency with room for every request: every row is FULL, so no step is covered."""
+    eager, _ = run(tiny_model, cfg=hisparse("dynamic"))
+    static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=hisparse("dynamic"))
+    assert static == eager and graphs.sizes == []
+
+
+TRITON_KERNELS = [
+    ("kernels.indexer_topk_triton", "indexer_topk_triton"),
+    ("kernels.swap_in_triton", "swap_in_triton"),
+    ("kernels.sparse_mla_triton", "sparse_mla_triton"),
+]
+
+
+@pytest.fixture
+def cuda_kernels(monkeypatch):
+    """While entered: the kernels a CUDA step takes, on the CPU: Triton (in the interpreter) wherever
+    it fits, the CPU's compiled loops off. (And all along, so that the engine is built with them:
+    the swap-in counts kept on their device until read.)"""
+    from kernels import hisparse_attend_numba
+    from kernels.checks import resolve_impl
+    from pipeline.hisparse import coordinator
+    from pipeline.hisparse.counters import LayerCounters
+
+    def as_on_cuda(impl, tensors, *, triton_fits=True):
+        if impl == "auto" and triton_fits:
+            return "triton"
+        return resolve_impl(impl, tensors, triton_fits=triton_fits)
+
+    kernel = coordinator.swap_in
+    launched: list[str] = []  # the Triton kernels the entered steps ran
+
+    def recorded(module_name: str, name: str, patch) -> None:
+        module = importlib.import_module(module_name)
+        run_kernel = getattr(module, name)
+
+        def launch(*args, **kwargs):
+            launched.append(name)
+            return run_kernel(*args, **kwargs)
+
+        patch.setattr(module, name, launch)
+
+    @contextlib.contextmanager
+    def entered():
+        with monkeypatch.context() as patch:
+            for module_name, name in TRITON_KERNELS:
+                recorded(module_name, name, patch)
+            for name in ("kernels.indexer_topk", "kernels.sparse_mla"):  # (the package's names are functions)
+                patch.setattr(importlib.import_module(name), "resolve_impl", as_on_cuda)
+            patch.setattr(coordinator, "swap_in", lambda *a, **k: kernel(*a, **k, impl="triton"))
+            for module in (indexer_topk_numba, sparse_mla_numba, moe_numba, small_ops_numba,
+                           hisparse_attend_numba):
+                patch.setattr(module, "fits", lambda *a, **k: False)
+            patch.setattr(small_ops_numba.CompiledNorm, "takes", lambda *a: False)  # (a handle made earlier)
+            patch.setattr(fused, "MAX_HYBRID_TOKENS", 0)
+            yield
+
+    monkeypatch.setattr(coordinator, "LayerCounters", functools.partial(LayerCounters, defer=True))
+    entered.launched = launched  # type: ignore[attr-defined]
+    return entered
+
+
+@pytest.mark.interpreter
+def test_a_hisparse_decode_step_on_the_cuda_kernels_audits_clean(cuda_kernels):
+    """What a capture records of a HiSparse decode step, with the kernels CUDA runs (float32, so
+    that every one fits Triton), reads nothing back and has no data-dependent shape: the indexer
+    scores a fixed width, the swap-in is one call a layer whose counts stay on the device, the MoE
+    takes its fixed-shape path (``static_moe``)."""
+    model = build_tiny_model(torch.float32)
+    with static_moe(model):
+        _, graphs = run(model, buckets=(1, 2, 4, 8), audit_size=3, cfg=hisparse(dtype="float32"),
+                        kernels=cuda_kernels)
+    assert graphs.audited
+    assert sorted(set(cuda_kernels.launched)) == sorted(name for _, name in TRITON_KERNELS)
+    assert cuda_kernels.launched.count("swap_in_triton") == model.cfg.num_hidden_layers  # one call a layer
+    assert [(f.op, f.site) for f in graphs.findings] == []
 
 
 @pytest.mark.parametrize(
@@ -170,16 +291,13 @@ def test_the_cuda_graphs_option_runs_decode_through_the_fixed_size_inputs(tiny_m
 
 @pytest.mark.parametrize(
     ("fields", "says"),
-    [({"hisparse": "default"}, "hisparse=None"), ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
-     ({"cuda_graphs": "yes"}, "True or False")],
+    [({"tensor_parallel_size": 2}, "tensor_parallel_size=1"), ({"cuda_graphs": "yes"}, "True or False")],
 )
 def test_the_cuda_graphs_option_is_checked(fields, says):
-    from pipeline.config import EngineConfig, HiSparseConfig
+    from pipeline.config import EngineConfig
     from pipeline.errors import ConfigError
 
     options = {"hisparse": None, "cuda_graphs": True} | fields
-    if options["hisparse"] == "default":
-        options["hisparse"] = HiSparseConfig()
     with pytest.raises(ConfigError, match=re.escape(says)) as info:
         EngineConfig(**options)
     assert info.value.field == "cuda_graphs"

@@ -147,3 +147,37 @@ def test_deferred_counts_settle_once_and_check_only_lossy_layers():
     immediate = LayerCounters(3, defer=False)
     immediate.add_swap_in(2, result(0, 1, 1), lambda: checked.append("at once"))
     assert checked[-1] == "at once" and immediate.unrecoverable == [0, 0, 1]
+
+
+def test_a_graph_step_is_counted_once_and_each_replay_again():
+    """What ``DecodeGraphs`` does around a capture: the warm-up runs of the step and the recording
+    are taken back (``snapshot`` / ``restore``: the counts written in place, into the tensor a graph
+    adds into), the recording's checks kept; each replay's device sums are then read with them."""
+    import torch
+
+    from kernels.swap_in_result import SwapInResult
+    from pipeline.hisparse.counters import LayerCounters
+
+    def result(hits: int, misses: int, lost: int) -> SwapInResult:
+        counts = torch.tensor([[1, hits, misses, lost]], dtype=torch.int32)
+        return SwapInResult(slots=torch.zeros(1, 1, 1, dtype=torch.int32), counts=counts, row_bytes=10)
+
+    counters = LayerCounters(2, defer=True)
+    checked: list[str] = []
+    counters.add_swap_in(0, result(2, 3, 0))  # the step itself
+    counted = counters.snapshot()
+    pending = counters._pending
+    counters.add_swap_in(0, result(5, 0, 0))  # a warm-up run of it
+    assert counters.restore(counted) == [] and counters._pending is pending  # (in place)
+    recording = counters.snapshot()
+    counters.add_swap_in(1, result(0, 0, 1), lambda: checked.append("recorded"))  # the recording
+    checks = counters.restore(recording)
+    assert [layer for layer, _ in checks] == [1] and checked == []
+    assert counters.hits == [2, 0] and counters.misses == [3, 0] and counters.unrecoverable == [0, 0]
+    with torch.inference_mode():
+        pending[1] += torch.tensor([1, 0, 1, 0])  # what a replay adds on the device
+    counters.replayed(checks)
+    assert counters.hits == [2, 1] and counters.unrecoverable == [0, 1] and checked == ["recorded"]
+    fresh = LayerCounters(2, defer=True)
+    fresh.replayed(checks)  # nothing deferred yet: nothing to read
+    assert fresh.hits == [0, 0] and checked == ["recorded"]
