@@ -27,11 +27,11 @@ the rope rotations are ``kernels.small_ops_numba``'s loop (the torch path's bits
 Float32 and float64 arrays of one dtype; the caller (``pipeline.model.fused``) decides when the
 calls are made and hands numpy views of the weights it checked (``LayerWeights``).
 
-For more tokens than ``MAX_TOKENS`` (a verify of a batch of 8, a decode of 16-64 requests) BLAS's
-matmuls read each weight once for all of them, which the per-token loops cannot; there the caller
-runs ``W_in``, ``W_q``, ``o_proj`` and the MLP with torch and the pieces between them here
-(``rms_rows``, ``assemble``: ``project`` after its two matmuls, ``up_values``, ``add_norm``, and
-``route``: the router, whose dozen small torch calls cost more than its products).
+For more tokens than ``tokens_for`` the layer's bytes (below) BLAS's matmuls read each weight once
+for all of them, which the per-token loops cannot; there the caller runs ``W_in``, ``W_q``,
+``o_proj`` and the MLP with torch and the pieces between them here (``rms_rows``, ``assemble``:
+``project`` after its two matmuls, ``up_values``, ``add_norm``, and ``route``: the router, whose
+dozen small torch calls cost more than its products).
 """
 
 from __future__ import annotations
@@ -43,9 +43,22 @@ import numpy as np
 
 from kernels import moe_numba, small_ops_numba
 
-# the most tokens a call takes: beyond it the torch path's matmuls read each weight once for many
-# tokens, which the per-token loops cannot (``kernels.moe_numba`` has the same bound)
-MAX_TOKENS = moe_numba.MAX_TOKENS
+# The loops read each of a layer's weights once per token; beyond some tokens BLAS's matmuls, which
+# read it once for all of them, cost less. Where depends on the layer's bytes: while they stay in the
+# CPU's caches from one token to the next, the loops win far longer. Measured on a 2-core CPU, one
+# thread, float32 decode steps (step time, loops over the hybrid path; docs/kernels.md): a layer of
+# 2.9 MiB (the bundled model) 0.75x at 9 tokens, 0.95x at 32, 1.02x at 48; of 11 MiB 0.81x at 9,
+# 0.95x at 16, 1.07x at 24; of 35 MiB 1.35x at 9. So a call takes up to ``tokens_for(bytes)``:
+# ``LOOP_BYTES`` over the layer's bytes, between ``MIN_TOKENS`` and ``MAX_TOKENS``.
+MAX_TOKENS = 32
+MIN_TOKENS = moe_numba.MAX_TOKENS  # (8: the bound before it was measured per layer size)
+LOOP_BYTES = 160 << 20
+
+
+def tokens_for(layer_bytes: int) -> int:
+    """The most tokens the loops take of a layer whose weights (the arrays they read) are
+    ``layer_bytes``: ``LOOP_BYTES / layer_bytes`` within ``[MIN_TOKENS, MAX_TOKENS]``."""
+    return min(MAX_TOKENS, max(MIN_TOKENS, LOOP_BYTES // max(layer_bytes, 1)))
 
 _rotate = small_ops_numba._rotate
 _experts = moe_numba._kernel

@@ -32,7 +32,8 @@ instead whenever no gradient is recorded. What it changes:
 * **Routing** skips the router's group mask when it keeps every group; a forward's rope tables are
   built once, and a layer rotates its query heads' and new key's rope channels in one go.
 * **A few tokens on a CPU run as compiled loops around the attention** (``kernels.layer_numba``):
-  up to ``layer_numba.MAX_TOKENS`` tokens of a float32/64 model with an MLP the loops know, the work
+  up to ``layer_numba.tokens_for`` its bytes (8 to 32) tokens of a float32/64 model with an MLP the
+  loops know, the work
   before ``backend.attend`` is one call and the work after it another, each token computed alone;
   up to ``MAX_HYBRID_TOKENS`` BLAS does the matmuls and the MLP and the loops the pieces between
   them. ``_CompiledWeights`` holds the weights' numpy views and checks at every call that what they
@@ -183,9 +184,9 @@ class FusedLayer:
         """A few tokens on a CPU (decode, verify, draft steps, a small batch's): the work around
         ``backend.attend`` by ``kernels.layer_numba``, or None where its loops do not take the layer
         (weights of other dtypes, an indexer whose head weights are apart, no numba). Up to
-        ``layer_numba.MAX_TOKENS`` tokens (and an MLP the loops know: a dense one, ungrouped routed
-        experts) the loops do everything, in two calls; up to ``MAX_HYBRID_TOKENS`` BLAS does the
-        four matmuls and the MLP, the loops the rest between them."""
+        ``layer_numba.tokens_for(weights.nbytes)`` tokens (and an MLP the loops know: a dense one,
+        ungrouped routed experts) the loops do everything, in two calls; up to ``MAX_HYBRID_TOKENS``
+        BLAS does the four matmuls and the MLP, the loops the rest between them."""
         projected = self._compiled_inputs(x, cos, sin)
         if projected is None:
             return None
@@ -240,7 +241,7 @@ class FusedLayer:
             return None
         a, loops = weights.arrays, weights.loops
         xs = x.detach().contiguous().numpy()
-        whole = weights.whole and x.shape[0] <= layer_numba.MAX_TOKENS
+        whole = weights.whole and x.shape[0] <= layer_numba.tokens_for(weights.nbytes)
         if whole:
             return layer_numba.project(xs, loops, *rope.compiled), xs, weights, True
         p = F.linear(
@@ -342,6 +343,7 @@ class _CompiledWeights:
         # the loops' inputs by name: arrays, numpy scalars, ints and flags (numba's dispatch types them)
         self.arrays: dict[str, Any] = {}
         self.usable = self.whole = self.routes = False
+        self.nbytes = 0
         if self.dtype not in _COMPILED_DTYPES:
             return
         self._wide = np.float64 if self.dtype == torch.float64 else np.float32
@@ -357,6 +359,10 @@ class _CompiledWeights:
         for name, value in self.arrays.items():
             if isinstance(value, Tensor):
                 self.arrays[name] = value.detach().numpy()
+        # what the loops read per token, each memory once (views of one fused weight share it)
+        views = [a for a in self.arrays.values() if isinstance(a, np.ndarray)]
+        held = {a.__array_interface__["data"][0]: a.nbytes for a in views}
+        self.nbytes = sum(held.values())
         self.loops = layer_numba.LayerWeights(self.arrays)
         self.usable, self.whole = True, whole
         # the hybrid path routes by the loops too: ungrouped routed experts whose weights they hold

@@ -208,3 +208,22 @@ def test_a_weight_the_loops_cannot_view_keeps_the_torch_path(monkeypatch):
     compiled, torch_path, calls = _both_ways(model, monkeypatch, 10, 2)
     assert calls[-1:] == [("whole", 2)]  # the decode's first layer only
     torch.testing.assert_close(compiled, torch_path, rtol=0, atol=1e-10)
+
+
+def test_how_many_tokens_the_loops_take_follows_the_layers_bytes(monkeypatch):
+    """``tokens_for``: ``LOOP_BYTES`` over a layer's bytes (the arrays its loops read), between 8 and
+    32 tokens; each layer of a forward decides by its own bytes."""
+    assert layer_numba.tokens_for(1) == layer_numba.MAX_TOKENS == 32
+    assert layer_numba.tokens_for(layer_numba.LOOP_BYTES // 14) == 14
+    assert layer_numba.tokens_for(layer_numba.LOOP_BYTES) == layer_numba.MIN_TOKENS == 8
+    model = _fused(tiny_config(n_group=1, topk_group=1))
+    dense, moe = (fused._CompiledWeights(layer.fused) for layer in model.model.layers)
+    assert 0 < dense.nbytes < moe.nbytes < 1 << 20  # (a tiny model's: each takes 32 tokens)
+    # a budget of 9 of the dense layer's sizes: it takes 9 tokens, the larger MoE layer 8
+    monkeypatch.setattr(layer_numba, "LOOP_BYTES", 9 * dense.nbytes)
+    monkeypatch.setattr(layer_numba, "MIN_TOKENS", 1)
+    calls = _count_calls(monkeypatch)
+    _decode_logits(model, 12, 9)
+    assert calls[-3:] == [("whole", 9), ("hybrid", 9), ("route", 9)]
+    _decode_logits(model, 12, 10)
+    assert calls[-3:] == [("hybrid", 10), ("hybrid", 10), ("route", 10)]
