@@ -414,6 +414,7 @@ class DecodeGraphs:
             return self.model(inputs.ids, inputs.positions, step.backend)
         backend = memory.backend(inputs.rows, inputs.positions, inputs.locs, inputs.slots, steps=1)
         backend.max_seq_len = memory.req_to_token_device.shape[1]
+        backend.all_hot = True  # (``covers``)
         return self.model(inputs.ids, inputs.positions, backend)
 
     def _capture(self, size: int, step: _Bucket) -> Tensor:

@@ -124,6 +124,9 @@ class HiSparseBackend:
     # the indexer scores up to this many positions, a size fixed at capture (``pipeline/graphs.py``);
     # None: the batch's longest context, which the Triton indexer reads back
     max_seq_len: int | None = None
+    # the caller knows every row of the batch is HOT (the fixed-size inputs): no FULL rows to look
+    # for, even while other rows of the memory are FULL (which ``_full`` would read from the host)
+    all_hot: bool = False
     # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
     # the same for every layer of the forward, so found once
     _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
@@ -207,7 +210,7 @@ class HiSparseBackend:
     def _full(self) -> torch.Tensor | None:
         """``[T]`` bool: the tokens whose request row is FULL; None when none is (once per forward)."""
         if self._full_mask is False:
-            self._full_mask = self.coord.full_tokens(self.req_rows)
+            self._full_mask = None if self.all_hot else self.coord.full_tokens(self.req_rows)
         return self._full_mask
 
     def _paged_slots(self, top: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
