@@ -18,6 +18,7 @@ is the frozen ``EnginePlan``, made by ``plan_engine`` and nowhere else: ``hispec
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import structlog
@@ -193,12 +194,13 @@ def allocate(
             row_dim=fmt.row_width, index_dim=fmt.key_width, dtype=fmt.storage_dtype, device=device,
             kv_format=fmt,
         )
-    streams = {"transfer": transfer} if transfer is not None else {}
+    streams: dict[str, Any] = {"transfer": transfer} if transfer is not None else {}
     return HiSparseCoordinator(
         plan=plan.memory, num_layers=model_cfg.num_hidden_layers, row_dim=fmt.row_width,
         index_dim=fmt.key_width, dtype=fmt.storage_dtype, device=device, num_draft_layers=drafts,
         draft_rows_on_host=hs.draft_rows_on_host, draft_keys_on_host=hs.draft_keys_on_host,
         kv_format=fmt, host_rows=host_rows, **streams,
+        shared_layers=tuple(i for i, kind in enumerate(model_cfg.indexer_types) if kind == "shared"),
     )
 
 

@@ -98,6 +98,33 @@ class SwapInMemory(Protocol):
 
     def full_page_table(self) -> torch.Tensor: ...
 
+    # shared indexer layers (GLM-5): their swap-ins issued as soon as the top-k they reuse exists
+
+    def shared_after(self, layer: int) -> tuple[int, ...]: ...
+
+    def prefetch_swap_in(
+        self, layer: int, top_k_pos: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor,
+        near: torch.Tensor | None,
+    ) -> PrefetchedSwapIn: ...
+
+
+@attrs.frozen
+class PrefetchedSwapIn:
+    """A swap-in issued ahead of the layer that reads it (``SwapInMemory.prefetch_swap_in``)."""
+
+    result: SwapInResult
+    done: Any = None  # the CUDA event of the load stream it ran on (None: it ran in order)
+
+    def take(self) -> SwapInResult:
+        """The result, for work queued next on the current stream: that stream waits for the load
+        (no CPU wait), and the result's tensors are kept until it has read them."""
+        if self.done is not None:
+            current = torch.cuda.current_stream(self.done.device)
+            current.wait_event(self.done)
+            for tensor in (self.result.slots, self.result.counts):
+                tensor.record_stream(current)
+        return self.result
+
 
 @attrs.define(eq=False)
 class HiSparseBackend:
@@ -146,11 +173,15 @@ class HiSparseBackend:
     # the tables the call reads of each part, taken at its first layer
     _split: tuple[torch.Tensor, torch.Tensor] | None = attrs.field(default=None, init=False)
     _part_views: Any = attrs.field(default=None, init=False)
+    # the first swap-in of a shared layer, issued when the full layer before it found its top-k
+    _prefetched: dict[int, PrefetchedSwapIn] = attrs.field(factory=dict, init=False)
 
     def attend(self, inputs: AttentionInputs) -> torch.Tensor:
         layer = inputs.layer
         if self.steps and not inputs.reuse_topk and self._compiled_fits(inputs):
-            return self._attend_compiled(inputs, layer)
+            out = self._attend_compiled(inputs, layer)
+            self._prefetch(layer)
+            return out
         kv = self.coord.device_kv[layer]  # [rows, C + R]
         keys = self.coord.index_k[layer]  # [logical rows, Di]
         fmt = self.coord.kv_format
@@ -176,7 +207,20 @@ class HiSparseBackend:
         if self.near_margin:
             top, self.last_near = top[:, : inputs.top_k].contiguous(), top[:, inputs.top_k :].contiguous()
         self.last_topk = top
+        self._prefetch(layer)  # the shared layers' swap-ins, beside this layer's attention and MLP
         return self._attend_selected(inputs, layer, kv, top)
+
+    def _prefetch(self, layer: int) -> None:
+        """Issue now the first swap-in call of each layer right after ``layer`` that will reuse its
+        top-k (``coord.shared_after``: on CUDA on a load stream, so that it runs beside this layer's
+        attention and MLP; elsewhere in order). Decode and verify of HOT rows only: the same call the
+        shared layer would make, on its own buffer and LRU, which nothing before it touches."""
+        later = self.coord.shared_after(layer) if self.steps else ()
+        if not later or self.last_topk is None or self._full() is not None:
+            return
+        top3, seq_lens, rows, near3 = self._swap_inputs(self.last_topk, slice(None))
+        for shared in later:
+            self._prefetched[shared] = self.coord.prefetch_swap_in(shared, top3, seq_lens, rows, near3)
 
     def _compiled_fits(self, inputs: AttentionInputs) -> bool:
         """A decode or verify layer goes to ``kernels.hisparse_attend_numba`` (one compiled call for
@@ -317,7 +361,8 @@ class HiSparseBackend:
             self.trace.record(layer, phase, self._trace_labels(), self.positions, top, near=self.last_near)
         if self.steps == 0:
             return self._attend_prefill(inputs, layer, kv, top)
-        return self._attend_swapped(inputs, layer, kv, top)
+        ahead = self._prefetched.pop(layer, None)
+        return self._attend_swapped(inputs, layer, kv, top, None if ahead is None else ahead.take())
 
     def _attend_prefill(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
@@ -394,14 +439,9 @@ class HiSparseBackend:
         """Attention of the HOT rows' tokens through swap-in; ``mixed``: (the HOT tokens' indices, every
         token's slots, FULL rows' already found) when the batch also holds FULL rows, which then
         attend in the same call as the HOT rows when one swap-in call resolves them all."""
-        steps = self.steps
         sub = slice(None) if mixed is None else mixed[0]
         hot_top = top[sub]
-        batch = hot_top.shape[0] // steps
-        rows = self.req_rows[sub].reshape(batch, steps)[:, 0].contiguous()
-        top3 = hot_top.reshape(batch, steps, -1)  # [B, S, K]
-        seq_lens = (self.positions[sub] + 1).reshape(batch, steps)  # [B, S]
-        near3 = None if self.last_near is None else self.last_near[sub].reshape(batch, steps, -1)
+        top3, seq_lens, rows, near3 = self._swap_inputs(top, sub)
         out: torch.Tensor | None = None
         for idx, slots in self._swap_rounds(layer, top3, seq_lens, rows, near3, first):
             if out is None and idx.numel() == hot_top.shape[0]:  # the common case: one call resolved all
@@ -416,6 +456,21 @@ class HiSparseBackend:
             )
         assert out is not None
         return out
+
+    def _swap_inputs(
+        self, top: torch.Tensor, sub: slice | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The swap-in's arguments for the tokens ``sub`` (whole requests, ``steps`` tokens each) of
+        a decode or verify: ``top [B, S, K]``, ``seq_lens [B, S]``, request rows ``[B]``, near
+        positions ``[B, S, M]`` or None."""
+        steps = self.steps
+        hot_top = top[sub]
+        batch = hot_top.shape[0] // steps
+        rows = self.req_rows[sub].reshape(batch, steps)[:, 0].contiguous()
+        top3 = hot_top.reshape(batch, steps, -1)
+        seq_lens = (self.positions[sub] + 1).reshape(batch, steps)
+        near3 = None if self.last_near is None else self.last_near[sub].reshape(batch, steps, -1)
+        return top3, seq_lens, rows, near3
 
     def _attend_full_part(
         self, inputs: AttentionInputs, kv: torch.Tensor, mixed: tuple[torch.Tensor, torch.Tensor] | None

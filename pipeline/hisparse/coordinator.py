@@ -44,8 +44,10 @@ Speculative verify binding and finalize (``pipeline/speculative``) use the same 
 from __future__ import annotations
 
 import collections
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import structlog
@@ -57,7 +59,7 @@ from kernels.kv_fp8 import KVCacheFormat
 from kernels.swap_in import SwapInResult, swap_in
 from kernels.swap_in_policy import near_margin
 from pipeline.capacity import ARENA, MemoryPlan
-from pipeline.hisparse.backend import HiSparseBackend
+from pipeline.hisparse.backend import HiSparseBackend, PrefetchedSwapIn
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
 from pipeline.hisparse.residency import DynamicResidency, full_slots
@@ -135,6 +137,11 @@ class HiSparseCoordinator:
     # builds the transfer streams (tests inject streams with controlled latency)
     transfer: Callable[[str, torch.device], TransferStream] = make_transfer_stream
     host_rows: HostRows | None = None  # where the host pool's rows live (None: this process's memory)
+    # the layers that reuse the previous full layer's top-k (GLM-5's "shared" indexer layers)
+    shared_layers: tuple[int, ...] = ()
+    # issue a shared layer's decode swap-in as soon as that top-k exists (``shared_after``): None =
+    # on CUDA, where it runs on a load stream beside the full layer's attention and MLP
+    prefetch_shared: bool | None = None
     rows: RequestRows = attrs.field(init=False)
     alloc: HiSparseAllocator = attrs.field(init=False)
     host: HostPool = attrs.field(init=False)
@@ -166,9 +173,18 @@ class HiSparseCoordinator:
     _pools: tuple[tuple[int, ...], hisparse_attend_numba.Pools] | None = attrs.field(init=False, default=None)
     _staging_stream: TransferStream = attrs.field(init=False)  # prompt copies to host
     _backup_stream: TransferStream = attrs.field(init=False)  # decode backups to host
+    # full layer -> the shared layers right after it (where prefetching), and the CUDA load stream
+    _shared_after: dict[int, tuple[int, ...]] = attrs.field(init=False, factory=dict)
+    _load_stream: Any = attrs.field(init=False, default=None)
 
     def __attrs_post_init__(self) -> None:
         plan = self.plan
+        prefetch = self.prefetch_shared if self.prefetch_shared is not None else self.device.type == "cuda"
+        shared = set(self.shared_layers)
+        for layer in range(self.num_layers) if prefetch else ():
+            run = tuple(itertools.takewhile(shared.__contains__, range(layer + 1, self.num_layers)))
+            if layer not in shared and run:
+                self._shared_after[layer] = run
         n_rows = plan.max_running_requests
         self.rows = RequestRows(n_rows)
         element = torch.empty(0, dtype=self.dtype).element_size()
@@ -1075,6 +1091,38 @@ class HiSparseCoordinator:
         )
         self.record_swap_in(layer, result, top_k_pos, seq_lens, rows)
         return result
+
+    def shared_after(self, layer: int) -> tuple[int, ...]:
+        """The shared layers right after the full ``layer``, whose swap-ins a decode or verify issues
+        once this layer's top-k exists (none where ``prefetch_shared`` is off)."""
+        return self._shared_after.get(layer, ())
+
+    def prefetch_swap_in(
+        self,
+        layer: int,
+        top_k_pos: torch.Tensor,
+        seq_lens: torch.Tensor,
+        rows: torch.Tensor,
+        near: torch.Tensor | None,
+    ) -> PrefetchedSwapIn:
+        """``swap_in`` of ``layer`` issued ahead of its attention. On CUDA it runs on the load stream,
+        after the work queued so far (the top-k it reads; this step's backups, which the current
+        stream was ordered after); ``PrefetchedSwapIn.take`` orders the reader after it. While a
+        CUDA graph records, and elsewhere, it runs in order."""
+        if self.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+            return PrefetchedSwapIn(self.swap_in(layer, top_k_pos, seq_lens, rows, near=near))
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(self.device)
+        load = self._load_stream
+        load.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(load):
+            result = self.swap_in(layer, top_k_pos, seq_lens, rows, near=near)
+        for tensor in (top_k_pos, seq_lens, rows, near):  # (made on the current stream, read here)
+            if tensor is not None:
+                tensor.record_stream(load)
+        done = torch.cuda.Event()
+        done.record(load)
+        return PrefetchedSwapIn(result, done)
 
     def record_swap_in(
         self,

@@ -152,6 +152,26 @@ def test_fp8_kv_hisparse_equals_resident(device, sizes, model_case, num_steps):
     assert hisparse.misses > 0
 
 
+@pytest.mark.parametrize("num_steps", [None, 3], ids=["plain", "speculative"])
+def test_shared_layers_prefetch_their_swap_ins_on_a_load_stream(device, num_steps):
+    """GLM-5 shared indexer layers: each one's swap-in runs on the coordinator's load stream, issued
+    when the full layer before it has its top-k (the default on CUDA), with resident's tokens."""
+    case = attrs.evolve(TINY, overrides=dict(model_type="glm_moe_dsa", num_hidden_layers=4,
+                                             indexer_types=["full", "shared", "shared", "full"]))
+    model = model_for(case, torch.float32, device)
+    assert model.cfg.indexer_types == ("full", "shared", "shared", "full")
+    batch = prompts_of(case)
+    resident = serve(model, config(case, device, hisparse=False, num_steps=num_steps), batch, case.new_tokens)
+    executor = Executor(config(case, device, hisparse=True, num_steps=num_steps), model=model)
+    assert executor.memory.shared_after(0) == (1, 2)
+    reqs = SyncDriver(executor, check=True).generate(
+        batch, SamplingParams(max_new_tokens=case.new_tokens, ignore_eos=True)
+    )
+    assert executor.memory._load_stream is not None  # (made at the first prefetch)
+    executor.close()
+    assert [list(r.output_ids) for r in reqs] == resident.outputs
+
+
 @pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
 def test_decode_graphs_replay_the_eager_tokens(device, hisparse):
     """``cuda_graphs``: plain decode steps captured (all-resident: padded buckets; HiSparse: one graph
