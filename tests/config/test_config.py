@@ -423,6 +423,7 @@ def _stub_model(top_k: int) -> SimpleNamespace:
         num_attention_heads=2,
         eos_token_id=None,
         vocab_size=257,
+        indexer_types=(),
     )
     return SimpleNamespace(cfg=cfg, dtype=torch.float32)
 

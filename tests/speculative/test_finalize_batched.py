@@ -26,7 +26,7 @@ def _memory(draft_tokens: int):
         index_topk=HOT // 2, num_nextn_predict_layers=1, max_position_embeddings=None,
         num_hidden_layers=LAYERS, kv_row_dim=ROW_DIM, kv_lora_rank=ROW_DIM - 2, qk_rope_head_dim=2,
         index_head_dim=2, index_n_heads=2,
-        num_attention_heads=2, eos_token_id=None, vocab_size=257,
+        num_attention_heads=2, eos_token_id=None, vocab_size=257, indexer_types=(),
     )
     config = EngineConfig(
         page_size=PAGE, max_context_len=MAX_CTX, max_running_requests=3, device_pool_tokens=PAGE * 24,
