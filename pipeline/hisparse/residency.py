@@ -243,9 +243,9 @@ class DynamicResidency:
         c.set_full(row, None)
         # The buffer's pages are the physical side's highest free pages once the row's are free (its
         # own, mostly): a buffer left where the row's first pages happened to lie would pin frames
-        # the keys of every HOT row need. Their rows move through a copy, so that a page that is
-        # both a source and a destination is read before it is written.
-        rows = c.device_kv[:, src.to(c.device)].clone()
+        # the keys of every HOT row need. Their rows move through a copy (advanced indexing makes
+        # one), so that a page that is both a source and a destination is read before it is written.
+        rows = c.device_kv[:, src.to(c.device)]
         c.alloc.free_physical(row, pages)
         keep = c.alloc.alloc_physical(row, keep_n)
         dst = page_slots(keep, page)[:kept]
