@@ -19,6 +19,7 @@ from pipeline.graphs import DecodeGraphs
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.memory.interface import KVMemory
 from pipeline.memory.mixed import MixedBackend
+from pipeline.memory.step_inputs import to_device
 from pipeline.model import DeepseekV32
 from pipeline.model.attention_api import AttentionBackend
 from pipeline.sampling import checked_picks
@@ -131,10 +132,9 @@ class Forwards:
     def decode_batch(self, seqs: list[Sequence]) -> Batch:
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
-        dev = self.device
-        rows = torch.tensor(row_list, device=dev)
-        positions = torch.tensor([self.memory.length(r) for r in row_list], device=dev)
-        ids = torch.tensor([s.next_token for s in seqs], device=dev)
+        positions_list = [self.memory.length(r) for r in row_list]
+        # one asynchronous copy from a pinned block on CUDA (``pipeline/memory/step_inputs.py``)
+        rows, positions, ids = to_device(self.device, row_list, positions_list, [s.next_token for s in seqs])
         backend = self.memory.backend(
             rows, positions, targets.locs, targets.slots, steps=1, trace=self.trace, labels=self.labels
         )

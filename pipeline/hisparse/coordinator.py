@@ -78,6 +78,7 @@ from pipeline.memory.arena import PHYSICAL
 from pipeline.memory.host_pool import HostRows, pins_for
 from pipeline.memory.interface import Layout, Residency, ResidencyChange, TransferTotals
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
+from pipeline.memory.step_inputs import to_device
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.speculative.draft_pool import DraftPool, ShiftedBackend
 
@@ -818,7 +819,7 @@ class HiSparseCoordinator:
         locs = self.req_to_token[row_t, pos_t]
         host_slots = torch.tensor(slots, dtype=torch.int64)
         self.alloc.bind(locs, host_slots)
-        return WriteTargets(locs.to(self.device), host_slots.to(self.device))
+        return WriteTargets(*to_device(self.device, locs, host_slots))  # (one asynchronous copy on CUDA)
 
     def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
         """The newest columns of ``rows`` (distinct) are about to be overwritten: the tokens they
@@ -829,9 +830,8 @@ class HiSparseCoordinator:
         if kept:
             held_rows, held = zip(*kept)
             self.alloc.clear(self.req_to_token[torch.tensor(held_rows), torch.tensor(held)])
-        row_d = torch.tensor(rows, dtype=torch.int64, device=self.device)
-        new = torch.tensor(positions, dtype=torch.int32, device=self.device)
-        buffers.tokens[:, row_d, buffers.newest] = new
+        row_d, new = to_device(self.device, rows, positions)
+        buffers.tokens[:, row_d, buffers.newest] = new.to(torch.int32)
         buffers.record_newest(rows, positions)
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:

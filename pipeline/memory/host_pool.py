@@ -10,8 +10,9 @@ On a CUDA machine the pool is pinned host memory; on a CPU machine it is an ordi
 Every host tensor a copy to or from a CUDA device reads or writes is pinned (page-locked), so that
 the copy is asynchronous and a side stream can run it: the host pool, the draft pool's rows kept on
 host, and the staging blocks rows are gathered into on their way to the device (``to_device``).
-The prefix cache keeps its pages in the host pool. ``pins_for`` is the one decision, ``host_zeros``
-and ``host_empty`` the allocations that follow it. Pinned, the host pool is also addressed by the
+The prefix cache keeps its pages in the host pool. ``pins_for`` (``pipeline/memory/step_inputs.py``,
+which sends a step's small inputs the same way) is the one decision, ``host_zeros`` and
+``host_empty`` the allocations that follow it. Pinned, the host pool is also addressed by the
 row-copy kernel directly (``kernels.kv_copy.host_addressable``): the backups and staging copies
 write it, and the swap-in reads it, as device work. So a CPU read of the pool (``to_device``, the
 integrity checks) must come after a wait for the copies that write the rows it reads.
@@ -29,6 +30,7 @@ import attrs
 import torch
 
 from pipeline.memory.paged import PagedAllocator, PagedTable
+from pipeline.memory.step_inputs import pins_for
 
 if TYPE_CHECKING:
     from pipeline.hisparse.transfer import TransferStream
@@ -44,11 +46,6 @@ class HostRows(Protocol):
     def stream(self, name: str, inner: TransferStream) -> TransferStream:
         """The stream the pool's copies named ``name`` go through, over ``inner``."""
         ...
-
-
-def pins_for(device: torch.device) -> bool:
-    """Whether host tensors that copies to and from ``device`` read or write are pinned: on CUDA."""
-    return device.type == "cuda"
 
 
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Sequence
 import attrs
 import torch
 
+from pipeline.memory.step_inputs import to_device
+
 FREE = -1  # owner of a free page
 RESERVED = -2  # owner of the reserved page 0
 
@@ -254,15 +256,20 @@ class TableMirror:
             self.tensor = self.host.to(self.device, copy=True)
 
     def write(self, row: int, index: slice | torch.Tensor, values: torch.Tensor) -> None:
+        """Entries ``index`` of ``row`` changed to ``values`` (1-D); host indices and values go to the
+        device in one asynchronous copy (``step_inputs.to_device``)."""
         if not self.shared:
             if isinstance(index, torch.Tensor):
-                index = index.to(self.device)
-            self.tensor[row, index] = values.to(self.device)
+                index, values = to_device(self.device, index, values.reshape(-1))
+                self.tensor[row, index] = values.to(self.tensor.dtype)
+            else:
+                self.tensor[row, index] = to_device(self.device, values.reshape(-1))[0].to(self.tensor.dtype)
 
     def write_many(self, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Entries ``(rows[i], positions[i])`` of the table changed to ``values[i]``."""
         if not self.shared:
-            self.tensor[rows.to(self.device), positions.to(self.device)] = values.to(self.device)
+            rows, positions, values = to_device(self.device, rows, positions, values)
+            self.tensor[rows, positions] = values.to(self.tensor.dtype)
 
     def fill_row(self, row: int, value: int) -> None:
         if not self.shared:

@@ -9,6 +9,8 @@ blocks instead.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from pipeline.capacity import MemoryPlan
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.transfer import TransferHandle, TransferStream, make_transfer_stream
 from pipeline.memory.host_pool import host_zeros, pins_for, to_device
+from pipeline.memory.step_inputs import to_device as step_to_device
 
 pytestmark = pytest.mark.cuda
 
@@ -89,36 +92,48 @@ def test_rows_gathered_for_the_device_are_the_host_rows(device):
     assert rows.device.type == device.type and torch.equal(rows.cpu(), host[index])
 
 
-def test_a_decode_step_waits_on_the_cpu_for_no_copy(device):
-    calls: list[tuple[str, str]] = []
+def _coordinator(device: torch.device, calls: list[tuple[str, str]]) -> HiSparseCoordinator:
     plan = MemoryPlan(
         page_size=PAGE, hot=HOT, buffer_columns=HOT + PAGE, top_k=8, device_tokens=512,
         logical_tokens=512, host_tokens=1024, max_context_len=128, max_running_requests=4,
         draft_tokens=0, hisparse=True, prefill_chunk=128,
     )
-    coord = HiSparseCoordinator(
+    return HiSparseCoordinator(
         plan, num_layers=3, row_dim=64, index_dim=16, device=device, num_draft_layers=1,
         draft_rows_on_host=True, draft_keys_on_host=True,
         transfer=lambda name, dev: RecordedStream(make_transfer_stream(name, dev), name, calls),
     )
-    cuda = device.type == "cuda"
-    assert coord.host.kv.is_pinned() == cuda
-    assert coord.draft is not None
-    assert coord.draft.store.kv.is_pinned() == cuda and coord.draft.store.index_k.is_pinned() == cuda
 
-    def write(slots: torch.Tensor) -> None:  # what a forward does: fresh rows in every layer
-        kv = coord.device_kv
-        kv[:, slots] = torch.randn(kv.shape[0], slots.numel(), kv.shape[-1], device=device)
 
+def _write(coord: HiSparseCoordinator, slots: torch.Tensor) -> None:
+    """What a forward does: fresh rows in every layer."""
+    kv = coord.device_kv
+    kv[:, slots] = torch.randn(kv.shape[0], slots.numel(), kv.shape[-1], device=kv.device)
+
+
+def _decoding(coord: HiSparseCoordinator, prompts: tuple[int, ...]) -> list[int]:
+    """Rows admitted, prefilled and staged for ``prompts``: ready to decode."""
     rows = []
-    for prompt in (5, HOT + 3):
+    for prompt in prompts:
         row = coord.admit(prompt)
-        write(coord.prefill_targets(row, 0, prompt).slots)
+        _write(coord, coord.prefill_targets(row, 0, prompt).slots)
         coord.commit_prefill(row, 0, prompt, final=True)
         coord.start_staging(row, prompt)
         rows.append(row)
     coord.wait_staging()
     assert coord.collect_ready() == rows
+    return rows
+
+
+def test_a_decode_step_waits_on_the_cpu_for_no_copy(device):
+    calls: list[tuple[str, str]] = []
+    coord = _coordinator(device, calls)
+    cuda = device.type == "cuda"
+    assert coord.host.kv.is_pinned() == cuda
+    assert coord.draft is not None
+    assert coord.draft.store.kv.is_pinned() == cuda and coord.draft.store.index_k.is_pinned() == cuda
+    write = functools.partial(_write, coord)
+    rows = _decoding(coord, (5, HOT + 3))
     calls.clear()
     for _ in range(2 * HOT):
         targets = coord.prepare_decode(rows)
@@ -129,6 +144,40 @@ def test_a_decode_step_waits_on_the_cpu_for_no_copy(device):
     coord.check_integrity()  # every committed row's host copy equals its device row
     assert coord.take_backup_failures(rows) == {}
     for row in rows:
+        coord.release(row)
+    coord.close()
+
+
+def test_a_steps_inputs_reach_the_device_without_a_cpu_wait(device):
+    """Issued behind a long device sleep: the small inputs of a step (``step_inputs.to_device``: one
+    pinned block, one asynchronous copy), and the whole of the coordinator's ``prepare_decode`` for
+    rows past HOT (their newest columns change hands, the slot map's mirror records the step), return
+    while the device still sleeps; the values land after it."""
+    _cuda_only(device)
+    step_to_device(device, [1, 2], [3])  # (the pinned-block cache warmed)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    rows, positions = step_to_device(device, [3, 1, 2], [40, 41, 42])
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query(), "the copy of the step's inputs waited for the device"
+    after.synchronize()
+    assert rows.tolist() == [3, 1, 2] and positions.tolist() == [40, 41, 42]
+
+    coord = _coordinator(device, [])
+    decoding = _decoding(coord, (HOT + 3, 2 * HOT + 1))
+    for _ in range(2):  # (every kernel and copy of a step made once)
+        targets = coord.prepare_decode(decoding)
+        _write(coord, targets.slots)
+        coord.commit_decode(decoding, targets.slots)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    targets = coord.prepare_decode(decoding)
+    after = torch.cuda.Event()
+    after.record()
+    assert not after.query(), "prepare_decode waited for the device"
+    _write(coord, targets.slots)
+    coord.commit_decode(decoding, targets.slots)
+    coord.check_integrity()
+    for row in decoding:
         coord.release(row)
     coord.close()
 
