@@ -24,6 +24,7 @@ from pipeline.memory.interface import Residency, ResidencyChange, TransferTotals
 from pipeline.memory.paged import OutOfMemory, PagedAllocator, PagedTable
 from pipeline.memory.prefix_cache import CachedPage, PrefixCache
 from pipeline.memory.req_to_token import RequestRows, token_table
+from pipeline.memory.step_inputs import to_device
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 from pipeline.model.resident import ForwardLayout, ResidentBackend, ResidentKV
 
@@ -196,15 +197,15 @@ class ResidentMemory:
         end = self._length[row] + new_tokens
         if not self.can_decode(row, new_tokens=new_tokens):
             raise OutOfMemory("kv decode", self._table.pages_needed(row, end), self.allocator.num_free_pages)
-        if self._table.cover(row, end):
-            self.store.req_to_token[row] = self._table.table[row].to(self.device)
+        if self._table.cover(row, end):  # (one asynchronous copy on CUDA: ``step_inputs``)
+            self.store.req_to_token[row] = to_device(self.device, self._table.table[row])[0]
 
     def prepare_decode(self, rows: list[int]) -> WriteTargets:
         locs = []
         for row in rows:
             self.ensure_capacity(row, new_tokens=1, speculative=False)
             locs.append(self._table.table[row, self._length[row]])
-        out = torch.stack(locs).to(self.device)
+        (out,) = to_device(self.device, torch.stack(locs))
         return WriteTargets(out, out)
 
     def commit_decode(self, rows: list[int], slots: torch.Tensor, num_new: list[int] | None = None) -> None:
@@ -235,7 +236,7 @@ class ResidentMemory:
             self.ensure_capacity(row, new_tokens=draft_tokens, speculative=True)
             n = self._length[row]
             locs.append(self._table.table[row, n : n + draft_tokens])
-        out = torch.cat(locs).to(self.device)
+        (out,) = to_device(self.device, torch.cat(locs))
         return VerifyLayout(WriteTargets(out, out), draft_tokens, tuple(rows))
 
     def finalize_verify(self, rows: list[int], accepted: list[int], layout: VerifyLayout) -> list[int]:
