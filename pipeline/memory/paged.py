@@ -261,9 +261,9 @@ class TableMirror:
         if not self.shared:
             if isinstance(index, torch.Tensor):
                 index, values = to_device(self.device, index, values.reshape(-1))
-                self.tensor[row, index] = values.to(self.tensor.dtype)
             else:
-                self.tensor[row, index] = to_device(self.device, values.reshape(-1))[0].to(self.tensor.dtype)
+                (values,) = to_device(self.device, values.reshape(-1))
+            self.tensor[row, index] = values.to(self.tensor.dtype)
 
     def write_many(self, rows: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Entries ``(rows[i], positions[i])`` of the table changed to ``values[i]``."""
