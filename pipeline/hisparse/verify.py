@@ -32,6 +32,7 @@ import torch
 from kernels.kv_copy import copy_rows_unchecked
 from pipeline.hisparse.residency import full_slots
 from pipeline.memory.interface import Layout
+from pipeline.memory.step_inputs import to_device
 from pipeline.memory.targets import VerifyLayout, WriteTargets
 
 
@@ -97,7 +98,7 @@ class VerifyBuffers:
         full = [i for i, row in enumerate(rows) if coord._mem[row].layout is Layout.FULL]
         if not full:
             locs, slots = self._bind_hot(rows, d)
-            targets = WriteTargets(locs.to(coord.device), slots.to(coord.device))
+            targets = WriteTargets(*to_device(coord.device, locs, slots))
             return VerifyLayout(targets, d, tuple(rows), tuple(slots.tolist()))
         hot = [i for i in range(len(rows)) if i not in set(full)]
         locs = torch.empty(len(rows), d, dtype=torch.int64)
@@ -111,7 +112,7 @@ class VerifyBuffers:
             locs[i] = coord.req_to_token[rows[i], mem.length : mem.length + d]
             slots[i] = full_slots(mem.full_pages, page, mem.length, mem.length + d)
         coord.alloc.bind(locs[full].reshape(-1), slots[full].reshape(-1))
-        targets = WriteTargets(locs.reshape(-1).to(coord.device), slots.reshape(-1).to(coord.device))
+        targets = WriteTargets(*to_device(coord.device, locs.reshape(-1), slots.reshape(-1)))
         return VerifyLayout(targets, d, tuple(rows), tuple(slots.reshape(-1).tolist()))
 
     def _bind_hot(self, rows: list[int], d: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,10 +130,11 @@ class VerifyBuffers:
         step = torch.arange(d)
         positions = torch.tensor(lengths, dtype=torch.int64)[:, None] + step  # [B, D]
         host_cols = torch.where(positions < hot, positions, hot + 1 + step)
-        cols = host_cols.to(buffers.device)
-        row_d = row_t.to(buffers.device)[:, None]
+        # (one asynchronous copy on CUDA: ``pipeline/memory/step_inputs.py``)
+        row_d, cols, new = to_device(buffers.device, row_t, host_cols.reshape(-1), positions.reshape(-1))
+        row_d = row_d[:, None]
         buffers.tokens[:, row_d, hot + 1 :] = -1
-        buffers.tokens[:, row_d, cols] = positions.to(torch.int32).to(buffers.device)
+        buffers.tokens[:, row_d, cols.view(host_cols.shape)] = new.view(positions.shape).to(torch.int32)
         locs = coord.req_to_token[row_t[:, None], positions].reshape(-1)
         pairs = zip(rows, host_cols.tolist())
         slots = torch.tensor([buffers.slot_of(row, c) for row, cs in pairs for c in cs], dtype=torch.int64)
@@ -211,9 +213,8 @@ class VerifyBuffers:
         ]
         coord.alloc.clear(torch.cat(rejected))
         by_row = dict(zip(rows, verify_slots))
-        written = torch.tensor(
-            [s for row, count in zip(committed, counts) for s in by_row[row][:count]], device=coord.device
-        )
+        accepted_slots = [s for row, count in zip(committed, counts) for s in by_row[row][:count]]
+        (written,) = to_device(coord.device, accepted_slots)
         coord.commit_runs(committed, counts, written)  # (backed up as a FULL row's pages fill)
         for row, why in coord.take_backup_failures(committed).items():
             failed.append(row)
@@ -248,7 +249,6 @@ class VerifyBuffers:
         # location, then the slots of each row's newest column and of the hot columns of the
         # accepted positions below HOT (none read from the device: the buffers' host copies)
         newest = buffers.newest
-        row_d = torch.tensor(committed, dtype=torch.int64).to(buffers.device)
         held = buffers.newest_of(committed)
         pos_rows = [row for row in committed for _ in range(d)]
         pos = [start + j for start in starts for j in range(d)]
@@ -294,22 +294,18 @@ class VerifyBuffers:
         if moves:  # 4. the last accepted token's row into the newest column
             # (rows of the coordinator's own pool to others of its rows: no argument to check)
             dst, src = zip(*moves)
-            copy_rows_unchecked(
-                coord.device_kv,
-                torch.tensor(dst, device=coord.device),
-                coord.device_kv,
-                torch.tensor(src, device=coord.device),
-            )
+            dst_d, src_d = to_device(coord.device, dst, src)
+            copy_rows_unchecked(coord.device_kv, dst_d, coord.device_kv, src_d)
         # 4.'s newest column and 5.'s empty draft zone (which follows it), as one write
         zone = torch.full((len(committed), buffers.tokens.shape[-1] - newest), -1, dtype=buffers.tokens.dtype)
         zone[:, 0] = torch.tensor(last_positions, dtype=zone.dtype)
-        buffers.tokens[:, row_d, newest:] = zone.to(buffers.device)
+        row_d, zone_d = to_device(buffers.device, committed, zone.reshape(-1))
+        buffers.tokens[:, row_d, newest:] = zone_d.view(zone.shape).to(zone.dtype)
         buffers.record_newest(committed, last_positions)
         for row, start, count in zip(committed, starts, counts):
             coord._mem[row].length = coord._mem[row].backed = start + count
-        backed = torch.tensor(
-            [s for row_slots, count in zip(slots, counts) for s in row_slots[:count]], device=coord.device
-        )
+        accepted_slots = [s for row_slots, count in zip(slots, counts) for s in row_slots[:count]]
+        (backed,) = to_device(coord.device, accepted_slots)
         coord.back_up(committed, counts, host_slots, backed)
         for row, why in coord.take_backup_failures(committed).items():
             failed.append(row)

@@ -21,6 +21,7 @@ import attrs
 import torch
 
 from pipeline.isolation import isolate, reason
+from pipeline.memory.step_inputs import to_device
 from pipeline.sampling import NON_FINITE, NonFiniteLogits, checked_picks
 from pipeline.speculative.acceptance import accept
 from pipeline.speculative.drafting import ExtendInput, draft_chain, draft_extend
@@ -96,10 +97,13 @@ def verify(
         row_list = [s.row for s in group]
         lengths = [memory.length(r) for r in row_list]
         layout = memory.prepare_verify(row_list, d)
-        dev = model.device
-        ids = torch.tensor([t for s in group for t in (s.draft.bonus, *s.draft.drafts)], device=dev)
-        positions = torch.cat([torch.arange(n, n + d) for n in lengths]).to(dev)
-        rows = torch.tensor(row_list, device=dev).repeat_interleave(d)
+        # one asynchronous copy from a pinned block on CUDA (``pipeline/memory/step_inputs.py``)
+        ids, positions, rows = to_device(
+            model.device,
+            [t for s in group for t in (s.draft.bonus, *s.draft.drafts)],
+            [p for n in lengths for p in range(n, n + d)],
+            [r for r in row_list for _ in range(d)],
+        )
         backend = memory.backend(
             rows, positions, layout.targets.locs, layout.targets.slots, steps=d, trace=trace, labels=labels
         )
