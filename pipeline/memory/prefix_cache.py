@@ -72,6 +72,9 @@ class PrefixCache:
     entries: dict[tuple, CachedPage] = attrs.field(factory=dict)
     counters: CacheCounters = attrs.field(factory=CacheCounters)
     pending_positions: int = 0  # positions whose MTP rows the entries hold as hidden states
+    # entries some request shares (``refs > 0``), counted as references come and go: the figures a
+    # step reports read it, never a walk over every entry
+    _referenced: int = 0
     _ids: itertools.count = attrs.field(factory=itertools.count)
     _clock: itertools.count = attrs.field(factory=lambda: itertools.count(1))
 
@@ -99,6 +102,7 @@ class PrefixCache:
         """A request shares ``chain`` (from its admission to its release)."""
         now = next(self._clock)
         for entry in chain:
+            self._referenced += entry.refs == 0
             entry.refs += 1
             entry.last_used = now
 
@@ -131,6 +135,7 @@ class PrefixCache:
         for entry in chain:
             assert entry.refs > 0, f"prefix cache: page entry {entry.id} released more often than shared"
             entry.refs -= 1
+            self._referenced -= entry.refs == 0
             entry.last_used = now
 
     # --- insertion ------------------------------------------------------------------------------
@@ -200,7 +205,7 @@ class PrefixCache:
     def evictable(self) -> int:
         """Entries that eviction can free (nobody references them or anything they continue... to
         the leaves: an unreferenced entry's descendants are unreferenced too)."""
-        return sum(1 for e in self.entries.values() if e.refs == 0)
+        return len(self.entries) - self._referenced
 
     def evictable_pages(self, pool: int, keep: Sequence[CachedPage] = ()) -> list[int]:
         """The pages in pool ``pool`` of the entries eviction can free, ``keep`` aside."""
@@ -268,7 +273,7 @@ class PrefixCache:
         }
 
     def referenced(self) -> int:
-        return sum(1 for e in self.entries.values() if e.refs)
+        return self._referenced
 
     def check_integrity(self, chains: Iterable[list[CachedPage]]) -> None:
         """``chains``: what each live request shares. Reference counts equal the requests sharing
@@ -292,6 +297,10 @@ class PrefixCache:
                     f"entry {entry.id}: parent evicted first"
                 )
                 children[entry.parent.id] = children.get(entry.parent.id, 0) + 1
+        referenced = sum(1 for e in self.entries.values() if e.refs)
+        assert self._referenced == referenced, (
+            f"prefix cache: {self._referenced} entries counted shared, {referenced} are"
+        )
         for entry in self.entries.values():
             assert entry.children == children.get(entry.id, 0), (
                 f"prefix cache: entry {entry.id} children count"

@@ -117,6 +117,10 @@ class CacheMachine(RuleBasedStateMachine):
     @invariant()
     def conservation(self) -> None:
         self.cache.check_integrity(chain for _, chain, _ in self.live.values())
+        # the counts a step's figures read are kept as references come and go: they equal a recount
+        unshared = sum(1 for e in self.cache.entries.values() if e.refs == 0)
+        assert self.cache.evictable() == unshared, "evictable entries miscounted"
+        assert self.cache.stats()["pages_referenced"] == len(self.cache.entries) - unshared
         for pool in self.pools:
             pool.check_integrity()
             owned = sum(len(pool.pages_of(r)) for r in range(ROWS))
