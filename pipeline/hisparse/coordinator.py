@@ -815,9 +815,8 @@ class HiSparseCoordinator:
             self._replace_newest(long_rows, long_positions)
         # one lookup and one bind for the whole step (the rows' locations are disjoint); the slots
         # are found on the host, from the rows' pages, so nothing is read back from the device
-        row_t, pos_t = torch.tensor(rows, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64)
+        row_t, pos_t, host_slots = torch.tensor([rows, positions, slots], dtype=torch.int64)
         locs = self.req_to_token[row_t, pos_t]
-        host_slots = torch.tensor(slots, dtype=torch.int64)
         self.alloc.bind(locs, host_slots)
         return WriteTargets(*to_device(self.device, locs, host_slots))  # (one asynchronous copy on CUDA)
 
@@ -1348,11 +1347,8 @@ class HiSparseCoordinator:
         return self.counters.as_dict()
 
     def transfer_totals(self) -> TransferTotals:
-        c = self.counters
-        return TransferTotals(
-            swap_in=(sum(c.hits), sum(c.misses), sum(c.h2d_bytes)),
-            prefill=(sum(c.prefill_hits), sum(c.prefill_loads), sum(c.prefill_h2d_bytes)),
-        )
+        swap_in, prefill = self.counters.totals()
+        return TransferTotals(swap_in=swap_in, prefill=prefill)
 
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (its buffer and a prefill's chunk rows), all layers."""

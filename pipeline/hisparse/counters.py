@@ -165,19 +165,33 @@ class LayerCounters:
         for layer in range(self.num_layers):
             self.d2h_bytes[layer] += num_bytes_per_layer
 
+    def totals(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """All layers summed: (hits, misses, bytes) of the swap-ins, (hits, loads, bytes) of the
+        prefills."""
+        self.settle()
+        return (
+            (sum(self._hits), sum(self._misses), sum(self._h2d_bytes)),
+            (sum(self.prefill_hits), sum(self.prefill_loads), sum(self.prefill_h2d_bytes)),
+        )
+
     def hit_rate(self, layer: int) -> float:
-        total = self.hits[layer] + self.misses[layer]
-        return self.hits[layer] / total if total else 1.0
+        self.settle()
+        return _rate(self._hits[layer], self._misses[layer])
 
     def as_dict(self) -> dict[str, object]:
+        self.settle()  # (once: the lists below are the settled totals)
         return {
-            "hits": list(self.hits),
-            "misses": list(self.misses),
-            "unrecoverable": list(self.unrecoverable),
-            "h2d_bytes": list(self.h2d_bytes),
+            "hits": list(self._hits),
+            "misses": list(self._misses),
+            "unrecoverable": list(self._unrecoverable),
+            "h2d_bytes": list(self._h2d_bytes),
             "d2h_bytes": list(self.d2h_bytes),
             "prefill_hits": list(self.prefill_hits),
             "prefill_loads": list(self.prefill_loads),
             "prefill_h2d_bytes": list(self.prefill_h2d_bytes),
-            "hit_rate": [round(self.hit_rate(layer), 4) for layer in range(self.num_layers)],
+            "hit_rate": [round(_rate(h, m), 4) for h, m in zip(self._hits, self._misses)],
         }
+
+
+def _rate(hits: int, misses: int) -> float:
+    return hits / (hits + misses) if hits + misses else 1.0
