@@ -17,7 +17,8 @@ each variant's median run (by tokens/s), and the tokens/s ratios that matter (Hi
 against resident, dynamic against HiSparse and against the better of resident and HiSparse, speculation
 on against off) are paired repeat by repeat and given as median and range.
 
-``--interleaved-steps N`` then times the decode step alone at each load (the given one and the sweep's):
+``--interleaved-steps N`` then times the decode step alone at each load (the given one and the sweep's;
+a step is the executor's ``Decode`` command with its step boundary and the statistics snapshot after it):
 one executor per variant holds the same requests, and N rounds of one decode step each, in alternating
 order, give each variant's median step time and the per-step ratios, paired round by round against the
 first variant that seats the load (drift between runs, this benchmark's noise, cancels there).
@@ -183,12 +184,15 @@ def interleaved_steps(
 ) -> dict[str, Any] | None:
     """``count`` requests decoding on one executor per variant (admitted one at a time, so that a
     dynamic one demotes as it must), then ``steps`` decode steps of each, interleaved step by step in
-    alternating order: each variant's median step time and the paired per-step ratios against the
-    first variant that seats them (median and quartiles). A variant that cannot seat them all at
-    once is left out (``unseated``); None where fewer than two remain. A machine's drift between
-    runs cancels here: the steps of a round are taken within milliseconds of each other."""
+    alternating order (a step: the executor's ``Decode`` command with its step boundary, and the
+    statistics snapshot the engine refreshes after it): each variant's median step time and the
+    paired per-step ratios against the first variant that seats them (median and quartiles). A
+    variant that cannot seat them all at once is left out (``unseated``); None where fewer than two
+    remain. A machine's drift between runs cancels here: the steps of a round are taken within
+    milliseconds of each other."""
     from pipeline.driver import prefill_whole
     from pipeline.executor import Executor, NewSequence
+    from pipeline.messages import Decode, StepResult
     from pipeline.sampling import SamplingParams
 
     prompts = held_out_prompts(count, args.prompt_len, args.seed)
@@ -212,11 +216,16 @@ def interleaved_steps(
             return None
         steps = max(1, min(steps, args.new_tokens - 1))
         times: dict[str, list[float]] = {v: [] for v in variants}
+        command = Decode(tuple(ids))
         for i in range(steps):
             for variant in variants if i % 2 == 0 else variants[::-1]:
+                executor = executors[variant]
                 start = time.perf_counter()
-                executors[variant].decode(ids)
+                outcome = executor.run(command)  # (with its step boundary: a promotion may follow)
+                executor.stats()  # the snapshot the engine refreshes after each step
                 times[variant].append(time.perf_counter() - start)
+                if outcome.error is not None or not _stepped(outcome.result_as(StepResult)):
+                    raise RuntimeError(f"{variant}: a decode step failed: {outcome}")
     finally:
         for executor in executors.values():
             executor.close()
@@ -231,6 +240,11 @@ def interleaved_steps(
         q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
         out[f"{variant} / {base}"] = {"median": q2, "q1": q1, "q3": q3}
     return out
+
+
+def _stepped(result: Any) -> bool:
+    """Every request of an interleaved step got its token (none refused, none failed)."""
+    return not result.refused and not result.failed
 
 
 def print_steps(count: int, found: dict[str, Any] | None) -> None:
