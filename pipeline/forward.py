@@ -100,12 +100,15 @@ class Forwards:
         ]
 
     def prefill_batch(self, items: list[Chunk]) -> Batch:
-        dev = self.device
         targets = [self.memory.prefill_targets(seq.row, start, end) for seq, start, end in items]
-        ids = torch.tensor([t for seq, start, end in items for t in seq.token_ids[start:end]], device=dev)
-        positions = torch.cat([torch.arange(start, end, device=dev) for _, start, end in items])
-        rows = torch.cat([torch.full((end - start,), seq.row, device=dev) for seq, start, end in items])
-        starts = torch.cat([torch.full((end - start,), start, device=dev) for _, start, end in items])
+        # built on the host, sent in one asynchronous copy on CUDA (``pipeline/memory/step_inputs.py``)
+        ids, positions, rows, starts = to_device(
+            self.device,
+            [t for seq, start, end in items for t in seq.token_ids[start:end]],
+            torch.cat([torch.arange(start, end) for _, start, end in items]),
+            [seq.row for seq, start, end in items for _ in range(start, end)],
+            [start for _, start, end in items for _ in range(start, end)],
+        )
         locs = torch.cat([t.locs for t in targets])
         slots = torch.cat([t.slots for t in targets])
         backend = self.memory.backend(
@@ -116,10 +119,9 @@ class Forwards:
     def prefill_outputs(self, items: list[Chunk], hidden: torch.Tensor) -> list[PrefillOut]:
         """Per chunk: (the item, its hidden states (when kept: the draft extend's input), the logits
         of its last token)."""
-        dev = self.device
         lens = [end - start for _, start, end in items]
-        ends = torch.cumsum(torch.tensor(lens), 0) - 1
-        logits = self.model.logits(hidden[ends.to(dev)])  # [B, V]
+        (ends,) = to_device(self.device, torch.cumsum(torch.tensor(lens), 0) - 1)
+        logits = self.model.logits(hidden[ends])  # [B, V]
         out: list[PrefillOut] = []
         at = 0
         for i, (item, n) in enumerate(zip(items, lens)):

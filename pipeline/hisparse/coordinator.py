@@ -491,7 +491,7 @@ class HiSparseCoordinator:
         if mem.layout is Layout.FULL:  # every position at its own slot, the earlier ones stay mapped
             slots = full_slots(mem.full_pages, self.plan.page_size, start, end)
             self.alloc.bind(locs[start:], slots)
-            return WriteTargets(locs[start:].to(self.device), slots.to(self.device))
+            return WriteTargets(*to_device(self.device, locs[start:], slots))
         self.alloc.clear(locs[:start])
         positions = torch.arange(start, end)
         hot = self.hot
@@ -501,7 +501,7 @@ class HiSparseCoordinator:
         slots[below] = self.buffers.locs[row, positions[below].to(self.device)].cpu()
         slots[~below] = area[positions[~below] - max(start, hot)]
         self.alloc.bind(locs[start:], slots)
-        return WriteTargets(locs[start:].to(self.device), slots.to(self.device))
+        return WriteTargets(*to_device(self.device, locs[start:], slots))
 
     def _chunk_area(self, row: int) -> torch.Tensor:
         """The device slots a prefilling row's positions past HOT go to, in order: the buffer's

@@ -64,6 +64,7 @@ import torch
 from kernels.kv_copy import copy_rows
 from pipeline.memory import OutOfMemory, page_slots
 from pipeline.memory.interface import Layout, Residency, ResidencyChange
+from pipeline.memory.step_inputs import to_device
 
 log = structlog.get_logger(__name__)
 
@@ -381,7 +382,7 @@ class DynamicResidency:
         for row in rows:
             pages = c._mem[row].full_pages
             table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        return table.to(c.device)
+        return to_device(c.device, table.reshape(-1))[0].view(table.shape)  # (no CPU wait on CUDA)
 
     def check_full(self, row: int, *, data: bool) -> None:
         """Invariant I14 for a FULL row: no buffer, no chunk rows, every committed position of its own

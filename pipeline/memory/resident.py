@@ -141,7 +141,7 @@ class ResidentMemory:
         try:
             self._table.share(row, [e.pages[0] for e in chain])
             self._table.cover(row, num_tokens)
-            self.store.req_to_token[row] = self._table.table[row].to(self.device)
+            self.store.req_to_token[row] = to_device(self.device, self._table.table[row])[0]
         except BaseException:
             self.release(row)
             raise
@@ -151,7 +151,7 @@ class ResidentMemory:
     def prefill_targets(self, row: int, start: int, end: int) -> WriteTargets:
         """The locations of positions ``[start, end)``: every position is resident, so a later chunk
         reads the earlier ones in place."""
-        locs = self._table.table[row, start:end].to(self.device)
+        (locs,) = to_device(self.device, self._table.table[row, start:end])
         return WriteTargets(locs, locs)
 
     def commit_prefill(self, row: int, start: int, end: int, *, final: bool) -> None:

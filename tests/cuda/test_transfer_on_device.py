@@ -20,6 +20,7 @@ from pipeline.capacity import MemoryPlan
 from pipeline.hisparse.coordinator import HiSparseCoordinator
 from pipeline.hisparse.transfer import TransferHandle, TransferStream, make_transfer_stream
 from pipeline.memory.host_pool import host_zeros, pins_for, to_device
+from pipeline.memory.resident import ResidentMemory
 from pipeline.memory.step_inputs import to_device as step_to_device
 
 pytestmark = pytest.mark.cuda
@@ -180,6 +181,50 @@ def test_a_steps_inputs_reach_the_device_without_a_cpu_wait(device):
     for row in decoding:
         coord.release(row)
     coord.close()
+
+
+def test_an_all_resident_requests_inputs_reach_the_device_without_a_cpu_wait(device):
+    """All-resident: a request's admission (its token-table row), its prefill targets and its decode
+    step's targets (a new page covered: the token-table row again), each issued behind a long device
+    sleep, return while the device still sleeps; the values land after it."""
+    _cuda_only(device)
+    mem = _resident(device)
+    step_to_device(device, [1, 2], [3])  # (the pinned-block cache warmed)
+
+    def issued_behind_a_sleep(what: str, fn):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        out = fn()
+        after = torch.cuda.Event()
+        after.record()
+        assert not after.query(), f"{what} waited for the device"
+        after.synchronize()
+        return out
+
+    row = issued_behind_a_sleep("admit", lambda: mem.admit(12))
+    targets = issued_behind_a_sleep("prefill_targets", lambda: mem.prefill_targets(row, 0, 12))
+    assert targets.locs.device.type == "cuda"
+    assert targets.locs.tolist() == mem.store.req_to_token[row, :12].tolist()
+    mem.commit_prefill(row, 0, 12, final=True)
+    mem.start_staging(row, 12)
+    assert mem.collect_ready() == [row]
+    step = issued_behind_a_sleep("prepare_decode", lambda: mem.prepare_decode([row]))
+    assert step.slots.tolist() == mem.store.req_to_token[row, 12:13].tolist()
+    mem.commit_decode([row], step.slots)
+    mem.release(row)
+    assert mem.free_counts() == _initial_counts(device)
+
+
+def _resident(device) -> ResidentMemory:
+    plan = MemoryPlan(
+        page_size=4, hot=0, buffer_columns=0, top_k=4, device_tokens=64, logical_tokens=64,
+        host_tokens=0, max_context_len=24, max_running_requests=2, draft_tokens=0, hisparse=False,
+        prefill_chunk=24, prefix_cache=False,
+    )
+    return ResidentMemory(plan=plan, num_layers=1, num_mtp_layers=0, row_dim=2, index_dim=2, device=device)
+
+
+def _initial_counts(device) -> dict[str, int]:
+    return _resident(device).free_counts()
 
 
 def test_pinned_host_memory_is_addressed_by_the_kernel(device):
