@@ -20,6 +20,7 @@ from pipeline.hisparse.trace import TopKTrace
 from pipeline.memory.interface import KVMemory
 from pipeline.memory.mixed import MixedBackend
 from pipeline.memory.step_inputs import to_device
+from pipeline.memory.targets import WriteTargets
 from pipeline.model import DeepseekV32
 from pipeline.model.attention_api import AttentionBackend
 from pipeline.sampling import checked_picks
@@ -77,6 +78,10 @@ class Forwards:
         replayed from a graph where one was captured): the same results as the eager step."""
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
+        if not graphs.covers(row_list):  # its room demoted a row of a FULL batch: both layouts now
+            batch = self.decode_batch(seqs, targets)
+            hidden = self.model(batch.ids, batch.positions, batch.backend)
+            return self.decode_outputs(seqs, targets.slots, hidden)
         positions = [self.memory.length(r) for r in row_list]
         ids = [s.next_token for s in seqs]
         hidden = graphs.forward(row_list, positions, ids, targets.locs, targets.slots)  # [B, D]
@@ -131,9 +136,12 @@ class Forwards:
             at += n
         return out
 
-    def decode_batch(self, seqs: list[Sequence]) -> Batch:
+    def decode_batch(self, seqs: list[Sequence], targets: WriteTargets | None = None) -> Batch:
+        """A decode step's batch; ``targets``: where its rows are written, when ``prepare_decode`` ran
+        already."""
         row_list = [s.row for s in seqs]
-        targets = self.memory.prepare_decode(row_list)
+        if targets is None:
+            targets = self.memory.prepare_decode(row_list)
         positions_list = [self.memory.length(r) for r in row_list]
         # one asynchronous copy from a pinned block on CUDA (``pipeline/memory/step_inputs.py``)
         rows, positions, ids = to_device(self.device, row_list, positions_list, [s.next_token for s in seqs])

@@ -19,16 +19,19 @@ HiSparse memory is not padded: a padding token of request a would run a second s
 in the same call (the kernel takes each row once), so its buckets are the exact batch sizes up to
 the largest bucket, and its buffers hold one more column, ``slots`` (the device slot of each
 token's MLA row, which ``prepare_decode`` chose: an identity or newest column of the row's hot
-buffer). A batch with a FULL row (dynamic residency) runs eagerly. Inside the forward the step's
-swap-in makes one call a layer (``HOT >= top_k``: one call resolves a decode step) and adds its
-counts on the device (``LayerCounters``); a replay runs no Python, so after it the counters are
-told (``replayed``), and the warm-up steps' counts are taken back (``snapshot`` / ``restore``).
+buffer). Dynamic residency: a batch whose rows are all FULL has buckets of its own, whose buffers
+hold one more, ``pages`` (the rows' device pages in position order, copied from the coordinator's
+page table before each step: every token reads its top-k through them, no swap-in); a batch of both
+layouts runs eagerly. Inside a HOT batch's forward the step's swap-in makes one call a layer
+(``HOT >= top_k``: one call resolves a decode step) and adds its counts on the device
+(``LayerCounters``); a replay runs no Python, so after it the counters are told (``replayed``), and
+the warm-up steps' counts are taken back (``snapshot`` / ``restore``).
 
 ``CaptureAudit`` lists every op in a call that a graph cannot record (a read back to the host, an
 output whose size depends on values, a copy between host and device), with where it was called;
 ``DecodeGraphs`` captures a bucket only when the audit of its first warm-up step is clean, and runs
-every other step eagerly: a traced step, a batch above the largest bucket, a HiSparse batch with a
-FULL row. On a CPU nothing is captured, but the fixed-size inputs run the same way,
+every other step eagerly: a traced step, a batch above the largest bucket, a HiSparse batch of both
+layouts. On a CPU nothing is captured, but the fixed-size inputs run the same way,
 so their results are checked there.
 """
 
@@ -323,11 +326,29 @@ def static_moe(model: DeepseekV32) -> Iterator[None]:
 class _Bucket:
     inputs: StaticDecodeInputs
     backend: PaddedResidentBackend | None  # all-resident (HiSparse: one backend per step)
+    # HiSparse, every row FULL: ``[rows, pages]`` int64 device, each FULL row's pages in position
+    # order, -1 beyond them (``fill_pages``); None for a bucket of HOT rows
+    pages: Tensor | None = None
+    _table: Tensor | None = None  # the coordinator's table the buffer holds now
     graph: Any = None  # torch.cuda.CUDAGraph once captured
     hidden: Tensor | None = None  # [size, D] the graph's output buffer
     # HiSparse: the unrecoverable-miss checks the recorded swap-ins registered, over the graph's own
     # tensors (``LayerCounters.replayed`` takes them after each replay)
     checks: list[tuple[int, Callable[[], None]]] = attrs.field(factory=list)
+
+    def fill_pages(self, memory: HiSparseCoordinator) -> None:
+        """Copy the coordinator's page table of the FULL rows into ``pages`` (on the device, with no
+        CPU wait; only when the table changed: it is the same tensor until a FULL row's pages do)."""
+        assert self.pages is not None
+        table = memory.full_page_table()
+        if table is self._table:
+            return
+        width = table.shape[1]
+        if table.shape[0] != self.pages.shape[0] or width > self.pages.shape[1]:
+            raise ValueError(f"a page table of {tuple(table.shape)} does not fit {tuple(self.pages.shape)}")
+        self.pages[:, :width].copy_(table)
+        self.pages[:, width:].fill_(-1)
+        self._table = table
 
 
 @attrs.define(eq=False)
@@ -336,16 +357,17 @@ class DecodeGraphs:
     per batch size (HiSparse), replayed from CUDA graphs where ``capture`` (CUDA) and the bucket's
     audit allow.
 
-    Not covered, so run eagerly by the caller: a batch above the largest bucket, a traced step
-    (``TopKTrace`` reads the top-k per layer), a HiSparse batch with a FULL row (dynamic residency:
-    its slots come from a page table built per forward)."""
+    A HiSparse batch whose rows are all FULL (dynamic residency) has buckets of its own (one per
+    batch size, labelled ``"<size> FULL"``), reading its slots through a fixed-size copy of the page
+    table. Not covered, so run eagerly by the caller: a batch above the largest bucket, a traced step
+    (``TopKTrace`` reads the top-k per layer), a HiSparse batch of both layouts."""
 
     model: DeepseekV32
     memory: ResidentMemory | HiSparseCoordinator
     buckets: tuple[int, ...] = BUCKETS
     capture: bool = attrs.field(default=None)  # None: on CUDA
-    refused: dict[int, str] = attrs.field(factory=dict)  # bucket -> why it runs eagerly
-    _buckets: dict[int, _Bucket] = attrs.field(factory=dict, init=False)
+    refused: dict[str, str] = attrs.field(factory=dict)  # bucket (``label``) -> why it runs eagerly
+    _buckets: dict[tuple[int, bool], _Bucket] = attrs.field(factory=dict, init=False)  # (size, FULL)
     _pool: Any = attrs.field(default=None, init=False)  # the graphs' private memory pool
 
     def __attrs_post_init__(self) -> None:
@@ -364,10 +386,16 @@ class DecodeGraphs:
         if not rows or bucket_for(len(rows), self.buckets) is None:
             return False
         memory = self.memory
-        return isinstance(memory, ResidentMemory) or all(memory.layout(r) is Layout.HOT for r in rows)
+        return isinstance(memory, ResidentMemory) or len({memory.layout(r) for r in rows}) == 1
 
-    def captured(self) -> list[int]:
-        return sorted(b for b, step in self._buckets.items() if step.graph is not None)
+    def captured(self) -> list[str]:
+        """The labels of the buckets replayed from a graph, smallest first."""
+        return [label(*key) for key in sorted(self._buckets) if self._buckets[key].graph is not None]
+
+    def _full(self, rows: list[int]) -> bool:
+        """Whether a covered batch is one of FULL rows (HiSparse with dynamic residency)."""
+        memory = self.memory
+        return isinstance(memory, HiSparseCoordinator) and memory.layout(rows[0]) is Layout.FULL
 
     def forward(
         self, rows: list[int], positions: list[int], ids: list[int], locs: Tensor, slots: Tensor
@@ -379,10 +407,14 @@ class DecodeGraphs:
             raise ValueError(f"a batch of {len(rows)} rows is not covered (buckets {self.buckets})")
         size = bucket_for(len(rows), self.buckets) if self.padded else len(rows)
         assert size is not None
-        step = self._bucket(size)
+        full = self._full(rows)
+        step = self._bucket(size, full)
         step.inputs.fill(rows, positions, ids, locs, None if self.padded else slots)
-        if self.capture and step.graph is None and size not in self.refused:
-            return self._capture(size, step)[: len(rows)]
+        if full:
+            assert isinstance(self.memory, HiSparseCoordinator)
+            step.fill_pages(self.memory)
+        if self.capture and step.graph is None and label(size, full) not in self.refused:
+            return self._capture(label(size, full), step)[: len(rows)]
         if step.graph is not None:
             step.graph.replay()
             if isinstance(self.memory, HiSparseCoordinator):
@@ -391,18 +423,23 @@ class DecodeGraphs:
             return step.hidden[: len(rows)].clone()
         return self._body(step)[: len(rows)]
 
-    def _bucket(self, size: int) -> _Bucket:
-        step = self._buckets.get(size)
+    def _bucket(self, size: int, full: bool) -> _Bucket:
+        step = self._buckets.get((size, full))
         if step is None:
             memory = self.memory
             inputs = StaticDecodeInputs.allocate(size, memory.device)
-            backend = None
+            backend, pages = None, None
             if isinstance(memory, ResidentMemory):
                 table = memory.store.req_to_token
                 backend = PaddedResidentBackend(
                     memory.store, table_locs=inputs.table_locs, max_seq_len=table.shape[1]
                 )
-            step = self._buckets[size] = _Bucket(inputs, backend)
+            elif full:  # as wide as the longest request's pages
+                plan = memory.plan
+                width = -(-plan.max_request_len // plan.page_size)
+                rows = plan.max_running_requests
+                pages = torch.full((rows, width), -1, dtype=torch.int64, device=memory.device)
+            step = self._buckets[(size, full)] = _Bucket(inputs, backend, pages)
         return step
 
     def _body(self, step: _Bucket) -> Tensor:
@@ -414,10 +451,13 @@ class DecodeGraphs:
             return self.model(inputs.ids, inputs.positions, step.backend)
         backend = memory.backend(inputs.rows, inputs.positions, inputs.locs, inputs.slots, steps=1)
         backend.max_seq_len = memory.req_to_token_device.shape[1]
-        backend.all_hot = True  # (``covers``)
+        if step.pages is None:
+            backend.all_hot = True  # (``covers``)
+        else:  # every row FULL: its slots through the bucket's copy of the page table
+            backend.all_full, backend.page_table = True, step.pages
         return self.model(inputs.ids, inputs.positions, backend)
 
-    def _capture(self, size: int, step: _Bucket) -> Tensor:
+    def _capture(self, name: str, step: _Bucket) -> Tensor:
         """Run the step on a side stream (audited), warm up, then record it, as ``torch.cuda.graphs``
         asks; returns the step's hidden states (the first run's: this step is not replayed). Each
         warm-up writes what the step itself writes. A bucket whose audit finds anything, or whose
@@ -442,7 +482,7 @@ class DecodeGraphs:
             hidden.record_stream(torch.cuda.current_stream())
             if findings:
                 first = findings[0]
-                self._refuse(size, f"{len(findings)} uncapturable ops, first {first.op} at {first.site}")
+                self._refuse(name, f"{len(findings)} uncapturable ops, first {first.op} at {first.site}")
                 return hidden
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -452,16 +492,21 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=self._pool):
                     recorded = self._body(step)
             except Exception as exc:  # the capture is abandoned; eager steps still run
-                self._refuse(size, f"{type(exc).__name__}: {exc}")
+                self._refuse(name, f"{type(exc).__name__}: {exc}")
                 return hidden
             finally:
                 if counters is not None and recording is not None:
                     # recorded, not run: each replay counts its own (``replayed``), with these checks
                     step.checks = counters.restore(recording)
         step.graph, step.hidden = graph, recorded
-        log.info("graphs.captured", bucket=size)
+        log.info("graphs.captured", bucket=name)
         return hidden
 
-    def _refuse(self, size: int, why: str) -> None:
-        self.refused[size] = why
-        log.warning("graphs.eager", bucket=size, reason=why)
+    def _refuse(self, name: str, why: str) -> None:
+        self.refused[name] = why
+        log.warning("graphs.eager", bucket=name, reason=why)
+
+
+def label(size: int, full: bool = False) -> str:
+    """A bucket's name: its size, and ``FULL`` for a batch of FULL rows."""
+    return f"{size} FULL" if full else str(size)

@@ -397,8 +397,9 @@ def graph_run(executor, graphs, prompts: list[list[int]], new_tokens: int, tag: 
 
 def decode_graphs(p: Profile, model, device: torch.device, seed: int) -> dict[str, Any]:
     """Plain decode captured (``pipeline/graphs.py``) for batches of 1, 2 and 3, all-resident (buckets
-    1, 2 and 4, 3 padded) and HiSparse (one graph per batch size), each replayed beside the eager step
-    on the same executor settings: equal tokens, equal swap-in misses, and decode tokens/s of each."""
+    1, 2 and 4, 3 padded), HiSparse (one graph per batch size) and dynamic residency with room for
+    all (the FULL rows' buckets), each replayed beside the eager step on the same executor settings:
+    equal tokens, equal swap-in misses, and decode tokens/s of each."""
     if device.type != "cuda":
         return {"skipped": "no CUDA"}
     from pipeline.executor import Executor
@@ -412,7 +413,13 @@ def decode_graphs(p: Profile, model, device: torch.device, seed: int) -> dict[st
     prompts = [torch.randint(0, 1000, (context - p.new_tokens,), generator=gen).tolist()
                for _ in range(max(GRAPH_BATCHES))]
     out: dict[str, Any] = {"context": context, "new_tokens": p.new_tokens, "memories": {}}
-    for name, base in decode_configs(p, device).items():
+    configs = decode_configs(p, device)
+    hisparse = configs["hisparse"].hisparse
+    assert hisparse is not None
+    # dynamic residency with room for every request: their rows FULL, the FULL rows' buckets
+    dynamic = attrs.evolve(hisparse, residency="dynamic")
+    configs["dynamic"] = attrs.evolve(configs["hisparse"], hisparse=dynamic)
+    for name, base in configs.items():
         cfg = attrs.evolve(base, max_context_len=context + p.page, max_running_requests=max(GRAPH_BATCHES),
                            device_pool_tokens=pool)
         eager, captured = Executor(cfg, model=model), Executor(cfg, model=model)
@@ -699,7 +706,7 @@ def benchmark(p: Profile, device: torch.device, budget: Budget, seed: int) -> di
     out["swap_in"] = budget.run("swap-in", 30 if cuda else 5, lambda: swap_in_bandwidth(p, model.cfg, device))
     out["decode"] = decode = budget.run("decode", 60 if cuda else 10,
                                         lambda: decode_ratio(p, model, device, budget, seed))
-    out["graphs"] = budget.run("decode graphs", 80 if cuda else 0,
+    out["graphs"] = budget.run("decode graphs", 100 if cuda else 0,
                                lambda: decode_graphs(p, model, device, seed))
     prefill = decode["prefill_s_per_request"] if decode is not None else None
     out["budget"] = budget.run("budget", 40 if cuda else 8,

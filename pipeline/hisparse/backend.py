@@ -154,6 +154,12 @@ class HiSparseBackend:
     # the caller knows every row of the batch is HOT (the fixed-size inputs): no FULL rows to look
     # for, even while other rows of the memory are FULL (which ``_full`` would read from the host)
     all_hot: bool = False
+    # the caller knows every row of the batch is FULL (dynamic residency, the fixed-size inputs): no
+    # mask to build, no swap-in, every token through ``page_table``
+    all_full: bool = False
+    # ``[rows, pages]`` the FULL rows' pages in a buffer of fixed size the caller fills
+    # (``pipeline/graphs.py``); None: the coordinator's ``full_page_table``
+    page_table: torch.Tensor | None = None
     # prefill: per request of the batch, (first token, end token, chunk start, spare chunk rows);
     # the same for every layer of the forward, so found once
     _chunks: list[tuple[int, int, int, torch.Tensor | None]] | None = attrs.field(default=None, init=False)
@@ -254,7 +260,10 @@ class HiSparseBackend:
     def _full(self) -> torch.Tensor | None:
         """``[T]`` bool: the tokens whose request row is FULL; None when none is (once per forward)."""
         if self._full_mask is False:
-            self._full_mask = None if self.all_hot else self.coord.full_tokens(self.req_rows)
+            if self.all_full:
+                self._full_mask = torch.ones(self.req_rows.shape[0], dtype=torch.bool)
+            else:
+                self._full_mask = None if self.all_hot else self.coord.full_tokens(self.req_rows)
         return self._full_mask
 
     def _paged_slots(self, top: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,7 +279,7 @@ class HiSparseBackend:
     def _page_table(self) -> torch.Tensor:
         """``[rows, pages]`` the FULL rows' device pages (``full_page_table``), once per forward."""
         if self._pages is None:
-            self._pages = self.coord.full_page_table()
+            self._pages = self.page_table if self.page_table is not None else self.coord.full_page_table()
         return self._pages
 
     def _attend_compiled(self, inputs: AttentionInputs, layer: int) -> torch.Tensor:
@@ -367,6 +376,10 @@ class HiSparseBackend:
     def _attend_prefill(
         self, inputs: AttentionInputs, layer: int, kv: torch.Tensor, top: torch.Tensor
     ) -> torch.Tensor:
+        full = self._full()
+        if full is not None and bool(full.all()):  # every row FULL: each position through its pages
+            slots = self._paged_slots(top)  # (a chunk's own positions too: their slots were bound so)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, slots, inputs.attn_scale, check=False)
         locs = self.coord.req_to_token_device[self.req_rows[:, None], top.long().clamp(min=0)]
         dense = torch.where(top >= 0, self.coord.alloc.lookup(locs.cpu()).to(locs.device), -1)
         starts = self.chunk_starts
@@ -374,7 +387,6 @@ class HiSparseBackend:
             return sparse_mla(inputs.q_latent, inputs.q_rope, kv, dense, inputs.attn_scale, check=False)
         out = torch.empty_like(inputs.q_latent)
         own = (top < 0) | (top.long() >= starts[:, None])  # -1 padding or a position of the chunk
-        full = self._full()
         for a, b, start, scratch in self._prefill_chunks(starts):
             if full is not None and bool(full[a]):  # every position has its slot
                 slots = self._paged_slots(top[a:b], torch.arange(a, b, device=top.device))
@@ -418,6 +430,9 @@ class HiSparseBackend:
         top: torch.Tensor,
         first: SwapInResult | None = None,
     ) -> torch.Tensor:
+        if self.all_full:  # (nothing read back: the batch's layout is known)
+            return sparse_mla(inputs.q_latent, inputs.q_rope, kv, self._paged_slots(top), inputs.attn_scale,
+                              check=False)
         full = self._full()
         if full is None:
             return self._attend_hot(inputs, layer, kv, top, None, first)

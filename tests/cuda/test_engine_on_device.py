@@ -172,22 +172,31 @@ def test_shared_layers_prefetch_their_swap_ins_on_a_load_stream(device, num_step
     assert [list(r.output_ids) for r in reqs] == resident.outputs
 
 
-@pytest.mark.parametrize("hisparse", [False, True], ids=["resident", "hisparse"])
-def test_decode_graphs_replay_the_eager_tokens(device, hisparse):
+@pytest.mark.parametrize("memory", ["resident", "hisparse", "dynamic"])
+def test_decode_graphs_replay_the_eager_tokens(device, memory):
     """``cuda_graphs``: plain decode steps captured (all-resident: padded buckets; HiSparse: one graph
-    per batch size, its swap-in inside) and replayed give the eager tokens, and HiSparse counts
-    each step's swap-ins once (the capture's warm-up runs are taken back)."""
+    per batch size, its swap-in inside; dynamic residency with room for all: the FULL rows' buckets,
+    their slots through the page table's copy) and replayed give the eager tokens, and HiSparse
+    counts each step's swap-ins once (the capture's warm-up runs are taken back)."""
     model = model_for(TINY, torch.float32, device)
     batch = prompts_of(TINY)
-    eager = serve(model, config(TINY, device, hisparse=hisparse, num_steps=None), batch, TINY.new_tokens)
-    cfg = config(TINY, device, hisparse=hisparse, num_steps=None, cuda_graphs=True)
-    executor = Executor(cfg, model=model)
+
+    def cfg(**extra) -> EngineConfig:
+        base = config(TINY, device, hisparse=memory != "resident", num_steps=None, **extra)
+        if memory != "dynamic":
+            return base
+        assert base.hisparse is not None
+        return attrs.evolve(base, hisparse=attrs.evolve(base.hisparse, residency="dynamic"))
+
+    eager = serve(model, cfg(), batch, TINY.new_tokens)
+    executor = Executor(cfg(cuda_graphs=True), model=model)
     initial = executor.pool_counts()
     reqs = SyncDriver(executor, check=True).generate(
         batch, SamplingParams(max_new_tokens=TINY.new_tokens, ignore_eos=True)
     )
     graphs = executor.graphs
-    assert graphs is not None and graphs.refused == {} and graphs.captured() == [len(batch)]
+    bucket = f"{len(batch)} FULL" if memory == "dynamic" else str(len(batch))
+    assert graphs is not None and graphs.refused == {} and graphs.captured() == [bucket]
     counters = executor.memory.counters_dict()
     assert executor.pool_counts() == initial
     executor.close()

@@ -36,6 +36,8 @@ from pipeline.graphs import (
     classify,
     static_moe,
 )
+from pipeline.hisparse.coordinator import HiSparseCoordinator
+from pipeline.memory.interface import Layout
 from pipeline.model import fused
 from pipeline.sampling import SamplingParams
 
@@ -44,6 +46,7 @@ from tiny_models import build_tiny_model
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cuda.md"
 LENGTHS = [9, 14, 20, 11, 17]  # prompts
 NEW_TOKENS = [2, 4, 6, 8, 10]  # so the batch shrinks 5, 4, 3, 2, 1: buckets 8 (padded), 4, 4 (padded), 2, 1
+POOL_FOR_A_MIX = 64  # device tokens: dynamic residency keeps some of the five requests FULL, not all
 
 
 @attrs.define(eq=False)
@@ -76,15 +79,15 @@ class Recorded(DecodeGraphs):
 
 
 def run(model, buckets: tuple[int, ...] | None = None, audit_size: int = 0, *, cfg=None, counters=None,
-        kernels=contextlib.nullcontext):
+        kernels=contextlib.nullcontext, graphs_type=None):
     """Greedy outputs of the engine (all-resident unless ``cfg``), and (with ``buckets``) its decode
     steps through ``Recorded`` graphs of those buckets, which it returns too; ``counters``: a dict
     the HiSparse transfer counters are written to."""
     executor = Executor(cfg or config(hisparse=False, max_running_requests=8), model=model)
     graphs = None
     if buckets is not None:
-        graphs = Recorded(executor.model, executor.memory, buckets=buckets, audit_size=audit_size,
-                          kernels=kernels)
+        graphs = (graphs_type or Recorded)(executor.model, executor.memory, buckets=buckets,
+                                           audit_size=audit_size, kernels=kernels)
         plain = executor._forwards
         executor._forwards = lambda: attrs.evolve(plain(), graphs=graphs)
     driver = SyncDriver(executor)
@@ -155,15 +158,71 @@ def test_hisparse_static_inputs_decode_the_eager_tokens_at_exact_sizes(tiny_mode
     static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=hisparse(), counters=static_counts)
     assert static == eager
     assert sorted(set(graphs.sizes)) == [1, 2, 3, 4, 5]
-    assert sorted(graphs._buckets) == [1, 2, 3, 4, 5]  # (no padding)
+    assert sorted(graphs._buckets) == [(n, False) for n in range(1, 6)]  # (no padding, no FULL row)
     assert static_counts == eager_counts and sum(eager_counts["misses"]) > 0  # (swap-ins that load)
 
 
-def test_a_batch_with_a_full_row_runs_eagerly(tiny_model):
-    """Dynamic residency with room for every request: every row is FULL, so no step is covered."""
+def test_a_batch_of_full_rows_decodes_through_buckets_of_its_own(tiny_model):
+    """Dynamic residency with room for every request: every row is FULL, so every step goes through
+    the FULL buckets (one per batch size, the slots through a fixed-size copy of the page table),
+    with the eager tokens and no swap-in."""
+    eager_counts: dict = {}
+    static_counts: dict = {}
+    eager, _ = run(tiny_model, cfg=hisparse("dynamic"), counters=eager_counts)
+    static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=hisparse("dynamic"), counters=static_counts)
+    assert static == eager
+    assert sorted(set(graphs.sizes)) == [1, 2, 3, 4, 5]
+    assert sorted(graphs._buckets) == [(n, True) for n in range(1, 6)]
+    assert static_counts == eager_counts and sum(eager_counts["misses"]) == 0
+
+
+def test_a_batch_of_both_layouts_runs_eagerly(tiny_model, monkeypatch):
+    """Dynamic residency short of room: some rows are demoted (HOT) while others stay FULL. A batch
+    of both (as its step's room left it: a demotion may make one) runs eagerly, a batch of one
+    layout through that layout's buckets; the tokens are the eager engine's either way."""
+    cfg = attrs.evolve(hisparse("dynamic"), device_pool_tokens=POOL_FOR_A_MIX, max_context_len=48)
+    eager, _ = run(tiny_model, cfg=cfg)
+    steps: list[tuple[int, int]] = []  # (batch size, FULL rows) of each decode forward, after its room
+    make_backend = HiSparseCoordinator.backend
+
+    def backend(coord, rows, *args, **kwargs):
+        made = make_backend(coord, rows, *args, **kwargs)
+        if kwargs.get("steps") == 1:
+            full = [coord.layout(r) is Layout.FULL for r in rows.tolist()]
+            steps.append((len(full), sum(full)))
+        return made
+
+    monkeypatch.setattr(HiSparseCoordinator, "backend", backend)
+    static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=cfg)
+    assert static == eager
+    mixed = [(n, full) for n, full in steps if 0 < full < n]
+    assert mixed, f"no step mixed the layouts: {steps}"
+    assert any(full == 0 for _, full in steps), "no step of HOT rows only"
+    assert len(graphs.sizes) <= len(steps) - len(mixed)  # (none of them went through a bucket)
+    assert {full for _, full in graphs._buckets} == {False, True}  # HOT batches' buckets and FULL ones'
+
+
+def test_a_full_batch_its_room_turns_into_both_layouts_runs_eagerly(tiny_model, monkeypatch):
+    """A step of FULL rows only is covered, but its room (``prepare_decode``) may demote one of them
+    (dynamic residency under pressure): that step runs eagerly, with the targets already prepared,
+    and gives the eager engine's tokens."""
+    prepare = HiSparseCoordinator.prepare_decode
+    calls = []
+
+    def demoting(coord, rows):
+        calls.append(len(rows))
+        if len(calls) == 3:  # (as a step's room might: the first row of a batch of FULL rows)
+            assert all(coord.layout(r) is Layout.FULL for r in rows)
+            coord.demote(rows[0])
+        return prepare(coord, rows)
+
+    monkeypatch.setattr(HiSparseCoordinator, "prepare_decode", demoting)
     eager, _ = run(tiny_model, cfg=hisparse("dynamic"))
+    calls.clear()
     static, graphs = run(tiny_model, buckets=(1, 2, 4, 8), cfg=hisparse("dynamic"))
-    assert static == eager and graphs.sizes == []
+    assert static == eager
+    assert len(graphs.sizes) < len(calls)  # the step whose room demoted a row ran eagerly (and others)
+    assert (5, True) in graphs._buckets  # (the steps before it went through the FULL rows' bucket)
 
 
 TRITON_KERNELS = [
@@ -226,18 +285,22 @@ def cuda_kernels(monkeypatch):
 
 
 @pytest.mark.interpreter
-def test_a_hisparse_decode_step_on_the_cuda_kernels_audits_clean(cuda_kernels):
+@pytest.mark.parametrize("residency", ["always", "dynamic"])
+def test_a_hisparse_decode_step_on_the_cuda_kernels_audits_clean(cuda_kernels, residency):
     """What a capture records of a HiSparse decode step, with the kernels CUDA runs (float32, so
     that every one fits Triton), reads nothing back and has no data-dependent shape: the indexer
     scores a fixed width, the swap-in is one call a layer whose counts stay on the device, the MoE
-    takes its fixed-shape path (``static_moe``)."""
+    takes its fixed-shape path (``static_moe``). Dynamic residency with room for all: a step of
+    FULL rows, which reads its slots through the bucket's page table and swaps nothing in."""
     model = build_tiny_model(torch.float32)
     with static_moe(model):
-        _, graphs = run(model, buckets=(1, 2, 4, 8), audit_size=3, cfg=hisparse(dtype="float32"),
-                        kernels=cuda_kernels)
+        _, graphs = run(model, buckets=(1, 2, 4, 8), audit_size=3,
+                        cfg=hisparse(residency, dtype="float32"), kernels=cuda_kernels)
     assert graphs.audited
-    assert sorted(set(cuda_kernels.launched)) == sorted(name for _, name in TRITON_KERNELS)
-    assert cuda_kernels.launched.count("swap_in_triton") == model.cfg.num_hidden_layers  # one call a layer
+    swap_ins = model.cfg.num_hidden_layers if residency == "always" else 0  # (one call a layer)
+    want = {name for _, name in TRITON_KERNELS if swap_ins or name != "swap_in_triton"}
+    assert set(cuda_kernels.launched) == want
+    assert cuda_kernels.launched.count("swap_in_triton") == swap_ins
     assert [(f.op, f.site) for f in graphs.findings] == []
 
 
