@@ -21,10 +21,10 @@ import triton
 import triton.language as tl
 
 from kernels.checks import next_power_of_2
-from kernels.moe_static import add_in_expert_order, align_by_expert
+from kernels.moe_static import TRITON_DTYPES, add_in_expert_order, align_by_expert
 from kernels.triton_util import dot_dtype
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = TRITON_DTYPES
 # the alignment block: tl.dot needs every tile side >= 16
 BLOCK = 16
 

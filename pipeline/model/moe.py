@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.moe_static import routed_experts_static
+from kernels.moe_static import routed_experts_fixed
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -64,10 +64,10 @@ class RoutedExperts(nn.Module):
     """``E`` SwiGLU experts in two fused tensors.
 
     ``static_shapes`` (off by default; a plain attribute, so it can be switched on a built model)
-    selects ``kernels.moe_static.routed_experts_static``: the same sum with every tensor shape fixed
-    by ``(N, k, E)`` and no host read of the routing, which a CUDA graph capture needs, at the cost
-    of padded matmuls and gathered weight copies (its docstring). Off, the forward loops over the
-    experts the routing uses, reading them on the host."""
+    selects ``kernels.moe_static.routed_experts_fixed``: the same sum with every tensor shape fixed
+    by ``(N, k, E)`` and no host read of the routing, which a CUDA graph capture needs (on CUDA the
+    Triton grouped GEMM, elsewhere padded matmuls over gathered weight copies: its docstring). Off,
+    the forward loops over the experts the routing uses, reading them on the host."""
 
     def __init__(self, cfg: ModelConfig, *, static_shapes: bool = False) -> None:
         super().__init__()
@@ -82,7 +82,7 @@ class RoutedExperts(nn.Module):
         """``x [N, D]``, ``ids/weights [N, k]`` -> ``[N, D]``; accumulated in the activations'
         dtype, expert by expert (in expert order, whichever path)."""
         if self.static_shapes:
-            return routed_experts_static(x, ids, weights, self.gate_up_proj, self.down_proj)
+            return routed_experts_fixed(x, ids, weights, self.gate_up_proj, self.down_proj)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)  # [N * k]
         for expert in torch.unique(flat_ids).tolist():

@@ -9,12 +9,15 @@ only: over 300 random cases of up to 40 tokens, 12 experts, D 64 and I 48 the la
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from kernels import moe_static
 from kernels.moe_static import align_by_expert, max_padded, routed_experts_static
 from pipeline.model.moe import MoE, RoutedExperts
 
@@ -303,3 +306,44 @@ def test_a_model_moe_layer_gives_the_same_output_with_the_switch_on():
             got = moe(x)
             moe.experts.static_shapes = False
         torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+def test_the_fixed_path_takes_the_static_matmuls_off_cuda():
+    """``routed_experts_fixed`` (what ``static_shapes`` calls): on a CPU, ``"auto"`` is
+    ``routed_experts_static``, bit for bit; an explicit Triton call outside its dtypes is refused."""
+    x, ids, weights, gate_up, down = problem(8, 19, 7, 2, 24, 12, "spread", torch.float64)
+    got = moe_static.routed_experts_fixed(x, ids, weights, gate_up, down)
+    assert torch.equal(got, routed_experts_static(x, ids, weights, gate_up, down))
+    assert not moe_static.triton_fits(x, gate_up, down)  # (float64)
+    assert moe_static.triton_fits(x.float(), gate_up.float(), down.float())
+    assert not moe_static.triton_fits(x.float(), gate_up.float(), down.float().transpose(1, 2))
+
+
+@pytest.mark.interpreter
+def test_the_fixed_path_on_cuda_is_the_triton_kernel_and_captures(monkeypatch):
+    """As on CUDA (the implementation resolved as there, Triton in the interpreter): a model's
+    routed experts with ``static_shapes`` on run the grouped-GEMM kernel, agree with the module loop,
+    and what a graph would record of the call reads nothing back and has no data-dependent shape."""
+    pytest.importorskip("kernels.moe_triton")
+    from pipeline.graphs import audit
+
+    launched: list[str] = []
+    monkeypatch.setattr(moe_static, "resolve_impl", lambda impl, tensors, triton_fits: "triton")
+    kernel = importlib.import_module("kernels.moe_triton")
+    run_kernel = kernel.routed_experts_triton
+    monkeypatch.setattr(kernel, "routed_experts_triton",
+                        lambda *a: launched.append("triton") or run_kernel(*a))
+    model = build_tiny_model(torch.float32)
+    experts = next(m.experts for m in model.modules() if isinstance(m, MoE))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, model.cfg.hidden_size, generator=gen)
+    ids = torch.randint(0, model.cfg.n_routed_experts, (5, model.cfg.num_experts_per_tok), generator=gen)
+    weights = torch.rand(ids.shape, generator=gen)
+    with torch.no_grad():
+        want = experts(x, ids, weights)  # the module loop
+        experts.static_shapes = True
+        out: list[torch.Tensor] = []
+        findings = audit(lambda: out.append(experts(x, ids, weights)))
+    assert launched == ["triton"]
+    assert findings == []
+    torch.testing.assert_close(out[0], want, rtol=1e-5, atol=1e-5)
