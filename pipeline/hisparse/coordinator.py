@@ -815,7 +815,8 @@ class HiSparseCoordinator:
             self._replace_newest(long_rows, long_positions)
         # one lookup and one bind for the whole step (the rows' locations are disjoint); the slots
         # are found on the host, from the rows' pages, so nothing is read back from the device
-        row_t, pos_t, host_slots = torch.tensor([rows, positions, slots], dtype=torch.int64)
+        table = torch.tensor([rows, positions, slots], dtype=torch.int64)
+        row_t, pos_t, host_slots = table[0], table[1], table[2]  # (cheaper than unpacking: unbind)
         locs = self.req_to_token[row_t, pos_t]
         self.alloc.bind(locs, host_slots)
         return WriteTargets(*to_device(self.device, locs, host_slots))  # (one asynchronous copy on CUDA)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -18,7 +19,11 @@ class LayerCounters:
     ``[layers, 4]`` tensor, and read back at the first read of any figure (``settle``): one
     device->host read per step instead of one per layer, and none inside the forward (the decode
     step's own read of its sampled tokens has waited for the device already). Its unrecoverable
-    check (``add_swap_in``'s ``on_unrecoverable``) runs then too."""
+    check (``add_swap_in``'s ``on_unrecoverable``) runs then too.
+
+    The per-layer lists are for reading: a figure changes through the ``add_*`` methods, each of which
+    counts a change (``_version``), and ``as_dict`` and ``totals`` are built again only after one (the
+    engine's statistics snapshot asks for them after every step)."""
 
     num_layers: int
     # keep swap-in counts on their device until read: None = wherever they are not on the CPU (where
@@ -39,6 +44,10 @@ class LayerCounters:
     # the unrecoverable checks of the deferred calls: (layer, check), run by ``settle`` for a layer
     # whose calls left any
     _checks: list[tuple[int, Callable[[], None]]] = attrs.field(factory=list, init=False)
+    _version: int = attrs.field(default=0, init=False)  # changes of any figure so far
+    # (version, value) of the last ``as_dict`` and ``totals``
+    _figures: tuple[int, dict[str, object]] | None = attrs.field(default=None, init=False)
+    _sums: tuple[int, Any] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._hits = [0] * self.num_layers
@@ -100,6 +109,7 @@ class LayerCounters:
             on_unrecoverable()
 
     def _add(self, layer: int, totals: Sequence[int]) -> None:
+        self._version += 1
         self._hits[layer] += int(totals[0])
         self._misses[layer] += int(totals[1])
         self._unrecoverable[layer] += int(totals[2])
@@ -156,12 +166,14 @@ class LayerCounters:
         """Rows a prefill brought to the device outside ``kernels.swap_in``: a chunk's grouped reads of
         earlier positions, a prefix-cache hit's identity columns. Counted apart from the decode and
         verify swap-in figures (which ``hispec replay`` reproduces)."""
+        self._version += 1
         self.prefill_hits[layer] += hits
         self.prefill_loads[layer] += loads
         self.prefill_h2d_bytes[layer] += h2d_bytes
 
     def add_backup(self, num_bytes_per_layer: int) -> None:
         """A device->host copy of the same tokens in every layer (staging and backups move all layers)."""
+        self._version += 1
         for layer in range(self.num_layers):
             self.d2h_bytes[layer] += num_bytes_per_layer
 
@@ -169,18 +181,25 @@ class LayerCounters:
         """All layers summed: (hits, misses, bytes) of the swap-ins, (hits, loads, bytes) of the
         prefills."""
         self.settle()
-        return (
-            (sum(self._hits), sum(self._misses), sum(self._h2d_bytes)),
-            (sum(self.prefill_hits), sum(self.prefill_loads), sum(self.prefill_h2d_bytes)),
-        )
+        if self._sums is None or self._sums[0] != self._version:
+            sums = (
+                (sum(self._hits), sum(self._misses), sum(self._h2d_bytes)),
+                (sum(self.prefill_hits), sum(self.prefill_loads), sum(self.prefill_h2d_bytes)),
+            )
+            self._sums = (self._version, sums)
+        return self._sums[1]
 
     def hit_rate(self, layer: int) -> float:
         self.settle()
         return _rate(self._hits[layer], self._misses[layer])
 
     def as_dict(self) -> dict[str, object]:
+        """Every figure, per layer: one dict, built again only after a change, so a caller must not
+        change it (``Engine.stats`` hands out copies)."""
         self.settle()  # (once: the lists below are the settled totals)
-        return {
+        if self._figures is not None and self._figures[0] == self._version:
+            return self._figures[1]
+        figures: dict[str, object] = {
             "hits": list(self._hits),
             "misses": list(self._misses),
             "unrecoverable": list(self._unrecoverable),
@@ -191,6 +210,8 @@ class LayerCounters:
             "prefill_h2d_bytes": list(self.prefill_h2d_bytes),
             "hit_rate": [round(_rate(h, m), 4) for h, m in zip(self._hits, self._misses)],
         }
+        self._figures = (self._version, figures)
+        return figures
 
 
 def _rate(hits: int, misses: int) -> float:

@@ -17,6 +17,7 @@ each stage closes its outbound end; the executor actor ends when the last stage 
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine
@@ -125,7 +126,7 @@ class Pipeline:
         uptime = time.monotonic() - registry.started
         tokens = registry.tokens_generated()
         finished = dict(registry.finished_by_reason)
-        snapshot = dict(self.actor.snapshot)
+        snapshot = copy.deepcopy(self.actor.snapshot)  # (its parts are shared with later snapshots)
         return {
             **snapshot,
             "requests": {

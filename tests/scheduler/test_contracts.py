@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from _engine_util import config
 
+from kernels.swap_in_result import SwapInResult
 from pipeline.distributed.executor import DistributedExecutor
 from pipeline.executor import Executor
 from pipeline.executor_interface import CommandExecutor
@@ -112,8 +114,12 @@ def test_hisparse_totals_sum_the_layer_counters(tiny_model):
     executor = Executor(config(), model=tiny_model)
     try:
         counters = executor.memory.counters
-        counters.hits[0], counters.misses[-1], counters.h2d_bytes[0] = 5, 2, 128
-        counters.prefill_hits[-1], counters.prefill_loads[0], counters.prefill_h2d_bytes[-1] = 4, 3, 192
+        assert executor.memory.transfer_totals() == TransferTotals((0, 0, 0), (0, 0, 0))
+        ones = torch.ones(1, 1, dtype=torch.int32)
+        for layer, (hits, misses, moved) in ((0, (5, 0, 128)), (-1, (0, 2, 0))):
+            counters.add_swap_in(layer, SwapInResult(ones, ones, 1, totals=(hits, misses, 0, moved)))
+        counters.add_prefill_loads(-1, 4, 0, 192)
+        counters.add_prefill_loads(0, 0, 3, 0)
         assert executor.memory.transfer_totals() == TransferTotals((5, 2, 128), (4, 3, 192))
     finally:
         executor.close()
