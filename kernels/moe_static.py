@@ -19,9 +19,9 @@ expert's run is padded to a multiple of ``block``; padding holds the sentinel ``
 ``routed_experts_static`` computes every block as one batched matmul against its expert's weights
 and puts each token's contributions back in expert order, so a token's sum is the module path's
 sum, term for term. ``ids`` must lie in ``[0, E)`` (the router's output does): nothing checks it,
-since a check is a host read. ``routed_experts_fixed`` is what the model calls: on CUDA the Triton
-grouped GEMM over the same layout (``kernels.moe_triton``, the weights read in place), elsewhere
-``routed_experts_static``.
+since a check is a host read. ``kernels.moe_fixed.routed_experts_fixed`` is what the model calls:
+on CUDA the Triton grouped GEMM over the same layout (``kernels.moe_triton``, the weights read in
+place), elsewhere ``routed_experts_static``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ import attrs
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-
-from kernels.checks import resolve_impl
 
 # the most expert-weight elements (gate_up and down together) one chunk of blocks gathers: bounds
 # the gathered copies' memory whatever the model's size
@@ -102,28 +100,6 @@ def default_block(num_slots: int, num_experts: int) -> int:
     weights grow beyond a small multiple of the module path's (see ``routed_experts_static``)."""
     per_expert = max(1, -(-num_slots // num_experts))
     return 1 << (per_expert - 1).bit_length()
-
-
-def triton_fits(x: Tensor, gate_up: Tensor, down: Tensor) -> bool:
-    """Whether ``kernels.moe_triton`` takes these activations and weights (its dtypes, one dtype for
-    all three, unit stride in the last dimension)."""
-    same = x.dtype in TRITON_DTYPES and gate_up.dtype == x.dtype and down.dtype == x.dtype
-    return same and all(t.stride(-1) == 1 for t in (x, gate_up, down))
-
-
-def routed_experts_fixed(
-    x: Tensor, ids: Tensor, weights: Tensor, gate_up: Tensor, down: Tensor, *, impl: str = "auto"
-) -> Tensor:
-    """``routed_experts_static``'s contract by the implementation ``impl`` picks (``"auto"``: the
-    Triton grouped GEMM, which reads the weights in place, where every tensor is on CUDA, Triton is
-    installed and ``triton_fits``; ``routed_experts_static`` otherwise). Neither reads the routing
-    back to the host."""
-    tensors = (x, ids, weights, gate_up, down)
-    if resolve_impl(impl, tensors, triton_fits=triton_fits(x, gate_up, down)) == "triton":
-        from kernels.moe_triton import routed_experts_triton  # (imports triton)
-
-        return routed_experts_triton(x, ids, weights, gate_up, down)
-    return routed_experts_static(x, ids, weights, gate_up, down)
 
 
 def routed_experts_static(

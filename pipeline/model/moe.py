@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kernels.moe_static import routed_experts_fixed
+from kernels.moe_fixed import routed_experts_fixed
 from pipeline.model.config import ModelConfig
 from pipeline.model.layers import DenseMLP, wide_dtype
 
@@ -64,7 +64,7 @@ class RoutedExperts(nn.Module):
     """``E`` SwiGLU experts in two fused tensors.
 
     ``static_shapes`` (off by default; a plain attribute, so it can be switched on a built model)
-    selects ``kernels.moe_static.routed_experts_fixed``: the same sum with every tensor shape fixed
+    selects ``kernels.moe_fixed.routed_experts_fixed``: the same sum with every tensor shape fixed
     by ``(N, k, E)`` and no host read of the routing, which a CUDA graph capture needs (on CUDA the
     Triton grouped GEMM, elsewhere padded matmuls over gathered weight copies: its docstring). Off,
     the forward loops over the experts the routing uses, reading them on the host."""

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernels import moe_static
+from kernels import moe_fixed
 from kernels.moe_static import align_by_expert, max_padded, routed_experts_static
 from pipeline.model.moe import MoE, RoutedExperts
 
@@ -312,11 +312,11 @@ def test_the_fixed_path_takes_the_static_matmuls_off_cuda():
     """``routed_experts_fixed`` (what ``static_shapes`` calls): on a CPU, ``"auto"`` is
     ``routed_experts_static``, bit for bit; an explicit Triton call outside its dtypes is refused."""
     x, ids, weights, gate_up, down = problem(8, 19, 7, 2, 24, 12, "spread", torch.float64)
-    got = moe_static.routed_experts_fixed(x, ids, weights, gate_up, down)
+    got = moe_fixed.routed_experts_fixed(x, ids, weights, gate_up, down)
     assert torch.equal(got, routed_experts_static(x, ids, weights, gate_up, down))
-    assert not moe_static.triton_fits(x, gate_up, down)  # (float64)
-    assert moe_static.triton_fits(x.float(), gate_up.float(), down.float())
-    assert not moe_static.triton_fits(x.float(), gate_up.float(), down.float().transpose(1, 2))
+    assert not moe_fixed.triton_fits(x, gate_up, down)  # (float64)
+    assert moe_fixed.triton_fits(x.float(), gate_up.float(), down.float())
+    assert not moe_fixed.triton_fits(x.float(), gate_up.float(), down.float().transpose(1, 2))
 
 
 @pytest.mark.interpreter
@@ -328,7 +328,7 @@ def test_the_fixed_path_on_cuda_is_the_triton_kernel_and_captures(monkeypatch):
     from pipeline.graphs import audit
 
     launched: list[str] = []
-    monkeypatch.setattr(moe_static, "resolve_impl", lambda impl, tensors, triton_fits: "triton")
+    monkeypatch.setattr(moe_fixed, "resolve_impl", lambda impl, tensors, triton_fits: "triton")
     kernel = importlib.import_module("kernels.moe_triton")
     run_kernel = kernel.routed_experts_triton
     monkeypatch.setattr(kernel, "routed_experts_triton",
