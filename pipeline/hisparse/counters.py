@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import attrs
 import torch
 
 from kernels.swap_in import SwapInResult
+from pipeline.memory.interface import Transfers
 
 
 @attrs.define(eq=False)
@@ -47,7 +47,7 @@ class LayerCounters:
     _version: int = attrs.field(default=0, init=False)  # changes of any figure so far
     # (version, value) of the last ``as_dict`` and ``totals``
     _figures: tuple[int, dict[str, object]] | None = attrs.field(default=None, init=False)
-    _sums: tuple[int, Any] | None = attrs.field(default=None, init=False)
+    _sums: tuple[int, tuple[Transfers, Transfers]] | None = attrs.field(default=None, init=False)
 
     def __attrs_post_init__(self) -> None:
         self._hits = [0] * self.num_layers
@@ -177,7 +177,7 @@ class LayerCounters:
         for layer in range(self.num_layers):
             self.d2h_bytes[layer] += num_bytes_per_layer
 
-    def totals(self) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    def totals(self) -> tuple[Transfers, Transfers]:
         """All layers summed: (hits, misses, bytes) of the swap-ins, (hits, loads, bytes) of the
         prefills."""
         self.settle()

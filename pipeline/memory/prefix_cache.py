@@ -74,7 +74,7 @@ class PrefixCache:
     pending_positions: int = 0  # positions whose MTP rows the entries hold as hidden states
     # entries some request shares (``refs > 0``), counted as references come and go: the figures a
     # step reports read it, never a walk over every entry
-    _referenced: int = 0
+    _referenced: int = attrs.field(default=0, init=False)
     _ids: itertools.count = attrs.field(factory=itertools.count)
     _clock: itertools.count = attrs.field(factory=lambda: itertools.count(1))
 
