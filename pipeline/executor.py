@@ -162,7 +162,7 @@ class Executor:
             return Outcome(None, NO_SWAPS, True, _reason(exc), time.perf_counter() - start)
         self._rebalance(changed)
         after = self.memory.transfer_totals()
-        swaps = _swaps_between(_summed(before), _summed(after))
+        swaps = NO_SWAPS if after is before else _swaps_between(_summed(before), _summed(after))
         outcome = Outcome(result, swaps, changed, None, time.perf_counter() - start)
         return self._with_residency(command, outcome)
 

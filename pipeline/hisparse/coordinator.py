@@ -166,6 +166,9 @@ class HiSparseCoordinator:
     _backup_failures: dict[int, str] = attrs.field(init=False, factory=dict)  # not yet reported
     _lost: set[int] = attrs.field(init=False, factory=set)  # rows whose KV lacks a host copy (doomed)
     _leaving: set[int] = attrs.field(init=False, factory=set)  # rows whose release a fault interrupted
+    _full: set[int] = attrs.field(init=False, factory=set)  # rows whose layout is FULL (``set_full``)
+    # ``transfer_totals``' last answer, by the counters' sums it was made of
+    _totals: tuple[object, TransferTotals] | None = attrs.field(init=False, default=None)
     # device pages lent to a prefill forward as swap-in workspace (``spare_chunk_rows``), by row; all
     # returned when the forward ends (``end_forward``)
     _lent: dict[int, list[int]] = attrs.field(init=False, factory=dict)
@@ -630,11 +633,15 @@ class HiSparseCoordinator:
         mem = self._mem[row]
         mem.layout = Layout.HOT if pages is None else Layout.FULL
         mem.full_pages = [] if pages is None else list(pages)
+        if pages is None:
+            self._full.discard(row)
+        else:
+            self._full.add(row)
         self.layouts.forget_table()
 
     def full_rows(self) -> list[int]:
         """The rows whose layout is FULL (live or being released), in row order."""
-        return sorted(row for row, mem in self._mem.items() if mem.layout is Layout.FULL)
+        return sorted(self._full)
 
     def shared_len(self, row: int) -> int:
         """Positions of ``row`` in pages it shares with the prefix cache (they map to no slot)."""
@@ -642,7 +649,7 @@ class HiSparseCoordinator:
 
     def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
         """``[T]`` bool (CPU): whether each of ``rows`` (request rows) is FULL; None when no row is."""
-        full = {row for row, mem in self._mem.items() if mem.layout is Layout.FULL}
+        full = self._full
         if not full:
             return None
         return torch.tensor([row in full for row in rows.tolist()], dtype=torch.bool)
@@ -796,12 +803,12 @@ class HiSparseCoordinator:
         """
         for row in rows:  # (all first: a row's room may demote another row of the batch)
             self.ensure_capacity(row, new_tokens=1, speculative=False)
-        page = self.plan.page_size
-        positions, slots, long_rows, long_positions = [], [], [], []
+        page, logical = self.plan.page_size, self.alloc.req_to_token
+        locs, slots, long_rows, long_positions = [], [], [], []
         for row in rows:
             mem = self._mem[row]
             pos = mem.length
-            positions.append(pos)
+            locs.append(logical.slot(row, pos))
             if mem.layout is Layout.FULL:  # (dynamic residency) its position's slot in its own pages
                 slots.append(page_slot(mem.full_pages, page, pos))
                 continue
@@ -813,13 +820,12 @@ class HiSparseCoordinator:
             slots.append(self.buffers.slot_of(row, col))
         if long_rows:  # their newest columns change hands, all at once
             self._replace_newest(long_rows, long_positions)
-        # one lookup and one bind for the whole step (the rows' locations are disjoint); the slots
-        # are found on the host, from the rows' pages, so nothing is read back from the device
-        table = torch.tensor([rows, positions, slots], dtype=torch.int64)
-        row_t, pos_t, host_slots = table[0], table[1], table[2]  # (cheaper than unpacking: unbind)
-        locs = self.req_to_token[row_t, pos_t]
-        self.alloc.bind(locs, host_slots)
-        return WriteTargets(*to_device(self.device, locs, host_slots))  # (one asynchronous copy on CUDA)
+        # one bind for the whole step (the rows' locations are disjoint); locations and slots are
+        # found on the host, from the rows' pages, so nothing is read back from the device
+        table = torch.tensor([locs, slots], dtype=torch.int64)
+        loc_t, host_slots = table[0], table[1]  # (cheaper than unpacking: unbind)
+        self.alloc.bind(loc_t, host_slots)
+        return WriteTargets(*to_device(self.device, loc_t, host_slots))  # (one asynchronous copy on CUDA)
 
     def _replace_newest(self, rows: list[int], positions: list[int]) -> None:
         """The newest columns of ``rows`` (distinct) are about to be overwritten: the tokens they
@@ -1251,6 +1257,7 @@ class HiSparseCoordinator:
             failures.pop(row, None)
         self._lost.discard(row)
         del self._mem[row]
+        self._full.discard(row)
         self._leaving.discard(row)
 
     def _leave_to_cache(self, row: int, mem: RowMemory, tokens: Sequence[int]) -> int:
@@ -1348,8 +1355,11 @@ class HiSparseCoordinator:
         return self.counters.as_dict()
 
     def transfer_totals(self) -> TransferTotals:
-        swap_in, prefill = self.counters.totals()
-        return TransferTotals(swap_in=swap_in, prefill=prefill)
+        """The running totals: the same object until a figure changes (a caller may compare by identity)."""
+        sums = self.counters.totals()
+        if self._totals is None or self._totals[0] is not sums:
+            self._totals = (sums, TransferTotals(swap_in=sums[0], prefill=sums[1]))
+        return self._totals[1]
 
     def device_kv_bytes(self, row: int) -> int:
         """Device bytes of MLA KV that ``row`` holds (its buffer and a prefill's chunk rows), all layers."""
@@ -1367,6 +1377,9 @@ class HiSparseCoordinator:
                 f"{name}: the device mirror disagrees with the table"
             )
         assert set(self._mem) == set(self.rows.in_use()), "coordinator rows disagree with the row pool"
+        assert self._full == {row for row, mem in self._mem.items() if mem.layout is Layout.FULL}, (
+            "the FULL rows' set disagrees with their layouts"
+        )
         if self.cache is not None:
             self.cache.check_integrity(mem.shared for mem in self._mem.values())
         # a row whose release was interrupted is checked by its pools only (it is halfway out)

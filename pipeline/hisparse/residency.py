@@ -86,6 +86,7 @@ class LayoutTables(Protocol):
     device: torch.device
     device_kv: torch.Tensor
     _mem: dict[int, Any]  # row -> RowMemory
+    _full: set[int]  # the FULL rows
     _lost: set[int]
     _backup_failures: dict[int, str]
     _leaving: set[int]
@@ -107,7 +108,9 @@ class LayoutTables(Protocol):
 
 def full_slots(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
     """``[end - start]`` int64 device slots of positions ``[start, end)`` of a FULL row."""
-    return page_slots(pages, page_size)[start:end]
+    first = start // page_size  # (only the pages the positions fall in)
+    base = first * page_size
+    return page_slots(pages[first : pages_for(end, page_size)], page_size)[start - base : end - base]
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:
@@ -331,9 +334,9 @@ class DynamicResidency:
     def rebalance(self) -> None:
         """One step boundary: promote the smallest demoted row when the rules allow (module
         docstring)."""
-        if not self.dynamic:
-            return
         c = self.coord
+        if not self.dynamic or len(c._full) == len(c._mem):  # (every row FULL: none to promote)
+            return
         waiting = [
             row
             for row, mem in c._mem.items()

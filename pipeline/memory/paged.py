@@ -381,6 +381,11 @@ class PagedTable:
         table = torch.tensor(pages, dtype=torch.int64)
         return table[positions // p] * p + positions % p
 
+    def slot(self, row: int, position: int) -> int:
+        """The slot of covered ``position`` of ``row`` (a number, from the pages)."""
+        p = self.page_size
+        return self._pages[row][position // p] * p + position % p
+
     def _slot_list(self, row: int, positions) -> list[int]:
         """Slots of covered ``positions`` (ints) of ``row``, in plain Python."""
         p, pages = self.page_size, self._pages[row]

@@ -112,3 +112,25 @@ def test_host_pool_records_only_copied_positions():
     host.release(0)
     assert host.allocator.num_free_pages == 4
     host.check_integrity()
+
+
+def test_a_tables_slot_of_one_position_is_its_table_entry():
+    from pipeline.memory.req_to_token import token_table
+
+    alloc = PagedAllocator("pool", num_pages=8, page_size=4, reserve_first_page=True)
+    alloc.allocate(2, owner=5)  # (so that row 0's pages are not the first ones)
+    table = token_table(alloc, num_rows=2, max_len=20)
+    table.cover(0, 13)
+    for pos in range(13):
+        assert table.slot(0, pos) == int(table.table[0, pos])
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 0), (0, 16), (3, 9), (4, 8), (8, 12), (11, 16), (15, 16)])
+def test_a_full_rows_slots_of_a_range_are_that_slice_of_all_its_slots(start, end):
+    from pipeline.hisparse.residency import full_slots
+    from pipeline.memory.paged import page_slots
+
+    pages = [7, 2, 9, 4]  # (out of order, as a pool hands them back)
+    got = full_slots(pages, 4, start, end)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, page_slots(pages, 4)[start:end])
