@@ -395,6 +395,13 @@ class PagedTable:
         """``record`` of positions ``[start, start + count)`` of each row, all in one table write
         (a decode step's few new positions per request); returns the slots, row after row."""
         p, pages = self.page_size, self._pages
+        if len(rows) == 1:  # one row's run (one request stepping): a slice of its row
+            row, start, count = rows[0], starts[0], counts[0]
+            values = torch.tensor(self._slot_list(row, range(start, start + count)), dtype=torch.int64)
+            self.table[row, start : start + count] = values
+            if self.mirror is not None:
+                self.mirror.write(row, slice(start, start + count), values)
+            return values
         row_ids, positions, slots = [], [], []
         for row, start, count in zip(rows, starts, counts):
             if count == 1:  # a decode step's one position: no lists or ranges to build
@@ -405,8 +412,8 @@ class PagedTable:
             row_ids += [row] * count
             positions += range(start, start + count)
             slots += self._slot_list(row, range(start, start + count))
-        index = (torch.tensor(row_ids, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
-        values = torch.tensor(slots, dtype=torch.int64)
+        table = torch.tensor([row_ids, positions, slots], dtype=torch.int64)  # (one tensor: cheaper)
+        index, values = (table[0], table[1]), table[2]
         self.table[index] = values
         if self.mirror is not None:
             self.mirror.write_many(*index, values)
