@@ -118,7 +118,7 @@ EQUIVALENT: dict[str, str] = {
     ),
     "pipeline.hisparse.residency.xǁDynamicResidencyǁ_build_table__mutmut_6": (
         "`default=1` dropped from `max`: the page table is built only for a forward with FULL rows "
-        "(`full_tokens` is None without them), so the rows are never empty"
+        "(`full_flags` finds none without them), so the rows are never empty"
     ),
 }
 

@@ -94,7 +94,7 @@ class SwapInMemory(Protocol):
     @property
     def plan(self) -> Any: ...  # MemoryPlan (its page size)
 
-    def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None: ...
+    def full_flags(self, rows: torch.Tensor) -> list[bool]: ...
 
     def full_page_table(self) -> torch.Tensor: ...
 
@@ -251,19 +251,25 @@ class HiSparseBackend:
             full = self._full()
             if pools is not None and full is not None:  # FULL rows through their pages
                 self._paged = self._page_table().numpy()
-                if not bool(full.all()):  # a mix: each layout's tokens in its own call
+                if not self.all_full:  # a mix: each layout's tokens in its own call
                     on = full.to(self.req_rows.device)
                     self._split = (torch.nonzero(on).reshape(-1), torch.nonzero(~on).reshape(-1))
             self._pools = pools if pools is not None else False
         return self._pools is not False
 
     def _full(self) -> torch.Tensor | None:
-        """``[T]`` bool: the tokens whose request row is FULL; None when none is (once per forward)."""
+        """``[T]`` bool: the tokens whose request row is FULL; None when none is (once per forward,
+        which also sets ``all_full`` when every one is)."""
         if self._full_mask is False:
+            mask = None
+            if not self.all_full and not self.all_hot:
+                flags = self.coord.full_flags(self.req_rows)
+                self.all_full = all(flags) if any(flags) else False
+                if any(flags) and not self.all_full:
+                    mask = torch.tensor(flags, dtype=torch.bool)
             if self.all_full:
-                self._full_mask = torch.ones(self.req_rows.shape[0], dtype=torch.bool)
-            else:
-                self._full_mask = None if self.all_hot else self.coord.full_tokens(self.req_rows)
+                mask = torch.ones(self.req_rows.shape[0], dtype=torch.bool)
+            self._full_mask = mask
         return self._full_mask
 
     def _paged_slots(self, top: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -647,12 +647,10 @@ class HiSparseCoordinator:
         """Positions of ``row`` in pages it shares with the prefix cache (they map to no slot)."""
         return len(self._mem[row].shared) * self.plan.page_size
 
-    def full_tokens(self, rows: torch.Tensor) -> torch.Tensor | None:
-        """``[T]`` bool (CPU): whether each of ``rows`` (request rows) is FULL; None when no row is."""
+    def full_flags(self, rows: torch.Tensor) -> list[bool]:
+        """Whether each of ``rows`` (request rows, one a token) is FULL; empty when no row is."""
         full = self._full
-        if not full:
-            return None
-        return torch.tensor([row in full for row in rows.tolist()], dtype=torch.bool)
+        return [row in full for row in rows.tolist()] if full else []
 
     def full_page_table(self) -> torch.Tensor:
         """``[rows, pages]`` int64 each FULL row's device pages in position order, -1 beyond them and

@@ -274,8 +274,8 @@ def cuda_kernels(monkeypatch):
             patch.setattr(small_ops_numba.CompiledNorm, "takes", lambda *a: False)  # (a handle made earlier)
             # as if another row of the memory were FULL (dynamic residency): finding the batch's
             # FULL rows reads the rows back; the fixed-size inputs know there are none
-            read_back = lambda _, rows: rows.tolist() and None  # noqa: E731
-            patch.setattr(coordinator.HiSparseCoordinator, "full_tokens", read_back)
+            read_back = lambda _, rows: rows.tolist() and []  # noqa: E731
+            patch.setattr(coordinator.HiSparseCoordinator, "full_flags", read_back)
             patch.setattr(fused, "MAX_HYBRID_TOKENS", 0)
             yield
 
