@@ -17,7 +17,7 @@ always on the device), the host pool, the per-request device buffers, and two tr
   and decodes through its buffer.
 * ``prepare_decode`` / ``commit_decode``: where the next token's KV is written (its identity column
   while short, the newest column once long), and the backup of every committed token to host (a
-  FULL row's a page at a time: see Layouts below).
+  FULL row's a few pages at a time: see Layouts below).
 * ``release``: every resource the row owns goes back exactly once, in any state.
 
 Faults. Admission is all or nothing: a row that fails on the way gives back what it got before the
@@ -33,8 +33,9 @@ Layouts (``HiSparseConfig.residency``). In "always" every row is HOT: what is de
 "dynamic" a row is admitted FULL while the device pool holds its whole context: every position has
 a device slot of its own (its pages in ``full_pages``, position order), so prefill chunks, decode
 and verify read it without swap-in; it stages to host all the same, and backs up its decoded
-positions a page at a time (its device rows stay until it is demoted, which copies the newest
-partial page before it drops anything: ``commit_runs``, ``flush_backup``). Under memory
+positions ``BACKUP_PAGES`` filled pages at a time (its device rows stay until it is demoted, which
+copies the rest before it drops anything, as a release to the prefix cache does before the cache
+takes its pages: ``commit_runs``, ``flush_backup``). Under memory
 pressure FULL rows are demoted to HOT at step boundaries, and promoted back by ``rebalance``
 (``pipeline/hisparse/residency.py`` holds the rules and both moves).
 
@@ -62,7 +63,7 @@ from pipeline.capacity import ARENA, MemoryPlan
 from pipeline.hisparse.backend import HiSparseBackend, PrefetchedSwapIn
 from pipeline.hisparse.buffers import DeviceBuffers
 from pipeline.hisparse.counters import LayerCounters
-from pipeline.hisparse.residency import DynamicResidency, full_slots
+from pipeline.hisparse.residency import BACKUP_PAGES, DynamicResidency, full_slots
 from pipeline.hisparse.trace import TopKTrace
 from pipeline.hisparse.transfer import (
     DoneHandle,
@@ -102,8 +103,8 @@ class RowMemory:
     shared: list[CachedPage] = attrs.Factory(list)  # prefix-cache entries it shares (its first pages)
     backup: int = 0  # the number of the newest backup issued for this row (``Backup.number``; 0: none)
     # positions ``[0, backed)`` have their host copies (recorded, their copies issued): all of them
-    # for a HOT row; a FULL row's newest partial page waits for its page to fill or for the row's
-    # demotion (``commit_runs``, ``flush_backup``)
+    # for a HOT row; a FULL row's positions past them wait for BACKUP_PAGES filled pages, its
+    # demotion or its release to the prefix cache (``commit_runs``, ``flush_backup``)
     backed: int = 0
     final: int = 0  # the most positions it can reach (``admit``'s hint; 0: unknown)
 
@@ -851,8 +852,9 @@ class HiSparseCoordinator:
         """Commit ``counts[i]`` new positions of ``rows[i]``, written at ``slots`` (the rows in order),
         and issue the backups the backup rule asks for, in one copy: a HOT row's new positions (the
         hot buffer keeps few of them); a FULL row's positions since its last backup up to its last
-        full page (its device rows stay until it is demoted, so its newest partial page is copied
-        when the page fills, or by its demotion: ``flush_backup``)."""
+        full page once ``BACKUP_PAGES`` filled pages wait (its device rows stay until it is demoted,
+        so what is left is copied later, or by its demotion or its release to the prefix cache:
+        ``flush_backup``)."""
         if not any(self._mem[row].layout is Layout.FULL for row in rows):  # every row HOT
             starts = [self._mem[row].length for row in rows]
             host_slots = self.host.record_runs(rows, starts, counts)
@@ -875,16 +877,17 @@ class HiSparseCoordinator:
                 parts.append(slots[at - count : at].to(self.device, copy=True))
                 mem.backed = mem.length
                 continue
-            upto = mem.length // page * page  # up to its last full page
-            if upto > mem.backed:
+            upto = mem.length // page * page  # up to its last full page, once BACKUP_PAGES wait
+            if upto - mem.backed >= BACKUP_PAGES * page:
                 runs.append((row, mem.backed, upto - mem.backed))
                 parts.append(full_slots(mem.full_pages, page, mem.backed, upto).to(self.device))
                 mem.backed = upto
         self._back_up_runs(runs, parts)
 
     def flush_backup(self, row: int) -> None:
-        """Issue the backup of ``row``'s committed positions that have no host copy yet (a FULL row's
-        newest partial page: at most a page of rows per layer); nothing for a row backed up whole."""
+        """Issue the backup of ``row``'s committed positions that have no host copy yet (a FULL row's:
+        fewer than ``BACKUP_PAGES`` filled pages and its newest partial page); nothing for a row
+        backed up whole."""
         mem = self._mem[row]
         if mem.backed >= mem.length:
             return
@@ -1228,6 +1231,9 @@ class HiSparseCoordinator:
         if row in self._staging:
             self._staging.remove(row)
         _wait_logged(mem.staging, row, "staging")
+        handing = self.cache is not None and tokens is not None and row not in self._lost
+        if handing and mem.layout is Layout.FULL and mem.residency is Residency.RESIDENT:
+            self.flush_backup(row)  # the cache keeps the host copies of the pages it takes
         self.settle_backups(mem.backup)
         covered = self.alloc.req_to_token.covered_len(row)
         self.alloc.clear(self.req_to_token[row, :covered])

@@ -5,16 +5,17 @@ the moves between the two, at step boundaries only.
 A FULL row's device pages are in position order: position ``p`` sits at slot
 ``pages[p // P] * P + p % P`` and its logical location maps there (``logical_to_physical``), so
 decode and verify read their top-k through the map, as a prefill chunk reads its own positions. Its
-committed tokens are backed up to host all the same (the backup rule), a page at a time: its device
-rows stay until it is demoted, so a decode step backs up its positions only when they fill a page,
-and the newest partial page (at most a page of rows per layer) is copied by the demotion. A demotion
-copies nothing from host::
+committed tokens are backed up to host all the same (the backup rule), ``BACKUP_PAGES`` pages at a
+time: its device rows stay until it is demoted, so a decode step backs up its positions only once
+that many pages have filled since its last backup, and the rest (fewer filled pages, and the newest
+partial page) are copied by the demotion, or before a release hands its pages to the prefix cache. A
+demotion copies nothing from host::
 
     FULL row           | positions [0, HOT) | ... | newest | ...       (its pages, wherever they lie)
     after demotion     | identity hot columns     | newest + draft zone (the buffer's pages: the
                                                                         physical side's highest)
 
-* **Demotion** (FULL -> HOT, ``demote``): backs up the newest partial page and waits for the row's
+* **Demotion** (FULL -> HOT, ``demote``): backs up what is not yet (``flush_backup``) and waits for the row's
   backups (its host copy is complete before any device row is dropped), clears the row's map,
   frees its pages and takes the buffer's pages back, the physical side's highest free pages
   (``ArenaSide.allocate``: out of the frames the indexer keys use, where it can); the rows of
@@ -70,6 +71,9 @@ log = structlog.get_logger(__name__)
 
 GROWTH_PAGES = 1  # device pages a FULL row holds past its prompt (admission, promotion)
 PROMOTE_AFTER = 16  # decode steps a demoted row waits before it may be promoted
+# a FULL row's filled pages are backed up once this many wait (one copy for them all: a backup's
+# cost is mostly its own, not its rows'); the rest go with a demotion or a release to the cache
+BACKUP_PAGES = 4
 HEADROOM_FRACTION = 8  # promotion leaves at least 1/8 of the physical pool free
 HEADROOM_CAP = 4  # and need not leave more than 1/4 of it
 
@@ -230,7 +234,7 @@ class DynamicResidency:
         c = self.coord
         mem = c._mem[row]
         assert mem.layout is Layout.FULL and mem.residency is Residency.RESIDENT, (row, mem.layout)
-        c.flush_backup(row)  # the newest partial page (its full pages were backed up as they filled)
+        c.flush_backup(row)  # the positions since its last backup (a few pages at most)
         c.settle_backups(mem.backup)  # the host copy is complete before any device row is dropped
         assert bool((c.host.req_to_host[row, : mem.length] >= 0).all()), f"row {row}: host copy incomplete"
         page = c.plan.page_size
@@ -389,9 +393,9 @@ class DynamicResidency:
 
     def check_full(self, row: int, *, data: bool) -> None:
         """Invariant I14 for a FULL row: no buffer, no chunk rows, every committed position of its own
-        mapped to its slot (a slot of its pages, so none aliased); decoding, every position of its
-        full pages has a host copy (its newest partial page may not yet), equal to its device row
-        (``data``)."""
+        mapped to its slot (a slot of its pages, so none aliased); decoding, every position up to
+        ``backed`` has a host copy equal to its device row (``data``), and fewer than ``BACKUP_PAGES``
+        filled pages wait past it."""
         c = self.coord
         mem = c._mem[row]
         assert self.dynamic, f"row {row}: FULL outside dynamic residency"
@@ -404,8 +408,8 @@ class DynamicResidency:
         if mem.residency is not Residency.RESIDENT:
             return
         page = c.plan.page_size
-        assert mem.length // page * page <= mem.backed <= mem.length, (
-            f"row {row}: {mem.backed} of {mem.length} positions backed up, a full page not"
+        assert mem.length // page * page - BACKUP_PAGES * page < mem.backed <= mem.length, (
+            f"row {row}: {mem.backed} of {mem.length} positions backed up, {BACKUP_PAGES} filled pages not"
         )
         copies = c.host.req_to_host[row, : mem.length]
         assert bool((copies[: mem.backed] >= 0).all()), f"row {row}: a backed-up position has no host copy"

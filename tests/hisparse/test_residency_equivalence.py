@@ -350,6 +350,39 @@ def test_prefix_cache_with_demotion_equals_resident(tiny_model):
     assert one_by_one == want.outputs
 
 
+def test_a_full_request_leaves_its_decoded_pages_to_the_cache_with_their_host_copies(tiny_model):
+    """A FULL request backs up its filled pages a few at a time (``BACKUP_PAGES``), so it may end
+    with filled pages that have no host copy yet; the cache keeps host copies, so its release copies
+    them first. A follow-up whose prompt is the first request's prompt and output reads those pages
+    from the cache: all-resident's tokens, and the hit covers decoded positions."""
+    (first,) = prompts(3, lens=(5,))
+    outputs: dict[str, list[list[int]]] = {}
+    logprobs: dict[str, list[float]] = {}  # (a wrong row moves them where it may not move a token)
+    hits: dict[str, int] = {}
+    for name, residency in (("dynamic", "dynamic"), ("resident", None)):
+        executor = Executor(config(residency, cache=True), model=tiny_model)
+        initial = executor.pool_counts()
+        driver = SyncDriver(executor, check=True)
+        with quiet_logs():
+            one = driver.submit(first, greedy(), f"{name}-one")
+            driver.run()
+            follow = first + one.output_ids + [7, 11]
+            scored = SamplingParams(max_new_tokens=4, ignore_eos=True, logprobs=0)
+            two = driver.submit(follow, scored, f"{name}-two")
+            driver.run()
+        outputs[name] = [one.output_ids, two.output_ids]
+        logprobs[name] = [entry.logprob for entry in two.output_logprobs or []]
+        hits[name] = int(executor.memory.cache_stats()["hit_tokens"])
+        assert executor.pool_counts() == initial
+        executor.close()
+    assert outputs["dynamic"] == outputs["resident"]
+    assert len(logprobs["dynamic"]) == 4
+    assert logprobs["dynamic"] == pytest.approx(logprobs["resident"], rel=0, abs=1e-9)
+    # the first request committed 5 + 23 positions: 7 filled pages, the last ones past its last
+    # backup (at 24 positions), all of them taken by the follow-up
+    assert hits["dynamic"] >= 7 * PAGE
+
+
 # --- moves made by memory pressure ---------------------------------------------------------------
 
 POOL = 128  # device slots: 32 pages of PAGE

@@ -62,7 +62,7 @@ from pipeline.config import HiSparseConfig
 from pipeline.driver import prefill_whole
 from pipeline.executor import NewSequence
 from pipeline.hisparse.coordinator import HiSparseCoordinator
-from pipeline.hisparse.residency import PROMOTE_AFTER, DynamicResidency
+from pipeline.hisparse.residency import BACKUP_PAGES, PROMOTE_AFTER, DynamicResidency
 from pipeline.memory import OutOfMemory, page_slots
 from pipeline.memory.interface import Layout
 from pipeline.memory.targets import VerifyLayout
@@ -79,8 +79,9 @@ class RowModel:
     layout: Layout
     slots: dict[int, int] = attrs.Factory(dict)  # FULL: position -> its device slot, once seen
     demoted_at: int | None = None  # the decode steps made before its last demotion
-    # FULL: its positions with host copies when it became FULL (its prompt, or its context when
-    # promoted); past them only its full pages have host copies (a page is backed up as it fills)
+    # FULL: its positions with host copies: those it had when it became FULL (its prompt, or its
+    # context when promoted), then up to its last backup (made once BACKUP_PAGES filled pages wait:
+    # ``committed``)
     base: int = 0
 
 
@@ -115,13 +116,21 @@ class ResidencyMachine(ExecutorMachine):
         return coord.plan.page_size * coord.num_layers * coord.row_dim * coord.device_kv.element_size()
 
     def backed(self, rid: str) -> int:
-        """The positions of ``rid`` that must have host copies: all its committed ones, but a FULL
-        decoding request's newest partial page (past the positions it had when it became FULL)."""
+        """The positions of ``rid`` that must have host copies: all its committed ones, but those of
+        a FULL decoding request past its last backup."""
         model, layout = self.models[rid], self.layouts[rid]
         if layout.layout is Layout.HOT or self.phase[rid] not in ("decode", "drafted"):
             return model.length
+        return layout.base
+
+    def committed(self, rid: str, count: int) -> None:
+        """``rid`` committed ``count`` more positions; a FULL request backs up its filled pages once
+        ``BACKUP_PAGES`` of them wait."""
+        model, layout = self.models[rid], self.layouts[rid]
+        model.length += count
         page = self.coord.plan.page_size
-        return max(layout.base, model.length // page * page)
+        if layout.layout is Layout.FULL and model.length // page * page - layout.base >= BACKUP_PAGES * page:
+            layout.base = model.length // page * page
 
     def check_host_kv(self) -> None:
         """Every position that must have a host copy (``backed``) has its KV there (once every copy
@@ -211,7 +220,7 @@ class ResidencyMachine(ExecutorMachine):
             assert shadow.tokens == result.tokens, "dynamic residency changed the answer"
             for rid, new in result.tokens.items():
                 assert len(new) == 1, (rid, new)
-                self.models[rid].length += 1
+                self.committed(rid, 1)
             self.ticks += bool(result.tokens)  # (after the demotions it made: they came before it)
             self.check_device_kv()
             self.check_model("after a decode step: ")
@@ -441,7 +450,7 @@ class SpecResidencyMachine(ResidencyMachine, SpecMachine):
             self.phase[rid] = "decode"
             count = len(result.tokens[rid])
             assert count == result.accepted[rid] + 1, (rid, result.tokens[rid], result.accepted[rid])
-            self.models[rid].length += count
+            self.committed(rid, count)
         self.executor.check_integrity(data=False)
         self.check_model("after finalize: ")
         self.ticks += bool(result.tokens)  # (after the demotions its binding made: they came before it)
@@ -517,8 +526,8 @@ def test_a_demotion_that_drops_rows_before_the_backups_landed_is_caught(monkeypa
 
 @pytest.mark.proptest
 def test_a_demotion_that_leaves_the_partial_page_unbacked_is_caught(monkeypatch):
-    """The demotion drops the device rows of a FULL row's newest partial page without backing it up
-    (its full pages were backed up as they filled): those positions have no host copy."""
+    """The demotion drops the device rows of a FULL row's positions since its last backup without
+    backing them up: those positions have no host copy."""
     original = HiSparseCoordinator.demote
 
     def demote(self, row):
