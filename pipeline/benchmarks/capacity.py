@@ -15,7 +15,8 @@ HiSparse misses per decode step, and dynamic residency's demotions and promotion
 ``--repeats N`` runs the variants N times, alternating their order repeat by repeat; the table shows
 each variant's median run (by tokens/s), and the tokens/s ratios that matter (HiSparse and dynamic
 against resident, dynamic against HiSparse and against the better of resident and HiSparse, speculation
-on against off) are paired repeat by repeat and given as median and range.
+on against off) are paired repeat by repeat and given as median and range. ``--control`` runs the first
+variant once more among them and pairs it with itself: what a ratio reads when nothing differs.
 
 ``--interleaved-steps N`` then times the decode step alone at each load (the given one and the sweep's;
 a step is the executor's ``Decode`` command with its step boundary and the statistics snapshot after it):
@@ -48,6 +49,7 @@ from pipeline.plan import add_plan_arguments, plan_config
 
 VARIANTS = ("resident", "hisparse", "dynamic", "hisparse+spec", "resident+spec", "dynamic+spec")
 DEFAULT_VARIANTS = VARIANTS[:4]
+CONTROL = " (control)"  # ``--control``: the first variant once more, under this suffix
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -63,6 +65,11 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=int, default=1, help="runs of every variant, alternating their order"
     )
     parser.add_argument("--sweep", default="", metavar="N,N,...", help="also run these request counts")
+    parser.add_argument(
+        "--control", action="store_true",
+        help="also run the first variant a second time, alternating with the others, and pair it with "
+        "itself: the spread a ratio carries on this machine when nothing differs",
+    )
     parser.add_argument("--plot", default="bench-capacity.png", help="the sweep's plot (PNG)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0 = torch's default)")
     parser.add_argument("--no-warmup", dest="warmup", action="store_false",
@@ -78,6 +85,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 
 def variant_config(args: argparse.Namespace, variant: str) -> EngineConfig:
+    variant = variant.removesuffix(CONTROL)
     context = args.prompt_len + args.new_tokens
     base = variant.removesuffix("+spec")
     residency = "dynamic" if base == "dynamic" else "always"
@@ -311,7 +319,8 @@ def paired_ratios(
     if "resident" in speeds and "hisparse" in speeds:
         speeds[BEST] = [max(a, b) for a, b in zip(speeds["resident"], speeds["hisparse"])]
     out = {}
-    for a, b in RATIOS:
+    controls = [(v, v.removesuffix(CONTROL)) for v in speeds if v.endswith(CONTROL)]
+    for a, b in (*RATIOS, *controls):
         if a in speeds and b in speeds:
             values = sorted(x / y for x, y in zip(speeds[a], speeds[b]))
             out[f"{a} / {b}"] = {"median": statistics.median(values), "low": values[0], "high": values[-1]}
@@ -376,9 +385,10 @@ def sweep_rows(
 ) -> tuple[list[str], list[list[object]]]:
     """The sweep's summary: per load, who seats it, each variant's ``measure`` (its median run by
     tokens/s), dynamic's demotions and promotions, and the dynamic ratios of ``measure`` (median and
-    range)."""
+    range), and the control's against its variant (``--control``)."""
     key = "ratios" if measure == "tokens_per_s" else "cpu_ratios"
-    ratio_names = [n for n in SWEEP_RATIOS if any(n in point[key] for point in sweep.values())]
+    controls = [f"{v} / {v.removesuffix(CONTROL)}" for v in variants if v.endswith(CONTROL)]
+    ratio_names = [n for n in (*SWEEP_RATIOS, *controls) if any(n in point[key] for point in sweep.values())]
     unit = "tok/s" if measure == "tokens_per_s" else "tok/CPU s"
     headers = ["requests", "seated by", *(f"{v} {unit}" for v in variants)]
     if "dynamic" in variants:
@@ -438,6 +448,10 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {VARIANTS}")
+    if len(set(variants)) < len(variants):
+        parser.error(f"--variants: {args.variants!r} names a variant twice (--control runs one again)")
+    if args.control and variants:
+        variants.append(variants[0] + CONTROL)
     budget = format_bytes(args.device_memory)
     ratio = args.ratio or "per plan"
     title = (

@@ -709,3 +709,38 @@ def test_bench_capacity_interleaves_decode_steps_of_the_variants_that_seat_the_l
     beyond = bench.interleaved_steps(args, ["resident", "hisparse", "dynamic"], 4, steps=2)
     assert beyond is not None and beyond["unseated"] == ["resident"] and "dynamic / hisparse" in beyond
     assert bench.interleaved_steps(args, ["resident"], 2, steps=2) is None  # nothing to pair with
+
+
+def test_bench_capacity_control_pairs_the_first_variant_with_itself(monkeypatch, tmp_path, capsys):
+    """``--control`` runs the first variant once more, alternating with the others, and reports the
+    ratio of the two (what a ratio reads when nothing differs), in the summary and the sweep."""
+    from pipeline.benchmarks import capacity as bench
+
+    speeds = iter([100.0, 120.0, 90.0, 80.0, 100.0, 110.0] * 4)
+    configs = []
+
+    async def fake_run(cfg, prompts, new_tokens):
+        configs.append(cfg)
+        zero = ("requests_per_s", "peak_running", "retractions", "ttft_p50", "ttft_p99", "itl_p50",
+                "itl_p99", "misses_per_step", "demotions", "promotions")
+        return {"tokens_per_s": next(speeds), "tokens_per_cpu_s": 1.0, "seats": 4, "outputs": {},
+                "mean_running": 1.0, **dict.fromkeys(zero, 0)}
+
+    monkeypatch.setattr(bench, "run_once", fake_run)
+    monkeypatch.setattr(bench, "held_out_prompts", lambda *a: [])
+    monkeypatch.setattr(bench, "plot", lambda *a: None)
+    args = ["--device-memory", "20MB", "--prompt-len", "1000", "--new-tokens", "24", "--repeats", "2",
+            "--variants", "resident,hisparse", "--control", "--no-warmup", "--sweep", "3",
+            "--out", str(tmp_path / "out.json")]
+    assert bench.main(args) == 0
+    out = capsys.readouterr().out
+    # repeat 1: resident 100, hisparse 120, control 90; repeat 2 (reversed): control 80, hisparse 100,
+    # resident 110: control / resident 0.90 and 0.73
+    assert "tokens/s resident (control) / resident: 0.81 (range 0.73-0.90)" in out
+    assert "resident (control) / resident" in out.split("sweep, tokens_per_s")[1]
+    resident = [c for c in configs if c.hisparse is None]
+    assert len(resident) == 2 * len([c for c in configs if c.hisparse is not None])  # (the control too)
+    assert all(c == resident[0] for c in resident)
+    with pytest.raises(SystemExit):
+        bench.main(["--variants", "resident,resident"])
+    assert "names a variant twice" in capsys.readouterr().err
