@@ -264,9 +264,9 @@ class HiSparseBackend:
             mask = None
             if not self.all_full and not self.all_hot:
                 flags = self.coord.full_flags(self.req_rows)
-                self.all_full = all(flags) if any(flags) else False
-                if any(flags) and not self.all_full:
-                    mask = torch.tensor(flags, dtype=torch.bool)
+                if any(flags):
+                    self.all_full = all(flags)
+                    mask = None if self.all_full else torch.tensor(flags, dtype=torch.bool)
             if self.all_full:
                 mask = torch.ones(self.req_rows.shape[0], dtype=torch.bool)
             self._full_mask = mask

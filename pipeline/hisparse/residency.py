@@ -15,15 +15,15 @@ demotion copies nothing from host::
     after demotion     | identity hot columns     | newest + draft zone (the buffer's pages: the
                                                                         physical side's highest)
 
-* **Demotion** (FULL -> HOT, ``demote``): backs up what is not yet (``flush_backup``) and waits for the row's
-  backups (its host copy is complete before any device row is dropped), clears the row's map,
-  frees its pages and takes the buffer's pages back, the physical side's highest free pages
-  (``ArenaSide.allocate``: out of the frames the indexer keys use, where it can); the rows of
-  positions ``[0, HOT)`` (identity hot columns) and the newest token (the newest column, so that it
-  is never evicted, as in every long HOT row) move there through one device copy. A buffer left in
-  place would hold frames low in the arena that the keys of every HOT row need at high load. A row
-  no longer than HOT keeps as many pages as its buffer needs (identity columns), so only longer rows
-  free anything.
+* **Demotion** (FULL -> HOT, ``demote``): backs up the positions past its last backup
+  (``flush_backup``) and waits for the row's backups (its host copy is complete before any device
+  row is dropped), clears the row's map, frees its pages and takes the buffer's pages back, the
+  physical side's highest free pages (``ArenaSide.allocate``: out of the frames the indexer keys
+  use, where it can); the rows of positions ``[0, HOT)`` (identity hot columns) and the newest
+  token (the newest column, so that it is never evicted, as in every long HOT row) move there
+  through one device copy. A buffer left in place would hold frames low in the arena that the keys
+  of every HOT row need at high load. A row no longer than HOT keeps as many pages as its buffer
+  needs (identity columns), so only longer rows free anything.
 * **Promotion** (HOT -> FULL, ``promote``): the buffer freed (the host copy is complete), then pages
   for the whole context plus the growth room (the buffer's own among them when the pool is short),
   every committed position copied from host into them and mapped.
