@@ -383,8 +383,7 @@ class PagedTable:
 
     def slot(self, row: int, position: int) -> int:
         """The slot of covered ``position`` of ``row`` (a number, from the pages)."""
-        p = self.page_size
-        return self._pages[row][position // p] * p + position % p
+        return page_slot(self._pages[row], self.page_size, position)
 
     def _slot_list(self, row: int, positions) -> list[int]:
         """Slots of covered ``positions`` (ints) of ``row``, in plain Python."""
@@ -394,7 +393,6 @@ class PagedTable:
     def record_runs(self, rows: list[int], starts: list[int], counts: list[int]) -> torch.Tensor:
         """``record`` of positions ``[start, start + count)`` of each row, all in one table write
         (a decode step's few new positions per request); returns the slots, row after row."""
-        p, pages = self.page_size, self._pages
         if len(rows) == 1:  # one row's run (one request stepping): a slice of its row
             row, start, count = rows[0], starts[0], counts[0]
             values = torch.tensor(self._slot_list(row, range(start, start + count)), dtype=torch.int64)
@@ -407,7 +405,7 @@ class PagedTable:
             if count == 1:  # a decode step's one position: no lists or ranges to build
                 row_ids.append(row)
                 positions.append(start)
-                slots.append(pages[row][start // p] * p + start % p)
+                slots.append(self.slot(row, start))
                 continue
             row_ids += [row] * count
             positions += range(start, start + count)
