@@ -68,7 +68,11 @@ class Forwards:
         graphs = self.graphs
         if graphs is not None and self.trace is None and graphs.covers([s.row for s in seqs]):
             return self.decode_static(seqs, graphs)
-        batch = self.decode_batch(seqs)
+        return self._decode_eager(seqs)
+
+    def _decode_eager(self, seqs: list[Sequence], targets: WriteTargets | None = None) -> list[DecodeOut]:
+        """``decode`` step by step (``targets``: ``prepare_decode``'s, when it ran already)."""
+        batch = self.decode_batch(seqs, targets)
         hidden = self.model(batch.ids, batch.positions, batch.backend)  # [B, D]
         assert batch.slots is not None, "a decode batch carries its new rows' slots"
         return self.decode_outputs(seqs, batch.slots, hidden)
@@ -79,9 +83,7 @@ class Forwards:
         row_list = [s.row for s in seqs]
         targets = self.memory.prepare_decode(row_list)
         if not graphs.covers(row_list):  # its room demoted a row of a FULL batch: both layouts now
-            batch = self.decode_batch(seqs, targets)
-            hidden = self.model(batch.ids, batch.positions, batch.backend)
-            return self.decode_outputs(seqs, targets.slots, hidden)
+            return self._decode_eager(seqs, targets)
         positions = [self.memory.length(r) for r in row_list]
         ids = [s.next_token for s in seqs]
         hidden = graphs.forward(row_list, positions, ids, targets.locs, targets.slots)  # [B, D]
