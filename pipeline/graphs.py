@@ -52,6 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels.indexer_topk import indexer_topk
 from pipeline.hisparse.coordinator import HiSparseCoordinator
+from pipeline.hisparse.residency import pages_for
 from pipeline.memory.interface import Layout
 from pipeline.memory.resident import ResidentMemory
 from pipeline.model import DeepseekV32
@@ -436,7 +437,7 @@ class DecodeGraphs:
                 )
             elif full:  # as wide as the longest request's pages
                 plan = memory.plan
-                width = -(-plan.max_request_len // plan.page_size)
+                width = pages_for(plan.max_request_len, plan.page_size)
                 rows = plan.max_running_requests
                 pages = torch.full((rows, width), -1, dtype=torch.int64, device=memory.device)
             step = self._buckets[(size, full)] = _Bucket(inputs, backend, pages)
